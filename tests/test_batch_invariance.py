@@ -1,0 +1,72 @@
+"""The batch-invariant kernels give a token the same bits however many tokens share its forward.
+
+These properties carry VeriCache's exactness: a one-token decode step and a multi-token
+verification must agree bit for bit, not within a tolerance. They are checked on the machine that
+runs the tests, since they depend on its BLAS library.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vericache.model.kernels import KEY_ALIGN, attention, linear
+from vericache.model.loader import load_model
+from vericache.model.runner import ModelRunner, SequenceInput
+
+ROW_COUNTS = [1, 2, 3, 5, 9, 16, 17, 31, 64, 100]
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (512, 64), (200, 48)])
+def test_linear_rows_do_not_depend_on_the_row_count(shape):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(shape), torch.randn(shape[0])
+    x = torch.randn(max(ROW_COUNTS), shape[1])
+    reference = linear(x, weight, bias, invariant=True)
+    for rows in ROW_COUNTS:
+        for start in (0, 3):
+            out = linear(x[start : start + rows], weight, bias, invariant=True)
+            assert torch.equal(out, reference[start : start + rows]), (rows, start)
+
+
+@pytest.mark.parametrize("num_cached", [10, KEY_ALIGN - 20, 3 * KEY_ALIGN - 1])
+def test_attention_decode_equals_verification_rows(num_cached):
+    torch.manual_seed(0)
+    num_new, heads, kv_heads, dim = 31, 6, 2, 32
+    total = num_cached + num_new
+    keys = torch.zeros(4 * KEY_ALIGN, kv_heads, dim)
+    values = torch.zeros_like(keys)
+    keys[:total], values[:total] = torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    q = torch.randn(num_new, heads, dim)
+    verified = attention(q, keys, values, total, invariant=True)
+    for m in range(num_new):
+        decoded = attention(q[m : m + 1], keys, values, num_cached + m + 1, invariant=True)
+        assert torch.equal(decoded[0], verified[m]), m
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_runner_step_by_step_equals_one_forward_bitwise(tiny_checkpoint, family):
+    loaded = load_model(str(tiny_checkpoint(family)))
+    runner = ModelRunner(loaded.config, loaded.weights)
+    torch.manual_seed(0)
+    # The verification crosses a KEY_ALIGN boundary that the first decode steps stay below.
+    prompt = torch.randint(3, 512, (KEY_ALIGN - 10,))
+    continuation = torch.randint(3, 512, (31,))
+
+    stepwise_cache, verify_cache = runner.new_cache(), runner.new_cache()
+    runner.prefill(prompt, stepwise_cache, num_logits=0)
+    runner.prefill(prompt, verify_cache, num_logits=0)
+    other_cache = runner.new_cache()
+    runner.prefill(torch.randint(3, 512, (70,)), other_cache, num_logits=0)
+
+    stepwise = torch.cat(
+        [runner.forward([SequenceInput(t.view(1), stepwise_cache)], invariant=True)[0] for t in continuation]
+    )
+    # The verification shares its forward with another sequence, as in a batched engine step.
+    verified, _ = runner.forward(
+        [SequenceInput(continuation, verify_cache, 31), SequenceInput(continuation[:5], other_cache)],
+        invariant=True,
+    )
+    assert torch.equal(stepwise, verified)
+    for step_layer, verify_layer in zip(stepwise_cache.layers, verify_cache.layers):
+        assert torch.equal(step_layer.keys_values()[0], verify_layer.keys_values()[0])

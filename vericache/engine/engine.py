@@ -1,0 +1,221 @@
+"""The decoding engine: full, lossy and vericache modes over one model runner.
+
+Each iteration runs at most two batched forwards: one over compressed caches (draft steps of
+vericache requests and lossy decode steps, fast kernels) and one over full caches (verifications
+and full decode steps, batch-invariant kernels). A vericache request drafts for up to `draft_len`
+iterations, then verifies in the same iteration as its last draft step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from vericache.engine.request import DecodeMode, Request, RequestOutput
+from vericache.engine.sequence import Sequence
+from vericache.engine.stops import StopChecker
+from vericache.errors import InvalidRequestError
+from vericache.kv.cache import KVCache
+from vericache.model.loader import DEFAULT_MODEL, load_model
+from vericache.model.runner import DEFAULT_PREFILL_CHUNK, ModelRunner, SequenceInput
+
+
+class DraftKVSource(str, enum.Enum):
+    """What the compressed cache holds for tokens once they are committed.
+
+    VERIFIER: the exact KV the verification computed (or the prefill, for the prompt's suffix).
+    DRAFTER: the KV the drafter computed itself over its compressed cache.
+    Measured with `vericache bench acceptance --draft-kv both` (README: "Draft KV"): exact KV
+    accepts more tokens per round, so it is the default.
+    """
+
+    VERIFIER = "verifier"
+    DRAFTER = "drafter"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    draft_kv_source: DraftKVSource = DraftKVSource.VERIFIER
+    # Batch-invariant kernels for every full-KV decode or verification: greedy vericache output is
+    # then bit-identical to full decoding. False trades that guarantee for speed.
+    invariant_full_kv: bool = True
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+
+
+def num_accepted(draft_ids: list[int], verified_ids: list[int]) -> int:
+    """Length of the longest draft prefix the verifier agrees with."""
+    for index, (draft, verified) in enumerate(zip(draft_ids, verified_ids)):
+        if draft != verified:
+            return index
+    return len(draft_ids)
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    # argmax returns the first maximum: ties go to the lowest token id.
+    return logits.argmax(dim=-1).tolist()
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer=None, config: EngineConfig = EngineConfig()):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_config = runner.config
+
+    @classmethod
+    def from_pretrained(
+        cls, model: str = DEFAULT_MODEL, dtype="float32", device="cpu", config=EngineConfig()
+    ) -> Engine:
+        loaded = load_model(model, dtype=dtype, device=device)
+        return cls(ModelRunner(loaded.config, loaded.weights, device), loaded.tokenizer, config)
+
+    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        sequences = [self._start(request) for request in requests]
+        active = [seq for seq in sequences if not seq.is_finished]
+        while active:
+            self.step(active)
+            active = [seq for seq in active if not seq.is_finished]
+        return [self._output(seq) for seq in sequences]
+
+    def step(self, active: list[Sequence]) -> None:
+        for seq in active:
+            if seq.mode is DecodeMode.VERICACHE and seq.draft_target is None:
+                seq.draft_target = self._draft_target(seq)
+        drafting = [seq for seq in active if seq.is_drafting]
+        if drafting:
+            self._run_compressed(drafting)
+        due = [seq for seq in active if not seq.is_finished and seq.mode is not DecodeMode.LOSSY]
+        due = [seq for seq in due if not seq.is_drafting]
+        if due:
+            self._run_full(due)
+
+    def _draft_target(self, seq: Sequence) -> int:
+        remaining = seq.request.params.max_new_tokens - len(seq.output_ids)
+        room = self.model_config.max_position_embeddings - len(seq.token_ids)
+        # A verification emits one token beyond the drafts; drafting past the budget is waste.
+        return max(0, min(seq.request.draft_len, remaining - 1, room))
+
+    def _run_compressed(self, batch: list[Sequence]) -> None:
+        inputs = [SequenceInput(_ids(seq.compressed_input()), seq.compressed_cache) for seq in batch]
+        start = time.perf_counter()
+        logits = self.runner.forward(inputs, invariant=False)
+        elapsed = time.perf_counter() - start
+        for seq, seq_logits in zip(batch, logits):
+            (token,) = greedy(seq_logits)
+            if seq.mode is DecodeMode.LOSSY:
+                seq.stats.decode_s += elapsed
+                seq.stats.rounds += 1
+                seq.commit([token])
+                if not seq.is_finished:
+                    seq.request.compressor.update(seq.compressed_cache)
+            else:
+                seq.stats.draft_s += elapsed
+                seq.draft_ids.append(token)
+
+    def _run_full(self, batch: list[Sequence]) -> None:
+        inputs = [
+            SequenceInput(_ids(seq.full_input()), seq.full_cache, 1 + len(seq.draft_ids))
+            for seq in batch
+        ]
+        num_verified_before = [seq.full_cache.num_tokens for seq in batch]
+        start = time.perf_counter()
+        logits = self.runner.forward(inputs, invariant=self.config.invariant_full_kv)
+        elapsed = time.perf_counter() - start
+        for seq, seq_logits, verified_before in zip(batch, logits, num_verified_before):
+            verified = greedy(seq_logits)
+            if seq.mode is DecodeMode.FULL:
+                seq.stats.decode_s += elapsed
+                seq.stats.rounds += 1
+                seq.commit(verified)
+            else:
+                seq.stats.verify_s += elapsed
+                self._finish_round(seq, verified, verified_before)
+
+    def _finish_round(self, seq: Sequence, verified: list[int], verified_before: int) -> None:
+        accepted = num_accepted(seq.draft_ids, verified)
+        seq.stats.rounds += 1
+        seq.stats.draft_tokens += len(seq.draft_ids)
+        seq.stats.accepted_per_round.append(accepted)
+        seq.commit(seq.draft_ids[:accepted] + [verified[accepted]])
+        seq.draft_ids, seq.draft_target = [], None
+        if seq.is_finished:
+            return
+        # Keep the KV of the accepted tokens; the newest token is fed in the next round.
+        num_kept = len(seq.token_ids) - 1
+        seq.full_cache.truncate(num_kept)
+        compressed = seq.compressed_cache
+        if self.config.draft_kv_source is DraftKVSource.VERIFIER:
+            compressed.truncate(verified_before)
+            compressed.append_from(seq.full_cache, verified_before, num_kept)
+        else:
+            compressed.truncate(min(compressed.num_tokens, num_kept))
+        seq.request.compressor.update(compressed)
+
+    def _start(self, request: Request) -> Sequence:
+        max_positions = self.model_config.max_position_embeddings
+        if len(request.prompt_ids) >= max_positions:
+            raise InvalidRequestError(
+                f"the prompt has {len(request.prompt_ids)} tokens; the model's context is "
+                f"{max_positions}, and at least one must remain for output"
+            )
+        if request.params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a model with a tokenizer")
+        checker = StopChecker(
+            request.params, self.model_config.eos_token_ids, max_positions, self.tokenizer
+        )
+        seq = Sequence(request=request, stop_checker=checker, token_ids=list(request.prompt_ids))
+        logits = self._prefill(seq)
+        seq.stats.prefill_s = time.perf_counter() - seq.started_at
+        seq.commit(greedy(logits[-1:]))
+        return seq
+
+    def _prefill(self, seq: Sequence) -> torch.Tensor:
+        """Fills the caches the mode needs; returns the logits that choose the first token."""
+        request = seq.request
+        # At least one token follows the prefix, so that its logits choose the first output.
+        split = min(request.num_prefix_tokens, len(request.prompt_ids) - 1)
+        prefix, suffix = _ids(request.prompt_ids[:split]), _ids(request.prompt_ids[split:])
+        capacity = len(request.prompt_ids) + request.params.max_new_tokens + request.draft_len + 1
+        full = self.runner.new_cache(capacity=min(capacity, self.model_config.max_position_embeddings))
+        if prefix.numel():
+            self._prefill_tokens(prefix, full, num_logits=0)
+        if seq.mode is DecodeMode.FULL:
+            seq.full_cache = full
+            return self._prefill_tokens(suffix, full)
+        compressed = request.compressor.compress(full)
+        if seq.mode is DecodeMode.LOSSY:
+            # The lossy baseline computes the user turn over its compressed KV, like any
+            # compressed-cache server would.
+            seq.compressed_cache = compressed
+            logits = self._prefill_tokens(suffix, compressed)
+        else:
+            seq.full_cache = full
+            logits = self._prefill_tokens(suffix, full)
+            if self.config.draft_kv_source is DraftKVSource.VERIFIER:
+                compressed.append_from(full, split, len(request.prompt_ids))
+            else:
+                self._prefill_tokens(suffix, compressed, num_logits=0)
+            seq.compressed_cache = compressed
+        request.compressor.update(compressed)
+        return logits
+
+    def _prefill_tokens(self, token_ids: torch.Tensor, cache: KVCache, num_logits: int = 1):
+        return self.runner.prefill(token_ids, cache, num_logits, self.config.prefill_chunk)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request.request_id,
+            prompt_ids=list(seq.request.prompt_ids),
+            token_ids=seq.output_ids,
+            text=seq.stop_checker.output_text(seq.output_ids),
+            finish_reason=seq.finish_reason,
+            stats=seq.stats,
+        )
+
+
+def _ids(token_ids) -> torch.Tensor:
+    return torch.tensor(list(token_ids), dtype=torch.long)

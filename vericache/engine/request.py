@@ -1,0 +1,137 @@
+"""Requests, their options and their results.
+
+Vocabulary, used everywhere in VeriCache:
+- full KV: the exact keys and values of every token; compressed KV: what a compressor keeps.
+- round: one draft phase and one verification of a `vericache` request.
+- draft tokens: up to `draft_len` (x) tokens proposed greedily with the compressed KV.
+- verify: one forward over the full KV of [last committed token + draft tokens], which gives the
+  full-KV greedy choice at each of the x + 1 positions.
+- accepted tokens: the longest prefix of the draft that matches the verifier's choices.
+- correction token: the verifier's choice at the first mismatch; bonus token: its choice after
+  the last draft token when all x were accepted. Each round emits accepted + 1 tokens.
+- compression ratio: tokens of the prefix over slots kept (token dropping), or 16 / bits.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from vericache.compress import Compressor
+from vericache.errors import InvalidRequestError
+
+
+class DecodeMode(str, enum.Enum):
+    FULL = "full"  # reference: greedy decoding over the full KV
+    LOSSY = "lossy"  # greedy decoding over the compressed KV only (what VeriCache replaces)
+    VERICACHE = "vericache"  # draft with the compressed KV, verify with the full KV
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
+    stop_token_ids: tuple[int, ...] = ()  # extra end tokens besides the model's EOS
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.temperature != 0:
+            raise InvalidRequestError(
+                f"temperature {self.temperature} is not supported: decoding is greedy "
+                "(temperature 0) in this version"
+            )
+        if self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty")
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: tuple[int, ...]
+    # The first num_prefix_tokens of the prompt form the shared prefix (the context): only they
+    # are compressed; the rest (the user turn) is appended after compression.
+    num_prefix_tokens: int = 0
+    params: SamplingParams = SamplingParams()
+    mode: DecodeMode = DecodeMode.VERICACHE
+    compressor: Compressor | None = None
+    draft_len: int = 30
+    request_id: str = ""
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if not 0 <= self.num_prefix_tokens <= len(self.prompt_ids):
+            raise InvalidRequestError("num_prefix_tokens must lie within the prompt")
+        if self.mode is not DecodeMode.FULL and self.compressor is None:
+            raise InvalidRequestError(f"mode {self.mode.value!r} needs a compressor")
+        if self.draft_len < 1:
+            raise InvalidRequestError(f"draft_len must be >= 1, got {self.draft_len}")
+
+
+@dataclass
+class RequestStats:
+    rounds: int = 0  # verifications (vericache) or decode steps (full, lossy)
+    draft_tokens: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
+    prefill_s: float = 0.0  # prefill of the prompt, and compression of the prefix
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0  # single-token steps of the full and lossy modes
+    total_s: float = 0.0
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted_per_round)
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        return self.accepted_tokens / self.rounds if self.rounds and self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Mean tokens a round yields: accepted + the verifier's own token."""
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s - self.decode_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: output tokens over the time after prefill."""
+        decode_time = self.total_s - self.prefill_s
+        return self.num_output_tokens / decode_time if decode_time > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_accepted_per_round": self.mean_accepted_per_round,
+            "tokens_per_round": self.tokens_per_round,
+            "accepted_per_round": list(self.accepted_per_round),
+        }
+
+    def timing_dict(self) -> dict:
+        return {
+            "total_s": self.total_s,
+            "tokens_per_s": self.tokens_per_s,
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "decode_s": self.decode_s,
+            "other_s": self.other_s,
+        }
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # None when the model has no tokenizer
+    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    stats: RequestStats

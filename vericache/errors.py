@@ -1,0 +1,21 @@
+"""Typed errors. Each carries one line that tells the user what to do."""
+
+
+class VeriCacheError(Exception):
+    """Base class of every error VeriCache raises on purpose."""
+
+
+class ModelNotFoundError(VeriCacheError):
+    """The named model or checkpoint directory is not available locally."""
+
+
+class UnsupportedModelError(VeriCacheError):
+    """The checkpoint exists but its architecture or settings are not supported."""
+
+
+class InvalidRequestError(VeriCacheError, ValueError):
+    """A request or option is malformed: bad parameters, prompt too long, unsupported sampling."""
+
+
+class CacheStateError(VeriCacheError):
+    """A KV cache was asked for something its contents cannot give (e.g. rolling back evicted KV)."""

@@ -1,0 +1,189 @@
+"""KV caches as explicit objects owned by the engine.
+
+Layout, fixed once for every cache: per layer, keys and values are [slots, kv_heads, head_dim]
+(token-major, as vLLM and LMCache chunks keep them), and each slot records the original position of
+the token it holds, per head: [slots, kv_heads]. Keys are stored after RoPE, so a compressed cache
+that dropped tokens keeps the rotation of the tokens it kept, and a new token is rotated at its true
+position (the number of tokens the sequence has seen), not at its slot index.
+
+A full cache and a compressed (draft) cache are two instances of `KVCache`; a compressor decides
+what their layers hold. Tokens appended during a draft are tentative: `truncate` rolls them back,
+and compressors only evict or quantize tokens after they are committed.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from vericache.errors import CacheStateError
+
+# Buffers grow in multiples of this many slots.
+SLOT_ALIGNMENT = 256
+
+
+def aligned(num_slots: int, multiple: int = SLOT_ALIGNMENT) -> int:
+    return -(-num_slots // multiple) * multiple
+
+
+class LayerKV(Protocol):
+    """One layer of one sequence's cache."""
+
+    num_slots: int
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """keys, values: [n, H, D] (rotated); positions: [n] original positions."""
+
+    def keys_values(self, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision [T', H, D] keys and values, T' = num_slots rounded up to `pad_to`.
+        Slots past num_slots hold finite values that attention must mask."""
+
+    def positions(self) -> torch.Tensor:
+        """[num_slots, H] original positions of the resident slots."""
+
+    def drop_last(self, num_slots: int) -> None:
+        """Remove the newest `num_slots` slots (uncommitted tokens)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of resident keys, values and quantization metadata (positions excluded)."""
+
+
+class DenseLayerKV:
+    """Full-precision slots: every token (full cache) or the kept tokens (token dropping)."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = 0):
+        capacity = aligned(max(capacity, 1))
+        # Zero-filled so that padded views beyond num_slots stay finite.
+        self._keys = torch.zeros(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self._values = torch.zeros_like(self._keys)
+        self._positions = torch.zeros(capacity, num_kv_heads, dtype=torch.int32, device=device)
+        self.num_slots = 0
+
+    @classmethod
+    def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
+        """keys, values: [T, H, D]; positions: [T, H] (or [T], the same for every head)."""
+        layer = cls(keys.shape[1], keys.shape[2], keys.dtype, keys.device, capacity=keys.shape[0])
+        layer._write(keys, values, positions)
+        return layer
+
+    def _ensure_capacity(self, num_slots: int) -> None:
+        capacity = self._keys.shape[0]
+        if num_slots <= capacity:
+            return
+        new_capacity = aligned(max(num_slots, 2 * capacity))
+        for name in ("_keys", "_values", "_positions"):
+            old = getattr(self, name)
+            new = old.new_zeros((new_capacity, *old.shape[1:]))
+            new[: self.num_slots] = old[: self.num_slots]
+            setattr(self, name, new)
+
+    def _write(self, keys, values, positions) -> None:
+        start, end = self.num_slots, self.num_slots + keys.shape[0]
+        self._ensure_capacity(end)
+        self._keys[start:end] = keys
+        self._values[start:end] = values
+        # [n] positions (the same for every head) broadcast over heads.
+        self._positions[start:end] = positions if positions.dim() == 2 else positions.unsqueeze(1)
+        self.num_slots = end
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        self._write(keys, values, positions)
+
+    def keys_values(self, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        end = aligned(self.num_slots, pad_to)
+        self._ensure_capacity(end)
+        return self._keys[:end], self._values[:end]
+
+    def positions(self) -> torch.Tensor:
+        return self._positions[: self.num_slots]
+
+    def drop_last(self, num_slots: int) -> None:
+        if num_slots > self.num_slots:
+            raise CacheStateError(f"cannot drop {num_slots} of {self.num_slots} slots")
+        self.num_slots -= num_slots
+
+    def retain(self, slot_index: torch.Tensor) -> None:
+        """Keep only the given slots, per head: slot_index [k, H], ascending within each head."""
+        k = slot_index.shape[0]
+        gather = slot_index.unsqueeze(-1).expand(k, *self._keys.shape[1:])
+        keys = torch.gather(self._keys[: self.num_slots], 0, gather)
+        values = torch.gather(self._values[: self.num_slots], 0, gather)
+        positions = torch.gather(self._positions[: self.num_slots], 0, slot_index)
+        self.num_slots = 0
+        self._write(keys, values, positions)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.num_slots * self._keys[0].numel() * self._keys.element_size()
+
+
+class KVCache:
+    """The KV of one sequence across all layers.
+
+    `num_tokens` counts the tokens of the sequence the cache has seen; the next token is rotated
+    at that position whatever the number of resident slots.
+    """
+
+    def __init__(self, layers: list[LayerKV], num_tokens: int = 0, slot_budget: int | None = None):
+        self.layers = layers
+        self.num_tokens = num_tokens
+        # Most slots an online compressor keeps per layer (StreamingLLM); None: no bound.
+        self.slot_budget = slot_budget
+
+    @classmethod
+    def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, capacity=0):
+        layers = [
+            DenseLayerKV(num_kv_heads, head_dim, dtype, device, capacity) for _ in range(num_layers)
+        ]
+        return cls(layers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def is_full(self) -> bool:
+        """True when every layer holds every token seen, in order (an uncompressed cache)."""
+        return all(
+            isinstance(layer, DenseLayerKV) and layer.num_slots == self.num_tokens
+            for layer in self.layers
+        )
+
+    def advance(self, num_tokens: int) -> None:
+        """Record that a forward appended `num_tokens` tokens to every layer."""
+        self.num_tokens += num_tokens
+
+    def truncate(self, num_tokens: int) -> None:
+        """Roll back to the first `num_tokens` tokens, dropping the KV of every later token."""
+        removed = self.num_tokens - num_tokens
+        if removed < 0:
+            raise CacheStateError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        if removed == 0:
+            return
+        for layer in self.layers:
+            tail = layer.positions()[-removed:]
+            if tail.shape[0] < removed or int(tail.min()) < num_tokens:
+                raise CacheStateError(
+                    f"tokens after position {num_tokens} were compressed already; "
+                    "only uncommitted tokens can be rolled back"
+                )
+            layer.drop_last(removed)
+        self.num_tokens = num_tokens
+
+    def append_from(self, source: KVCache, start: int, end: int) -> None:
+        """Append the exact KV of tokens [start, end) from an uncompressed cache."""
+        if start != self.num_tokens:
+            raise CacheStateError(f"cache holds {self.num_tokens} tokens, cannot append from {start}")
+        if not source.is_full or end > source.num_tokens:
+            raise CacheStateError("append_from needs an uncompressed source holding the tokens")
+        positions = torch.arange(start, end, dtype=torch.int32, device=self.device)
+        for target, full in zip(self.layers, source.layers):
+            keys, values = full.keys_values()
+            target.append(keys[start:end], values[start:end], positions)
+        self.num_tokens = end
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].positions().device

@@ -1,0 +1,128 @@
+"""ModelRunner: batched forwards of a Llama-family model over explicit KV caches.
+
+One forward serves many sequences with different cache lengths: their new tokens are concatenated
+into one [N, hidden] batch for the linear layers, and attention runs per sequence over its own
+cache. Caches are owned by the caller; the forward appends the new tokens' KV to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vericache.kv.cache import KVCache
+from vericache.model.config import ModelConfig
+from vericache.model.kernels import KEY_ALIGN, attention, linear, rms_norm, silu
+from vericache.model.rope import RotaryEmbedding
+from vericache.model.weights import ModelWeights
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass
+class SequenceInput:
+    """One sequence's share of a batched forward."""
+
+    token_ids: torch.Tensor  # [n] int64, the tokens after the cache's num_tokens
+    cache: KVCache
+    num_logits: int = 1  # logits wanted for the last `num_logits` of the n tokens
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device="cpu"):
+        self.config = config
+        self.weights = weights
+        self.device = torch.device(device)
+        self.dtype = weights.embed.dtype
+        self.rope = RotaryEmbedding(
+            config.rope, config.head_dim, config.max_position_embeddings, self.device, self.dtype
+        )
+        c = config
+        self._qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        c = self.config
+        return KVCache.empty(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
+
+    # no_grad, not inference_mode: caches outlive the forward and compressors edit them in place.
+    @torch.no_grad()
+    def forward(self, batch: list[SequenceInput], invariant: bool = False) -> list[torch.Tensor]:
+        """Runs the new tokens of every sequence; returns float32 logits [num_logits, vocab] each."""
+        counts = [int(seq.token_ids.numel()) for seq in batch]
+        if min(counts) < 1:
+            raise ValueError("every sequence in a forward needs at least one new token")
+        last = max(seq.cache.num_tokens + n for seq, n in zip(batch, counts))
+        if last > self.config.max_position_embeddings:
+            raise ValueError(f"position {last} exceeds the model's {self.config.max_position_embeddings}")
+        token_ids = torch.cat([seq.token_ids for seq in batch]).to(self.device)
+        positions = torch.cat(
+            [torch.arange(s.cache.num_tokens, s.cache.num_tokens + n) for s, n in zip(batch, counts)]
+        ).to(self.device)
+        hidden = self.weights.embed[token_ids]  # [N, hidden]
+        for index, layer in enumerate(self.weights.layers):
+            hidden = self._layer(index, layer, hidden, positions, batch, counts, invariant)
+        for seq, n in zip(batch, counts):
+            seq.cache.advance(n)
+        return self._logits(hidden, batch, counts, invariant)
+
+    def _layer(self, index, layer, hidden, positions, batch, counts, invariant) -> torch.Tensor:
+        c = self.config
+        x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
+        q, k, v = linear(x, layer.qkv, layer.qkv_bias, invariant).split(self._qkv_split, dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        outputs, start = [], 0
+        for seq, n in zip(batch, counts):
+            end = start + n
+            layer_kv = seq.cache.layers[index]
+            layer_kv.append(k[start:end], v[start:end], positions[start:end])
+            keys, values = layer_kv.keys_values(pad_to=KEY_ALIGN if invariant else 1)
+            window = self._window_mask(layer_kv, positions[start:end])
+            outputs.append(attention(q[start:end], keys, values, layer_kv.num_slots, invariant, window))
+            start = end
+        hidden = hidden + linear(torch.cat(outputs), layer.o_proj, None, invariant)
+        x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps)
+        gate, up = linear(x, layer.gate_up, None, invariant).chunk(2, dim=-1)
+        return hidden + linear(silu(gate) * up, layer.down, None, invariant)
+
+    def _window_mask(self, layer_kv, query_positions: torch.Tensor) -> torch.Tensor | None:
+        """[Hkv, n, slots] bool for sliding-window models once the sequence outgrows the window."""
+        window = self.config.sliding_window
+        if window is None or int(query_positions[-1]) < window:
+            return None
+        key_positions = layer_kv.positions().T  # [Hkv, slots]
+        return key_positions.unsqueeze(1) > (query_positions.view(1, -1, 1) - window)
+
+    def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
+        rows, start = [], 0
+        for seq, n in zip(batch, counts):
+            rows.append(torch.arange(start + n - seq.num_logits, start + n))
+            start += n
+        selected = hidden[torch.cat(rows).to(self.device)]
+        if selected.shape[0] == 0:
+            return [selected.new_empty(0, self.config.vocab_size, dtype=torch.float32) for _ in batch]
+        normed = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps)
+        logits = linear(normed.float(), self.weights.lm_head, None, invariant)
+        return list(logits.split([seq.num_logits for seq in batch]))
+
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        cache: KVCache,
+        num_logits: int = 1,
+        chunk_size: int = DEFAULT_PREFILL_CHUNK,
+    ) -> torch.Tensor:
+        """Appends a long run of tokens chunk by chunk (bounded memory); logits of the last ones."""
+        total = token_ids.numel()
+        logits = []
+        for start in range(0, total, chunk_size):
+            chunk = token_ids[start : start + chunk_size]
+            wanted = max(0, min(chunk.numel(), start + chunk.numel() - (total - num_logits)))
+            logits += self.forward([SequenceInput(chunk, cache, wanted)])
+        return torch.cat(logits)

@@ -1,0 +1,110 @@
+"""Reading Hugging Face Llama-family weights into fused tensors.
+
+q/k/v projections are fused into one matrix and gate/up into another, so a layer runs four matrix
+multiplications. The LM head is kept in float32 whatever the model dtype: logits are always
+computed in float32 (greedy choices must not depend on low-precision rounding of the last layer).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from vericache.errors import ModelNotFoundError, UnsupportedModelError
+from vericache.model.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D]
+    q_norm: torch.Tensor | None  # [D] (Qwen3)
+    k_norm: torch.Tensor | None  # [D] (Qwen3)
+    o_proj: torch.Tensor  # [hidden, Hq * D]
+    post_attention_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden], float32
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.embed, self.final_norm]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            tensors.append(self.lm_head)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: safetensors (single or sharded) or pytorch .bin."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(path / shard))
+        return state
+    if (path / "model.safetensors").is_file():
+        return load_file(path / "model.safetensors")
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ModelNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
+
+
+def build_weights(config: ModelConfig, state: dict[str, torch.Tensor], dtype, device) -> ModelWeights:
+    state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in state:
+            raise UnsupportedModelError(f"checkpoint lacks tensor {name!r}")
+        return state[name].to(device=device, dtype=dtype)
+
+    def optional(name: str) -> torch.Tensor | None:
+        return take(name) if name in state else None
+
+    layers = []
+    for i in range(config.num_layers):
+        prefix = f"layers.{i}."
+        attn = prefix + "self_attn."
+        qkv_bias = None
+        if config.attention_bias:
+            qkv_bias = torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"])
+        layers.append(
+            LayerWeights(
+                input_norm=take(prefix + "input_layernorm.weight"),
+                qkv=torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"]),
+                qkv_bias=qkv_bias,
+                q_norm=optional(attn + "q_norm.weight") if config.qk_norm else None,
+                k_norm=optional(attn + "k_norm.weight") if config.qk_norm else None,
+                o_proj=take(attn + "o_proj.weight"),
+                post_attention_norm=take(prefix + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")]),
+                down=take(prefix + "mlp.down_proj.weight"),
+            )
+        )
+    # Tied checkpoints store the shared matrix once, under either name.
+    if "embed_tokens.weight" not in state and config.tie_word_embeddings:
+        state["embed_tokens.weight"] = state.get("lm_head.weight")
+    if "lm_head.weight" not in state or config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    embed = take("embed_tokens.weight")
+    lm_head = state["lm_head.weight"]
+    if lm_head is state["embed_tokens.weight"] and dtype == torch.float32:
+        lm_head = embed
+    else:
+        lm_head = lm_head.to(device=device, dtype=torch.float32)
+    return ModelWeights(embed=embed, layers=layers, final_norm=take("norm.weight"), lm_head=lm_head)
