@@ -22,7 +22,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = codes_per_byte(bits)
     if per_byte == 1:
         return codes.to(torch.uint8)
-    grouped = codes.to(torch.uint8).view(*codes.shape[:-1], -1, per_byte)
+    grouped = codes.to(torch.uint8).view(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
     packed = grouped[..., 0].clone()
     for slot in range(1, per_byte):
         packed |= grouped[..., slot] << (bits * slot)
@@ -43,17 +43,25 @@ def quantize(x: torch.Tensor, bits: int, dim: int):
     """Min-max quantization with statistics taken along `dim`.
 
     Returns (codes uint8 shaped like x, scale fp16, zero fp16), scale and zero with `dim` kept as 1.
-    Codes are computed against the fp16-rounded scale and zero, so `dequantize` reproduces x to
-    within half a step.
+    The fp16 zero is rounded down and the fp16 scale up, so the grid still covers [min, max] and
+    `dequantize` reproduces x to within half a step (plus float32 rounding).
     """
     levels = (1 << bits) - 1
     x32 = x.float()
     low = x32.amin(dim=dim, keepdim=True)
     high = x32.amax(dim=dim, keepdim=True)
-    scale = ((high - low) / levels).clamp_min(1e-6).half()
-    zero = low.half()
+    zero = _round_half(low, down=True)
+    scale = _round_half(((high - zero.float()) / levels).clamp_min(1e-6), down=False)
     codes = ((x32 - zero.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
     return codes, scale, zero
+
+
+def _round_half(x: torch.Tensor, down: bool) -> torch.Tensor:
+    """x to float16, rounded toward -inf (down) or +inf."""
+    rounded = x.half()
+    wrong_side = rounded.float() > x if down else rounded.float() < x
+    target = torch.full_like(rounded, float("-inf") if down else float("inf"))
+    return torch.where(wrong_side, torch.nextafter(rounded, target), rounded)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype) -> torch.Tensor:

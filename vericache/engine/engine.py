@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.engine.prefix_store import PrefixStore
 from vericache.engine.request import DecodeMode, Request, RequestOutput
 from vericache.engine.sequence import Sequence
 from vericache.engine.stops import StopChecker
@@ -44,6 +45,8 @@ class EngineConfig:
     # then bit-identical to full decoding. False trades that guarantee for speed.
     invariant_full_kv: bool = True
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    # Full and compressed KV of prompt prefixes kept for reuse (0 turns reuse off).
+    prefix_cache_bytes: int = 2 << 30
 
 
 def num_accepted(draft_ids: list[int], verified_ids: list[int]) -> int:
@@ -65,6 +68,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.model_config = runner.config
+        self.prefix_store = PrefixStore(config.prefix_cache_bytes)
 
     @classmethod
     def from_pretrained(
@@ -138,7 +142,7 @@ class Engine:
     def _finish_round(self, seq: Sequence, verified: list[int], verified_before: int) -> None:
         accepted = num_accepted(seq.draft_ids, verified)
         seq.stats.rounds += 1
-        seq.stats.draft_tokens += len(seq.draft_ids)
+        seq.stats.drafted_per_round.append(len(seq.draft_ids))
         seq.stats.accepted_per_round.append(accepted)
         seq.commit(seq.draft_ids[:accepted] + [verified[accepted]])
         seq.draft_ids, seq.draft_target = [], None
@@ -178,15 +182,18 @@ class Engine:
         request = seq.request
         # At least one token follows the prefix, so that its logits choose the first output.
         split = min(request.num_prefix_tokens, len(request.prompt_ids) - 1)
-        prefix, suffix = _ids(request.prompt_ids[:split]), _ids(request.prompt_ids[split:])
+        prefix_ids, suffix = request.prompt_ids[:split], _ids(request.prompt_ids[split:])
         capacity = len(request.prompt_ids) + request.params.max_new_tokens + request.draft_len + 1
-        full = self.runner.new_cache(capacity=min(capacity, self.model_config.max_position_embeddings))
-        if prefix.numel():
-            self._prefill_tokens(prefix, full, num_logits=0)
+        capacity = min(capacity, self.model_config.max_position_embeddings)
+        full = self.prefix_store.get_or_build(
+            prefix_ids, lambda: self._prefill_prefix(prefix_ids), capacity
+        )
         if seq.mode is DecodeMode.FULL:
             seq.full_cache = full
             return self._prefill_tokens(suffix, full)
-        compressed = request.compressor.compress(full)
+        compressed = self.prefix_store.get_or_build(
+            (prefix_ids, request.compressor), lambda: request.compressor.compress(full), 0
+        )
         if seq.mode is DecodeMode.LOSSY:
             # The lossy baseline computes the user turn over its compressed KV, like any
             # compressed-cache server would.
@@ -202,6 +209,12 @@ class Engine:
             seq.compressed_cache = compressed
         request.compressor.update(compressed)
         return logits
+
+    def _prefill_prefix(self, prefix_ids: tuple[int, ...]) -> KVCache:
+        cache = self.runner.new_cache(capacity=len(prefix_ids))
+        if prefix_ids:
+            self._prefill_tokens(_ids(prefix_ids), cache, num_logits=0)
+        return cache
 
     def _prefill_tokens(self, token_ids: torch.Tensor, cache: KVCache, num_logits: int = 1):
         return self.runner.prefill(token_ids, cache, num_logits, self.config.prefill_chunk)

@@ -73,7 +73,7 @@ class Request:
 @dataclass
 class RequestStats:
     rounds: int = 0  # verifications (vericache) or decode steps (full, lossy)
-    draft_tokens: int = 0
+    drafted_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
     prefill_s: float = 0.0  # prefill of the prompt, and compression of the prefix
@@ -81,6 +81,10 @@ class RequestStats:
     verify_s: float = 0.0
     decode_s: float = 0.0  # single-token steps of the full and lossy modes
     total_s: float = 0.0
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(self.drafted_per_round)
 
     @property
     def accepted_tokens(self) -> int:
@@ -113,6 +117,7 @@ class RequestStats:
             "mean_accepted_per_round": self.mean_accepted_per_round,
             "tokens_per_round": self.tokens_per_round,
             "accepted_per_round": list(self.accepted_per_round),
+            "drafted_per_round": list(self.drafted_per_round),
         }
 
     def timing_dict(self) -> dict:

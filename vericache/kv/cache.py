@@ -49,6 +49,9 @@ class LayerKV(Protocol):
     def nbytes(self) -> int:
         """Bytes of resident keys, values and quantization metadata (positions excluded)."""
 
+    def clone(self, capacity: int = 0) -> LayerKV:
+        """An independent copy with room for `capacity` slots."""
+
 
 class DenseLayerKV:
     """Full-precision slots: every token (full cache) or the kept tokens (token dropping)."""
@@ -118,6 +121,15 @@ class DenseLayerKV:
     def nbytes(self) -> int:
         return 2 * self.num_slots * self._keys[0].numel() * self._keys.element_size()
 
+    def clone(self, capacity: int = 0) -> DenseLayerKV:
+        num_kv_heads, head_dim = self._keys.shape[1:]
+        copy = DenseLayerKV(
+            num_kv_heads, head_dim, self._keys.dtype, self._keys.device, max(capacity, self.num_slots)
+        )
+        n = self.num_slots
+        copy._write(self._keys[:n], self._values[:n], self._positions[:n])
+        return copy
+
 
 class KVCache:
     """The KV of one sequence across all layers.
@@ -142,6 +154,11 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    def clone(self, capacity: int = 0) -> KVCache:
+        """An independent copy; `capacity` reserves slots for tokens to come."""
+        layers = [layer.clone(capacity) for layer in self.layers]
+        return KVCache(layers, self.num_tokens, self.slot_budget)
 
     @property
     def is_full(self) -> bool:
@@ -176,7 +193,7 @@ class KVCache:
         """Append the exact KV of tokens [start, end) from an uncompressed cache."""
         if start != self.num_tokens:
             raise CacheStateError(f"cache holds {self.num_tokens} tokens, cannot append from {start}")
-        if not source.is_full or end > source.num_tokens:
+        if not source.is_full or not start <= end <= source.num_tokens:
             raise CacheStateError("append_from needs an uncompressed source holding the tokens")
         positions = torch.arange(start, end, dtype=torch.int32, device=self.device)
         for target, full in zip(self.layers, source.layers):

@@ -8,6 +8,8 @@ Attention dequantizes one layer at a time (`keys_values`).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from vericache.errors import CacheStateError
@@ -113,3 +115,9 @@ class QuantizedLayerKV:
             )
         )
         return quantized + self.residual.nbytes
+
+    def clone(self, capacity: int = 0) -> QuantizedLayerKV:
+        # The quantized tensors are replaced, never written in place: sharing them is safe.
+        twin = copy.copy(self)
+        twin.residual = self.residual.clone(capacity - self.num_quantized)
+        return twin

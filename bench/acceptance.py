@@ -1,0 +1,168 @@
+"""Accepted draft tokens per round, by compressor and draft length, on real long contexts.
+
+Code: Python standard-library modules of 3-4k tokens as the context, a HumanEval prompt and a
+question about the module. Tools: BFCL function catalogues of 3k+ tokens, BFCL questions. Every
+vericache output is also checked against full-KV decoding of the same prompt.
+
+The headline metric counts rounds that drafted the full x tokens (a round cut short by the token
+budget or an end token drafts fewer and would bias the mean down); all rounds are reported too.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from vericache.bench.common import compressor_from_label, environment, int_list, pyplot
+from vericache.bench.workloads import standard_workloads
+from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
+from vericache.engine.prompt import build_chat_prompt
+from vericache.engine.request import DecodeMode, Request, SamplingParams
+from vericache.model.loader import DEFAULT_MODEL
+
+DEFAULT_COMPRESSORS = "streamingllm-4x,streamingllm-8x,kivi-4bit,kivi-2bit"
+TARGET_X30 = 18.0
+TARGET_LABELS = ("streamingllm-4x", "kivi-4bit")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--compressors", default=DEFAULT_COMPRESSORS, help="comma-separated labels")
+    parser.add_argument("--draft-lens", type=int_list, default=[10, 20, 30, 40])
+    parser.add_argument("--max-tokens", type=int, help="output tokens per request (128; quick 64)")
+    parser.add_argument("--draft-kv", choices=["verifier", "drafter", "both"], default="verifier")
+
+
+def run(args) -> dict:
+    max_tokens = args.max_tokens or (64 if args.quick else 128)
+    labels = args.compressors.split(",")
+    compressors = [compressor_from_label(label) for label in labels]
+    engine = Engine.from_pretrained(args.model, config=EngineConfig(prefix_cache_bytes=16 << 30))
+    prompts = _prompts(engine.tokenizer, args.quick)
+    params = SamplingParams(max_new_tokens=max_tokens)
+    references = engine.generate(
+        [Request(p.token_ids, p.num_prefix_tokens, params, DecodeMode.FULL) for _, p in prompts]
+    )
+    sources = list(DraftKVSource) if args.draft_kv == "both" else [DraftKVSource(args.draft_kv)]
+    records = []
+    for source in sources:
+        engine.config = EngineConfig(draft_kv_source=source, prefix_cache_bytes=16 << 30)
+        for draft_len in args.draft_lens:
+            batch = [
+                (kind, compressor, reference, Request(
+                    prompt.token_ids, prompt.num_prefix_tokens, params,
+                    DecodeMode.VERICACHE, compressor, draft_len,
+                ))
+                for (kind, prompt), reference in zip(prompts, references)
+                for compressor in compressors
+            ]
+            outputs = engine.generate([request for *_, request in batch])
+            for (kind, compressor, reference, _), out in zip(batch, outputs):
+                records.append({
+                    "kind": kind,
+                    "compressor": compressor.label,
+                    "draft_len": draft_len,
+                    "draft_kv": source.value,
+                    "identical": out.token_ids == reference.token_ids,
+                    "drafted_per_round": out.stats.drafted_per_round,
+                    "accepted_per_round": out.stats.accepted_per_round,
+                })
+            print(f"[acceptance] draft_kv={source.value} x={draft_len}: {len(batch)} requests done")
+    return _result(records, labels, args, max_tokens, len(prompts))
+
+
+def _prompts(tokenizer, quick: bool):
+    return [
+        (workload.kind, build_chat_prompt(tokenizer, workload.context, prompt))
+        for workload in standard_workloads(tokenizer, quick)
+        for prompt in workload.prompts
+    ]
+
+
+def _aggregate(records: list[dict]) -> dict:
+    """Per (draft_kv, kind, compressor, x): accepted per full round, per round, acceptance rate."""
+    groups = defaultdict(list)
+    for record in records:
+        groups[record["draft_kv"], record["kind"], record["compressor"], record["draft_len"]].append(record)
+    table = {}
+    for (source, kind, label, draft_len), group in sorted(groups.items()):
+        drafted = [d for r in group for d in r["drafted_per_round"]]
+        accepted = [a for r in group for a in r["accepted_per_round"]]
+        full_rounds = [a for d, a in zip(drafted, accepted) if d == draft_len]
+        table.setdefault(source, {}).setdefault(kind, {}).setdefault(label, {})[draft_len] = {
+            "mean_accepted_per_full_round": _mean(full_rounds),
+            "mean_accepted_per_round": _mean(accepted),
+            "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else None,
+            "num_full_rounds": len(full_rounds),
+            "num_rounds": len(accepted),
+        }
+    return table
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else None
+
+
+def _result(records, labels, args, max_tokens, num_prompts) -> dict:
+    table = _aggregate(records)
+    default = DraftKVSource.VERIFIER.value if DraftKVSource.VERIFIER.value in table else args.draft_kv
+
+    def at_x30(source, kind):
+        cells = table[source].get(kind, {})
+        return {label: cells[label][30]["mean_accepted_per_full_round"] for label in labels if 30 in cells.get(label, {})}
+
+    x30 = at_x30(default, "code")
+    summary = {
+        "x30": x30,
+        "x30_tools": at_x30(default, "tools"),
+        "identical": all(record["identical"] for record in records),
+        "draft_kv": default,
+        "meets_target": all((x30.get(label) or 0) >= TARGET_X30 for label in TARGET_LABELS if label in x30),
+    }
+    if len(table) > 1:
+        summary["x30_by_draft_kv"] = {source: at_x30(source, "code") for source in table}
+    return {
+        "benchmark": "acceptance",
+        "summary": summary,
+        "definitions": {
+            "x30": "mean accepted draft tokens per round that drafted 30 tokens, code contexts",
+            "target": f">= {TARGET_X30} for {', '.join(TARGET_LABELS)} (code, 3k+ token contexts)",
+        },
+        "config": {"max_tokens": max_tokens, "num_prompts": num_prompts, "quick": args.quick,
+                   "draft_lens": args.draft_lens, "model": args.model},
+        "environment": environment(),
+        "table": table,
+        "table_markdown": _markdown(table, args.draft_lens),
+        "records": records,
+    }
+
+
+def _markdown(table: dict, draft_lens: list[int]) -> str:
+    lines = []
+    for source, kinds in table.items():
+        lines.append(f"Mean accepted tokens per full round (draft KV: {source})\n")
+        lines.append("| workload | compressor | " + " | ".join(f"x={x}" for x in draft_lens) + " |")
+        lines.append("|---|---|" + "---|" * len(draft_lens))
+        for kind, compressors in kinds.items():
+            for label, cells in compressors.items():
+                values = [cells.get(x, {}).get("mean_accepted_per_full_round") for x in draft_lens]
+                shown = " | ".join("-" if v is None else f"{v:.1f}" for v in values)
+                lines.append(f"| {kind} | {label} | {shown} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path) -> None:
+    plt = pyplot()
+    table = result["table"][result["summary"]["draft_kv"]]
+    fig, axes = plt.subplots(1, len(table), figsize=(5 * len(table), 4), squeeze=False)
+    for axis, (kind, compressors) in zip(axes[0], table.items()):
+        for label, cells in compressors.items():
+            xs = sorted(cells, key=int)
+            axis.plot(xs, [cells[x]["mean_accepted_per_full_round"] for x in xs], marker="o", label=label)
+        top = max(int(x) for cells in compressors.values() for x in cells)
+        axis.plot([0, top], [0, top], color="grey", linestyle=":", label="all accepted")
+        axis.axhline(TARGET_X30, color="red", linewidth=0.8, linestyle="--", label="target at x=30")
+        axis.set(title=f"{kind} contexts", xlabel="draft length x", ylabel="accepted per round")
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,60 @@
+"""Shared pieces of the benchmarks: compressor labels, environment records, plotting setup."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import time
+
+import torch
+
+from vericache.compress import Compressor, build_compressor
+from vericache.errors import InvalidRequestError
+
+_LABEL = re.compile(r"^(?P<name>[a-z0-9_]+)-(?P<value>[0-9.]+)(?P<unit>x|bit)$")
+
+
+def compressor_from_label(label: str) -> Compressor:
+    """`streamingllm-4x` -> StreamingLLM(ratio=4); `kivi-2bit` -> KIVI(bits=2)."""
+    match = _LABEL.match(label)
+    if match is None:
+        raise InvalidRequestError(f"compressor label {label!r} is not NAME-Nx or NAME-Nbit")
+    if match["unit"] == "x":
+        return build_compressor(match["name"], ratio=float(match["value"]))
+    return build_compressor(match["name"], bits=int(match["value"]))
+
+
+def int_list(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item]
+
+
+def environment() -> dict:
+    """What a reader needs to compare numbers across runs."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_commit": commit,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def pyplot():
+    """matplotlib's pyplot on a file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -1,0 +1,43 @@
+"""Full and compressed KV of prompt prefixes already computed, reused by later requests.
+
+A prefix is prefilled once and compressed once per compressor; requests that start with it get
+independent copies. Entries are evicted least recently used first beyond `capacity_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+from vericache.kv.cache import KVCache
+
+
+class PrefixStore:
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[Hashable, KVCache] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache.nbytes for cache in self._entries.values())
+
+    def get_or_build(self, key: Hashable, build: Callable[[], KVCache], capacity: int) -> KVCache:
+        """A copy of the cache stored under `key`, built (and stored) on the first request."""
+        cache = self._entries.get(key)
+        if cache is None:
+            self.misses += 1
+            cache = build()
+            self._store(key, cache)
+        else:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        return cache.clone(capacity)
+
+    def _store(self, key: Hashable, cache: KVCache) -> None:
+        if cache.nbytes > self.capacity_bytes:
+            return
+        self._entries[key] = cache
+        while self.nbytes > self.capacity_bytes:
+            self._entries.popitem(last=False)
