@@ -6,7 +6,10 @@ byte, lowest bits first. Scales and zero points are float16, as KIVI stores them
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 SUPPORTED_BITS = (2, 4, 8)
 
@@ -67,3 +70,18 @@ def _round_half(x: torch.Tensor, down: bool) -> torch.Tensor:
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype) -> torch.Tensor:
     """codes * scale + zero, computed in fp32 and returned in `dtype`."""
     return (codes.float() * scale.float() + zero.float()).to(dtype)
+
+
+def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor, dtype):
+    """`dequantize(unpack(packed))` in two passes: a table maps each byte to its float codes.
+
+    packed: uint8 [..., B]; scale, zero: broadcastable to [..., B * 8 / bits]."""
+    codes = F.embedding(packed.int(), _byte_table(bits, packed.device))  # [..., B, 8 / bits]
+    codes = codes.flatten(-2)
+    return torch.addcmul(zero.float(), codes, scale.float()).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _byte_table(bits: int, device: torch.device) -> torch.Tensor:
+    """[256, 8 / bits] float32: the codes a byte holds, lowest bits first."""
+    return unpack(torch.arange(256, dtype=torch.uint8), bits).view(256, -1).float().to(device)

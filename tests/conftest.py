@@ -42,9 +42,19 @@ TINY_FAMILIES = {
             }
         },
     ),
+    "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
     "mistral": ("MistralConfig", {"sliding_window": 24, "head_dim": 16}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    # The window applies from layer max_window_layers on: layer 0 attends to everything.
+    "qwen2-window": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
+    ),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "qwen3-window": (
+        "Qwen3Config",
+        {"head_dim": 32, "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
+    ),
 }
 
 
@@ -58,8 +68,8 @@ def save_tiny_checkpoint(family: str, path, seed: int = 0, **overrides):
     # Random init gives near-uniform logits; larger weights make greedy choices decisive, closer
     # to a trained model's confidence.
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
+        for name, param in model.named_parameters():
+            if param.dim() > 1 or name.endswith("bias"):
                 param.normal_(0.0, 0.2)
     model.save_pretrained(path)
     return path

@@ -16,11 +16,12 @@ from vericache.errors import InvalidRequestError
 from vericache.kv.cache import DenseLayerKV, KVCache
 
 MAX_NEW = 40
-# (prefix tokens, suffix tokens): a long shared prefix, one crossing the 256-slot key alignment
-# of the invariant kernels, and a prompt without any prefix.
-PROMPT_SHAPES = [(96, 8), (250, 12), (0, 20)]
+# (prefix tokens, suffix tokens): a long shared prefix, one whose verifications cross the
+# 1024-slot key block of the invariant kernels, and a prompt without any prefix.
+PROMPT_SHAPES = [(96, 8), (1000, 12), (0, 20)]
 COMPRESSORS = [
     StreamingLLM(ratio=2),
+    StreamingLLM(ratio=2, sliding=True),
     StreamingLLM(ratio=4),
     StreamingLLM(ratio=8, num_sinks=2),
     KIVI(bits=8, group_size=8, residual_length=8),
@@ -78,9 +79,11 @@ def test_vericache_equals_full(tiny_engine, full_outputs, compressor, draft_len,
     for out, expected in zip(outputs, full_outputs):
         assert out.token_ids == expected
         stats = out.stats
-        assert max(len(stats.accepted_per_round) and stats.accepted_per_round) <= draft_len
-        # Every output token but the prefill's first comes from a round: accepted + 1 each.
-        assert len(out.token_ids) - 1 <= stats.accepted_tokens + stats.rounds
+        assert all(0 <= a <= d <= draft_len for a, d in zip(stats.accepted_per_round, stats.drafted_per_round))
+        # Every output token but the prefill's first comes from a round: accepted + the
+        # verifier's own, unless an end token among the accepted drafts stopped the round.
+        emitted = 1 + stats.accepted_tokens + stats.rounds
+        assert len(out.token_ids) in (emitted, emitted - 1)
 
 
 def test_first_draft_token_rejected(tiny_engine, full_outputs):
@@ -170,6 +173,23 @@ def test_prompt_longer_than_the_context_is_refused(tiny_engine):
     too_long = Request(tuple([5] * 2048), 0, mode=DecodeMode.FULL)
     with pytest.raises(InvalidRequestError, match="context"):
         tiny_engine().generate([too_long])
+
+
+def test_vericache_runs_into_the_context_limit_like_full(tiny_checkpoint):
+    from vericache.engine.engine import Engine
+
+    engine = Engine.from_pretrained(str(tiny_checkpoint("llama", max_position_embeddings=128)))
+    ids = tuple(range(3, 103))
+    params = SamplingParams(max_new_tokens=100)
+    (full,) = engine.generate([Request(ids, 90, params, DecodeMode.FULL)])
+    (veri,) = engine.generate([Request(ids, 90, params, DecodeMode.VERICACHE, StreamingLLM(ratio=1), 30)])
+    assert veri.token_ids == full.token_ids
+    assert len(full.token_ids) == 128 - 100 and full.finish_reason == veri.finish_reason == "length"
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_engine):
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        tiny_engine().generate([Request((5, 512), 0, mode=DecodeMode.FULL)])
 
 
 def test_stop_string_ends_both_modes_at_the_same_token(tiny_chat_checkpoint):

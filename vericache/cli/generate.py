@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from vericache.compress import COMPRESSORS, build_compressor
 from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
 from vericache.engine.prompt import build_chat_prompt
@@ -33,11 +35,7 @@ def add_parser(commands) -> None:
 
 
 def build_request(args, tokenizer) -> Request:
-    context = None
-    if args.context_file is not None:
-        if not args.context_file.is_file():
-            raise InvalidRequestError(f"context file {args.context_file} does not exist")
-        context = args.context_file.read_text()
+    context = args.context_file.read_text() if args.context_file is not None else None
     mode = DecodeMode(args.mode)
     compressor = None
     if mode is not DecodeMode.FULL:
@@ -65,10 +63,23 @@ def output_json(args, request: Request, out: RequestOutput) -> dict:
     }
 
 
+def check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise InvalidRequestError(f"unknown device {name!r}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {name!r} asked for, but CUDA is not available")
+
+
 def run(args) -> int:
     # Check the cheap things before loading the model.
+    check_device(args.device)
     if args.mode != DecodeMode.FULL.value:
         build_compressor(args.compressor, ratio=args.ratio, bits=args.bits)
+    SamplingParams(max_new_tokens=args.max_tokens, stop=tuple(args.stop))
+    if args.context_file is not None and not args.context_file.is_file():
+        raise InvalidRequestError(f"context file {args.context_file} does not exist")
     config = EngineConfig(draft_kv_source=DraftKVSource(args.draft_kv))
     engine = Engine.from_pretrained(args.model, args.dtype, args.device, config)
     request = build_request(args, engine.tokenizer)

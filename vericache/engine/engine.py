@@ -20,7 +20,8 @@ from vericache.engine.request import DecodeMode, Request, RequestOutput
 from vericache.engine.sequence import Sequence
 from vericache.engine.stops import StopChecker
 from vericache.errors import InvalidRequestError
-from vericache.kv.cache import KVCache
+from vericache.kv.cache import KVCache, aligned
+from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import DEFAULT_MODEL, load_model
 from vericache.model.runner import DEFAULT_PREFILL_CHUNK, ModelRunner, SequenceInput
 
@@ -48,6 +49,10 @@ class EngineConfig:
     # Full and compressed KV of prompt prefixes kept for reuse (0 turns reuse off).
     prefix_cache_bytes: int = 2 << 30
 
+    def __post_init__(self):
+        if self.prefill_chunk < 1 or self.prefix_cache_bytes < 0:
+            raise InvalidRequestError("prefill_chunk must be >= 1 and prefix_cache_bytes >= 0")
+
 
 def num_accepted(draft_ids: list[int], verified_ids: list[int]) -> int:
     """Length of the longest draft prefix the verifier agrees with."""
@@ -57,18 +62,32 @@ def num_accepted(draft_ids: list[int], verified_ids: list[int]) -> int:
     return len(draft_ids)
 
 
-def greedy(logits: torch.Tensor) -> list[int]:
-    # argmax returns the first maximum: ties go to the lowest token id.
-    return logits.argmax(dim=-1).tolist()
+def greedy(logits: list[torch.Tensor]) -> list[list[int]]:
+    """Greedy tokens per sequence from its logits [n_i, vocab], with one device sync.
+
+    argmax returns the first maximum: ties go to the lowest token id."""
+    chosen = torch.cat(logits).argmax(dim=-1).tolist()
+    out, start = [], 0
+    for rows in logits:
+        out.append(chosen[start : start + rows.shape[0]])
+        start += rows.shape[0]
+    return out
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer=None, config: EngineConfig = EngineConfig()):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer=None,
+        config: EngineConfig = EngineConfig(),
+        prefix_store: PrefixStore | None = None,
+    ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
         self.model_config = runner.config
-        self.prefix_store = PrefixStore(config.prefix_cache_bytes)
+        # Shareable between engines over the same runner (e.g. with different configs).
+        self.prefix_store = prefix_store or PrefixStore(config.prefix_cache_bytes)
 
     @classmethod
     def from_pretrained(
@@ -89,13 +108,12 @@ class Engine:
         for seq in active:
             if seq.mode is DecodeMode.VERICACHE and seq.draft_target is None:
                 seq.draft_target = self._draft_target(seq)
-        drafting = [seq for seq in active if seq.is_drafting]
-        if drafting:
-            self._run_compressed(drafting)
-        due = [seq for seq in active if not seq.is_finished and seq.mode is not DecodeMode.LOSSY]
-        due = [seq for seq in due if not seq.is_drafting]
-        if due:
-            self._run_full(due)
+        compressed_batch = [seq for seq in active if seq.needs_compressed_forward]
+        if compressed_batch:
+            self._run_compressed(compressed_batch)
+        full_batch = [seq for seq in active if seq.needs_full_forward]
+        if full_batch:
+            self._run_full(full_batch)
 
     def _draft_target(self, seq: Sequence) -> int:
         remaining = seq.request.params.max_new_tokens - len(seq.output_ids)
@@ -106,14 +124,11 @@ class Engine:
     def _run_compressed(self, batch: list[Sequence]) -> None:
         inputs = [SequenceInput(_ids(seq.compressed_input()), seq.compressed_cache) for seq in batch]
         start = time.perf_counter()
-        logits = self.runner.forward(inputs, invariant=False)
+        tokens = greedy(self.runner.forward(inputs, invariant=False))
         elapsed = time.perf_counter() - start
-        for seq, seq_logits in zip(batch, logits):
-            (token,) = greedy(seq_logits)
+        for seq, (token,) in zip(batch, tokens):
             if seq.mode is DecodeMode.LOSSY:
-                seq.stats.decode_s += elapsed
-                seq.stats.rounds += 1
-                seq.commit([token])
+                self._decode_step(seq, token, elapsed)
                 if not seq.is_finished:
                     seq.request.compressor.update(seq.compressed_cache)
             else:
@@ -127,24 +142,30 @@ class Engine:
         ]
         num_verified_before = [seq.full_cache.num_tokens for seq in batch]
         start = time.perf_counter()
-        logits = self.runner.forward(inputs, invariant=self.config.invariant_full_kv)
+        # [1 + num_drafts] full-KV greedy choices per sequence
+        verified = greedy(self.runner.forward(inputs, invariant=self.config.invariant_full_kv))
         elapsed = time.perf_counter() - start
-        for seq, seq_logits, verified_before in zip(batch, logits, num_verified_before):
-            verified = greedy(seq_logits)
+        for seq, seq_verified, verified_before in zip(batch, verified, num_verified_before):
             if seq.mode is DecodeMode.FULL:
-                seq.stats.decode_s += elapsed
-                seq.stats.rounds += 1
-                seq.commit(verified)
+                self._decode_step(seq, seq_verified[0], elapsed)
             else:
                 seq.stats.verify_s += elapsed
-                self._finish_round(seq, verified, verified_before)
+                self._finish_round(seq, seq_verified, verified_before)
+
+    @staticmethod
+    def _decode_step(seq: Sequence, token: int, elapsed: float) -> None:
+        """A single-token step of the full or lossy mode."""
+        seq.stats.decode_s += elapsed
+        seq.stats.rounds += 1
+        seq.commit([token])
 
     def _finish_round(self, seq: Sequence, verified: list[int], verified_before: int) -> None:
         accepted = num_accepted(seq.draft_ids, verified)
+        num_appended = seq.commit(seq.draft_ids[:accepted] + [verified[accepted]])
         seq.stats.rounds += 1
         seq.stats.drafted_per_round.append(len(seq.draft_ids))
-        seq.stats.accepted_per_round.append(accepted)
-        seq.commit(seq.draft_ids[:accepted] + [verified[accepted]])
+        # A stop inside the accepted drafts ends the sequence before the rest is emitted.
+        seq.stats.accepted_per_round.append(min(accepted, num_appended))
         seq.draft_ids, seq.draft_target = [], None
         if seq.is_finished:
             return
@@ -166,15 +187,16 @@ class Engine:
                 f"the prompt has {len(request.prompt_ids)} tokens; the model's context is "
                 f"{max_positions}, and at least one must remain for output"
             )
-        if request.params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a model with a tokenizer")
+        vocab_size = self.model_config.vocab_size
+        if not all(0 <= token < vocab_size for token in request.prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
         checker = StopChecker(
             request.params, self.model_config.eos_token_ids, max_positions, self.tokenizer
         )
         seq = Sequence(request=request, stop_checker=checker, token_ids=list(request.prompt_ids))
-        logits = self._prefill(seq)
+        (first,) = greedy([self._prefill(seq)[-1:]])
         seq.stats.prefill_s = time.perf_counter() - seq.started_at
-        seq.commit(greedy(logits[-1:]))
+        seq.commit(first)
         return seq
 
     def _prefill(self, seq: Sequence) -> torch.Tensor:
@@ -184,37 +206,41 @@ class Engine:
         split = min(request.num_prefix_tokens, len(request.prompt_ids) - 1)
         prefix_ids, suffix = request.prompt_ids[:split], _ids(request.prompt_ids[split:])
         capacity = len(request.prompt_ids) + request.params.max_new_tokens + request.draft_len + 1
-        capacity = min(capacity, self.model_config.max_position_embeddings)
-        full = self.prefix_store.get_or_build(
-            prefix_ids, lambda: self._prefill_prefix(prefix_ids), capacity
-        )
+        # Batch-invariant attention reads keys in whole blocks: reserve them now, not on growth.
+        capacity = aligned(min(capacity, self.model_config.max_position_embeddings), KEY_ALIGN)
+        prefix_kv = self.prefix_kv(prefix_ids)
         if seq.mode is DecodeMode.FULL:
-            seq.full_cache = full
-            return self._prefill_tokens(suffix, full)
-        compressed = self.prefix_store.get_or_build(
-            (prefix_ids, request.compressor), lambda: request.compressor.compress(full), 0
-        )
+            seq.full_cache = prefix_kv.clone(capacity)
+            return self._prefill_tokens(suffix, seq.full_cache)
+        compressor = request.compressor
+        compressed = self.prefix_store.lookup(
+            (prefix_ids, compressor), lambda: compressor.compress(prefix_kv)
+        ).clone()
+        seq.compressed_cache = compressed
         if seq.mode is DecodeMode.LOSSY:
             # The lossy baseline computes the user turn over its compressed KV, like any
             # compressed-cache server would.
-            seq.compressed_cache = compressed
             logits = self._prefill_tokens(suffix, compressed)
         else:
-            seq.full_cache = full
-            logits = self._prefill_tokens(suffix, full)
+            seq.full_cache = prefix_kv.clone(capacity)
+            logits = self._prefill_tokens(suffix, seq.full_cache)
             if self.config.draft_kv_source is DraftKVSource.VERIFIER:
-                compressed.append_from(full, split, len(request.prompt_ids))
+                compressed.append_from(seq.full_cache, split, len(request.prompt_ids))
             else:
                 self._prefill_tokens(suffix, compressed, num_logits=0)
-            seq.compressed_cache = compressed
-        request.compressor.update(compressed)
+        compressor.update(compressed)
         return logits
 
-    def _prefill_prefix(self, prefix_ids: tuple[int, ...]) -> KVCache:
-        cache = self.runner.new_cache(capacity=len(prefix_ids))
-        if prefix_ids:
-            self._prefill_tokens(_ids(prefix_ids), cache, num_logits=0)
-        return cache
+    def prefix_kv(self, prefix_ids: tuple[int, ...]) -> KVCache:
+        """The full KV of a prefix, prefilled once and then reused. Shared: clone it to edit."""
+
+        def prefill() -> KVCache:
+            cache = self.runner.new_cache(capacity=len(prefix_ids))
+            if prefix_ids:
+                self._prefill_tokens(_ids(prefix_ids), cache, num_logits=0)
+            return cache
+
+        return self.prefix_store.lookup(prefix_ids, prefill)
 
     def _prefill_tokens(self, token_ids: torch.Tensor, cache: KVCache, num_logits: int = 1):
         return self.runner.prefill(token_ids, cache, num_logits, self.config.prefill_chunk)

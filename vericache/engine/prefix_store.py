@@ -1,7 +1,7 @@
 """Full and compressed KV of prompt prefixes already computed, reused by later requests.
 
-A prefix is prefilled once and compressed once per compressor; requests that start with it get
-independent copies. Entries are evicted least recently used first beyond `capacity_bytes`.
+A prefix is prefilled once and compressed once per compressor; requests that start with it clone
+what they need. Entries are evicted least recently used first beyond `capacity_bytes`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ class PrefixStore:
     def nbytes(self) -> int:
         return sum(cache.nbytes for cache in self._entries.values())
 
-    def get_or_build(self, key: Hashable, build: Callable[[], KVCache], capacity: int) -> KVCache:
-        """A copy of the cache stored under `key`, built (and stored) on the first request."""
+    def lookup(self, key: Hashable, build: Callable[[], KVCache]) -> KVCache:
+        """The cache stored under `key`, built (and stored) on the first request. The cache is
+        shared: callers clone it before editing."""
         cache = self._entries.get(key)
         if cache is None:
             self.misses += 1
@@ -33,7 +34,7 @@ class PrefixStore:
         else:
             self.hits += 1
             self._entries.move_to_end(key)
-        return cache.clone(capacity)
+        return cache
 
     def _store(self, key: Hashable, cache: KVCache) -> None:
         if cache.nbytes > self.capacity_bytes:

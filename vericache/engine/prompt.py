@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vericache.errors import UnsupportedModelError
+
 
 @dataclass(frozen=True)
 class PromptIds:
@@ -27,7 +29,9 @@ def build_chat_prompt(tokenizer, context: str | None, prompt: str) -> PromptIds:
         if context:
             prefix = tokenizer.apply_chat_template(messages[:1], tokenize=False)
             if not full.startswith(prefix):
-                raise ValueError("the chat template does not render the system turn as a prefix")
+                raise UnsupportedModelError(
+                    "the model's chat template does not render the system turn as a prefix"
+                )
     else:
         prefix = f"{context}\n\n" if context else ""
         full = prefix + prompt

@@ -60,6 +60,7 @@ class Request:
     request_id: str = ""
 
     def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))  # hashable, immutable
         if not self.prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         if not 0 <= self.num_prefix_tokens <= len(self.prompt_ids):
@@ -105,9 +106,10 @@ class RequestStats:
 
     @property
     def tokens_per_s(self) -> float:
-        """Decode throughput: output tokens over the time after prefill."""
+        """Decode throughput: output tokens after the first (which the prefill yields) over the
+        time after the prefill."""
         decode_time = self.total_s - self.prefill_s
-        return self.num_output_tokens / decode_time if decode_time > 0 else 0.0
+        return (self.num_output_tokens - 1) / decode_time if decode_time > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {

@@ -45,14 +45,21 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
-    def is_drafting(self) -> bool:
-        """Needs a forward over the compressed cache this iteration (a draft or lossy step)."""
+    def needs_compressed_forward(self) -> bool:
+        """A draft step (vericache) or a decode step (lossy) this iteration."""
         if self.mode is DecodeMode.LOSSY:
             return True
         if self.mode is not DecodeMode.VERICACHE:
             return False
         ended = bool(self.draft_ids) and self.draft_ids[-1] in self.stop_checker.end_ids
         return len(self.draft_ids) < self.draft_target and not ended
+
+    @property
+    def needs_full_forward(self) -> bool:
+        """Full mode decodes every iteration; a vericache round verifies once its drafts are in."""
+        if self.is_finished or self.mode is DecodeMode.LOSSY:
+            return False
+        return self.mode is DecodeMode.FULL or not self.needs_compressed_forward
 
     def compressed_input(self) -> list[int]:
         if self.draft_ids:
@@ -62,15 +69,16 @@ class Sequence:
     def full_input(self) -> list[int]:
         return self.token_ids[self.full_cache.num_tokens :] + self.draft_ids
 
-    def commit(self, tokens: list[int]) -> None:
-        """Appends output tokens one at a time until a stop condition fires."""
-        for token in tokens:
+    def commit(self, tokens: list[int]) -> int:
+        """Appends output tokens one at a time until a stop condition fires; returns how many."""
+        for count, token in enumerate(tokens, start=1):
             self.token_ids.append(token)
             self.stats.num_output_tokens += 1
             reason = self.stop_checker.finish_reason(self.output_ids, len(self.token_ids))
             if reason is not None:
                 self.finish(reason)
-                return
+                return count
+        return len(tokens)
 
     def finish(self, reason: str) -> None:
         self.finish_reason = reason

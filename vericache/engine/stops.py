@@ -4,6 +4,7 @@ so `vericache` stops at exactly the token where `full` stops, even inside a draf
 from __future__ import annotations
 
 from vericache.engine.request import SamplingParams
+from vericache.errors import InvalidRequestError
 
 
 class StopChecker:
@@ -22,7 +23,7 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.stop_text_end: int | None = None  # where the text is cut for a stop string
         if params.stop and tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
+            raise InvalidRequestError("stop strings need a model with a tokenizer")
 
     def finish_reason(self, output_ids: list[int], num_total_tokens: int) -> str | None:
         """Checks the newest output token; returns "stop", "length" or None (go on)."""

@@ -71,11 +71,12 @@ class DenseLayerKV:
         layer._write(keys, values, positions)
         return layer
 
-    def _ensure_capacity(self, num_slots: int) -> None:
+    def _ensure_capacity(self, num_slots: int, exact: bool = False) -> None:
+        """Room for num_slots; appends grow geometrically, `exact` grows to just what is asked."""
         capacity = self._keys.shape[0]
         if num_slots <= capacity:
             return
-        new_capacity = aligned(max(num_slots, 2 * capacity))
+        new_capacity = aligned(num_slots if exact else max(num_slots, 2 * capacity))
         for name in ("_keys", "_values", "_positions"):
             old = getattr(self, name)
             new = old.new_zeros((new_capacity, *old.shape[1:]))
@@ -96,7 +97,7 @@ class DenseLayerKV:
 
     def keys_values(self, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         end = aligned(self.num_slots, pad_to)
-        self._ensure_capacity(end)
+        self._ensure_capacity(end, exact=True)
         return self._keys[:end], self._values[:end]
 
     def positions(self) -> torch.Tensor:
@@ -179,13 +180,14 @@ class KVCache:
             raise CacheStateError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
         if removed == 0:
             return
+        tails = [layer.positions()[-removed:] for layer in self.layers]
+        # One device sync for all layers.
+        if min(t.shape[0] for t in tails) < removed or int(torch.cat(tails).min()) < num_tokens:
+            raise CacheStateError(
+                f"tokens after position {num_tokens} were compressed already; "
+                "only uncommitted tokens can be rolled back"
+            )
         for layer in self.layers:
-            tail = layer.positions()[-removed:]
-            if tail.shape[0] < removed or int(tail.min()) < num_tokens:
-                raise CacheStateError(
-                    f"tokens after position {num_tokens} were compressed already; "
-                    "only uncommitted tokens can be rolled back"
-                )
             layer.drop_last(removed)
         self.num_tokens = num_tokens
 

@@ -13,7 +13,7 @@ import copy
 import torch
 
 from vericache.errors import CacheStateError
-from vericache.kernels.quant import codes_per_byte, dequantize, pack, quantize, unpack
+from vericache.kernels.quant import codes_per_byte, dequantize_packed, pack, quantize
 from vericache.kv.cache import DenseLayerKV, aligned
 
 
@@ -87,12 +87,13 @@ class QuantizedLayerKV:
         keys = torch.empty(shape, dtype=self.dtype, device=self._key_codes.device)
         values = torch.empty_like(keys)
         if num_quantized:
-            key_codes = unpack(self._key_codes, self.bits).unflatten(0, (-1, self.group_size))
-            scale, zero = self._key_scale.unsqueeze(1), self._key_zero.unsqueeze(1)
-            keys[:num_quantized] = dequantize(key_codes, scale, zero, self.dtype).flatten(0, 1)
-            value_codes = unpack(self._value_codes, self.bits)
-            values[:num_quantized] = dequantize(
-                value_codes, self._value_scale, self._value_zero, self.dtype
+            key_codes = self._key_codes.unflatten(0, (-1, self.group_size))  # [G, S, H, D*bits/8]
+            scale, zero = self._key_scale.unsqueeze(1), self._key_zero.unsqueeze(1)  # [G, 1, H, D]
+            keys[:num_quantized] = dequantize_packed(
+                key_codes, self.bits, scale, zero, self.dtype
+            ).flatten(0, 1)
+            values[:num_quantized] = dequantize_packed(
+                self._value_codes, self.bits, self._value_scale, self._value_zero, self.dtype
             )
         residual_keys, residual_values = self.residual.keys_values()
         keys[num_quantized:total] = residual_keys

@@ -9,13 +9,7 @@ from typing import Any
 
 from vericache.errors import ModelNotFoundError, UnsupportedModelError
 
-# model_type -> (attention projections have a bias, per-head q/k RMSNorm before RoPE)
-SUPPORTED_MODEL_TYPES: dict[str, tuple[bool, bool]] = {
-    "llama": (False, False),
-    "mistral": (False, False),
-    "qwen2": (True, False),
-    "qwen3": (False, True),
-}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -50,9 +44,11 @@ class ModelConfig:
     rms_norm_eps: float
     rope: RopeConfig
     tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool
-    sliding_window: int | None
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    layer_windows: tuple[int | None, ...]  # sliding-window size per layer; None: full attention
     eos_token_ids: tuple[int, ...]
 
     def __post_init__(self):
@@ -89,11 +85,8 @@ class ModelConfig:
             )
         if raw.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"activation {raw['hidden_act']!r} is not supported")
-        qkv_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
         num_heads = raw["num_attention_heads"]
-        sliding_window = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-            sliding_window = None
+        attention_bias = bool(raw.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -107,11 +100,30 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope=_rope_config(raw),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=qkv_bias or raw.get("attention_bias", False),
-            qk_norm=qk_norm,
-            sliding_window=sliding_window,
+            # As transformers builds them: Qwen2 biases q/k/v only, always; Llama and Qwen3 bias
+            # all four projections when attention_bias is set.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            layer_windows=_layer_windows(model_type, raw),
             eos_token_ids=_eos_ids(raw, generation or {}),
         )
+
+
+def _layer_windows(model_type: str, raw: dict[str, Any]) -> tuple[int | None, ...]:
+    num_layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
+    if model_type == "llama" or window is None:
+        return (None,) * num_layers
+    if "layer_types" in raw:
+        return tuple(window if kind == "sliding_attention" else None for kind in raw["layer_types"])
+    if model_type == "mistral":
+        return (window,) * num_layers
+    # Qwen2/Qwen3: the window is opt-in and spares the first max_window_layers layers.
+    if not raw.get("use_sliding_window", False):
+        return (None,) * num_layers
+    first = raw.get("max_window_layers", num_layers)
+    return tuple(window if index >= first else None for index in range(num_layers))
 
 
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vericache.kv.cache import aligned
+
 ROW_ALIGN = 16
 KEY_ALIGN = 1024
 
@@ -76,20 +78,22 @@ def attention(
     return out.reshape(num_new, num_heads * head_dim)
 
 
-def causal_mask(num_new: int, num_slots: int, device) -> torch.Tensor:
-    """[n, num_slots] bool: new token m sees every older slot and new slots 0..m."""
+def visibility_mask(num_new: int, num_slots: int, window_mask, device) -> torch.Tensor:
+    """[n, num_slots] bool, or [Hkv, n, num_slots] with a window: new token m sees every older
+    slot and new slots 0..m, minus what a sliding window hides."""
     slots = torch.arange(num_slots, device=device)
     last_visible = num_slots - num_new + torch.arange(num_new, device=device)
-    return slots.unsqueeze(0) <= last_visible.unsqueeze(1)
+    mask = slots.unsqueeze(0) <= last_visible.unsqueeze(1)
+    return mask if window_mask is None else mask & window_mask
 
 
 def _sdpa_attention(q, keys, values, window_mask, group) -> torch.Tensor:
     num_new, num_slots = q.shape[0], keys.shape[0]
     mask = None
     if num_new > 1 or window_mask is not None:
-        mask = causal_mask(num_new, num_slots, q.device)
+        mask = visibility_mask(num_new, num_slots, window_mask, q.device)
         if window_mask is not None:
-            mask = (mask & window_mask).repeat_interleave(group, dim=0).unsqueeze(0)
+            mask = mask.repeat_interleave(group, dim=0).unsqueeze(0)  # [1, Hq, n, slots]
     out = F.scaled_dot_product_attention(
         q.permute(1, 0, 2).unsqueeze(0),  # [1, Hq, n, D]
         keys.permute(1, 0, 2).unsqueeze(0),  # [1, Hkv, T, D]
@@ -104,14 +108,14 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
     num_new, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
-    padded_slots = -(-num_slots // KEY_ALIGN) * KEY_ALIGN
+    padded_slots = aligned(num_slots, KEY_ALIGN)
     keys, values = keys[:padded_slots], values[:padded_slots]
     # Rows ordered (group member, token) per KV head: [Hkv, g * n, D].
     rows = (q * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
     rows = _pad_rows(rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim), ROW_ALIGN)
     scores = torch.matmul(rows, keys.permute(1, 2, 0))  # [Hkv, R, T']
     scores.masked_fill_(~_visible(scores, num_new, num_slots, group, window_mask), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     # probs @ values, one fixed-shape product per block of KEY_ALIGN keys, summed in block order:
     # the sum over keys then does not depend on how many masked blocks trail the visible ones
     # (MKL reduces a 256-long and a 512-long product in different orders).
@@ -135,10 +139,8 @@ def _visible(scores, num_new: int, num_slots: int, group: int, window_mask) -> t
     num_kv_heads, num_rows, padded_slots = scores.shape
     device = scores.device
     visible = torch.zeros(num_kv_heads, group, num_new, padded_slots, dtype=torch.bool, device=device)
-    token_mask = causal_mask(num_new, num_slots, device)
-    if window_mask is not None:
-        token_mask = (token_mask & window_mask).unsqueeze(1)
-    visible[..., :num_slots] = token_mask
+    token_mask = visibility_mask(num_new, num_slots, window_mask, device)
+    visible[..., :num_slots] = token_mask if window_mask is None else token_mask.unsqueeze(1)
     visible = visible.view(num_kv_heads, group * num_new, padded_slots)
     if num_rows > group * num_new:
         # Padding rows see slot 0 only, so their softmax stays finite; their output is discarded.

@@ -70,34 +70,32 @@ class ModelRunner:
         c = self.config
         x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
         q, k, v = linear(x, layer.qkv, layer.qkv_bias, invariant).split(self._qkv_split, dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim)
-        k = k.view(-1, c.num_kv_heads, c.head_dim)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        q = q.view(-1, c.num_heads, c.head_dim)  # [N, Hq, D]
+        k = k.view(-1, c.num_kv_heads, c.head_dim)  # [N, Hkv, D]
+        v = v.view(-1, c.num_kv_heads, c.head_dim)  # [N, Hkv, D]
         if c.qk_norm:
             q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
         q, k = self.rope(q, positions), self.rope(k, positions)
         outputs, start = [], 0
+        window = c.layer_windows[index]
         for seq, n in zip(batch, counts):
             end = start + n
             layer_kv = seq.cache.layers[index]
             layer_kv.append(k[start:end], v[start:end], positions[start:end])
             keys, values = layer_kv.keys_values(pad_to=KEY_ALIGN if invariant else 1)
-            window = self._window_mask(layer_kv, positions[start:end])
-            outputs.append(attention(q[start:end], keys, values, layer_kv.num_slots, invariant, window))
+            window_mask = None
+            # The window only hides keys once the newest token is `window` positions in.
+            if window is not None and seq.cache.num_tokens + n > window:
+                window_mask = _window_mask(window, layer_kv.positions(), positions[start:end])
+            outputs.append(
+                attention(q[start:end], keys, values, layer_kv.num_slots, invariant, window_mask)
+            )
             start = end
-        hidden = hidden + linear(torch.cat(outputs), layer.o_proj, None, invariant)
+        hidden = hidden + linear(torch.cat(outputs), layer.o_proj, layer.o_bias, invariant)
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps)
-        gate, up = linear(x, layer.gate_up, None, invariant).chunk(2, dim=-1)
-        return hidden + linear(silu(gate) * up, layer.down, None, invariant)
-
-    def _window_mask(self, layer_kv, query_positions: torch.Tensor) -> torch.Tensor | None:
-        """[Hkv, n, slots] bool for sliding-window models once the sequence outgrows the window."""
-        window = self.config.sliding_window
-        if window is None or int(query_positions[-1]) < window:
-            return None
-        key_positions = layer_kv.positions().T  # [Hkv, slots]
-        return key_positions.unsqueeze(1) > (query_positions.view(1, -1, 1) - window)
+        gate, up = linear(x, layer.gate_up, layer.gate_up_bias, invariant).chunk(2, dim=-1)
+        return hidden + linear(silu(gate) * up, layer.down, layer.down_bias, invariant)
 
     def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
         rows, start = [], 0
@@ -118,7 +116,9 @@ class ModelRunner:
         num_logits: int = 1,
         chunk_size: int = DEFAULT_PREFILL_CHUNK,
     ) -> torch.Tensor:
-        """Appends a long run of tokens chunk by chunk (bounded memory); logits of the last ones."""
+        """Appends a long run of tokens chunk by chunk (bounded memory).
+
+        Returns float32 logits [num_logits, vocab] of the last `num_logits` tokens."""
         total = token_ids.numel()
         logits = []
         for start in range(0, total, chunk_size):
@@ -126,3 +126,8 @@ class ModelRunner:
             wanted = max(0, min(chunk.numel(), start + chunk.numel() - (total - num_logits)))
             logits += self.forward([SequenceInput(chunk, cache, wanted)])
         return torch.cat(logits)
+
+
+def _window_mask(window: int, key_positions: torch.Tensor, query_positions: torch.Tensor):
+    """[Hkv, n, slots] bool: key_positions [slots, Hkv] within `window` of query_positions [n]."""
+    return key_positions.T.unsqueeze(1) > (query_positions.view(1, -1, 1) - window)

@@ -26,9 +26,12 @@ class LayerWeights:
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None  # [D] (Qwen3)
     o_proj: torch.Tensor  # [hidden, Hq * D]
+    o_bias: torch.Tensor | None  # [hidden]
     post_attention_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None  # [2 * intermediate]
     down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None  # [hidden]
 
 
 @dataclass
@@ -73,27 +76,28 @@ def build_weights(config: ModelConfig, state: dict[str, torch.Tensor], dtype, de
             raise UnsupportedModelError(f"checkpoint lacks tensor {name!r}")
         return state[name].to(device=device, dtype=dtype)
 
-    def optional(name: str) -> torch.Tensor | None:
-        return take(name) if name in state else None
+    def fused(names: list[str], suffix: str) -> torch.Tensor:
+        return torch.cat([take(name + suffix) for name in names])
 
     layers = []
     for i in range(config.num_layers):
-        prefix = f"layers.{i}."
-        attn = prefix + "self_attn."
-        qkv_bias = None
-        if config.attention_bias:
-            qkv_bias = torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"])
+        attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        qkv = [f"{attn}{p}_proj" for p in "qkv"]
+        gate_up = [mlp + "gate_proj", mlp + "up_proj"]
         layers.append(
             LayerWeights(
-                input_norm=take(prefix + "input_layernorm.weight"),
-                qkv=torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"]),
-                qkv_bias=qkv_bias,
-                q_norm=optional(attn + "q_norm.weight") if config.qk_norm else None,
-                k_norm=optional(attn + "k_norm.weight") if config.qk_norm else None,
+                input_norm=take(f"layers.{i}.input_layernorm.weight"),
+                qkv=fused(qkv, ".weight"),
+                qkv_bias=fused(qkv, ".bias") if config.qkv_bias else None,
+                q_norm=take(attn + "q_norm.weight") if config.qk_norm else None,
+                k_norm=take(attn + "k_norm.weight") if config.qk_norm else None,
                 o_proj=take(attn + "o_proj.weight"),
-                post_attention_norm=take(prefix + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")]),
-                down=take(prefix + "mlp.down_proj.weight"),
+                o_bias=take(attn + "o_proj.bias") if config.o_bias else None,
+                post_attention_norm=take(f"layers.{i}.post_attention_layernorm.weight"),
+                gate_up=fused(gate_up, ".weight"),
+                gate_up_bias=fused(gate_up, ".bias") if config.mlp_bias else None,
+                down=take(mlp + "down_proj.weight"),
+                down_bias=take(mlp + "down_proj.bias") if config.mlp_bias else None,
             )
         )
     # Tied checkpoints store the shared matrix once, under either name.

@@ -1,0 +1,99 @@
+"""The `vericache` command line: its JSON contract and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vericache.cli.main import main
+
+STATS_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "mean_accepted_per_round", "tokens_per_round"}
+
+
+def run_cli(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse errors
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--compressor", "snapkv9"], "unknown compressor 'snapkv9'"),
+        (["--ratio", "0.5"], "ratio must be >= 1"),
+        (["--compressor", "kivi", "--bits", "3"], "bits must be one of (2, 4, 8)"),
+        (["--compressor", "kivi", "--ratio", "4"], "takes no parameter 'ratio'"),
+        (["--mode", "sampled"], "invalid choice: 'sampled'"),
+        (["--draft-len", "many"], "invalid int value"),
+    ],
+)
+def test_bad_arguments_exit_nonzero_with_one_line(capsys, args, message):
+    code, out, err = run_cli(["generate", "--prompt", "hi", *args], capsys)
+    assert code != 0
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert message in err
+
+
+def test_prompt_longer_than_the_context_is_one_line(capsys, tmp_path, tiny_chat_checkpoint):
+    context = tmp_path / "context.txt"
+    context.write_text("word " * 2000)  # far beyond the tiny model's 512 positions
+    code, out, err = run_cli(
+        ["generate", "--model", str(tiny_chat_checkpoint), "--context-file", str(context),
+         "--prompt", "hi", "--mode", "full"],
+        capsys,
+    )
+    assert code != 0 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "context is 512" in err
+
+
+def test_missing_context_file_is_one_line(capsys, tiny_chat_checkpoint):
+    code, _, err = run_cli(
+        ["generate", "--model", str(tiny_chat_checkpoint), "--context-file", "/nonexistent/x.txt",
+         "--prompt", "hi"],
+        capsys,
+    )
+    assert code != 0 and "does not exist" in err and len(err.strip().splitlines()) == 1
+
+
+def test_json_contract_and_vericache_equals_full(capsys, tmp_path, tiny_chat_checkpoint):
+    context = tmp_path / "context.txt"
+    context.write_text("def add(a, b):\n    return a + b\n" * 20)
+    common = ["generate", "--model", str(tiny_chat_checkpoint), "--context-file", str(context),
+              "--prompt", "Explain.", "--max-tokens", "12", "--json"]
+    results = {}
+    for mode in ("full", "lossy", "vericache"):
+        code, out, _ = run_cli([*common, "--mode", mode, "--compressor", "kivi", "--bits", "2",
+                                "--draft-len", "4"], capsys)
+        assert code == 0
+        results[mode] = json.loads(out)
+    for result in results.values():
+        assert {"text", "token_ids", "stats", "timing"} <= result.keys()
+        assert STATS_KEYS <= result["stats"].keys()
+        assert {"total_s", "tokens_per_s"} <= result["timing"].keys()
+        assert isinstance(result["text"], str) and all(isinstance(t, int) for t in result["token_ids"])
+    assert results["vericache"]["token_ids"] == results["full"]["token_ids"]
+    assert results["vericache"]["text"] == results["full"]["text"]
+    stats = results["vericache"]["stats"]
+    assert stats["rounds"] >= 1 and stats["draft_tokens"] >= stats["accepted_tokens"]
+    assert stats["tokens_per_round"] == pytest.approx(stats["mean_accepted_per_round"] + 1)
+    assert results["full"]["stats"]["draft_tokens"] == 0
+
+
+def test_unknown_benchmark_is_refused(capsys):
+    code, _, err = run_cli(["bench", "nonexistent"], capsys)
+    assert code != 0 and "invalid choice" in err
+
+
+def test_console_script_is_installed():
+    result = subprocess.run(
+        [sys.executable, "-m", "vericache.cli.main", "generate", "--help"],
+        capture_output=True, text=True, check=True,
+    )
+    assert "--context-file" in result.stdout and "--draft-len" in result.stdout
