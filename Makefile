@@ -26,6 +26,7 @@ demo: install
 	$(PY) -m vericache.demo
 
 test: install
+	$(VENV)/bin/ruff check vericache kernels bench tests
 	$(PY) -m pytest
 
 test-fast: install

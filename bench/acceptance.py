@@ -50,10 +50,19 @@ def run(args) -> dict:
         engine = Engine(engine.runner, engine.tokenizer, config, engine.prefix_store)
         for draft_len in args.draft_lens:
             batch = [
-                (kind, compressor, reference, Request(
-                    prompt.token_ids, prompt.num_prefix_tokens, params,
-                    DecodeMode.VERICACHE, compressor, draft_len,
-                ))
+                (
+                    kind,
+                    compressor,
+                    reference,
+                    Request(
+                        prompt.token_ids,
+                        prompt.num_prefix_tokens,
+                        params,
+                        DecodeMode.VERICACHE,
+                        compressor,
+                        draft_len,
+                    ),
+                )
                 for (kind, prompt), reference in zip(prompts, references)
                 for compressor in compressors
             ]
@@ -62,15 +71,17 @@ def run(args) -> dict:
                 chunk = batch[start : start + args.batch_size]
                 outputs += engine.generate([request for *_, request in chunk])
             for (kind, compressor, reference, _), out in zip(batch, outputs):
-                records.append({
-                    "kind": kind,
-                    "compressor": compressor.label,
-                    "draft_len": draft_len,
-                    "draft_kv": source.value,
-                    "identical": out.token_ids == reference.token_ids,
-                    "drafted_per_round": out.stats.drafted_per_round,
-                    "accepted_per_round": out.stats.accepted_per_round,
-                })
+                records.append(
+                    {
+                        "kind": kind,
+                        "compressor": compressor.label,
+                        "draft_len": draft_len,
+                        "draft_kv": source.value,
+                        "identical": out.token_ids == reference.token_ids,
+                        "drafted_per_round": out.stats.drafted_per_round,
+                        "accepted_per_round": out.stats.accepted_per_round,
+                    }
+                )
             print(f"[acceptance] draft_kv={source.value} x={draft_len}: {len(batch)} requests done")
     return _result(records, labels, args, max_tokens, len(prompts))
 
@@ -87,7 +98,9 @@ def _aggregate(records: list[dict]) -> dict:
     """Per (draft_kv, kind, compressor, x): accepted per full round, per round, acceptance rate."""
     groups = defaultdict(list)
     for record in records:
-        groups[record["draft_kv"], record["kind"], record["compressor"], record["draft_len"]].append(record)
+        groups[
+            record["draft_kv"], record["kind"], record["compressor"], record["draft_len"]
+        ].append(record)
     table = {}
     for (source, kind, label, draft_len), group in sorted(groups.items()):
         drafted = [d for r in group for d in r["drafted_per_round"]]
@@ -109,11 +122,17 @@ def _mean(values):
 
 def _result(records, labels, args, max_tokens, num_prompts) -> dict:
     table = _aggregate(records)
-    default = DraftKVSource.VERIFIER.value if DraftKVSource.VERIFIER.value in table else args.draft_kv
+    default = (
+        DraftKVSource.VERIFIER.value if DraftKVSource.VERIFIER.value in table else args.draft_kv
+    )
 
     def at_x30(source, kind):
         cells = table[source].get(kind, {})
-        return {label: cells[label][30]["mean_accepted_per_full_round"] for label in labels if 30 in cells.get(label, {})}
+        return {
+            label: cells[label][30]["mean_accepted_per_full_round"]
+            for label in labels
+            if 30 in cells.get(label, {})
+        }
 
     x30 = at_x30(default, "code")
     summary = {
@@ -132,8 +151,13 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
             "x30": "mean accepted draft tokens per round that drafted 30 tokens, code contexts",
             "target": f">= {TARGET_X30} for {', '.join(TARGET_LABELS)} (code, 3k+ token contexts)",
         },
-        "config": {"max_tokens": max_tokens, "num_prompts": num_prompts, "quick": args.quick,
-                   "draft_lens": args.draft_lens, "model": args.model},
+        "config": {
+            "max_tokens": max_tokens,
+            "num_prompts": num_prompts,
+            "quick": args.quick,
+            "draft_lens": args.draft_lens,
+            "model": args.model,
+        },
         "environment": environment(),
         "table": table,
         "table_markdown": _markdown(table, args.draft_lens),
@@ -171,7 +195,9 @@ def plot(result: dict, path) -> None:
     for axis, (kind, compressors) in zip(axes[0], table.items()):
         for label, cells in compressors.items():
             xs = sorted(cells, key=int)
-            axis.plot(xs, [cells[x]["mean_accepted_per_full_round"] for x in xs], marker="o", label=label)
+            axis.plot(
+                xs, [cells[x]["mean_accepted_per_full_round"] for x in xs], marker="o", label=label
+            )
         top = max(int(x) for cells in compressors.values() for x in cells)
         axis.plot([0, top], [0, top], color="grey", linestyle=":", label="all accepted")
         axis.axhline(TARGET_X30, color="red", linewidth=0.8, linestyle="--", label="target at x=30")

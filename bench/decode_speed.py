@@ -41,7 +41,8 @@ def time_steps(runner: ModelRunner, caches: list[KVCache], steps: int, invariant
     for _ in range(steps):
         start = time.perf_counter()
         logits = runner.forward(
-            [SequenceInput(token, cache) for token, cache in zip(tokens, caches)], invariant=invariant
+            [SequenceInput(token, cache) for token, cache in zip(tokens, caches)],
+            invariant=invariant,
         )
         tokens = [row.argmax(-1) for row in logits]
         _synchronize(runner.device)
@@ -81,7 +82,10 @@ def time_transformers(path, ids: list[int], steps: int) -> dict:
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         output = model.generate(
-            input_ids, past_key_values=past, max_new_tokens=steps, min_new_tokens=steps,
+            input_ids,
+            past_key_values=past,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
             do_sample=False,
         )
         decode_s = time.perf_counter() - start
@@ -117,22 +121,31 @@ def run(args) -> dict:
     # Serving many long requests at once: the weights are read once per step for all of them,
     # the KV once per request, so the cache dominates.
     batch = [full.clone() for _ in range(args.batch)]
-    step_ms[f"full_fast_batch{args.batch}"] = 1e3 * time_steps(runner, batch, steps, invariant=False)
+    step_ms[f"full_fast_batch{args.batch}"] = 1e3 * time_steps(
+        runner, batch, steps, invariant=False
+    )
     headline = compressor_from_label(HEADLINE_LABEL).compress(full)
     batch = [headline.clone() for _ in range(args.batch)]
-    step_ms[f"draft_{HEADLINE_LABEL}_batch{args.batch}"] = 1e3 * time_steps(runner, batch, steps, False)
+    step_ms[f"draft_{HEADLINE_LABEL}_batch{args.batch}"] = 1e3 * time_steps(
+        runner, batch, steps, False
+    )
     del batch
     verify_ms = 1e3 * time_verification(runner, full, 31, repeats=3)
     hf = time_transformers(resolve_model_dir(args.model), ids, steps)
     step_ms["transformers_generate"] = 1e3 / hf["tokens_per_s"]
-    return _result(args, context, steps, step_ms, verify_ms, full_run, hf, full.nbytes, compressed_bytes)
+    return _result(
+        args, context, steps, step_ms, verify_ms, full_run, hf, full.nbytes, compressed_bytes
+    )
 
 
-def _result(args, context, steps, step_ms, verify_ms, full_run, hf, full_bytes, compressed_bytes) -> dict:
+def _result(
+    args, context, steps, step_ms, verify_ms, full_run, hf, full_bytes, compressed_bytes
+) -> dict:
     full_tokens_per_s = full_run.stats.tokens_per_s
     summary = {
         "draft_over_full_step": step_ms[f"draft_{HEADLINE_LABEL}"] / step_ms["full_fast"],
-        "draft_over_full_invariant_step": step_ms[f"draft_{HEADLINE_LABEL}"] / step_ms["full_invariant"],
+        "draft_over_full_invariant_step": step_ms[f"draft_{HEADLINE_LABEL}"]
+        / step_ms["full_invariant"],
         "runner_over_hf": full_tokens_per_s / hf["tokens_per_s"],
         "runner_fast_over_hf": (1e3 / step_ms["full_fast"]) / hf["tokens_per_s"],
         "context_tokens": context.num_tokens,
@@ -152,7 +165,12 @@ def _result(args, context, steps, step_ms, verify_ms, full_run, hf, full_bytes, 
             "runner_over_hf": "engine full-mode decode tokens/s (batch-invariant kernels) / "
             "transformers generate tokens/s over the same prefilled context (target >= 1)",
         },
-        "config": {"model": args.model, "steps": steps, "context": context.name, "quick": args.quick},
+        "config": {
+            "model": args.model,
+            "steps": steps,
+            "context": context.name,
+            "quick": args.quick,
+        },
         "environment": environment(),
         "step_ms": step_ms,
         "verify_31_tokens_ms": verify_ms,
@@ -168,7 +186,9 @@ def plot(result: dict, path) -> None:
     values = [result["step_ms"][name] for name in names]
     fig, axis = plt.subplots(figsize=(8, 4))
     axis.barh(names, values, color=["tab:blue" if "draft" in n else "tab:grey" for n in names])
-    axis.set(xlabel="ms per decode step", title=f"{result['summary']['context_tokens']}-token context")
+    axis.set(
+        xlabel="ms per decode step", title=f"{result['summary']['context_tokens']}-token context"
+    )
     for y, value in enumerate(values):
         axis.text(value, y, f" {value:.0f}", va="center")
     fig.tight_layout()

@@ -21,7 +21,7 @@ def codes_per_byte(bits: int) -> int:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes: uint8 [..., C] with values < 2**bits, C a multiple of 8 // bits -> uint8 [..., C*bits/8]."""
+    """uint8 codes [..., C] (values < 2**bits, C a multiple of 8 / bits) -> [..., C * bits / 8]."""
     per_byte = codes_per_byte(bits)
     if per_byte == 1:
         return codes.to(torch.uint8)
@@ -72,7 +72,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dty
     return (codes.float() * scale.float() + zero.float()).to(dtype)
 
 
-def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor, dtype):
+def dequantize_packed(
+    packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor, dtype
+):
     """`dequantize(unpack(packed))` in two passes: a table maps each byte to its float codes.
 
     packed: uint8 [..., B]; scale, zero: broadcastable to [..., B * 8 / bits]."""
@@ -81,7 +83,7 @@ def dequantize_packed(packed: torch.Tensor, bits: int, scale: torch.Tensor, zero
     return torch.addcmul(zero.float(), codes, scale.float()).to(dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _byte_table(bits: int, device: torch.device) -> torch.Tensor:
     """[256, 8 / bits] float32: the codes a byte holds, lowest bits first."""
     return unpack(torch.arange(256, dtype=torch.uint8), bits).view(256, -1).float().to(device)

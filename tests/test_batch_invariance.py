@@ -36,7 +36,10 @@ def test_attention_decode_equals_verification_rows(num_cached):
     total = num_cached + num_new
     keys = torch.zeros(4 * KEY_ALIGN, kv_heads, dim)
     values = torch.zeros_like(keys)
-    keys[:total], values[:total] = torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    keys[:total], values[:total] = (
+        torch.randn(total, kv_heads, dim),
+        torch.randn(total, kv_heads, dim),
+    )
     q = torch.randn(num_new, heads, dim)
     verified = attention(q, keys, values, total, invariant=True)
     for m in range(num_new):
@@ -60,11 +63,17 @@ def test_runner_step_by_step_equals_one_forward_bitwise(tiny_checkpoint, family)
     runner.prefill(torch.randint(3, 512, (70,)), other_cache, num_logits=0)
 
     stepwise = torch.cat(
-        [runner.forward([SequenceInput(t.view(1), stepwise_cache)], invariant=True)[0] for t in continuation]
+        [
+            runner.forward([SequenceInput(t.view(1), stepwise_cache)], invariant=True)[0]
+            for t in continuation
+        ]
     )
     # The verification shares its forward with another sequence, as in a batched engine step.
     verified, _ = runner.forward(
-        [SequenceInput(continuation, verify_cache, 31), SequenceInput(continuation[:5], other_cache)],
+        [
+            SequenceInput(continuation, verify_cache, 31),
+            SequenceInput(continuation[:5], other_cache),
+        ],
         invariant=True,
     )
     assert torch.equal(stepwise, verified)

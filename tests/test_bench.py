@@ -25,8 +25,15 @@ def test_compressor_labels_round_trip():
 
 
 def _record(kind, label, draft_len, drafted, accepted, source="verifier"):
-    return {"kind": kind, "compressor": label, "draft_len": draft_len, "draft_kv": source,
-            "identical": True, "drafted_per_round": drafted, "accepted_per_round": accepted}
+    return {
+        "kind": kind,
+        "compressor": label,
+        "draft_len": draft_len,
+        "draft_kv": source,
+        "identical": True,
+        "drafted_per_round": drafted,
+        "accepted_per_round": accepted,
+    }
 
 
 def test_acceptance_counts_only_full_rounds_in_the_headline(tmp_path):
@@ -44,7 +51,8 @@ def test_acceptance_counts_only_full_rounds_in_the_headline(tmp_path):
     assert cell["mean_accepted_per_round"] == pytest.approx(18.0)  # (30 + 10 + 12 + 20) / 4
     assert cell["acceptance_rate"] == pytest.approx(72 / 102)
     assert result["summary"]["x30"] == {
-        "kivi-4bit": pytest.approx(20.0), "streamingllm-4x": pytest.approx(17.5)
+        "kivi-4bit": pytest.approx(20.0),
+        "streamingllm-4x": pytest.approx(17.5),
     }
     assert result["summary"]["x30_tools"] == {"kivi-4bit": 0.0}
     assert result["summary"]["meets_target"] is False  # streamingllm-4x below 18

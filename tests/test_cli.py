@@ -10,7 +10,13 @@ import pytest
 
 from vericache.cli.main import main
 
-STATS_KEYS = {"rounds", "draft_tokens", "accepted_tokens", "mean_accepted_per_round", "tokens_per_round"}
+STATS_KEYS = {
+    "rounds",
+    "draft_tokens",
+    "accepted_tokens",
+    "mean_accepted_per_round",
+    "tokens_per_round",
+}
 
 
 def run_cli(argv, capsys):
@@ -45,8 +51,17 @@ def test_prompt_longer_than_the_context_is_one_line(capsys, tmp_path, tiny_chat_
     context = tmp_path / "context.txt"
     context.write_text("word " * 2000)  # far beyond the tiny model's 512 positions
     code, out, err = run_cli(
-        ["generate", "--model", str(tiny_chat_checkpoint), "--context-file", str(context),
-         "--prompt", "hi", "--mode", "full"],
+        [
+            "generate",
+            "--model",
+            str(tiny_chat_checkpoint),
+            "--context-file",
+            str(context),
+            "--prompt",
+            "hi",
+            "--mode",
+            "full",
+        ],
         capsys,
     )
     assert code != 0 and out == ""
@@ -55,8 +70,15 @@ def test_prompt_longer_than_the_context_is_one_line(capsys, tmp_path, tiny_chat_
 
 def test_missing_context_file_is_one_line(capsys, tiny_chat_checkpoint):
     code, _, err = run_cli(
-        ["generate", "--model", str(tiny_chat_checkpoint), "--context-file", "/nonexistent/x.txt",
-         "--prompt", "hi"],
+        [
+            "generate",
+            "--model",
+            str(tiny_chat_checkpoint),
+            "--context-file",
+            "/nonexistent/x.txt",
+            "--prompt",
+            "hi",
+        ],
         capsys,
     )
     assert code != 0 and "does not exist" in err and len(err.strip().splitlines()) == 1
@@ -65,19 +87,33 @@ def test_missing_context_file_is_one_line(capsys, tiny_chat_checkpoint):
 def test_json_contract_and_vericache_equals_full(capsys, tmp_path, tiny_chat_checkpoint):
     context = tmp_path / "context.txt"
     context.write_text("def add(a, b):\n    return a + b\n" * 20)
-    common = ["generate", "--model", str(tiny_chat_checkpoint), "--context-file", str(context),
-              "--prompt", "Explain.", "--max-tokens", "12", "--json"]
+    common = [
+        "generate",
+        "--model",
+        str(tiny_chat_checkpoint),
+        "--context-file",
+        str(context),
+        "--prompt",
+        "Explain.",
+        "--max-tokens",
+        "12",
+        "--json",
+    ]
     results = {}
     for mode in ("full", "lossy", "vericache"):
-        code, out, _ = run_cli([*common, "--mode", mode, "--compressor", "kivi", "--bits", "2",
-                                "--draft-len", "4"], capsys)
+        code, out, _ = run_cli(
+            [*common, "--mode", mode, "--compressor", "kivi", "--bits", "2", "--draft-len", "4"],
+            capsys,
+        )
         assert code == 0
         results[mode] = json.loads(out)
     for result in results.values():
         assert {"text", "token_ids", "stats", "timing"} <= result.keys()
         assert STATS_KEYS <= result["stats"].keys()
         assert {"total_s", "tokens_per_s"} <= result["timing"].keys()
-        assert isinstance(result["text"], str) and all(isinstance(t, int) for t in result["token_ids"])
+        assert isinstance(result["text"], str) and all(
+            isinstance(t, int) for t in result["token_ids"]
+        )
     assert results["vericache"]["token_ids"] == results["full"]["token_ids"]
     assert results["vericache"]["text"] == results["full"]["text"]
     stats = results["vericache"]["stats"]
@@ -94,6 +130,8 @@ def test_unknown_benchmark_is_refused(capsys):
 def test_console_script_is_installed():
     result = subprocess.run(
         [sys.executable, "-m", "vericache.cli.main", "generate", "--help"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "--context-file" in result.stdout and "--draft-len" in result.stdout

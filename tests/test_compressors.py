@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vericache.kernels.quant import dequantize, pack, quantize, unpack
 
 from vericache.compress import KIVI, CompressionKind, StreamingLLM, build_compressor
 from vericache.errors import CacheStateError, InvalidRequestError
+from vericache.kernels.quant import dequantize, pack, quantize, unpack
 from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.kv.quantized import QuantizedLayerKV
 

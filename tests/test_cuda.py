@@ -45,7 +45,10 @@ def test_cuda_verification_equals_one_token_steps_bitwise(tiny_checkpoint):
     runner.prefill(prompt, stepwise, num_logits=0)
     runner.prefill(prompt, verify, num_logits=0)
     steps = torch.cat(
-        [runner.forward([SequenceInput(t.view(1), stepwise)], invariant=True)[0] for t in continuation]
+        [
+            runner.forward([SequenceInput(t.view(1), stepwise)], invariant=True)[0]
+            for t in continuation
+        ]
     )
     (verified,) = runner.forward([SequenceInput(continuation, verify, 31)], invariant=True)
     assert torch.equal(steps, verified)

@@ -66,7 +66,9 @@ class ScrambledKV(Compressor):
         layers = []
         for layer in full.layers:
             keys, values = layer.keys_values()
-            layers.append(DenseLayerKV.from_tensors(keys, values.roll(7, dims=0), layer.positions()))
+            layers.append(
+                DenseLayerKV.from_tensors(keys, values.roll(7, dims=0), layer.positions())
+            )
         return KVCache(layers, num_tokens=full.num_tokens)
 
 
@@ -79,7 +81,10 @@ def test_vericache_equals_full(tiny_engine, full_outputs, compressor, draft_len,
     for out, expected in zip(outputs, full_outputs):
         assert out.token_ids == expected
         stats = out.stats
-        assert all(0 <= a <= d <= draft_len for a, d in zip(stats.accepted_per_round, stats.drafted_per_round))
+        assert all(
+            0 <= a <= d <= draft_len
+            for a, d in zip(stats.accepted_per_round, stats.drafted_per_round)
+        )
         # Every output token but the prefill's first comes from a round: accepted + the
         # verifier's own, unless an end token among the accepted drafts stopped the round.
         emitted = 1 + stats.accepted_tokens + stats.rounds
@@ -111,7 +116,10 @@ def test_eos_inside_a_draft(tiny_engine, full_outputs):
     end_token = reference[position]
     params = SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=(end_token,))
     results = {}
-    for mode, compressor in [(DecodeMode.FULL, None), (DecodeMode.VERICACHE, StreamingLLM(ratio=1))]:
+    for mode, compressor in [
+        (DecodeMode.FULL, None),
+        (DecodeMode.VERICACHE, StreamingLLM(ratio=1)),
+    ]:
         (out,) = tiny_engine().generate([Request(ids, prefix, params, mode, compressor, 30)])
         results[mode] = out
     assert results[DecodeMode.VERICACHE].token_ids == reference[: position + 1]
@@ -182,7 +190,9 @@ def test_vericache_runs_into_the_context_limit_like_full(tiny_checkpoint):
     ids = tuple(range(3, 103))
     params = SamplingParams(max_new_tokens=100)
     (full,) = engine.generate([Request(ids, 90, params, DecodeMode.FULL)])
-    (veri,) = engine.generate([Request(ids, 90, params, DecodeMode.VERICACHE, StreamingLLM(ratio=1), 30)])
+    (veri,) = engine.generate(
+        [Request(ids, 90, params, DecodeMode.VERICACHE, StreamingLLM(ratio=1), 30)]
+    )
     assert veri.token_ids == full.token_ids
     assert len(full.token_ids) == 128 - 100 and full.finish_reason == veri.finish_reason == "length"
 
@@ -198,13 +208,23 @@ def test_stop_string_ends_both_modes_at_the_same_token(tiny_chat_checkpoint):
 
     engine = Engine.from_pretrained(str(tiny_chat_checkpoint))
     prompt = build_chat_prompt(engine.tokenizer, "Some context " * 30, "Say something.")
-    free = engine.generate([Request(prompt.token_ids, prompt.num_prefix_tokens,
-                                    SamplingParams(max_new_tokens=30), DecodeMode.FULL)])[0]
+    free = engine.generate(
+        [
+            Request(
+                prompt.token_ids,
+                prompt.num_prefix_tokens,
+                SamplingParams(max_new_tokens=30),
+                DecodeMode.FULL,
+            )
+        ]
+    )[0]
     stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
     assert stop.strip(), "the tiny model's text is too short for this test"
     params = SamplingParams(max_new_tokens=30, stop=(stop,))
     results = [
-        engine.generate([Request(prompt.token_ids, prompt.num_prefix_tokens, params, mode, comp, 8)])[0]
+        engine.generate(
+            [Request(prompt.token_ids, prompt.num_prefix_tokens, params, mode, comp, 8)]
+        )[0]
         for mode, comp in [(DecodeMode.FULL, None), (DecodeMode.VERICACHE, StreamingLLM(ratio=4))]
     ]
     assert results[0].token_ids == results[1].token_ids

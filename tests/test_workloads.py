@@ -11,8 +11,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from vericache.bench import workloads
 
+from vericache.bench import workloads
 from vericache.errors import InvalidRequestError
 
 REPO = Path(__file__).resolve().parents[1]

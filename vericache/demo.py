@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine.from_pretrained()
     context = code_contexts(engine.tokenizer, 3000, 4000, count=1)[0]
     prompt = build_chat_prompt(engine.tokenizer, context.text, PROMPT)
-    print(f"Context: {context.name} from the standard library, {len(prompt.token_ids)} prompt tokens")
+    print(
+        f"Context: {context.name} from the standard library, {len(prompt.token_ids)} prompt tokens"
+    )
     print(f"Prompt: {PROMPT}\n")
     params = SamplingParams(max_new_tokens=args.max_tokens)
 
@@ -63,8 +65,9 @@ def _table(rows) -> str:
         accepted = f"{stats.mean_accepted_per_round:.1f}" if mode is DecodeMode.VERICACHE else "-"
         per_round = f"{stats.tokens_per_round:.1f}" if mode is DecodeMode.VERICACHE else "1.0"
         lines.append(
-            f"{mode.value:<10} {label or '-':<16} {stats.prefill_s:>9.1f} {stats.tokens_per_s:>9.1f} "
-            f"{accepted:>15} {per_round:>13}  {'yes' if identical else 'NO'}"
+            f"{mode.value:<10} {label or '-':<16} {stats.prefill_s:>9.1f} "
+            f"{stats.tokens_per_s:>9.1f} {accepted:>15} {per_round:>13}  "
+            f"{'yes' if identical else 'NO'}"
         )
     lines.append(
         "\nprefill s: later runs reuse the prefix's KV (prefilled and compressed once). "

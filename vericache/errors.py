@@ -18,4 +18,4 @@ class InvalidRequestError(VeriCacheError, ValueError):
 
 
 class CacheStateError(VeriCacheError):
-    """A KV cache was asked for something its contents cannot give (e.g. rolling back evicted KV)."""
+    """A KV cache was asked for what its contents cannot give (e.g. rolling back evicted KV)."""

@@ -17,16 +17,22 @@ from vericache.model.loader import DEFAULT_MODEL, DTYPES
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("generate", help="decode one prompt (full, lossy or vericache)")
-    parser.add_argument("--context-file", type=Path, help="text put in the system turn (the prefix)")
+    parser.add_argument(
+        "--context-file", type=Path, help="text put in the system turn (the prefix)"
+    )
     parser.add_argument("--prompt", required=True, help="the user turn")
     parser.add_argument("--mode", choices=[m.value for m in DecodeMode], default="vericache")
-    parser.add_argument("--compressor", default="streamingllm", help=f"one of {sorted(COMPRESSORS)}")
+    parser.add_argument(
+        "--compressor", default="streamingllm", help=f"one of {sorted(COMPRESSORS)}"
+    )
     parser.add_argument("--ratio", type=float, help="compression ratio (token dropping)")
     parser.add_argument("--bits", type=int, help="bits per value (quantization)")
     parser.add_argument("--draft-len", type=int, default=30, help="draft tokens per round (x)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name or checkpoint dir")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="embedded model name or checkpoint dir"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--draft-kv", choices=[s.value for s in DraftKVSource], default="verifier")
@@ -44,7 +50,9 @@ def build_request(args, tokenizer) -> Request:
         raise InvalidRequestError(f"model {args.model} has no tokenizer; text prompts need one")
     prompt = build_chat_prompt(tokenizer, context, args.prompt)
     params = SamplingParams(max_new_tokens=args.max_tokens, stop=tuple(args.stop))
-    return Request(prompt.token_ids, prompt.num_prefix_tokens, params, mode, compressor, args.draft_len)
+    return Request(
+        prompt.token_ids, prompt.num_prefix_tokens, params, mode, compressor, args.draft_len
+    )
 
 
 def output_json(args, request: Request, out: RequestOutput) -> dict:

@@ -1,4 +1,4 @@
-"""Compressors by name: `build_compressor("streamingllm", ratio=4)`, `build_compressor("kivi", bits=4)`."""
+"""Compressors by name: `build_compressor("streamingllm", ratio=4)` or `("kivi", bits=4)`."""
 
 from __future__ import annotations
 
@@ -22,10 +22,18 @@ def build_compressor(name: str, **params) -> Compressor:
     accepted = {field.name for field in fields(cls)}
     given = {key: value for key, value in params.items() if value is not None}
     for key in given.keys() - accepted:
+        takes = ", ".join(sorted(accepted))
         raise InvalidRequestError(
-            f"compressor {name!r} takes no parameter {key!r} (it takes: {', '.join(sorted(accepted))})"
+            f"compressor {name!r} takes no parameter {key!r} (it takes: {takes})"
         )
     return cls(**given)
 
 
-__all__ = ["COMPRESSORS", "KIVI", "CompressionKind", "Compressor", "StreamingLLM", "build_compressor"]
+__all__ = [
+    "COMPRESSORS",
+    "KIVI",
+    "CompressionKind",
+    "Compressor",
+    "StreamingLLM",
+    "build_compressor",
+]

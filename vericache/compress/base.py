@@ -35,5 +35,5 @@ class Compressor(abc.ABC):
     def compress(self, full: KVCache) -> KVCache:
         """A new compressed cache of the tokens `full` holds; `full` is left unchanged."""
 
-    def update(self, cache: KVCache) -> None:
+    def update(self, cache: KVCache) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Re-compress after committed tokens were appended. Offline methods keep them as is."""

@@ -48,7 +48,9 @@ class StreamingLLM(Compressor):
         for layer in full.layers:
             keys, values = layer.keys_values()
             keep = self._kept_slots(layer.num_slots, budget, keys.device)
-            layers.append(DenseLayerKV.from_tensors(keys[keep], values[keep], layer.positions()[keep]))
+            layers.append(
+                DenseLayerKV.from_tensors(keys[keep], values[keep], layer.positions()[keep])
+            )
         return KVCache(layers, num_tokens=full.num_tokens, slot_budget=budget)
 
     def update(self, cache: KVCache) -> None:
@@ -56,7 +58,9 @@ class StreamingLLM(Compressor):
             return
         for layer in cache.layers:
             if layer.num_slots > cache.slot_budget:
-                keep = self._kept_slots(layer.num_slots, cache.slot_budget, layer.positions().device)
+                keep = self._kept_slots(
+                    layer.num_slots, cache.slot_budget, layer.positions().device
+                )
                 num_heads = layer.positions().shape[1]
                 layer.retain(keep.unsqueeze(1).expand(-1, num_heads))
 

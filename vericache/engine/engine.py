@@ -122,7 +122,9 @@ class Engine:
         return max(0, min(seq.request.draft_len, remaining - 1, room))
 
     def _run_compressed(self, batch: list[Sequence]) -> None:
-        inputs = [SequenceInput(_ids(seq.compressed_input()), seq.compressed_cache) for seq in batch]
+        inputs = [
+            SequenceInput(_ids(seq.compressed_input()), seq.compressed_cache) for seq in batch
+        ]
         start = time.perf_counter()
         tokens = greedy(self.runner.forward(inputs, invariant=False))
         elapsed = time.perf_counter() - start

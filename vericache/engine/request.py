@@ -102,7 +102,9 @@ class RequestStats:
 
     @property
     def other_s(self) -> float:
-        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s - self.decode_s)
+        return max(
+            0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s - self.decode_s
+        )
 
     @property
     def tokens_per_s(self) -> float:

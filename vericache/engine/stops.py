@@ -31,7 +31,10 @@ class StopChecker:
             return "stop"
         if self.params.stop and self._ends_in_stop_string(output_ids):
             return "stop"
-        if len(output_ids) >= self.params.max_new_tokens or num_total_tokens >= self.max_total_tokens:
+        if (
+            len(output_ids) >= self.params.max_new_tokens
+            or num_total_tokens >= self.max_total_tokens
+        ):
             return "length"
         return None
 

@@ -125,7 +125,11 @@ class DenseLayerKV:
     def clone(self, capacity: int = 0) -> DenseLayerKV:
         num_kv_heads, head_dim = self._keys.shape[1:]
         copy = DenseLayerKV(
-            num_kv_heads, head_dim, self._keys.dtype, self._keys.device, max(capacity, self.num_slots)
+            num_kv_heads,
+            head_dim,
+            self._keys.dtype,
+            self._keys.device,
+            max(capacity, self.num_slots),
         )
         n = self.num_slots
         copy._write(self._keys[:n], self._values[:n], self._positions[:n])
@@ -194,7 +198,9 @@ class KVCache:
     def append_from(self, source: KVCache, start: int, end: int) -> None:
         """Append the exact KV of tokens [start, end) from an uncompressed cache."""
         if start != self.num_tokens:
-            raise CacheStateError(f"cache holds {self.num_tokens} tokens, cannot append from {start}")
+            raise CacheStateError(
+                f"cache holds {self.num_tokens} tokens, cannot append from {start}"
+            )
         if not source.is_full or not start <= end <= source.num_tokens:
             raise CacheStateError("append_from needs an uncompressed source holding the tokens")
         positions = torch.arange(start, end, dtype=torch.int32, device=self.device)

@@ -18,9 +18,7 @@ from vericache.kv.cache import DenseLayerKV, aligned
 
 
 class QuantizedLayerKV:
-    def __init__(
-        self, num_kv_heads: int, head_dim: int, dtype, device, bits: int, group_size: int
-    ):
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype, device, bits: int, group_size: int):
         if head_dim % codes_per_byte(bits):
             raise ValueError(f"head_dim {head_dim} cannot be packed at {bits} bits")
         self.bits = bits

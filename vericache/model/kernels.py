@@ -112,7 +112,9 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
     keys, values = keys[:padded_slots], values[:padded_slots]
     # Rows ordered (group member, token) per KV head: [Hkv, g * n, D].
     rows = (q * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
-    rows = _pad_rows(rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim), ROW_ALIGN)
+    rows = _pad_rows(
+        rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim), ROW_ALIGN
+    )
     scores = torch.matmul(rows, keys.permute(1, 2, 0))  # [Hkv, R, T']
     scores.masked_fill_(~_visible(scores, num_new, num_slots, group, window_mask), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
@@ -138,7 +140,9 @@ def _visible(scores, num_new: int, num_slots: int, group: int, window_mask) -> t
     """[Hkv, R, T'] bool for the padded score matrix of `_invariant_attention`."""
     num_kv_heads, num_rows, padded_slots = scores.shape
     device = scores.device
-    visible = torch.zeros(num_kv_heads, group, num_new, padded_slots, dtype=torch.bool, device=device)
+    visible = torch.zeros(
+        num_kv_heads, group, num_new, padded_slots, dtype=torch.bool, device=device
+    )
     token_mask = visibility_mask(num_new, num_slots, window_mask, device)
     visible[..., :num_slots] = token_mask if window_mask is None else token_mask.unsqueeze(1)
     visible = visible.view(num_kv_heads, group * num_new, padded_slots)

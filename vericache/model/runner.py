@@ -39,25 +39,36 @@ class ModelRunner:
             config.rope, config.head_dim, config.max_position_embeddings, self.device, self.dtype
         )
         c = config
-        self._qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        self._qkv_split = [
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+        ]
 
     def new_cache(self, capacity: int = 0) -> KVCache:
         c = self.config
-        return KVCache.empty(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
+        return KVCache.empty(
+            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity
+        )
 
     # no_grad, not inference_mode: caches outlive the forward and compressors edit them in place.
     @torch.no_grad()
     def forward(self, batch: list[SequenceInput], invariant: bool = False) -> list[torch.Tensor]:
-        """Runs the new tokens of every sequence; returns float32 logits [num_logits, vocab] each."""
+        """Runs the new tokens of every sequence; float32 logits [num_logits, vocab] for each."""
         counts = [int(seq.token_ids.numel()) for seq in batch]
         if min(counts) < 1:
             raise ValueError("every sequence in a forward needs at least one new token")
         last = max(seq.cache.num_tokens + n for seq, n in zip(batch, counts))
         if last > self.config.max_position_embeddings:
-            raise ValueError(f"position {last} exceeds the model's {self.config.max_position_embeddings}")
+            raise ValueError(
+                f"position {last} exceeds the model's {self.config.max_position_embeddings}"
+            )
         token_ids = torch.cat([seq.token_ids for seq in batch]).to(self.device)
         positions = torch.cat(
-            [torch.arange(s.cache.num_tokens, s.cache.num_tokens + n) for s, n in zip(batch, counts)]
+            [
+                torch.arange(s.cache.num_tokens, s.cache.num_tokens + n)
+                for s, n in zip(batch, counts)
+            ]
         ).to(self.device)
         hidden = self.weights.embed[token_ids]  # [N, hidden]
         for index, layer in enumerate(self.weights.layers):
@@ -104,7 +115,9 @@ class ModelRunner:
             start += n
         selected = hidden[torch.cat(rows).to(self.device)]
         if selected.shape[0] == 0:
-            return [selected.new_empty(0, self.config.vocab_size, dtype=torch.float32) for _ in batch]
+            return [
+                selected.new_empty(0, self.config.vocab_size, dtype=torch.float32) for _ in batch
+            ]
         normed = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps)
         logits = linear(normed.float(), self.weights.lm_head, None, invariant)
         return list(logits.split([seq.num_logits for seq in batch]))

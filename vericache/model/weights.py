@@ -68,7 +68,9 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     raise ModelNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
 
 
-def build_weights(config: ModelConfig, state: dict[str, torch.Tensor], dtype, device) -> ModelWeights:
+def build_weights(
+    config: ModelConfig, state: dict[str, torch.Tensor], dtype, device
+) -> ModelWeights:
     state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
 
     def take(name: str) -> torch.Tensor:
