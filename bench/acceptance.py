@@ -31,13 +31,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (128; quick 64)")
     parser.add_argument("--draft-kv", choices=["verifier", "drafter", "both"], default="verifier")
     parser.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="model dtype; outputs are bit-exact in float32, and "
+        "the identity rate with full decoding is reported for bfloat16/float16",
+    )
 
 
 def run(args) -> dict:
     max_tokens = args.max_tokens or (64 if args.quick else 128)
     labels = args.compressors.split(",")
     compressors = [compressor_from_label(label) for label in labels]
-    engine = Engine.from_pretrained(args.model, config=EngineConfig(prefix_cache_bytes=16 << 30))
+    engine = Engine.from_pretrained(
+        args.model, dtype=args.dtype, config=EngineConfig(prefix_cache_bytes=16 << 30)
+    )
     prompts = _prompts(engine.tokenizer, args.quick)
     params = SamplingParams(max_new_tokens=max_tokens)
     references = engine.generate(
@@ -139,6 +147,8 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
         "x30": x30,
         "x30_tools": at_x30(default, "tools"),
         "identical": all(record["identical"] for record in records),
+        "identical_rate": sum(record["identical"] for record in records) / len(records),
+        "dtype": args.dtype,
         "draft_kv": default,
         "meets_target": _meets_target(x30),
     }
@@ -157,6 +167,7 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
             "quick": args.quick,
             "draft_lens": args.draft_lens,
             "model": args.model,
+            "dtype": args.dtype,
         },
         "environment": environment(),
         "table": table,
@@ -200,7 +211,7 @@ def plot(result: dict, path) -> None:
             )
         top = max(int(x) for cells in compressors.values() for x in cells)
         axis.plot([0, top], [0, top], color="grey", linestyle=":", label="all accepted")
-        axis.axhline(TARGET_X30, color="red", linewidth=0.8, linestyle="--", label="target at x=30")
+        axis.plot([30], [TARGET_X30], "r*", markersize=12, label=f"target: {TARGET_X30:g} at x=30")
         axis.set(title=f"{kind} contexts", xlabel="draft length x", ylabel="accepted per round")
         axis.legend(fontsize=8)
     fig.tight_layout()

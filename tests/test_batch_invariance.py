@@ -10,22 +10,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vericache.model.kernels import KEY_ALIGN, attention, linear
+from vericache.model.kernels import KEY_ALIGN, attention
+from vericache.model.linear import Linear
 from vericache.model.loader import load_model
 from vericache.model.runner import ModelRunner, SequenceInput
 
 ROW_COUNTS = [1, 2, 3, 5, 9, 16, 17, 31, 64, 100]
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (512, 64), (200, 48)])
-def test_linear_rows_do_not_depend_on_the_row_count(shape):
+def test_linear_rows_do_not_depend_on_the_row_count(shape, onednn, monkeypatch):
+    monkeypatch.setenv("VERICACHE_DISABLE_ONEDNN", "0" if onednn else "1")
     torch.manual_seed(0)
-    weight, bias = torch.randn(shape), torch.randn(shape[0])
+    layer = Linear(torch.randn(shape), torch.randn(shape[0]))
     x = torch.randn(max(ROW_COUNTS), shape[1])
-    reference = linear(x, weight, bias, invariant=True)
+    reference = layer(x, invariant=True)
     for rows in ROW_COUNTS:
         for start in (0, 3):
-            out = linear(x[start : start + rows], weight, bias, invariant=True)
+            out = layer(x[start : start + rows], invariant=True)
             assert torch.equal(out, reference[start : start + rows]), (rows, start)
 
 

@@ -43,7 +43,9 @@ def test_acceptance_counts_only_full_rounds_in_the_headline(tmp_path):
         _record("tools", "kivi-4bit", 30, [30, 5], [0, 5]),
         _record("code", "streamingllm-4x", 30, [30, 30], [17, 18]),
     ]
-    args = argparse.Namespace(draft_kv="verifier", quick=True, draft_lens=[30], model="m")
+    args = argparse.Namespace(
+        draft_kv="verifier", quick=True, draft_lens=[30], model="m", dtype="float32"
+    )
     labels = ["kivi-4bit", "streamingllm-4x"]
     result = acceptance._result(records, labels, args, max_tokens=64, num_prompts=3)
     cell = result["table"]["verifier"]["code"]["kivi-4bit"][30]

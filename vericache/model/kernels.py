@@ -6,11 +6,11 @@ results only need to be deterministic for a given input shape.
 `invariant=True` (batch-invariant): the result for a token does not depend on how many other
 tokens or sequences share the forward. A one-token decode step and a 31-token verification then
 produce bit-identical logits for the same token, which makes VeriCache's greedy output identical to
-full-KV decoding, not merely close. Measured on MKL: matrix products with fewer than about ten rows
-take other code paths than larger ones (rows then differ in the last bits), so every product pads
-its rows to a multiple of ROW_ALIGN; attention pads keys to KEY_ALIGN slots so a row's reductions
-see the same layout whatever the number of masked trailing keys. tests/test_batch_invariance.py
-checks each property on the machine it runs on.
+full-KV decoding, not merely close. Linear layers: see linear.py. Attention: measured on MKL,
+products with fewer than about ten rows take other code paths than larger ones, so query rows are
+padded to a multiple of ROW_ALIGN; keys are padded to KEY_ALIGN slots and summed block by block so
+that a row's reductions do not depend on how many masked keys trail it.
+tests/test_batch_invariance.py checks each property on the machine it runs on.
 """
 
 from __future__ import annotations
@@ -19,26 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from vericache.kv.cache import aligned
+from vericache.model.linear import ROW_ALIGN, pad_rows
 
-ROW_ALIGN = 16
 KEY_ALIGN = 1024
-
-
-def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = -x.shape[-2] % multiple
-    if pad == 0:
-        return x
-    return torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, invariant: bool = False):
-    """x: [N, in] -> [N, out]."""
-    if not invariant:
-        return F.linear(x, weight, bias)
-    # weight @ x^T: for few rows MKL runs this tall-skinny product near the speed of a
-    # matrix-vector product, where x @ weight^T costs up to twice as much.
-    out = torch.mm(weight, _pad_rows(x, ROW_ALIGN).T).T[: x.shape[0]].contiguous()
-    return out if bias is None else out + bias
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,7 +95,7 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
     keys, values = keys[:padded_slots], values[:padded_slots]
     # Rows ordered (group member, token) per KV head: [Hkv, g * n, D].
     rows = (q * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
-    rows = _pad_rows(
+    rows = pad_rows(
         rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim), ROW_ALIGN
     )
     scores = torch.matmul(rows, keys.permute(1, 2, 0))  # [Hkv, R, T']

@@ -13,7 +13,7 @@ import torch
 
 from vericache.kv.cache import KVCache
 from vericache.model.config import ModelConfig
-from vericache.model.kernels import KEY_ALIGN, attention, linear, rms_norm, silu
+from vericache.model.kernels import KEY_ALIGN, attention, rms_norm, silu
 from vericache.model.rope import RotaryEmbedding
 from vericache.model.weights import ModelWeights
 
@@ -80,7 +80,7 @@ class ModelRunner:
     def _layer(self, index, layer, hidden, positions, batch, counts, invariant) -> torch.Tensor:
         c = self.config
         x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-        q, k, v = linear(x, layer.qkv, layer.qkv_bias, invariant).split(self._qkv_split, dim=-1)
+        q, k, v = layer.qkv(x, invariant).split(self._qkv_split, dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)  # [N, Hq, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [N, Hkv, D]
         v = v.view(-1, c.num_kv_heads, c.head_dim)  # [N, Hkv, D]
@@ -103,10 +103,10 @@ class ModelRunner:
                 attention(q[start:end], keys, values, layer_kv.num_slots, invariant, window_mask)
             )
             start = end
-        hidden = hidden + linear(torch.cat(outputs), layer.o_proj, layer.o_bias, invariant)
+        hidden = hidden + layer.o_proj(torch.cat(outputs), invariant)
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps)
-        gate, up = linear(x, layer.gate_up, layer.gate_up_bias, invariant).chunk(2, dim=-1)
-        return hidden + linear(silu(gate) * up, layer.down, layer.down_bias, invariant)
+        gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
+        return hidden + layer.down(silu(gate) * up, invariant)
 
     def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
         rows, start = [], 0
@@ -119,7 +119,7 @@ class ModelRunner:
                 selected.new_empty(0, self.config.vocab_size, dtype=torch.float32) for _ in batch
             ]
         normed = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps)
-        logits = linear(normed.float(), self.weights.lm_head, None, invariant)
+        logits = self.weights.lm_head(normed.float(), invariant)
         return list(logits.split([seq.num_logits for seq in batch]))
 
     def prefill(

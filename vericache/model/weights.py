@@ -16,22 +16,19 @@ from safetensors.torch import load_file
 
 from vericache.errors import ModelNotFoundError, UnsupportedModelError
 from vericache.model.config import ModelConfig
+from vericache.model.linear import Linear
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) * D]
+    qkv: Linear  # hidden -> (Hq + 2 Hkv) * D
     q_norm: torch.Tensor | None  # [D] (Qwen3)
     k_norm: torch.Tensor | None  # [D] (Qwen3)
-    o_proj: torch.Tensor  # [hidden, Hq * D]
-    o_bias: torch.Tensor | None  # [hidden]
+    o_proj: Linear  # Hq * D -> hidden
     post_attention_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None  # [2 * intermediate]
-    down: torch.Tensor  # [hidden, intermediate]
-    down_bias: torch.Tensor | None  # [hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 @dataclass
@@ -39,16 +36,14 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden], float32
+    lm_head: Linear  # hidden -> vocab, float32
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.embed, self.final_norm]
+        parts = [self.embed, self.final_norm, self.lm_head]
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        if self.lm_head.data_ptr() != self.embed.data_ptr():
-            tensors.append(self.lm_head)
-        return sum(t.numel() * t.element_size() for t in tensors)
+            parts += [part for part in vars(layer).values() if part is not None]
+        return sum(part.nbytes for part in parts)
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -78,8 +73,10 @@ def build_weights(
             raise UnsupportedModelError(f"checkpoint lacks tensor {name!r}")
         return state[name].to(device=device, dtype=dtype)
 
-    def fused(names: list[str], suffix: str) -> torch.Tensor:
-        return torch.cat([take(name + suffix) for name in names])
+    def fused(names: list[str], with_bias: bool) -> Linear:
+        weight = torch.cat([take(name + ".weight") for name in names])
+        bias = torch.cat([take(name + ".bias") for name in names]) if with_bias else None
+        return Linear(weight, bias)
 
     layers = []
     for i in range(config.num_layers):
@@ -89,17 +86,13 @@ def build_weights(
         layers.append(
             LayerWeights(
                 input_norm=take(f"layers.{i}.input_layernorm.weight"),
-                qkv=fused(qkv, ".weight"),
-                qkv_bias=fused(qkv, ".bias") if config.qkv_bias else None,
+                qkv=fused(qkv, config.qkv_bias),
                 q_norm=take(attn + "q_norm.weight") if config.qk_norm else None,
                 k_norm=take(attn + "k_norm.weight") if config.qk_norm else None,
-                o_proj=take(attn + "o_proj.weight"),
-                o_bias=take(attn + "o_proj.bias") if config.o_bias else None,
+                o_proj=fused([attn + "o_proj"], config.o_bias),
                 post_attention_norm=take(f"layers.{i}.post_attention_layernorm.weight"),
-                gate_up=fused(gate_up, ".weight"),
-                gate_up_bias=fused(gate_up, ".bias") if config.mlp_bias else None,
-                down=take(mlp + "down_proj.weight"),
-                down_bias=take(mlp + "down_proj.bias") if config.mlp_bias else None,
+                gate_up=fused(gate_up, config.mlp_bias),
+                down=fused([mlp + "down_proj"], config.mlp_bias),
             )
         )
     # Tied checkpoints store the shared matrix once, under either name.
@@ -107,10 +100,10 @@ def build_weights(
         state["embed_tokens.weight"] = state.get("lm_head.weight")
     if "lm_head.weight" not in state or config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
-    embed = take("embed_tokens.weight")
-    lm_head = state["lm_head.weight"]
-    if lm_head is state["embed_tokens.weight"] and dtype == torch.float32:
-        lm_head = embed
-    else:
-        lm_head = lm_head.to(device=device, dtype=torch.float32)
-    return ModelWeights(embed=embed, layers=layers, final_norm=take("norm.weight"), lm_head=lm_head)
+    lm_head = Linear(state["lm_head.weight"].to(device=device, dtype=torch.float32))
+    return ModelWeights(
+        embed=take("embed_tokens.weight"),
+        layers=layers,
+        final_norm=take("norm.weight"),
+        lm_head=lm_head,
+    )
