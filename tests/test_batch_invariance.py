@@ -32,10 +32,11 @@ def test_linear_rows_do_not_depend_on_the_row_count(shape, onednn, monkeypatch):
             assert torch.equal(out, reference[start : start + rows]), (rows, start)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4), (8, 2)], ids=["gqa3", "mha", "gqa4"])
 @pytest.mark.parametrize("num_cached", [10, KEY_ALIGN - 20, 3 * KEY_ALIGN - 1])
-def test_attention_decode_equals_verification_rows(num_cached):
+def test_attention_decode_equals_verification_rows(num_cached, heads, kv_heads):
     torch.manual_seed(0)
-    num_new, heads, kv_heads, dim = 31, 6, 2, 32
+    num_new, dim = 31, 32
     total = num_cached + num_new
     keys = torch.zeros(4 * KEY_ALIGN, kv_heads, dim)
     values = torch.zeros_like(keys)

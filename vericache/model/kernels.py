@@ -7,9 +7,9 @@ results only need to be deterministic for a given input shape.
 tokens or sequences share the forward. A one-token decode step and a 31-token verification then
 produce bit-identical logits for the same token, which makes VeriCache's greedy output identical to
 full-KV decoding, not merely close. Linear layers: see linear.py. Attention: measured on MKL,
-products with fewer than about ten rows take other code paths than larger ones, so query rows are
-padded to a multiple of ROW_ALIGN; keys are padded to KEY_ALIGN slots and summed block by block so
-that a row's reductions do not depend on how many masked keys trail it.
+batched products with fewer than four rows take other code paths than larger ones, so query rows
+are padded to a multiple of QUERY_ROW_ALIGN; keys are padded to KEY_ALIGN slots and summed block
+by block so that a row's reductions do not depend on how many masked keys trail it.
 tests/test_batch_invariance.py checks each property on the machine it runs on.
 """
 
@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from vericache.kv.cache import aligned
-from vericache.model.linear import ROW_ALIGN, pad_rows
+from vericache.model.linear import pad_rows
 
 KEY_ALIGN = 1024
+QUERY_ROW_ALIGN = 4
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,7 +97,7 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
     # Rows ordered (group member, token) per KV head: [Hkv, g * n, D].
     rows = (q * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
     rows = pad_rows(
-        rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim), ROW_ALIGN
+        rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim), QUERY_ROW_ALIGN
     )
     scores = torch.matmul(rows, keys.permute(1, 2, 0))  # [Hkv, R, T']
     scores.masked_fill_(~_visible(scores, num_new, num_slots, group, window_mask), float("-inf"))
