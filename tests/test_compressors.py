@@ -20,7 +20,7 @@ from vericache.kv.quantized import QuantizedLayerKV
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 32
 NUM_TOKENS = 100
 FP32_BYTES, FP16_BYTES = 4, 2
-# Small enough that a 100-token cache quantizes 10 groups (80 tokens) and keeps 20 exact.
+# Small enough that a 100-token cache quantizes 6 blocks of 16 (96 tokens) and keeps 4 exact.
 GROUP_SIZE, RESIDUAL_LENGTH = 8, 16
 
 COMPRESSORS = [
@@ -84,7 +84,8 @@ def _expected_nbytes(compressor, num_tokens: int) -> int:
         num_slots = min(num_tokens, _budget(compressor, num_tokens))
         return NUM_LAYERS * 2 * num_slots * per_token * FP32_BYTES
     group = compressor.group_size
-    num_quantized = max(0, num_tokens - compressor.residual_length) // group * group
+    block = compressor.residual_length or group
+    num_quantized = num_tokens // block * block
     codes = 2 * num_quantized * per_token * compressor.bits // 8
     key_meta = 2 * (num_quantized // group) * per_token * FP16_BYTES  # per channel and group
     value_meta = 2 * num_quantized * NUM_KV_HEADS * FP16_BYTES  # per token and head
@@ -172,10 +173,12 @@ def test_registry_builds_by_name_with_labels():
 
 
 BAD_REQUESTS = [
-    ("h2o", {}), ("streamingllm", {"bits": 4}), ("kivi", {"ratio": 4}),
+    ("nope", {}), ("streamingllm", {"bits": 4}), ("kivi", {"ratio": 4}),
     ("streamingllm", {"ratio": 0.5}), ("streamingllm", {"ratio": 0}),
     ("streamingllm", {"ratio": float("nan")}),
     ("kivi", {"bits": 1}), ("kivi", {"bits": 3}), ("kivi", {"bits": 16}),
+    ("kivi", {"group_size": 32, "residual_length": 48}), ("snapkv", {"kernel_size": 4}),
+    ("h2o", {"recent_fraction": 1.0}), ("kvquant", {"outlier_fraction": 0.5}),
 ]  # fmt: skip
 
 
@@ -199,7 +202,7 @@ def test_streamingllm_keeps_sinks_and_recent_window(num_tokens, ratio, num_sinks
     else:
         expected = [*range(num_sinks), *range(num_tokens - (budget - num_sinks), num_tokens)]
     compressed = compressor.compress(_full_cache(num_tokens))
-    assert compressed.slot_budget == budget
+    assert compressed.budgets == [budget] * NUM_LAYERS
     for layer in compressed.layers:
         assert layer.positions().tolist() == [[p] * NUM_KV_HEADS for p in expected]
 
@@ -274,18 +277,18 @@ def test_kivi_quantizes_keys_per_channel_and_values_per_token(bits):
     full = _full_cache()
     compressed = KIVI(bits, GROUP_SIZE, RESIDUAL_LENGTH).compress(full)
     for layer, source in zip(compressed.layers, full.layers, strict=True):
-        assert layer.num_quantized == 80
+        assert layer.num_quantized == 96
         keys, values = layer.keys_values()
         source_keys, source_values = source.keys_values()
-        groups = source_keys[:80].unflatten(0, (-1, GROUP_SIZE))  # [G, group_size, H, D]
+        groups = source_keys[:96].unflatten(0, (-1, GROUP_SIZE))  # [G, group_size, H, D]
         key_bound = _error_bound(groups, bits, dim=1).flatten(0, 1)
-        assert ((keys[:80] - source_keys[:80]).abs() <= key_bound).all()
-        value_bound = _error_bound(source_values[:80], bits, dim=-1)
-        assert ((values[:80] - source_values[:80]).abs() <= value_bound).all()
-        assert not torch.equal(keys[:80], source_keys[:80])  # it did quantize
-        # The newest tokens (20 >= residual_length) come back bit for bit.
-        assert torch.equal(keys[80:], source_keys[80:])
-        assert torch.equal(values[80:], source_values[80:])
+        assert ((keys[:96] - source_keys[:96]).abs() <= key_bound).all()
+        value_bound = _error_bound(source_values[:96], bits, dim=-1)
+        assert ((values[:96] - source_values[:96]).abs() <= value_bound).all()
+        assert not torch.equal(keys[:96], source_keys[:96])  # it did quantize
+        # The newest tokens (the 4 past the last whole residual block) come back bit for bit.
+        assert torch.equal(keys[96:], source_keys[96:])
+        assert torch.equal(values[96:], source_values[96:])
 
 
 def test_kivi_4bit_is_3x_smaller_than_fp32_on_a_long_cache():
@@ -313,7 +316,7 @@ def test_flush_quantizes_only_whole_groups():
         cache.append_from(source, cache.num_tokens, cache.num_tokens + num_new)
         compressor.update(cache)
         num_tokens = cache.num_tokens
-        num_quantized = (num_tokens - RESIDUAL_LENGTH) // GROUP_SIZE * GROUP_SIZE
+        num_quantized = num_tokens // RESIDUAL_LENGTH * RESIDUAL_LENGTH
         for layer, source_layer in zip(cache.layers, source.layers, strict=True):
             assert layer.num_quantized == num_quantized
             assert layer.positions().tolist() == [[p] * NUM_KV_HEADS for p in range(num_tokens)]
@@ -325,12 +328,12 @@ def test_flush_quantizes_only_whole_groups():
 
 def test_kivi_rollback_stops_at_the_residual():
     cache = KIVI(4, GROUP_SIZE, RESIDUAL_LENGTH).compress(_full_cache())
-    before = _snapshot(cache)  # 80 quantized tokens, 20 exact
-    _append(cache, 12, seed=13)  # uncommitted: more than a group, but not flushed before commit
+    before = _snapshot(cache)  # 96 quantized tokens, 4 exact
+    _append(cache, 20, seed=13)  # uncommitted: more than a block, but not flushed before commit
     cache.truncate(NUM_TOKENS)
     _assert_unchanged(cache, before)
     with pytest.raises(CacheStateError):
-        cache.layers[0].drop_last(21)
+        cache.layers[0].drop_last(5)
     with pytest.raises(CacheStateError):
-        cache.truncate(79)
+        cache.truncate(95)
     _assert_unchanged(cache, before)

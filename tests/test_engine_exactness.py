@@ -9,11 +9,12 @@ from typing import ClassVar
 import pytest
 import torch
 
-from vericache.compress import KIVI, CompressionKind, Compressor, StreamingLLM
+from vericache.compress import KIVI, CompressionKind, CompressionMode, Compressor, StreamingLLM
 from vericache.engine.engine import DraftKVSource, EngineConfig
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.compressed import CompressedKV
 
 MAX_NEW = 40
 # (prefix tokens, suffix tokens): a long shared prefix, one whose verifications cross the
@@ -26,7 +27,7 @@ COMPRESSORS = [
     StreamingLLM(ratio=8, num_sinks=2),
     KIVI(bits=8, group_size=8, residual_length=8),
     KIVI(bits=4, group_size=8, residual_length=16),
-    KIVI(bits=2, group_size=16, residual_length=8),
+    KIVI(bits=2, group_size=16, residual_length=32),
 ]
 
 
@@ -57,19 +58,20 @@ class ScrambledKV(Compressor):
 
     name: ClassVar[str] = "scrambled"
     kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
+    mode: ClassVar[CompressionMode] = CompressionMode.OFFLINE
 
     @property
     def label(self) -> str:
         return self.name
 
-    def compress(self, full: KVCache) -> KVCache:
+    def compress(self, full: KVCache, context=None) -> CompressedKV:
         layers = []
         for layer in full.layers:
             keys, values = layer.keys_values()
             layers.append(
                 DenseLayerKV.from_tensors(keys, values.roll(7, dims=0), layer.positions())
             )
-        return KVCache(layers, num_tokens=full.num_tokens)
+        return CompressedKV(layers, full.num_tokens, self)
 
 
 @pytest.mark.parametrize("source", list(DraftKVSource), ids=lambda s: s.value)

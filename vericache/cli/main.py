@@ -1,11 +1,11 @@
-"""The `vericache` command line: generate and bench (a stable contract; tools read its JSON)."""
+"""The `vericache` command line (a stable contract: tools read its JSON)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from vericache.cli import bench, generate
+from vericache.cli import bench, compressors, generate
 from vericache.cli.parser import OneLineErrorParser
 from vericache.errors import VeriCacheError
 
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     generate.add_parser(commands)
     bench.add_parser(commands)
+    compressors.add_parser(commands)
     return parser
 
 

@@ -1,39 +1,30 @@
-"""Compressors by name: `build_compressor("streamingllm", ratio=4)` or `("kivi", bits=4)`."""
+"""KV compressors behind one interface (base.py), by registry name (registry.py)."""
 
-from __future__ import annotations
-
-from dataclasses import fields
-
-from vericache.compress.base import CompressionKind, Compressor
+from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.context import ModelContext
+from vericache.compress.h2o import H2O
 from vericache.compress.kivi import KIVI
+from vericache.compress.kvquant import KVQuant
+from vericache.compress.kvzip import KVzip
+from vericache.compress.pyramidkv import PyramidKV
+from vericache.compress.registry import COMPRESSORS, build_compressor
+from vericache.compress.snapkv import SnapKV
 from vericache.compress.streamingllm import StreamingLLM
-from vericache.errors import InvalidRequestError
-
-COMPRESSORS: dict[str, type[Compressor]] = {cls.name: cls for cls in (StreamingLLM, KIVI)}
-
-
-def build_compressor(name: str, **params) -> Compressor:
-    """A compressor from its registry name and hyper-parameters; None values take the defaults."""
-    if name not in COMPRESSORS:
-        raise InvalidRequestError(
-            f"unknown compressor {name!r} (available: {', '.join(sorted(COMPRESSORS))})"
-        )
-    cls = COMPRESSORS[name]
-    accepted = {field.name for field in fields(cls)}
-    given = {key: value for key, value in params.items() if value is not None}
-    for key in given.keys() - accepted:
-        takes = ", ".join(sorted(accepted))
-        raise InvalidRequestError(
-            f"compressor {name!r} takes no parameter {key!r} (it takes: {takes})"
-        )
-    return cls(**given)
-
+from vericache.compress.tova import TOVA
 
 __all__ = [
     "COMPRESSORS",
+    "H2O",
     "KIVI",
+    "TOVA",
     "CompressionKind",
+    "CompressionMode",
     "Compressor",
+    "KVQuant",
+    "KVzip",
+    "ModelContext",
+    "PyramidKV",
+    "SnapKV",
     "StreamingLLM",
     "build_compressor",
 ]

@@ -1,19 +1,25 @@
 """The compressor interface.
 
-A compressor is a frozen dataclass of hyper-parameters with one job: turn the full KV of a prefix
-into a compressed `KVCache` (`compress`) and, for online methods, keep it compressed as committed
-tokens are appended (`update`). What a compressed cache holds is visible in its layers: kept slots
-with their original positions (token dropping) or packed codes with scales (quantization).
+A compressor is a small frozen dataclass: a registry `name`, a `kind` (token dropping or
+quantization), a `mode` and its hyper-parameters, validated at construction. `compress` turns the
+full KV of a prefix into a `CompressedKV`; offline methods run once, when a prefix is registered,
+and may run extra forward passes through the `ModelContext`. Online methods also `update` the
+compressed cache as decoding commits tokens.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, ClassVar
 
+from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
+from vericache.kv.compressed import CompressedKV
+
+if TYPE_CHECKING:
+    from vericache.compress.context import ModelContext
 
 
 class CompressionKind(str, enum.Enum):
@@ -21,19 +27,49 @@ class CompressionKind(str, enum.Enum):
     QUANTIZATION = "quantization"
 
 
+class CompressionMode(str, enum.Enum):
+    OFFLINE = "offline"  # compresses the prefix once; later tokens are kept as they come
+    ONLINE = "online"  # also evicts or quantizes tokens committed while decoding
+
+
 @dataclass(frozen=True)
 class Compressor(abc.ABC):
     name: ClassVar[str]
     kind: ClassVar[CompressionKind]
+    mode: ClassVar[CompressionMode]
+    # True when `update` scores tokens by the attention the drafter's queries pay them.
+    records_queries: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod
     def label(self) -> str:
-        """Short name with the strength, e.g. `streamingllm-4x` or `kivi-4bit`."""
+        """Short name with the strength, e.g. `snapkv-4x` or `kivi-4bit`."""
 
     @abc.abstractmethod
-    def compress(self, full: KVCache) -> KVCache:
+    def compress(self, full: KVCache, context: ModelContext | None = None) -> CompressedKV:
         """A new compressed cache of the tokens `full` holds; `full` is left unchanged."""
 
-    def update(self, cache: KVCache) -> None:  # noqa: B027 - optional hook, a no-op by default
-        """Re-compress after committed tokens were appended. Offline methods keep them as is."""
+    def update(self, cache: CompressedKV) -> None:  # noqa: B027 - offline methods keep tokens
+        """Evict or quantize after committed tokens were appended (online methods)."""
+
+    @property
+    def params(self) -> dict:
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+    def spec(self) -> dict:
+        """What rebuilds this compressor: `build_compressor(spec["name"], **spec["params"])`."""
+        return {"name": self.name, "params": self.params}
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind.value,
+            "mode": self.mode.value,
+            "label": self.label,
+            "params": self.params,
+        }
+
+    def require_context(self, context: ModelContext | None) -> ModelContext:
+        if context is None:
+            raise InvalidRequestError(f"{self.name} scores tokens with the model: pass a context")
+        return context

@@ -3,10 +3,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vericache.compress.base import CompressionKind, Compressor
+from vericache.compress.base import CompressionKind, CompressionMode, Compressor
 from vericache.errors import InvalidRequestError
 from vericache.kernels.quant import SUPPORTED_BITS
 from vericache.kv.cache import KVCache
+from vericache.kv.compressed import CompressedKV
 from vericache.kv.quantized import QuantizedLayerKV
 
 
@@ -16,12 +17,14 @@ class KIVI(Compressor):
 
     Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024,
     https://arxiv.org/abs/2402.02750. Keys are quantized per channel over groups of `group_size`
-    tokens, values per token; the newest `residual_length` tokens (and any partial group) stay in
-    full precision, and are quantized group by group as decoding commits more tokens.
+    tokens, values per token. Tokens wait in full precision until `residual_length` of them have
+    accumulated, then are quantized together, so between 0 and residual_length - 1 of the newest
+    tokens are exact at any time.
     """
 
     name: ClassVar[str] = "kivi"
     kind: ClassVar[CompressionKind] = CompressionKind.QUANTIZATION
+    mode: ClassVar[CompressionMode] = CompressionMode.ONLINE
 
     bits: int = 4
     group_size: int = 32
@@ -32,12 +35,17 @@ class KIVI(Compressor):
             raise InvalidRequestError(f"kivi bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.group_size < 1 or self.residual_length < 0:
             raise InvalidRequestError("kivi group_size must be >= 1 and residual_length >= 0")
+        if self.residual_length % self.group_size:
+            raise InvalidRequestError(
+                f"kivi residual_length ({self.residual_length}) must be a multiple of "
+                f"group_size ({self.group_size})"
+            )
 
     @property
     def label(self) -> str:
         return f"{self.name}-{self.bits}bit"
 
-    def compress(self, full: KVCache) -> KVCache:
+    def compress(self, full: KVCache, context=None) -> CompressedKV:
         layers = []
         for layer in full.layers:
             keys, values = layer.keys_values()
@@ -47,8 +55,8 @@ class KIVI(Compressor):
             quantized.append(keys[: layer.num_slots], values[: layer.num_slots], layer.positions())
             quantized.flush(self.residual_length)
             layers.append(quantized)
-        return KVCache(layers, num_tokens=full.num_tokens)
+        return CompressedKV(layers, full.num_tokens, self)
 
-    def update(self, cache: KVCache) -> None:
+    def update(self, cache: CompressedKV) -> None:
         for layer in cache.layers:
             layer.flush(self.residual_length)

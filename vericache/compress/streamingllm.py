@@ -6,9 +6,11 @@ from typing import ClassVar
 
 import torch
 
-from vericache.compress.base import CompressionKind, Compressor
+from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.scoring import keep_slots
 from vericache.errors import InvalidRequestError
-from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.cache import KVCache
+from vericache.kv.compressed import CompressedKV
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class StreamingLLM(Compressor):
 
     name: ClassVar[str] = "streamingllm"
     kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
+    mode: ClassVar[CompressionMode] = CompressionMode.ONLINE
 
     ratio: float = 4.0
     num_sinks: int = 4
@@ -40,34 +43,30 @@ class StreamingLLM(Compressor):
         return f"{self.name}-{self.ratio:g}x"
 
     def slot_budget(self, num_tokens: int) -> int:
+        """Slots kept: `ratio` times fewer than tokens, and room for the sinks plus one token
+        (the bound a sliding cache keeps, even over a prefix shorter than that)."""
         return max(self.num_sinks + 1, math.ceil(num_tokens / self.ratio))
 
-    def compress(self, full: KVCache) -> KVCache:
+    def compress(self, full: KVCache, context=None) -> CompressedKV:
         budget = self.slot_budget(full.num_tokens)
-        layers = []
-        for layer in full.layers:
-            keys, values = layer.keys_values()
-            keep = self._kept_slots(layer.num_slots, budget, keys.device)
-            layers.append(
-                DenseLayerKV.from_tensors(keys[keep], values[keep], layer.positions()[keep])
-            )
-        return KVCache(layers, num_tokens=full.num_tokens, slot_budget=budget)
+        layers = [keep_slots(layer, self._kept_slots(layer, budget)) for layer in full.layers]
+        return CompressedKV(layers, full.num_tokens, self, budgets=[budget] * len(layers))
 
-    def update(self, cache: KVCache) -> None:
+    def update(self, cache: CompressedKV) -> None:
         if not self.sliding:
             return
-        for layer in cache.layers:
-            if layer.num_slots > cache.slot_budget:
-                keep = self._kept_slots(
-                    layer.num_slots, cache.slot_budget, layer.positions().device
-                )
-                num_heads = layer.positions().shape[1]
-                layer.retain(keep.unsqueeze(1).expand(-1, num_heads))
+        for index, (layer, budget) in enumerate(zip(cache.layers, cache.budgets)):
+            if layer.num_slots > budget:
+                cache.layers[index] = keep_slots(layer, self._kept_slots(layer, budget))
 
-    def _kept_slots(self, num_slots: int, budget: int, device) -> torch.Tensor:
-        """[k] slot indices: the sinks and the newest `budget - num_sinks` slots."""
+    def _kept_slots(self, layer, budget: int) -> torch.Tensor:
+        """[k, H] slot indices: the sinks and the newest `budget - num_sinks` slots."""
+        positions = layer.positions()
+        num_slots, num_heads, device = layer.num_slots, positions.shape[1], positions.device
         if num_slots <= budget:
-            return torch.arange(num_slots, device=device)
-        sinks = torch.arange(min(self.num_sinks, budget), device=device)
-        recent = torch.arange(num_slots - (budget - sinks.numel()), num_slots, device=device)
-        return torch.cat([sinks, recent])
+            kept = torch.arange(num_slots, device=device)
+        else:
+            sinks = torch.arange(min(self.num_sinks, budget), device=device)
+            recent = torch.arange(num_slots - (budget - sinks.numel()), num_slots, device=device)
+            kept = torch.cat([sinks, recent])
+        return kept.unsqueeze(1).expand(-1, num_heads)

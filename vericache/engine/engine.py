@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.compress.context import ModelContext
 from vericache.engine.prefix_store import PrefixStore
 from vericache.engine.request import DecodeMode, Request, RequestOutput
 from vericache.engine.sequence import Sequence
@@ -122,9 +123,7 @@ class Engine:
         return max(0, min(seq.request.draft_len, remaining - 1, room))
 
     def _run_compressed(self, batch: list[Sequence]) -> None:
-        inputs = [
-            SequenceInput(_ids(seq.compressed_input()), seq.compressed_cache) for seq in batch
-        ]
+        inputs = [_compressed_input(seq) for seq in batch]
         start = time.perf_counter()
         tokens = greedy(self.runner.forward(inputs, invariant=False))
         elapsed = time.perf_counter() - start
@@ -216,7 +215,10 @@ class Engine:
             return self._prefill_tokens(suffix, seq.full_cache)
         compressor = request.compressor
         compressed = self.prefix_store.lookup(
-            (prefix_ids, compressor), lambda: compressor.compress(prefix_kv)
+            (prefix_ids, compressor),
+            lambda: compressor.compress(
+                prefix_kv, ModelContext(self.runner, prefix_ids, self.tokenizer)
+            ),
         ).clone()
         seq.compressed_cache = compressed
         if seq.mode is DecodeMode.LOSSY:
@@ -256,6 +258,12 @@ class Engine:
             finish_reason=seq.finish_reason,
             stats=seq.stats,
         )
+
+
+def _compressed_input(seq: Sequence) -> SequenceInput:
+    cache = seq.compressed_cache
+    observe = cache.observe if cache.records_queries else None
+    return SequenceInput(_ids(seq.compressed_input()), cache, observe=observe)
 
 
 def _ids(token_ids) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from vericache.engine.request import DecodeMode, Request, RequestStats
 from vericache.engine.stops import StopChecker
 from vericache.kv.cache import KVCache
+from vericache.kv.compressed import CompressedKV
 
 
 @dataclass
@@ -21,7 +22,7 @@ class Sequence:
     stop_checker: StopChecker
     token_ids: list[int]  # prompt + committed output
     full_cache: KVCache | None = None
-    compressed_cache: KVCache | None = None
+    compressed_cache: CompressedKV | None = None
     draft_ids: list[int] = field(default_factory=list)  # this round's drafts, not yet verified
     draft_target: int | None = None  # drafts wanted this round; None between rounds
     finish_reason: str | None = None

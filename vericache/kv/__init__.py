@@ -1,4 +1,15 @@
 from vericache.kv.cache import DenseLayerKV, KVCache, LayerKV
+from vericache.kv.compressed import CompressedKV, cache_from_state
 from vericache.kv.quantized import QuantizedLayerKV
+from vericache.kv.state import CacheState, LayerState
 
-__all__ = ["DenseLayerKV", "KVCache", "LayerKV", "QuantizedLayerKV"]
+__all__ = [
+    "CacheState",
+    "CompressedKV",
+    "DenseLayerKV",
+    "KVCache",
+    "LayerKV",
+    "LayerState",
+    "QuantizedLayerKV",
+    "cache_from_state",
+]

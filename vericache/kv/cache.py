@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from vericache.errors import CacheStateError
+from vericache.kv.state import CacheState, LayerState
 
 # Buffers grow in multiples of this many slots.
 SLOT_ALIGNMENT = 256
@@ -51,6 +52,9 @@ class LayerKV(Protocol):
 
     def clone(self, capacity: int = 0) -> LayerKV:
         """An independent copy with room for `capacity` slots."""
+
+    def to_state(self) -> LayerState:
+        """The resident data as named tensors (see state.py)."""
 
 
 class DenseLayerKV:
@@ -122,6 +126,16 @@ class DenseLayerKV:
     def nbytes(self) -> int:
         return 2 * self.num_slots * self._keys[0].numel() * self._keys.element_size()
 
+    def to_state(self) -> LayerState:
+        n = self.num_slots
+        tensors = {"keys": self._keys[:n], "values": self._values[:n]}
+        return LayerState("dense", {}, {**tensors, "positions": self._positions[:n]})
+
+    @classmethod
+    def from_state(cls, state: LayerState) -> DenseLayerKV:
+        t = state.tensors
+        return cls.from_tensors(t["keys"], t["values"], t["positions"])
+
     def clone(self, capacity: int = 0) -> DenseLayerKV:
         num_kv_heads, head_dim = self._keys.shape[1:]
         copy = DenseLayerKV(
@@ -143,11 +157,9 @@ class KVCache:
     at that position whatever the number of resident slots.
     """
 
-    def __init__(self, layers: list[LayerKV], num_tokens: int = 0, slot_budget: int | None = None):
+    def __init__(self, layers: list[LayerKV], num_tokens: int = 0):
         self.layers = layers
         self.num_tokens = num_tokens
-        # Most slots an online compressor keeps per layer (StreamingLLM); None: no bound.
-        self.slot_budget = slot_budget
 
     @classmethod
     def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, capacity=0):
@@ -162,8 +174,7 @@ class KVCache:
 
     def clone(self, capacity: int = 0) -> KVCache:
         """An independent copy; `capacity` reserves slots for tokens to come."""
-        layers = [layer.clone(capacity) for layer in self.layers]
-        return KVCache(layers, self.num_tokens, self.slot_budget)
+        return KVCache([layer.clone(capacity) for layer in self.layers], self.num_tokens)
 
     @property
     def is_full(self) -> bool:
@@ -212,3 +223,6 @@ class KVCache:
     @property
     def device(self) -> torch.device:
         return self.layers[0].positions().device
+
+    def to_state(self) -> CacheState:
+        return CacheState(self.num_tokens, [layer.to_state() for layer in self.layers])

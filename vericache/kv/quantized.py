@@ -2,8 +2,8 @@
 
 Keys are quantized per channel over groups of `group_size` tokens (channel outliers stay local to a
 channel); values per token over the head dimension. The newest tokens stay in full precision in
-`residual` until they are committed and more than `residual_length` of them have accumulated.
-Attention dequantizes one layer at a time (`keys_values`).
+`residual`; `flush` quantizes them in blocks once enough are committed. Attention dequantizes one
+layer at a time (`keys_values`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,18 @@ import torch
 from vericache.errors import CacheStateError
 from vericache.kernels.quant import codes_per_byte, dequantize_packed, pack, quantize
 from vericache.kv.cache import DenseLayerKV, aligned
+from vericache.kv.state import LayerState
+
+# Resident tensors of the quantized part, in state order.
+QUANTIZED_TENSORS = (
+    "key_codes",  # [T, H, D*bits/8] uint8, T a multiple of group_size
+    "key_scale",  # [T / group_size, H, D] fp16
+    "key_zero",  # [T / group_size, H, D] fp16
+    "value_codes",  # [T, H, D*bits/8] uint8
+    "value_scale",  # [T, H, 1] fp16
+    "value_zero",  # [T, H, 1] fp16
+    "positions",  # [T, H] int32
+)
 
 
 class QuantizedLayerKV:
@@ -26,18 +38,22 @@ class QuantizedLayerKV:
         self.dtype = dtype
         self.residual = DenseLayerKV(num_kv_heads, head_dim, dtype, device)
         packed_dim = head_dim * bits // 8
-        # Quantized part, grown by whole groups. Codes: [T, H, D*bits/8].
-        self._key_codes = torch.empty(0, num_kv_heads, packed_dim, dtype=torch.uint8, device=device)
-        self._value_codes = torch.empty_like(self._key_codes)
-        self._key_scale = torch.empty(0, num_kv_heads, head_dim, dtype=torch.float16, device=device)
-        self._key_zero = torch.empty_like(self._key_scale)  # [T / group_size, H, D]
-        self._value_scale = torch.empty(0, num_kv_heads, 1, dtype=torch.float16, device=device)
-        self._value_zero = torch.empty_like(self._value_scale)  # [T, H, 1]
-        self._positions = torch.empty(0, num_kv_heads, dtype=torch.int32, device=device)
+        codes = torch.empty(0, num_kv_heads, packed_dim, dtype=torch.uint8, device=device)
+        channel_stats = torch.empty(0, num_kv_heads, head_dim, dtype=torch.float16, device=device)
+        token_stats = torch.empty(0, num_kv_heads, 1, dtype=torch.float16, device=device)
+        self._q = {
+            "key_codes": codes,
+            "key_scale": channel_stats,
+            "key_zero": channel_stats,
+            "value_codes": codes,
+            "value_scale": token_stats,
+            "value_zero": token_stats,
+            "positions": torch.empty(0, num_kv_heads, dtype=torch.int32, device=device),
+        }
 
     @property
     def num_quantized(self) -> int:
-        return self._key_codes.shape[0]
+        return self._q["key_codes"].shape[0]
 
     @property
     def num_slots(self) -> int:
@@ -52,14 +68,16 @@ class QuantizedLayerKV:
         self.residual.drop_last(num_slots)
 
     def positions(self) -> torch.Tensor:
-        return torch.cat([self._positions, self.residual.positions()])
+        return torch.cat([self._q["positions"], self.residual.positions()])
 
     def flush(self, residual_length: int) -> None:
-        """Quantize the oldest whole groups of the residual, keeping at least `residual_length`."""
-        num_groups = max(0, self.residual.num_slots - residual_length) // self.group_size
-        if num_groups == 0:
+        """Quantize the residual in whole blocks of `residual_length` tokens, as KIVI does: the
+        full-precision window then holds between 0 and residual_length - 1 tokens. With
+        residual_length 0, every whole group is quantized."""
+        block = residual_length or self.group_size
+        count = self.residual.num_slots // block * block
+        if count == 0:
             return
-        count = num_groups * self.group_size
         keys, values = self.residual.keys_values()
         self._quantize_and_store(keys[:count], values[:count], self.residual.positions()[:count])
         remaining = torch.arange(count, self.residual.num_slots, device=keys.device)
@@ -70,50 +88,71 @@ class QuantizedLayerKV:
         grouped = keys.reshape(num_groups, self.group_size, *keys.shape[1:])  # [G, S, H, D]
         key_codes, key_scale, key_zero = quantize(grouped, self.bits, dim=1)
         value_codes, value_scale, value_zero = quantize(values, self.bits, dim=-1)
-        self._key_codes = torch.cat([self._key_codes, pack(key_codes.flatten(0, 1), self.bits)])
-        self._key_scale = torch.cat([self._key_scale, key_scale.squeeze(1)])
-        self._key_zero = torch.cat([self._key_zero, key_zero.squeeze(1)])
-        self._value_codes = torch.cat([self._value_codes, pack(value_codes, self.bits)])
-        self._value_scale = torch.cat([self._value_scale, value_scale])
-        self._value_zero = torch.cat([self._value_zero, value_zero])
-        self._positions = torch.cat([self._positions, positions])
+        new = {
+            "key_codes": pack(key_codes.flatten(0, 1), self.bits),
+            "key_scale": key_scale.squeeze(1),
+            "key_zero": key_zero.squeeze(1),
+            "value_codes": pack(value_codes, self.bits),
+            "value_scale": value_scale,
+            "value_zero": value_zero,
+            "positions": positions,
+        }
+        self._q = {name: torch.cat([self._q[name], new[name]]) for name in QUANTIZED_TENSORS}
 
     def keys_values(self, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         num_quantized, total = self.num_quantized, self.num_slots
         end = aligned(total, pad_to)
-        shape = (end, *self.residual.keys_values()[0].shape[1:])
-        keys = torch.empty(shape, dtype=self.dtype, device=self._key_codes.device)
+        residual_keys, residual_values = self.residual.keys_values()
+        keys = residual_keys.new_empty(end, *residual_keys.shape[1:])
         values = torch.empty_like(keys)
         if num_quantized:
-            key_codes = self._key_codes.unflatten(0, (-1, self.group_size))  # [G, S, H, D*bits/8]
-            scale, zero = self._key_scale.unsqueeze(1), self._key_zero.unsqueeze(1)  # [G, 1, H, D]
-            keys[:num_quantized] = dequantize_packed(
-                key_codes, self.bits, scale, zero, self.dtype
-            ).flatten(0, 1)
-            values[:num_quantized] = dequantize_packed(
-                self._value_codes, self.bits, self._value_scale, self._value_zero, self.dtype
-            )
-        residual_keys, residual_values = self.residual.keys_values()
+            keys[:num_quantized], values[:num_quantized] = self._dequantize()
         keys[num_quantized:total] = residual_keys
         values[num_quantized:total] = residual_values
         keys[total:] = 0
         values[total:] = 0
         return keys, values
 
+    def _dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_quantized, H, D] keys and values in the cache dtype."""
+        q = self._q
+        key_codes = q["key_codes"].unflatten(0, (-1, self.group_size))  # [G, S, H, D*bits/8]
+        key_scale, key_zero = q["key_scale"].unsqueeze(1), q["key_zero"].unsqueeze(1)  # [G,1,H,D]
+        keys = dequantize_packed(key_codes, self.bits, key_scale, key_zero, self.dtype)
+        values = dequantize_packed(
+            q["value_codes"], self.bits, q["value_scale"], q["value_zero"], self.dtype
+        )
+        return keys.flatten(0, 1), values
+
     @property
     def nbytes(self) -> int:
         quantized = sum(
-            t.numel() * t.element_size()
-            for t in (
-                self._key_codes,
-                self._value_codes,
-                self._key_scale,
-                self._key_zero,
-                self._value_scale,
-                self._value_zero,
-            )
+            q.numel() * q.element_size() for name, q in self._q.items() if name != "positions"
         )
         return quantized + self.residual.nbytes
+
+    def to_state(self) -> LayerState:
+        residual = self.residual.to_state().tensors
+        tensors = {**self._q, **{f"residual_{name}": t for name, t in residual.items()}}
+        return LayerState("quantized", {"bits": self.bits, "group_size": self.group_size}, tensors)
+
+    @classmethod
+    def from_state(cls, state: LayerState) -> QuantizedLayerKV:
+        t = state.tensors
+        keys = t["residual_keys"]
+        layer = cls(
+            keys.shape[1],
+            keys.shape[2],
+            keys.dtype,
+            keys.device,
+            int(state.meta["bits"]),
+            int(state.meta["group_size"]),
+        )
+        layer._q = {name: t[name] for name in QUANTIZED_TENSORS}
+        layer.residual = DenseLayerKV.from_tensors(
+            keys, t["residual_values"], t["residual_positions"]
+        )
+        return layer
 
     def clone(self, capacity: int = 0) -> QuantizedLayerKV:
         # The quantized tensors are replaced, never written in place: sharing them is safe.

@@ -7,6 +7,7 @@ cache. Caches are owned by the caller; the forward appends the new tokens' KV to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,9 @@ class SequenceInput:
     token_ids: torch.Tensor  # [n] int64, the tokens after the cache's num_tokens
     cache: KVCache
     num_logits: int = 1  # logits wanted for the last `num_logits` of the n tokens
+    # Called per layer with (layer index, positions [n], rotated queries [n, Hq, D], layer KV):
+    # how compressors score tokens by the attention they receive.
+    observe: Callable | None = None
 
 
 class ModelRunner:
@@ -94,6 +98,8 @@ class ModelRunner:
             end = start + n
             layer_kv = seq.cache.layers[index]
             layer_kv.append(k[start:end], v[start:end], positions[start:end])
+            if seq.observe is not None:
+                seq.observe(index, positions[start:end], q[start:end], layer_kv)
             keys, values = layer_kv.keys_values(pad_to=KEY_ALIGN if invariant else 1)
             window_mask = None
             # The window only hides keys once the newest token is `window` positions in.

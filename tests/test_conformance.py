@@ -1,0 +1,185 @@
+"""Every compressor through the same checks, on a real (tiny) model: sizes as promised, kept
+positions, dtype and device preserved, state round trip, source untouched, `vericache` == `full`.
+
+Add a compressor to COMPRESSORS (an easy and a hard setting) and it is checked like the others.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vericache.compress import (
+    H2O,
+    KIVI,
+    TOVA,
+    CompressionKind,
+    CompressionMode,
+    KVQuant,
+    KVzip,
+    ModelContext,
+    PyramidKV,
+    SnapKV,
+    StreamingLLM,
+)
+from vericache.engine.request import DecodeMode, Request, SamplingParams
+from vericache.kv.compressed import CompressedKV, cache_from_state
+
+PREFIX, SUFFIX, MAX_NEW = 300, 10, 32
+COMPRESSORS = [
+    StreamingLLM(ratio=2), StreamingLLM(ratio=8, num_sinks=1, sliding=True),
+    SnapKV(ratio=2), SnapKV(ratio=8, window=4, kernel_size=1, pooling="avg"),
+    PyramidKV(ratio=2), PyramidKV(ratio=8, beta=4),
+    H2O(ratio=2), H2O(ratio=8, recent_fraction=0.1),
+    KVzip(ratio=2), KVzip(ratio=8, chunk_size=64),
+    TOVA(ratio=2), TOVA(ratio=8),
+    KIVI(bits=8, group_size=16, residual_length=32), KIVI(bits=2, group_size=32, residual_length=0),
+    KVQuant(bits=4, group_size=16, residual_length=32), KVQuant(bits=2, outlier_fraction=0.05),
+]  # fmt: skip
+COMPRESSOR_IDS = [f"{c.label}-{i % 2 and 'hard' or 'easy'}" for i, c in enumerate(COMPRESSORS)]
+
+
+def _prompt(vocab: int = 512, seed: int = 3) -> tuple[int, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(3, vocab, (PREFIX + SUFFIX,), generator=generator).tolist())
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    return tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def prefix(engine):
+    """(prefix token ids, their full KV) on the tiny Llama."""
+    ids = _prompt()[:PREFIX]
+    return ids, engine.prefix_kv(ids)
+
+
+def _compress(engine, prefix, compressor) -> CompressedKV:
+    ids, full = prefix
+    return compressor.compress(full, ModelContext(engine.runner, ids))
+
+
+@pytest.fixture(scope="module")
+def full_output(engine):
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    (out,) = engine.generate([Request(_prompt(), PREFIX, params, DecodeMode.FULL)])
+    return out.token_ids
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+def test_sizes_as_promised(engine, prefix, compressor):
+    full = prefix[1]
+    compressed = _compress(engine, prefix, compressor)
+    c = engine.model_config
+    per_token = c.num_kv_heads * c.head_dim * 2 * 4  # keys and values of a token, fp32
+    assert isinstance(compressed, CompressedKV) and compressed.num_tokens == PREFIX
+    if compressor.kind is CompressionKind.TOKEN_DROPPING:
+        expected = _expected_slots(compressor, c.num_layers)
+        assert [layer.num_slots for layer in compressed.layers] == expected
+        assert compressed.nbytes == sum(expected) * per_token
+        assert compressed.nbytes <= full.nbytes / compressor.ratio + c.num_layers * per_token
+    else:
+        assert compressed.nbytes == _expected_quantized_bytes(compressed, compressor, c)
+        assert compressed.nbytes < full.nbytes
+    assert compressed.resident_bytes >= compressed.nbytes
+
+
+def _expected_quantized_bytes(compressed, compressor, c) -> int:
+    """Packed codes, fp16 key statistics per channel and group, fp16 value statistics per token,
+    the exact residual, and (KVQuant) 8 bytes per sparse outlier: int32 index, fp32 value."""
+    block = compressor.residual_length or compressor.group_size
+    quantized = PREFIX // block * block
+    per_token = c.num_kv_heads * c.head_dim
+    codes = 2 * quantized * per_token * compressor.bits // 8
+    key_stats = 2 * (quantized // compressor.group_size) * per_token * 2
+    value_stats = 2 * quantized * c.num_kv_heads * 2
+    residual = 2 * (PREFIX - quantized) * per_token * 4
+    outliers = 0
+    for layer in compressed.layers:
+        state = layer.to_state().tensors
+        num = state.get("key_outlier_index", torch.empty(0)).numel()
+        num += state.get("value_outlier_index", torch.empty(0)).numel()
+        share = compressor.__dict__.get("outlier_fraction", 0.0) * quantized * per_token * 2
+        assert num <= 1.1 * share + 4 * per_token  # about the fraction asked for
+        outliers += 8 * num
+    return c.num_layers * (codes + key_stats + value_stats + residual) + outliers
+
+
+def _expected_slots(compressor, num_layers: int) -> list[int]:
+    if isinstance(compressor, StreamingLLM):
+        return [compressor.slot_budget(PREFIX)] * num_layers
+    if isinstance(compressor, SnapKV):  # PyramidKV too
+        budgets = compressor.layer_budgets(PREFIX, num_layers)
+        assert sum(budgets) <= math.ceil(PREFIX / compressor.ratio) * num_layers + num_layers
+        return budgets
+    return [math.ceil(PREFIX / compressor.ratio)] * num_layers
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+def test_positions_kept_and_dtype_device_preserved(engine, prefix, compressor):
+    full = prefix[1]
+    compressed = _compress(engine, prefix, compressor)
+    for index, source in enumerate(full.layers):
+        positions = compressed.kept_positions(index).long()  # [slots, H]
+        assert bool((positions[1:] > positions[:-1]).all()), "ascending, no repeats, per head"
+        assert int(positions.min()) >= 0 and int(positions.max()) < PREFIX
+        keys, values = compressed.decompress(index)
+        source_keys, source_values = source.keys_values()
+        assert keys.dtype == values.dtype == source_keys.dtype
+        assert keys.device == source_keys.device and keys.shape[0] == positions.shape[0]
+        if compressor.kind is CompressionKind.TOKEN_DROPPING:
+            heads = torch.arange(positions.shape[1])
+            assert torch.equal(keys, source_keys[positions, heads])  # exact KV of kept tokens
+            assert torch.equal(values, source_values[positions, heads])
+        else:
+            assert positions.tolist() == [[p] * positions.shape[1] for p in range(PREFIX)]
+            assert (keys - source_keys[:PREFIX]).abs().max() < 0.5 * source_keys.abs().max()
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+def test_state_round_trip_and_source_unchanged(engine, prefix, compressor):
+    full = prefix[1]
+    before = full.to_state()
+    compressed = _compress(engine, prefix, compressor)
+    assert full.to_state().equals(before)
+    state = compressed.to_state()
+    assert state.compressor == compressor.spec()
+    rebuilt = cache_from_state(state, rope=engine.runner.rope)
+    assert rebuilt.to_state().equals(state)
+    for index in range(len(full.layers)):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(rebuilt.decompress(index), compressed.decompress(index))
+        )
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+def test_vericache_equals_full(engine, full_output, compressor):
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    requests = [
+        Request(_prompt(), PREFIX, params, mode, compressor, draft_len=8)
+        for mode in (DecodeMode.VERICACHE, DecodeMode.LOSSY)
+    ]
+    vericache, lossy = engine.generate(requests)
+    assert vericache.token_ids == full_output
+    assert len(lossy.token_ids) == MAX_NEW  # the lossy baseline runs to the end too
+    assert vericache.stats.rounds < MAX_NEW  # drafts were accepted: fewer rounds than tokens
+
+
+@pytest.mark.parametrize(
+    "compressor", [c for c in COMPRESSORS if c.records_queries], ids=lambda c: c.label
+)
+def test_online_eviction_holds_the_budget(engine, compressor):
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    request = Request(_prompt(), PREFIX, params, DecodeMode.LOSSY, compressor)
+    seq = engine._start(request)
+    budget = seq.compressed_cache.budgets[0]
+    while not seq.is_finished:
+        engine.step([seq])
+        if not seq.is_finished:
+            assert all(layer.num_slots <= budget for layer in seq.compressed_cache.layers)
+    assert compressor.mode is CompressionMode.ONLINE

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.scoring import accumulate_attention, keep_slots, select_slots, token_budget
+from vericache.errors import InvalidRequestError
+from vericache.kv.cache import KVCache
+from vericache.kv.compressed import CompressedKV
+
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+
+
+@dataclass(frozen=True)
+class KVzip(Compressor):
+    """Query-agnostic compression: keep the KV the model needs to reconstruct its context.
+
+    Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", 2025,
+    https://arxiv.org/abs/2505.23416. After the prefix, the model is asked to repeat it and is fed
+    the prefix again, `chunk_size` tokens per pass; a prefix slot scores the highest attention any
+    reconstruction query (and any query head of its group) pays it. Each KV head keeps its top
+    slots, `ratio` times fewer than tokens. The scores do not depend on any later question, so one
+    compressed prefix serves every request that shares it.
+    """
+
+    name: ClassVar[str] = "kvzip"
+    kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
+    mode: ClassVar[CompressionMode] = CompressionMode.OFFLINE
+
+    ratio: float = 4.0
+    chunk_size: int = 2048
+
+    def __post_init__(self):
+        if not self.ratio >= 1:
+            raise InvalidRequestError(f"kvzip ratio must be >= 1, got {self.ratio}")
+        if self.chunk_size < 1:
+            raise InvalidRequestError(f"kvzip chunk_size must be >= 1, got {self.chunk_size}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.ratio:g}x"
+
+    def compress(self, full: KVCache, context=None) -> CompressedKV:
+        context = self.require_context(context)
+        budget = token_budget(full.num_tokens, self.ratio)
+        layers = [
+            keep_slots(layer, select_slots(scores, budget))
+            for layer, scores in zip(full.layers, self._reconstruction_scores(full, context))
+        ]
+        return CompressedKV(layers, full.num_tokens, self)
+
+    def _reconstruction_scores(self, full: KVCache, context) -> list[torch.Tensor]:
+        """Per layer [T, Hkv]: the most attention each prefix slot receives while rebuilding."""
+        num_tokens = full.num_tokens
+        prompt = _encode(context.tokenizer, REPEAT_PROMPT)
+        room = context.runner.config.max_position_embeddings - num_tokens - len(prompt)
+        chunk_size = min(self.chunk_size, room)
+        if chunk_size < 1:
+            raise InvalidRequestError(
+                f"kvzip needs room after the {num_tokens}-token prefix to replay it"
+            )
+        scores: list[torch.Tensor | None] = [None] * len(full.layers)
+
+        def observe(index, positions, queries, layer_kv):
+            part = accumulate_attention(queries, positions, layer_kv, num_tokens, reduce="max")
+            scores[index] = part if scores[index] is None else scores[index].maximum(part)
+
+        prefix = list(context.token_ids[:num_tokens])
+        for begin in range(0, num_tokens, chunk_size):
+            replay = prompt + prefix[begin : begin + chunk_size]
+            context.observe(full, num_tokens, replay, observe)
+        return scores
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    if tokenizer is None:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=False))

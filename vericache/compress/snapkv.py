@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.scoring import (
+    accumulate_attention,
+    keep_slots,
+    pool_scores,
+    select_slots,
+    token_budget,
+)
+from vericache.errors import InvalidRequestError
+from vericache.kv.cache import KVCache
+from vericache.kv.compressed import CompressedKV
+
+
+@dataclass(frozen=True)
+class SnapKV(Compressor):
+    """Keeps the tokens the prompt's last queries attend to, per KV head.
+
+    Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024,
+    https://arxiv.org/abs/2404.14469. The queries of the last `window` prefix tokens (the
+    observation window) score every earlier token; scores are smoothed with a pooling kernel so that
+    neighbours of important tokens survive together, and each KV head keeps its top tokens plus the
+    window itself, `ratio` times fewer slots than tokens.
+    """
+
+    name: ClassVar[str] = "snapkv"
+    kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
+    mode: ClassVar[CompressionMode] = CompressionMode.OFFLINE
+
+    ratio: float = 4.0
+    window: int = 32
+    kernel_size: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self):
+        if not self.ratio >= 1:
+            raise InvalidRequestError(f"{self.name} ratio must be >= 1, got {self.ratio}")
+        if self.window < 1 or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise InvalidRequestError(f"{self.name} needs window >= 1 and an odd kernel_size")
+        if self.pooling not in ("max", "avg"):
+            raise InvalidRequestError(f"{self.name} pooling must be 'max' or 'avg'")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.ratio:g}x"
+
+    def layer_budgets(self, num_tokens: int, num_layers: int) -> list[int]:
+        return [token_budget(num_tokens, self.ratio)] * num_layers
+
+    def compress(self, full: KVCache, context=None) -> CompressedKV:
+        context = self.require_context(context)
+        num_tokens = full.num_tokens
+        window = min(self.window, num_tokens)
+        scores = window_scores(full, context, window)
+        budgets = self.layer_budgets(num_tokens, len(full.layers))
+        in_window = torch.arange(num_tokens, device=full.device) >= num_tokens - window
+        layers = []
+        for layer, layer_scores, budget in zip(full.layers, scores, budgets):
+            pooled = pool_scores(layer_scores, self.kernel_size, self.pooling)
+            layers.append(keep_slots(layer, select_slots(pooled, budget, forced=in_window)))
+        return CompressedKV(layers, num_tokens, self)
+
+
+def window_scores(full: KVCache, context, window: int) -> list[torch.Tensor]:
+    """Per layer [T, Hkv]: attention the last `window` prefix tokens pay to every prefix token."""
+    num_tokens = full.num_tokens
+    scores: list[torch.Tensor | None] = [None] * len(full.layers)
+
+    def observe(index, positions, queries, layer_kv):
+        part = accumulate_attention(queries, positions, layer_kv, num_tokens)
+        scores[index] = part if scores[index] is None else scores[index] + part
+
+    tail = list(context.token_ids[num_tokens - window : num_tokens])
+    context.observe(full, num_tokens - window, tail, observe)
+    return scores
