@@ -2,5 +2,7 @@
 
 BENCHMARKS = {
     "acceptance": "vericache.bench.acceptance",
+    "codec": "vericache.bench.codec",
     "decode-speed": "vericache.bench.decode_speed",
+    "lossy-quality": "vericache.bench.lossy_quality",
 }

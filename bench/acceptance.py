@@ -1,7 +1,8 @@
 """Accepted draft tokens per round, by compressor and draft length, on real long contexts.
 
 Code: Python standard-library modules of 3-4k tokens as the context, a HumanEval prompt and a
-question about the module. Tools: BFCL function catalogues of 3k+ tokens, BFCL questions. Every
+question about the module. Tools: BFCL function catalogues of 3k+ tokens, BFCL questions. Math:
+short word problems. Every registered compressor at 2x/4x/8x (8/4/2 bits) by default. Every
 vericache output is also checked against full-KV decoding of the same prompt.
 
 The headline metric counts rounds that drafted the full x tokens (a round cut short by the token
@@ -12,21 +13,30 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from vericache.bench.common import compressor_from_label, environment, int_list, pyplot
+from vericache.bench.common import (
+    compressor_from_label,
+    compressor_labels,
+    environment,
+    int_list,
+    pyplot,
+)
 from vericache.bench.workloads import standard_workloads
 from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.model.loader import DEFAULT_MODEL
 
-DEFAULT_COMPRESSORS = "streamingllm-4x,streamingllm-8x,kivi-4bit,kivi-2bit"
-TARGET_X30 = 18.0
-TARGET_LABELS = ("streamingllm-4x", "kivi-4bit")
+TARGET_X30 = 20.0
+TARGET_KINDS = ("code", "tools")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--compressors", default=DEFAULT_COMPRESSORS, help="comma-separated labels")
+    parser.add_argument(
+        "--compressors",
+        help="comma-separated labels, `all` (default: every compressor at 2x/4x/8x) or `all-4x` "
+        "(the default when quick)",
+    )
     parser.add_argument("--draft-lens", type=int_list, default=[10, 20, 30, 40])
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (128; quick 64)")
     parser.add_argument("--draft-kv", choices=["verifier", "drafter", "both"], default="verifier")
@@ -41,7 +51,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> dict:
     max_tokens = args.max_tokens or (64 if args.quick else 128)
-    labels = args.compressors.split(",")
+    labels = compressor_labels(args.compressors or ("all-4x" if args.quick else "all"))
     compressors = [compressor_from_label(label) for label in labels]
     engine = Engine.from_pretrained(
         args.model, dtype=args.dtype, config=EngineConfig(prefix_cache_bytes=16 << 30)
@@ -143,14 +153,17 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
         }
 
     x30 = at_x30(default, "code")
+    best = {kind: _best_at_4x(at_x30(default, kind)) for kind in TARGET_KINDS}
     summary = {
         "x30": x30,
         "x30_tools": at_x30(default, "tools"),
+        "x30_math": at_x30(default, "math"),
+        "best_4x_x30": best,
         "identical": all(record["identical"] for record in records),
         "identical_rate": sum(record["identical"] for record in records) / len(records),
         "dtype": args.dtype,
         "draft_kv": default,
-        "meets_target": _meets_target(x30),
+        "meets_target": _meets_target(best),
     }
     if len(table) > 1:
         summary["x30_by_draft_kv"] = {source: at_x30(source, "code") for source in table}
@@ -159,7 +172,8 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
         "summary": summary,
         "definitions": {
             "x30": "mean accepted draft tokens per round that drafted 30 tokens, code contexts",
-            "target": f">= {TARGET_X30} for {', '.join(TARGET_LABELS)} (code, 3k+ token contexts)",
+            "best_4x_x30": "per workload kind, the 4x (4-bit) compressor with the most x30",
+            "target": f"best_4x_x30 >= {TARGET_X30:g} on code and on tools (3k+ token contexts)",
         },
         "config": {
             "max_tokens": max_tokens,
@@ -176,12 +190,24 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
     }
 
 
-def _meets_target(x30: dict) -> bool | None:
-    """None when the run did not measure the target's compressors at x=30."""
-    measured = [x30.get(label) for label in TARGET_LABELS]
-    if any(value is None for value in measured):
+def _best_at_4x(x30: dict) -> dict | None:
+    """{label, x30} of the 4x (or 4-bit) compressor that accepts the most at x=30."""
+    at_4x = {
+        label: value
+        for label, value in x30.items()
+        if value is not None and label.endswith(("-4x", "-4bit"))
+    }
+    if not at_4x:
         return None
-    return all(value >= TARGET_X30 for value in measured)
+    label = max(at_4x, key=at_4x.get)
+    return {"label": label, "x30": at_4x[label]}
+
+
+def _meets_target(best: dict) -> bool | None:
+    """None when the run did not measure a 4x compressor at x=30 on both kinds."""
+    if any(best[kind] is None for kind in TARGET_KINDS):
+        return None
+    return all(best[kind]["x30"] >= TARGET_X30 for kind in TARGET_KINDS)
 
 
 def _markdown(table: dict, draft_lens: list[int]) -> str:

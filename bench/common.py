@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from vericache.compress import Compressor, build_compressor
+from vericache.compress import COMPRESSORS, CompressionKind, Compressor, build_compressor
 from vericache.errors import InvalidRequestError
 
 _LABEL = re.compile(r"^(?P<name>[a-z0-9_]+)-(?P<value>[0-9.]+)(?P<unit>x|bit)$")
@@ -24,6 +24,26 @@ def compressor_from_label(label: str) -> Compressor:
     if match["unit"] == "x":
         return build_compressor(match["name"], ratio=float(match["value"]))
     return build_compressor(match["name"], bits=int(match["value"]))
+
+
+# Strengths compared across methods: ratio for token dropping, bits for quantization (16-bit KV
+# at 8/4/2 bits is 2x/4x/8x smaller).
+STRENGTHS = ((2, 8), (4, 4), (8, 2))
+
+
+def compressor_labels(spec: str) -> list[str]:
+    """`all`: every registered compressor at 2x/4x/8x (8/4/2 bits); `all-4x`: at 4x (4 bits);
+    otherwise a comma-separated list of labels."""
+    if spec not in ("all", "all-4x"):
+        return [label for label in spec.split(",") if label]
+    strengths = STRENGTHS if spec == "all" else STRENGTHS[1:2]
+    labels = []
+    for name, cls in COMPRESSORS.items():
+        quantized = cls.kind is CompressionKind.QUANTIZATION
+        labels += [
+            f"{name}-{bits}bit" if quantized else f"{name}-{ratio}x" for ratio, bits in strengths
+        ]
+    return labels
 
 
 def int_list(text: str) -> list[int]:

@@ -318,7 +318,8 @@ def math_workload() -> Workload:
 def standard_workloads(tokenizer, quick: bool) -> list[Workload]:
     """The acceptance benchmark's workloads: stdlib modules of 3-4k tokens, each asked one HumanEval
     prompt and one prompt about the module; BFCL catalogues of 3k+ tokens, each asked two questions.
-    3 code + 2 tools workloads, or 1 + 1 when quick (the first of each of the full set)."""
+    3 code + 2 tools workloads, or 1 + 1 when quick (the first of each of the full set), and the
+    short math problems (4 when quick)."""
     num_code, num_tools = (1, 1) if quick else (3, 2)
     contexts = code_contexts(tokenizer, 3000, 4000, count=num_code)
     humaneval = humaneval_prompts(num_code, seed=0)
@@ -329,4 +330,7 @@ def standard_workloads(tokenizer, quick: bool) -> list[Workload]:
     for tools in tool_contexts(tokenizer, 3000, count=num_tools):
         prompts = tools.questions[:2]
         workloads.append(Workload(f"tools:{tools.name}", "tools", tools.context, prompts))
-    return workloads
+    math = math_workload()
+    if quick:
+        math = Workload(math.name, math.kind, math.context, math.prompts[:4])
+    return [*workloads, math]

@@ -116,7 +116,9 @@ def test_humaneval_prompts_are_deterministic_function_stubs():
 @pytest.mark.parametrize("quick, num_code, num_tools", [(True, 1, 1), (False, 3, 2)])
 def test_standard_workloads(tokenizer, quick, num_code, num_tools):
     found = workloads.standard_workloads(tokenizer, quick=quick)
-    assert [w.kind for w in found] == ["code"] * num_code + ["tools"] * num_tools
+    assert [w.kind for w in found] == ["code"] * num_code + ["tools"] * num_tools + ["math"]
+    math = found.pop()
+    assert math.prompts == workloads.math_workload().prompts[: 4 if quick else None]
     for workload in found:
         assert len(workload.prompts) == 2
         assert count(tokenizer, workload.context) >= 3000
@@ -126,7 +128,7 @@ def test_standard_workloads(tokenizer, quick, num_code, num_tools):
             assert workload.prompts[1] in workloads.CONTEXT_PROMPTS
     if quick:  # the quick set is the first code and the first tools workload of the full set
         full = workloads.standard_workloads(tokenizer, quick=False)
-        assert found == [full[0], full[3]]
+        assert found == [full[0], full[3]]  # math popped from `found`
 
 
 def test_math_workload_has_fixed_problems():
