@@ -1,7 +1,7 @@
 """Gather of kept tokens: per KV head, the slots a token-dropping compressor keeps.
 
-`gather_slots` is the reference (torch.gather, any device); on CUDA, `kernels.triton_ops` provides
-a fused version of the same op, checked against this one in tests/test_cuda.py.
+`gather_slots` runs torch.gather (the reference) or, on CUDA with Triton, the fused kernel of
+kernels/triton_ops.py, which tests/test_cuda.py checks against the reference.
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ def gather_slots(
     """keys, values: [S, H, D]; positions: [S, H]; slot_index: [k, H] int64.
 
     Returns keys, values [k, H, D] and positions [k, H] of the chosen slots, per head."""
+    if keys.is_cuda:
+        from vericache.kernels import triton_ops
+
+        if triton_ops.available():
+            return triton_ops.gather_slots(keys, values, positions, slot_index)
     index = slot_index.unsqueeze(-1).expand(*slot_index.shape, keys.shape[-1])
     return (
         torch.gather(keys, 0, index),

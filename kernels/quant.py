@@ -77,7 +77,13 @@ def dequantize_packed(
 ):
     """`dequantize(unpack(packed))` in two passes: a table maps each byte to its float codes.
 
-    packed: uint8 [..., B]; scale, zero: broadcastable to [..., B * 8 / bits]."""
+    packed: uint8 [..., B]; scale, zero: broadcastable to [..., B * 8 / bits]. On CUDA with
+    Triton, one fused kernel (kernels/triton_ops.py) does both passes."""
+    if packed.is_cuda:
+        from vericache.kernels import triton_ops  # it builds on this module: import when used
+
+        if triton_ops.available():
+            return triton_ops.dequantize_packed(packed, bits, scale, zero, dtype)
     codes = F.embedding(packed.int(), _byte_table(bits, packed.device))  # [..., B, 8 / bits]
     codes = codes.flatten(-2)
     return torch.addcmul(zero.float(), codes, scale.float()).to(dtype)

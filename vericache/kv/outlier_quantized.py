@@ -25,6 +25,8 @@ OUTLIER_TENSORS = (
 
 class OutlierQuantizedLayerKV(QuantizedLayerKV):
     kind = "quantized_outliers"
+    # Outliers and the RoPE rotation are applied after dequantization, outside the fused kernel.
+    attends_packed = False
 
     def __init__(
         self,

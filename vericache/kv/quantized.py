@@ -13,6 +13,7 @@ import copy
 import torch
 
 from vericache.errors import CacheStateError
+from vericache.kernels.packed_attention import PackedKV, packed_attention
 from vericache.kernels.quant import codes_per_byte, dequantize_packed, pack, quantize
 from vericache.kv.cache import DenseLayerKV, aligned
 from vericache.kv.state import LayerState
@@ -30,6 +31,9 @@ QUANTIZED_TENSORS = (
 
 
 class QuantizedLayerKV:
+    # Attention may read the packed codes directly (`attend`) instead of `keys_values`.
+    attends_packed = True
+
     def __init__(self, num_kv_heads: int, head_dim: int, dtype, device, bits: int, group_size: int):
         if head_dim % codes_per_byte(bits):
             raise ValueError(f"head_dim {head_dim} cannot be packed at {bits} bits")
@@ -112,6 +116,16 @@ class QuantizedLayerKV:
         keys[total:] = 0
         values[total:] = 0
         return keys, values
+
+    def attend(self, q: torch.Tensor, window_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of the newest n slots' queries q [n, Hq, D] over this layer, without
+        materialising its dequantized keys and values; [n, Hq * D]."""
+        packed = PackedKV.from_tensors(self._q, self.bits, self.group_size)
+        residual_keys, residual_values = self.residual.keys_values()
+        num_residual = self.residual.num_slots
+        return packed_attention(
+            q, packed, residual_keys[:num_residual], residual_values[:num_residual], window_mask
+        )
 
     def _dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_quantized, H, D] keys and values in the cache dtype."""

@@ -100,14 +100,11 @@ class ModelRunner:
             layer_kv.append(k[start:end], v[start:end], positions[start:end])
             if seq.observe is not None:
                 seq.observe(index, positions[start:end], q[start:end], layer_kv)
-            keys, values = layer_kv.keys_values(pad_to=KEY_ALIGN if invariant else 1)
             window_mask = None
             # The window only hides keys once the newest token is `window` positions in.
             if window is not None and seq.cache.num_tokens + n > window:
                 window_mask = _window_mask(window, layer_kv.positions(), positions[start:end])
-            outputs.append(
-                attention(q[start:end], keys, values, layer_kv.num_slots, invariant, window_mask)
-            )
+            outputs.append(_attend(layer_kv, q[start:end], window_mask, invariant))
             start = end
         hidden = hidden + layer.o_proj(torch.cat(outputs), invariant)
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps)
@@ -145,6 +142,15 @@ class ModelRunner:
             wanted = max(0, min(chunk.numel(), start + chunk.numel() - (total - num_logits)))
             logits += self.forward([SequenceInput(chunk, cache, wanted)])
         return torch.cat(logits)
+
+
+def _attend(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> torch.Tensor:
+    """q [n, Hq, D] of the layer's newest n slots -> [n, Hq * D]."""
+    if not invariant and getattr(layer_kv, "attends_packed", False):
+        # A quantized layer dequantizes block by block inside attention (fused on CUDA).
+        return layer_kv.attend(q, window_mask)
+    keys, values = layer_kv.keys_values(pad_to=KEY_ALIGN if invariant else 1)
+    return attention(q, keys, values, layer_kv.num_slots, invariant, window_mask)
 
 
 def _window_mask(window: int, key_positions: torch.Tensor, query_positions: torch.Tensor):
