@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from vericache.cli.main import main
+from vericache.compress import COMPRESSORS, build_compressor
 
 STATS_KEYS = {
     "rounds",
@@ -135,3 +136,13 @@ def test_console_script_is_installed():
         check=True,
     )
     assert "--context-file" in result.stdout and "--draft-len" in result.stdout
+
+
+def test_compressors_lists_the_registry_as_json(capsys):
+    code, out, _ = run_cli(["compressors", "--json"], capsys)
+    listed = {entry["name"]: entry for entry in json.loads(out)}
+    assert code == 0 and set(listed) == set(COMPRESSORS)
+    assert listed["snapkv"]["kind"] == "token_dropping" and listed["snapkv"]["mode"] == "offline"
+    assert listed["kivi"]["params"] == {"bits": 4, "group_size": 32, "residual_length": 128}
+    for entry in listed.values():  # the listing rebuilds each compressor
+        assert build_compressor(entry["name"], **entry["params"]).label == entry["label"]
