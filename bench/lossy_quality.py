@@ -18,7 +18,6 @@ import torch
 from vericache.bench.common import compressor_from_label, compressor_labels, environment, pyplot
 from vericache.bench.output_checks import code_parses, tool_calls
 from vericache.bench.workloads import standard_workloads
-from vericache.compress import ModelContext
 from vericache.engine.engine import Engine, EngineConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
@@ -80,12 +79,7 @@ def _kl_by_position(engine, prompt, output_ids: list[int], compressor) -> list[f
     prefix_ids = tuple(prompt.token_ids[:split])
     fed = torch.tensor([*prompt.token_ids[split:], *output_ids[:-1]], dtype=torch.long)
     prefix_kv = engine.prefix_kv(prefix_ids)
-    compressed = engine.prefix_store.lookup(
-        (prefix_ids, compressor),
-        lambda: compressor.compress(
-            prefix_kv, ModelContext(engine.runner, prefix_ids, engine.tokenizer)
-        ),
-    ).clone()
+    compressed = engine.compressed_prefix_kv(prefix_ids, compressor).clone()
     full_logits = engine.runner.prefill(fed, prefix_kv.clone(), num_logits=len(output_ids))
     lossy_logits = engine.runner.prefill(fed, compressed, num_logits=len(output_ids))
     full_log_p = torch.log_softmax(full_logits.double(), dim=-1)  # [n, vocab]

@@ -9,9 +9,7 @@ import torch
 
 from vericache.bench import acceptance, decode_speed
 from vericache.bench.common import compressor_from_label, compressor_labels
-from vericache.compress import COMPRESSORS
-from vericache.bench.common import compressor_from_label
-from vericache.compress import KIVI, StreamingLLM
+from vericache.compress import COMPRESSORS, KIVI, StreamingLLM
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import load_model
 from vericache.model.runner import ModelRunner

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vericache.cli import bench, compressors, generate
+from vericache.cli import bench, compressors, generate, kv_size
 from vericache.cli.parser import OneLineErrorParser
 from vericache.errors import VeriCacheError
 
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(commands)
     bench.add_parser(commands)
     compressors.add_parser(commands)
+    kv_size.add_parser(commands)
     return parser
 
 

@@ -22,6 +22,7 @@ from vericache.engine.sequence import Sequence
 from vericache.engine.stops import StopChecker
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache, aligned
+from vericache.kv.compressed import CompressedKV
 from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import DEFAULT_MODEL, load_model
 from vericache.model.runner import DEFAULT_PREFILL_CHUNK, ModelRunner, SequenceInput
@@ -214,12 +215,7 @@ class Engine:
             seq.full_cache = prefix_kv.clone(capacity)
             return self._prefill_tokens(suffix, seq.full_cache)
         compressor = request.compressor
-        compressed = self.prefix_store.lookup(
-            (prefix_ids, compressor),
-            lambda: compressor.compress(
-                prefix_kv, ModelContext(self.runner, prefix_ids, self.tokenizer)
-            ),
-        ).clone()
+        compressed = self.compressed_prefix_kv(prefix_ids, compressor).clone()
         seq.compressed_cache = compressed
         if seq.mode is DecodeMode.LOSSY:
             # The lossy baseline computes the user turn over its compressed KV, like any
@@ -234,6 +230,17 @@ class Engine:
                 self._prefill_tokens(suffix, compressed, num_logits=0)
         compressor.update(compressed)
         return logits
+
+    def compressed_prefix_kv(self, prefix_ids: tuple[int, ...], compressor) -> CompressedKV:
+        """A prefix's KV compressed once per compressor, then reused. Shared: clone it to edit."""
+        return self.prefix_store.lookup(
+            (prefix_ids, compressor),
+            lambda: compressor.compress(self.prefix_kv(prefix_ids), self.model_context(prefix_ids)),
+        )
+
+    def model_context(self, prefix_ids: tuple[int, ...]) -> ModelContext:
+        """What a compressor may run on the model while compressing this prefix."""
+        return ModelContext(self.runner, prefix_ids, self.tokenizer)
 
     def prefix_kv(self, prefix_ids: tuple[int, ...]) -> KVCache:
         """The full KV of a prefix, prefilled once and then reused. Shared: clone it to edit."""

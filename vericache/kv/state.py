@@ -68,5 +68,5 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
-        return t.contiguous().view(torch.uint8) if t.numel() else t.to(torch.uint8)
+        return t.reshape(-1).contiguous().view(torch.uint8) if t.numel() else t.to(torch.uint8)
     return t
