@@ -51,7 +51,13 @@ def default_labels(quick: bool) -> list[str]:
         for name, cls in sorted(COMPRESSORS.items())
         if cls.kind is CompressionKind.TOKEN_DROPPING and name != "streamingllm"
     ]
-    return ["kivi-8bit", "kivi-4bit", "kivi-2bit", "streamingllm-4x", *dropping]
+    other_quantizers = [
+        f"{name}-{bits}bit"
+        for name, cls in sorted(COMPRESSORS.items())
+        if cls.kind is CompressionKind.QUANTIZATION and name != "kivi"
+        for bits in (4, 2)
+    ]
+    return ["kivi-8bit", "kivi-4bit", "kivi-2bit", "streamingllm-4x", *dropping, *other_quantizers]
 
 
 def measure(state, fingerprint: str, full_bf16_bytes: int, repeats: int) -> dict:

@@ -48,5 +48,6 @@ def test_measures_summarizes_and_plots(tmp_path):
 def test_default_labels_cover_every_token_dropping_compressor():
     labels = codec_bench.default_labels(quick=False)
     assert labels[:4] == ["kivi-8bit", "kivi-4bit", "kivi-2bit", "streamingllm-4x"]
-    assert all(label.endswith("-4x") for label in labels[4:])
+    assert all(label.endswith("-4x") for label in labels[4:-2])
+    assert labels[-2:] == ["kvquant-4bit", "kvquant-2bit"]
     assert "kivi-4bit" in codec_bench.default_labels(quick=True)
