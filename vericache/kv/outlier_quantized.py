@@ -118,8 +118,9 @@ def split_outliers(x: torch.Tensor, fraction: float, dims: tuple[int, ...]):
         return x, torch.empty(0, dtype=torch.int32, device=x.device), x.new_empty(0)
     kept = [d for d in range(x.dim()) if d not in dims]
     moved = x.float().permute(*kept, *dims).flatten(len(kept))  # [kept..., N]
-    low = torch.quantile(moved, fraction / 2, dim=-1, keepdim=True)
-    high = torch.quantile(moved, 1 - fraction / 2, dim=-1, keepdim=True)
+    # Thresholds are entries of x itself, so clamping never widens the range the codes span.
+    low = torch.quantile(moved, fraction / 2, dim=-1, keepdim=True, interpolation="higher")
+    high = torch.quantile(moved, 1 - fraction / 2, dim=-1, keepdim=True, interpolation="lower")
     shape = [1] * x.dim()
     for dim in kept:
         shape[dim] = x.shape[dim]
