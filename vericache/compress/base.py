@@ -73,3 +73,20 @@ class Compressor(abc.ABC):
         if context is None:
             raise InvalidRequestError(f"{self.name} scores tokens with the model: pass a context")
         return context
+
+
+@dataclass(frozen=True)
+class TokenDropping(Compressor):
+    """A compressor that keeps `ratio` times fewer tokens than the prefix holds."""
+
+    kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
+
+    ratio: float = 4.0
+
+    def __post_init__(self):
+        if not self.ratio >= 1:  # also rejects NaN
+            raise InvalidRequestError(f"{self.name} ratio must be >= 1, got {self.ratio}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.ratio:g}x"

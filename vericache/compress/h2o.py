@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.base import CompressionMode, TokenDropping
 from vericache.compress.scoring import (
     accumulate_attention,
     all_prefix_scores,
@@ -22,7 +22,7 @@ from vericache.kv.compressed import CompressedKV
 
 
 @dataclass(frozen=True)
-class H2O(Compressor):
+class H2O(TokenDropping):
     """Heavy hitters plus a recent window, under a fixed budget kept while decoding.
 
     Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
@@ -34,22 +34,15 @@ class H2O(Compressor):
     """
 
     name: ClassVar[str] = "h2o"
-    kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
     mode: ClassVar[CompressionMode] = CompressionMode.ONLINE
     records_queries: ClassVar[bool] = True
 
-    ratio: float = 4.0
     recent_fraction: float = 0.5
 
     def __post_init__(self):
-        if not self.ratio >= 1:
-            raise InvalidRequestError(f"h2o ratio must be >= 1, got {self.ratio}")
+        super().__post_init__()
         if not 0 <= self.recent_fraction < 1:
             raise InvalidRequestError("h2o recent_fraction must lie in [0, 1)")
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}-{self.ratio:g}x"
 
     def compress(self, full: KVCache, context=None) -> CompressedKV:
         context = self.require_context(context)

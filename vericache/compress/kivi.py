@@ -3,6 +3,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from vericache.compress.base import CompressionKind, CompressionMode, Compressor
 from vericache.errors import InvalidRequestError
 from vericache.kernels.quant import SUPPORTED_BITS
@@ -31,13 +33,16 @@ class KIVI(Compressor):
     residual_length: int = 128
 
     def __post_init__(self):
+        name = self.name
         if self.bits not in SUPPORTED_BITS:
-            raise InvalidRequestError(f"kivi bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+            raise InvalidRequestError(
+                f"{name} bits must be one of {SUPPORTED_BITS}, not {self.bits}"
+            )
         if self.group_size < 1 or self.residual_length < 0:
-            raise InvalidRequestError("kivi group_size must be >= 1 and residual_length >= 0")
+            raise InvalidRequestError(f"{name} group_size must be >= 1 and residual_length >= 0")
         if self.residual_length % self.group_size:
             raise InvalidRequestError(
-                f"kivi residual_length ({self.residual_length}) must be a multiple of "
+                f"{name} residual_length ({self.residual_length}) must be a multiple of "
                 f"group_size ({self.group_size})"
             )
 
@@ -49,13 +54,18 @@ class KIVI(Compressor):
         layers = []
         for layer in full.layers:
             keys, values = layer.keys_values()
-            quantized = QuantizedLayerKV(
-                keys.shape[1], keys.shape[2], keys.dtype, keys.device, self.bits, self.group_size
-            )
+            quantized = self.new_layer(keys, context)
             quantized.append(keys[: layer.num_slots], values[: layer.num_slots], layer.positions())
             quantized.flush(self.residual_length)
             layers.append(quantized)
         return CompressedKV(layers, full.num_tokens, self)
+
+    def new_layer(self, keys: torch.Tensor, context) -> QuantizedLayerKV:
+        """An empty quantized layer for keys like `keys` [T, H, D]."""
+        num_kv_heads, head_dim = keys.shape[1:]
+        return QuantizedLayerKV(
+            num_kv_heads, head_dim, keys.dtype, keys.device, self.bits, self.group_size
+        )
 
     def update(self, cache: CompressedKV) -> None:
         for layer in cache.layers:

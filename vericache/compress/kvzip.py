@@ -5,7 +5,7 @@ from typing import ClassVar
 
 import torch
 
-from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.base import CompressionMode, TokenDropping
 from vericache.compress.scoring import accumulate_attention, keep_slots, select_slots, token_budget
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
@@ -15,7 +15,7 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
 
 
 @dataclass(frozen=True)
-class KVzip(Compressor):
+class KVzip(TokenDropping):
     """Query-agnostic compression: keep the KV the model needs to reconstruct its context.
 
     Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", 2025,
@@ -27,21 +27,14 @@ class KVzip(Compressor):
     """
 
     name: ClassVar[str] = "kvzip"
-    kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
     mode: ClassVar[CompressionMode] = CompressionMode.OFFLINE
 
-    ratio: float = 4.0
     chunk_size: int = 2048
 
     def __post_init__(self):
-        if not self.ratio >= 1:
-            raise InvalidRequestError(f"kvzip ratio must be >= 1, got {self.ratio}")
+        super().__post_init__()
         if self.chunk_size < 1:
             raise InvalidRequestError(f"kvzip chunk_size must be >= 1, got {self.chunk_size}")
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}-{self.ratio:g}x"
 
     def compress(self, full: KVCache, context=None) -> CompressedKV:
         context = self.require_context(context)

@@ -5,7 +5,7 @@ from typing import ClassVar
 
 import torch
 
-from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.base import CompressionMode, TokenDropping
 from vericache.compress.scoring import (
     accumulate_attention,
     keep_slots,
@@ -19,7 +19,7 @@ from vericache.kv.compressed import CompressedKV
 
 
 @dataclass(frozen=True)
-class SnapKV(Compressor):
+class SnapKV(TokenDropping):
     """Keeps the tokens the prompt's last queries attend to, per KV head.
 
     Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024,
@@ -30,25 +30,18 @@ class SnapKV(Compressor):
     """
 
     name: ClassVar[str] = "snapkv"
-    kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
     mode: ClassVar[CompressionMode] = CompressionMode.OFFLINE
 
-    ratio: float = 4.0
     window: int = 32
     kernel_size: int = 7
     pooling: str = "max"
 
     def __post_init__(self):
-        if not self.ratio >= 1:
-            raise InvalidRequestError(f"{self.name} ratio must be >= 1, got {self.ratio}")
+        super().__post_init__()
         if self.window < 1 or self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise InvalidRequestError(f"{self.name} needs window >= 1 and an odd kernel_size")
         if self.pooling not in ("max", "avg"):
             raise InvalidRequestError(f"{self.name} pooling must be 'max' or 'avg'")
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}-{self.ratio:g}x"
 
     def layer_budgets(self, num_tokens: int, num_layers: int) -> list[int]:
         return [token_budget(num_tokens, self.ratio)] * num_layers

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.base import CompressionMode, TokenDropping
 from vericache.compress.scoring import keep_slots
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
@@ -14,7 +14,7 @@ from vericache.kv.compressed import CompressedKV
 
 
 @dataclass(frozen=True)
-class StreamingLLM(Compressor):
+class StreamingLLM(TokenDropping):
     """Attention sinks plus a sliding window of recent tokens.
 
     Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024,
@@ -25,22 +25,15 @@ class StreamingLLM(Compressor):
     """
 
     name: ClassVar[str] = "streamingllm"
-    kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
     mode: ClassVar[CompressionMode] = CompressionMode.ONLINE
 
-    ratio: float = 4.0
     num_sinks: int = 4
     sliding: bool = False
 
     def __post_init__(self):
-        if not self.ratio >= 1:
-            raise InvalidRequestError(f"streamingllm ratio must be >= 1, got {self.ratio}")
+        super().__post_init__()
         if self.num_sinks < 0:
             raise InvalidRequestError(f"num_sinks must be >= 0, got {self.num_sinks}")
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}-{self.ratio:g}x"
 
     def slot_budget(self, num_tokens: int) -> int:
         """Slots kept: `ratio` times fewer than tokens, and room for the sinks plus one token

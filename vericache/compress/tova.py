@@ -5,7 +5,7 @@ from typing import ClassVar
 
 import torch
 
-from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.base import CompressionMode, TokenDropping
 from vericache.compress.scoring import (
     accumulate_attention,
     committed_queries,
@@ -14,13 +14,12 @@ from vericache.compress.scoring import (
     token_budget,
 )
 from vericache.compress.snapkv import window_scores
-from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 
 
 @dataclass(frozen=True)
-class TOVA(Compressor):
+class TOVA(TokenDropping):
     """Token Omission Via Attention: the newest query decides which tokens stay.
 
     Oren et al., "Transformers are Multi-State RNNs", EMNLP 2024, https://arxiv.org/abs/2401.06104.
@@ -31,19 +30,8 @@ class TOVA(Compressor):
     """
 
     name: ClassVar[str] = "tova"
-    kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
     mode: ClassVar[CompressionMode] = CompressionMode.ONLINE
     records_queries: ClassVar[bool] = True
-
-    ratio: float = 4.0
-
-    def __post_init__(self):
-        if not self.ratio >= 1:
-            raise InvalidRequestError(f"tova ratio must be >= 1, got {self.ratio}")
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}-{self.ratio:g}x"
 
     def compress(self, full: KVCache, context=None) -> CompressedKV:
         context = self.require_context(context)
