@@ -75,7 +75,7 @@ def test_pyramid_budgets_fall_with_depth_and_keep_snapkv_total(num_layers):
 
 
 def test_h2o_update_keeps_recent_tokens_and_heaviest_hitters():
-    compressor = H2O(ratio=2, recent_fraction=0.5)
+    compressor = H2O(ratio=4, recent_fraction=0.5)  # 10 tokens seen: the budget stays 4
     layer = _layer(num_slots=10)
     scores = torch.tensor([9.0, 0, 0, 8, 0, 0, 0, 0, 0, 0]).unsqueeze(1).repeat(1, 2)
     cache = CompressedKV([layer], 10, compressor, budgets=[4], extras={"scores": [scores]})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
@@ -90,3 +91,10 @@ class TokenDropping(Compressor):
     @property
     def label(self) -> str:
         return f"{self.name}-{self.ratio:g}x"
+
+    def grow_budgets(self, cache: CompressedKV) -> list[int]:
+        """Online eviction keeps the cache `ratio` times smaller than the tokens seen so far: the
+        per-layer budgets grow with the sequence (never shrink)."""
+        floor = math.ceil(cache.num_tokens / self.ratio)
+        cache.budgets = [max(budget, floor) for budget in cache.budgets]
+        return cache.budgets

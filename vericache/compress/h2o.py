@@ -23,14 +23,15 @@ from vericache.kv.compressed import CompressedKV
 
 @dataclass(frozen=True)
 class H2O(TokenDropping):
-    """Heavy hitters plus a recent window, under a fixed budget kept while decoding.
+    """Heavy hitters plus a recent window, `ratio` times fewer slots than tokens seen.
 
     Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
     Models", NeurIPS 2023, https://arxiv.org/abs/2306.14048. Each slot accumulates the attention
     it receives from every query so far (per KV head, summed over its query heads). The cache keeps
     `ratio` times fewer slots than prefix tokens: a `recent_fraction` of them for the newest tokens
     and the rest for the highest accumulated scores. Online: the drafter's queries of committed
-    tokens keep adding to the scores, and every update evicts back down to the budget.
+    tokens keep adding to the scores, and every update evicts down to 1/`ratio` of the tokens
+    seen so far.
     """
 
     name: ClassVar[str] = "h2o"
@@ -56,14 +57,15 @@ class H2O(TokenDropping):
         return CompressedKV(layers, full.num_tokens, self, budgets, {"scores": kept_scores})
 
     def update(self, cache: CompressedKV) -> None:
+        budgets = self.grow_budgets(cache)
         for index, layer in enumerate(cache.layers):
             scores = cache.extras["scores"][index]
             scores = F.pad(scores, (0, 0, 0, layer.num_slots - scores.shape[0]))  # new slots: 0
             observed = committed_queries(cache, index)
             if observed is not None:
                 scores = scores + accumulate_attention(*observed, layer, layer.num_slots)
-            if layer.num_slots > cache.budgets[index]:
-                slot_index = self._kept_slots(scores, cache.budgets[index])
+            if layer.num_slots > budgets[index]:
+                slot_index = self._kept_slots(scores, budgets[index])
                 cache.layers[index] = keep_slots(layer, slot_index)
                 scores = torch.gather(scores, 0, slot_index)
             cache.extras["scores"][index] = scores

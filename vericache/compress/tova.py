@@ -23,10 +23,10 @@ class TOVA(TokenDropping):
     """Token Omission Via Attention: the newest query decides which tokens stay.
 
     Oren et al., "Transformers are Multi-State RNNs", EMNLP 2024, https://arxiv.org/abs/2401.06104.
-    At a fixed budget, the slots the most recent token attends to least (averaged over every head
-    of the layer, so the heads of a layer keep the same tokens) are dropped. The prefix is ranked
-    by its last token's attention; online, each update ranks the slots by the attention of the
-    newest committed token the drafter computed, and evicts back down to the budget.
+    The cache keeps `ratio` times fewer slots than tokens seen; the slots the most recent token
+    attends to least (averaged over every head of the layer, so the heads of a layer keep the same
+    tokens) are dropped. The prefix is ranked by its last token's attention; online, each update
+    ranks the slots by the attention of the newest committed token the drafter computed.
     """
 
     name: ClassVar[str] = "tova"
@@ -44,17 +44,18 @@ class TOVA(TokenDropping):
         return CompressedKV(layers, full.num_tokens, self, [budget] * len(layers))
 
     def update(self, cache: CompressedKV) -> None:
+        budgets = self.grow_budgets(cache)
         for index, layer in enumerate(cache.layers):
             observed = committed_queries(cache, index)
             # Without a query seen for the new tokens there is no ranking yet: evict next time.
-            if observed is None or layer.num_slots <= cache.budgets[index]:
+            if observed is None or layer.num_slots <= budgets[index]:
                 continue
             queries, positions = observed
             newest = int(positions.argmax())
             scores = accumulate_attention(
                 queries[newest : newest + 1], positions[newest : newest + 1], layer, layer.num_slots
             )
-            cache.layers[index] = keep_slots(layer, _head_shared(scores, cache.budgets[index]))
+            cache.layers[index] = keep_slots(layer, _head_shared(scores, budgets[index]))
 
 
 def _head_shared(scores: torch.Tensor, budget: int) -> torch.Tensor:
