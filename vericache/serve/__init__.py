@@ -1,0 +1,1 @@
+"""Serving: the pieces of the distributed system (link, stores, drafters, verifiers, API)."""
