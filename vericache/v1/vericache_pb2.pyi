@@ -1,0 +1,163 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    VERICACHE: _ClassVar[Mode]
+    FULL_LOCAL: _ClassVar[Mode]
+    FULL_REMOTE: _ClassVar[Mode]
+    LOSSY: _ClassVar[Mode]
+MODE_UNSPECIFIED: Mode
+VERICACHE: Mode
+FULL_LOCAL: Mode
+FULL_REMOTE: Mode
+LOSSY: Mode
+
+class Compressor(_message.Message):
+    __slots__ = ("name", "ratio", "bits")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ratio: float
+    bits: int
+    def __init__(self, name: _Optional[str] = ..., ratio: _Optional[float] = ..., bits: _Optional[int] = ...) -> None: ...
+
+class PutPrefixRequest(_message.Message):
+    __slots__ = ("text", "token_ids", "compressor")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    compressor: Compressor
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., compressor: _Optional[_Union[Compressor, _Mapping]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PutPrefixProgress(_message.Message):
+    __slots__ = ("prefix_id", "stage", "num_tokens", "done", "existed")
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    stage: str
+    num_tokens: int
+    done: bool
+    existed: bool
+    def __init__(self, prefix_id: _Optional[str] = ..., stage: _Optional[str] = ..., num_tokens: _Optional[int] = ..., done: bool = ..., existed: bool = ...) -> None: ...
+
+class GetPrefixRequest(_message.Message):
+    __slots__ = ("prefix_id",)
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    def __init__(self, prefix_id: _Optional[str] = ...) -> None: ...
+
+class PrefixInfo(_message.Message):
+    __slots__ = ("prefix_id", "num_tokens", "compressor", "full_kv_bytes", "compressed_kv_bytes")
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
+    FULL_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    num_tokens: int
+    compressor: Compressor
+    full_kv_bytes: int
+    compressed_kv_bytes: int
+    def __init__(self, prefix_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compressor: _Optional[_Union[Compressor, _Mapping]] = ..., full_kv_bytes: _Optional[int] = ..., compressed_kv_bytes: _Optional[int] = ...) -> None: ...
+
+class ListPrefixesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPrefixesResponse(_message.Message):
+    __slots__ = ("prefixes",)
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    prefixes: _containers.RepeatedCompositeFieldContainer[PrefixInfo]
+    def __init__(self, prefixes: _Optional[_Iterable[_Union[PrefixInfo, _Mapping]]] = ...) -> None: ...
+
+class DeletePrefixRequest(_message.Message):
+    __slots__ = ("prefix_id",)
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    def __init__(self, prefix_id: _Optional[str] = ...) -> None: ...
+
+class DeletePrefixResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: bool
+    def __init__(self, deleted: bool = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prefix_id", "prompt", "max_tokens", "stop", "mode", "draft_len")
+    PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    prefix_id: str
+    prompt: str
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    mode: Mode
+    draft_len: int
+    def __init__(self, prefix_id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., draft_len: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("chunk", "stats")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    chunk: TokenChunk
+    stats: GenerateStats
+    def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateStats(_message.Message):
+    __slots__ = ("finish_reason", "num_tokens", "rounds", "mean_accepted_per_round", "accepted_per_round", "link_bytes", "store_bytes", "link_wait_s", "store_wait_s", "ttft_s", "tokens_per_s", "total_s")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LINK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LINK_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    STORE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    num_tokens: int
+    rounds: int
+    mean_accepted_per_round: float
+    accepted_per_round: _containers.RepeatedScalarFieldContainer[int]
+    link_bytes: int
+    store_bytes: int
+    link_wait_s: float
+    store_wait_s: float
+    ttft_s: float
+    tokens_per_s: float
+    total_s: float
+    def __init__(self, finish_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., link_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., link_wait_s: _Optional[float] = ..., store_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
