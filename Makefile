@@ -38,7 +38,7 @@ lint: install
 # Regenerates the gRPC stubs in vericache/v1 from proto/ (tests/test_proto.py checks they are current).
 proto: install
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
-		proto/vericache/v1/vericache.proto
+		proto/vericache/v1/*.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -19,3 +19,7 @@ class InvalidRequestError(VeriCacheError, ValueError):
 
 class CacheStateError(VeriCacheError):
     """A KV cache was asked for what its contents cannot give (e.g. rolling back evicted KV)."""
+
+
+class PrefixNotFoundError(VeriCacheError):
+    """No registered prefix has this id (or it was deleted)."""

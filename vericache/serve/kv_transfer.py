@@ -1,0 +1,97 @@
+"""KV from the store side to drafters: a gRPC stream through the slow link, and the drafter's LRU.
+
+The store side (`KVTransferService`) encodes a prefix's KV with the KV codec and sends it in pieces
+of at most PIECE_BYTES, each paced by the `ThrottledLink`, so the link's bandwidth and latency apply
+to the bytes really sent. The drafter side (`KVFetcher`) decodes as pieces arrive and keeps what it
+fetched in an LRU bounded by bytes: a second request on the same prefix pays no transfer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from vericache.engine.prefix_store import PrefixStore
+from vericache.errors import PrefixNotFoundError
+from vericache.kv.cache import KVCache
+from vericache.kv.codec import decode_iter, iter_encode
+from vericache.kv.compressed import cache_from_state
+from vericache.kv.state import CacheState
+from vericache.serve.link import ThrottledLink
+from vericache.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+PIECE_BYTES = 1 << 20  # under gRPC's default 4 MiB message limit
+KVKind = kv_transfer_pb2.KVKind
+
+# (prefix id, KVKind) -> the state to send; raises PrefixNotFoundError for an unknown prefix.
+KVSource = Callable[[str, int], CacheState]
+
+
+class KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):
+    def __init__(self, source: KVSource, fingerprint: str, link: ThrottledLink):
+        self.source = source
+        self.fingerprint = fingerprint
+        self.link = link
+
+    async def Fetch(self, request, context):  # noqa: N802 - the gRPC method name
+        try:
+            state = self.source(request.prefix_id, request.kind)
+        except PrefixNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        first = True
+        for chunk in iter_encode(state, self.fingerprint):
+            for start in range(0, len(chunk), PIECE_BYTES):
+                piece = chunk[start : start + PIECE_BYTES]
+                await self.link.send(len(piece), first)
+                first = False
+                yield kv_transfer_pb2.KVPiece(data=piece)
+
+
+@dataclass
+class FetchResult:
+    cache: KVCache  # shared with the LRU: clone it before editing
+    link_bytes: int  # 0 on an LRU hit
+    seconds: float
+
+
+class KVFetcher:
+    """Drafter side of KVTransfer; `rope` rebuilds caches that store keys before RoPE."""
+
+    def __init__(self, target: str, fingerprint: str, capacity_bytes: int, rope=None):
+        self.fingerprint = fingerprint
+        self.rope = rope
+        self.cached = PrefixStore(capacity_bytes)
+        self._channel = grpc.insecure_channel(target)
+        self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
+
+    def fetch(self, prefix_id: str, kind: int = KVKind.COMPRESSED) -> FetchResult:
+        start = time.perf_counter()
+        received = 0
+
+        def transfer() -> KVCache:
+            nonlocal received
+
+            def pieces():
+                nonlocal received
+                for piece in self._stub.Fetch(
+                    kv_transfer_pb2.FetchRequest(prefix_id=prefix_id, kind=kind)
+                ):
+                    received += len(piece.data)
+                    yield piece.data
+
+            try:
+                state = decode_iter(pieces(), self.fingerprint)
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.NOT_FOUND:
+                    raise PrefixNotFoundError(exc.details()) from None
+                raise
+            return cache_from_state(state, self.rope)
+
+        cache = self.cached.lookup((prefix_id, kind), transfer)
+        return FetchResult(cache, received, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._channel.close()
