@@ -1,0 +1,139 @@
+"""Client arguments to vericache.v1 requests, checked before any RPC; stream messages to records.
+
+Shared by the sync and asyncio clients so both accept and return exactly the same things.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import grpc
+
+from vericache.client.errors import InvalidRequestError, ServerError
+from vericache.client.types import Result, stats_to_dict
+from vericache.v1 import vericache_pb2
+
+MODES: dict[str, int] = {
+    "vericache": vericache_pb2.VERICACHE,
+    "full_local": vericache_pb2.FULL_LOCAL,
+    "full_remote": vericache_pb2.FULL_REMOTE,
+    "lossy": vericache_pb2.LOSSY,
+}
+_INT32_MAX = 2**31 - 1
+
+
+def put_prefix_request(
+    text: str | None,
+    token_ids: Sequence[int] | None,
+    compressor: str,
+    ratio: float | None,
+    bits: int | None,
+) -> vericache_pb2.PutPrefixRequest:
+    if (text is None) == (token_ids is None):
+        raise InvalidRequestError("put_prefix needs exactly one of text= and token_ids=")
+    if not isinstance(compressor, str) or not compressor:
+        raise InvalidRequestError(f"compressor must be a registry name, got {compressor!r}")
+    if ratio is not None and not ratio > 0:
+        raise InvalidRequestError(f"ratio must be > 0, got {ratio!r}")
+    if bits is not None:
+        _check_count("bits", bits)
+    spec = vericache_pb2.Compressor(name=compressor, ratio=ratio, bits=bits)
+    if text is not None:
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
+        return vericache_pb2.PutPrefixRequest(text=text, compressor=spec)
+    ids = vericache_pb2.TokenIds(ids=_check_token_ids(token_ids))
+    return vericache_pb2.PutPrefixRequest(token_ids=ids, compressor=spec)
+
+
+def generate_request(
+    prompt: str,
+    prefix_id: str | None,
+    mode: str,
+    max_tokens: int,
+    stop: Sequence[str],
+    draft_len: int | None,
+) -> vericache_pb2.GenerateRequest:
+    if not isinstance(prompt, str):
+        raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
+    if mode not in MODES:
+        raise InvalidRequestError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+    _check_count("max_tokens", max_tokens)
+    if draft_len is not None:
+        _check_count("draft_len", draft_len)
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string, not its letters
+    if not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequestError(f"stop must hold non-empty strings, got {stop!r}")
+    return vericache_pb2.GenerateRequest(
+        prefix_id=prefix_id or "",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stop=stop,
+        mode=MODES[mode],
+        draft_len=draft_len,
+    )
+
+
+def _check_count(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= _INT32_MAX:
+        raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_token_ids(token_ids: Sequence[int]) -> list[int]:
+    try:
+        ids = [operator.index(t) for t in token_ids]  # numpy integers too
+    except TypeError:
+        raise InvalidRequestError("token_ids must be a sequence of integers") from None
+    if not ids or not all(0 <= t <= _INT32_MAX for t in ids):
+        raise InvalidRequestError("token_ids must be a non-empty sequence of ids >= 0")
+    return ids
+
+
+class GenerateAccumulator:
+    """Collects a Generate stream: text deltas as chunks arrive, then the Result."""
+
+    def __init__(self):
+        self._texts: list[str] = []
+        self._token_ids: list[int] = []
+        self.result: Result | None = None  # set by the final stats message
+
+    def add(self, message: vericache_pb2.GenerateResponse) -> str:
+        """The text this message adds ("" for the final stats)."""
+        if self.result is not None:
+            raise _protocol_error("the Generate stream went on after its final statistics")
+        if message.WhichOneof("event") == "chunk":
+            self._texts.append(message.chunk.text)
+            self._token_ids.extend(message.chunk.token_ids)
+            return message.chunk.text
+        if message.WhichOneof("event") != "stats":
+            raise _protocol_error("the Generate stream sent an empty message")
+        self.result = Result(
+            text="".join(self._texts),
+            token_ids=list(self._token_ids),
+            finish_reason=message.stats.finish_reason,
+            stats=stats_to_dict(message.stats),
+        )
+        return ""
+
+    def finish(self) -> Result:
+        if self.result is None:
+            raise _protocol_error("the Generate stream ended without its final statistics")
+        return self.result
+
+
+def _protocol_error(message: str) -> ServerError:
+    # The server broke the contract of vericache.v1: its fault, not the caller's.
+    return ServerError(message, grpc.StatusCode.INTERNAL)
+
+
+def prefix_id_from_progress(last: vericache_pb2.PutPrefixProgress | None) -> str:
+    if last is None or not last.done or not last.prefix_id:
+        raise _protocol_error("the PutPrefix stream ended before its 'done' message")
+    return last.prefix_id
+
+
+def check_prefix_id(prefix_id: str) -> str:
+    if not isinstance(prefix_id, str) or not prefix_id:
+        raise InvalidRequestError(f"prefix_id must be a non-empty str, got {prefix_id!r}")
+    return prefix_id

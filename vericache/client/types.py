@@ -1,0 +1,88 @@
+"""The records the client SDK returns, each built from its vericache.v1 message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vericache.v1 import vericache_pb2
+
+# How `generate` decodes; see `Mode` in proto/vericache/v1/vericache.proto.
+ModeName = Literal["vericache", "full_local", "full_remote", "lossy"]
+
+
+@dataclass(frozen=True)
+class Compressor:
+    name: str  # a registry name, e.g. "snapkv"
+    ratio: float | None = None  # token dropping; None: the compressor's default
+    bits: int | None = None  # quantization; None: the compressor's default
+
+    @classmethod
+    def from_proto(cls, message: vericache_pb2.Compressor) -> Compressor:
+        return cls(
+            name=message.name,
+            ratio=message.ratio if message.HasField("ratio") else None,
+            bits=message.bits if message.HasField("bits") else None,
+        )
+
+
+@dataclass(frozen=True)
+class PrefixInfo:
+    prefix_id: str
+    num_tokens: int
+    compressor: Compressor
+    full_kv_bytes: int
+    compressed_kv_bytes: int  # as streamed to drafters
+
+    @classmethod
+    def from_proto(cls, message: vericache_pb2.PrefixInfo) -> PrefixInfo:
+        return cls(
+            prefix_id=message.prefix_id,
+            num_tokens=message.num_tokens,
+            compressor=Compressor.from_proto(message.compressor),
+            full_kv_bytes=message.full_kv_bytes,
+            compressed_kv_bytes=message.compressed_kv_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One step of `put_prefix`, as passed to its `on_progress` callback."""
+
+    prefix_id: str
+    stage: str  # "queued", "prefill", "compress", "store", "done"
+    num_tokens: int
+    is_done: bool
+    existed: bool  # the prefix was already registered: nothing was recomputed
+
+    @classmethod
+    def from_proto(cls, message: vericache_pb2.PutPrefixProgress) -> Progress:
+        return cls(
+            prefix_id=message.prefix_id,
+            stage=message.stage,
+            num_tokens=message.num_tokens,
+            is_done=message.done,
+            existed=message.existed,
+        )
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished generation."""
+
+    text: str
+    token_ids: list[int]  # [num_tokens]
+    finish_reason: str  # "stop", "length"
+    # Every GenerateStats field by its proto name: rounds, mean_accepted_per_round,
+    # accepted_per_round (a list), link_bytes, store_bytes, link_wait_s, store_wait_s, ttft_s,
+    # tokens_per_s, total_s, num_tokens, finish_reason.
+    stats: dict[str, Any]
+
+
+def stats_to_dict(stats: vericache_pb2.GenerateStats) -> dict[str, Any]:
+    # Read from the descriptor so a field added to the proto shows up without a change here.
+    fields = {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+    return {
+        name: value if isinstance(value, (str, int, float)) else list(value)
+        for name, value in fields.items()
+    }
