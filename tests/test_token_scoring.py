@@ -130,3 +130,9 @@ def test_kvquant_layer_keeps_outliers_exact_and_undoes_rope():
     assert float((unrotated - keys).abs().max()) < 0.5
     cache = KVCache([layer], 64)
     assert cache.nbytes > 0
+
+
+def test_forced_slots_that_do_not_all_fit_are_chosen_by_score():
+    scores = torch.tensor([[0.5], [3.0], [2.0], [9.0]])
+    forced = torch.tensor([True, True, True, False])
+    assert select_slots(scores, budget=2, forced=forced)[:, 0].tolist() == [1, 2]

@@ -74,14 +74,18 @@ def pool_scores(scores: torch.Tensor, kernel_size: int, kind: str = "avg") -> to
 
 def select_slots(scores: torch.Tensor, budget: int, forced: torch.Tensor | None = None):
     """[k, H] slot indices, ascending per head: the `budget` highest-scoring slots of each head,
-    slots where `forced` ([S] or [S, H] bool) is True first. k = min(budget, S)."""
+    slots where `forced` ([S] or [S, H] bool) is True first (by score if they do not all fit).
+    k = min(budget, S)."""
     num_slots = scores.shape[0]
     if budget >= num_slots:
         return torch.arange(num_slots, device=scores.device).unsqueeze(1).expand_as(scores)
-    ranked = scores.float().clone()
+    ranked = scores.double().clone()
     if forced is not None:
         forced = forced if forced.dim() == 2 else forced.unsqueeze(1).expand_as(ranked)
-        ranked[forced] = float("inf")
+        # Above every unforced score, and still ordered by score among themselves: when more
+        # slots are forced than fit, the best of them stay.
+        lift = ranked.max() - ranked.min() + 1
+        ranked[forced] += lift
     top = ranked.topk(budget, dim=0).indices  # [budget, H]
     return top.sort(dim=0).values
 

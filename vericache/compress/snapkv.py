@@ -52,10 +52,13 @@ class SnapKV(TokenDropping):
         window = min(self.window, num_tokens)
         scores = window_scores(full, context, window)
         budgets = self.layer_budgets(num_tokens, len(full.layers))
-        in_window = torch.arange(num_tokens, device=full.device) >= num_tokens - window
+        positions = torch.arange(num_tokens, device=full.device)
         layers = []
         for layer, layer_scores, budget in zip(full.layers, scores, budgets):
             pooled = pool_scores(layer_scores, self.kernel_size, self.pooling)
+            # The window is kept whole while it fills at most half the budget; on a prefix too
+            # short for that, scores choose (the first token, the attention sink, scores high).
+            in_window = positions >= num_tokens - min(window, budget // 2)
             layers.append(keep_slots(layer, select_slots(pooled, budget, forced=in_window)))
         return CompressedKV(layers, num_tokens, self)
 
