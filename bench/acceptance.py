@@ -225,20 +225,40 @@ def _markdown(table: dict, draft_lens: list[int]) -> str:
     return "\n".join(lines)
 
 
+STRENGTH_ROWS = {"2x": ("-2x", "-8bit"), "4x": ("-4x", "-4bit"), "8x": ("-8x", "-2bit")}
+
+
 def plot(result: dict, path) -> None:
+    """Accepted per round against draft length: a column per workload kind, a row per strength
+    (2x/4x/8x, i.e. 8/4/2 bits), a line per compressor; labels of other strengths get a row too."""
     plt = pyplot()
     table = result["table"][result["summary"]["draft_kv"]]
-    fig, axes = plt.subplots(1, len(table), figsize=(5 * len(table), 4), squeeze=False)
-    for axis, (kind, compressors) in zip(axes[0], table.items()):
-        for label, cells in compressors.items():
-            xs = sorted(cells, key=int)
-            axis.plot(
-                xs, [cells[x]["mean_accepted_per_full_round"] for x in xs], marker="o", label=label
-            )
-        top = max(int(x) for cells in compressors.values() for x in cells)
-        axis.plot([0, top], [0, top], color="grey", linestyle=":", label="all accepted")
-        axis.plot([30], [TARGET_X30], "r*", markersize=12, label=f"target: {TARGET_X30:g} at x=30")
-        axis.set(title=f"{kind} contexts", xlabel="draft length x", ylabel="accepted per round")
-        axis.legend(fontsize=8)
+    labels = sorted({label for compressors in table.values() for label in compressors})
+    rows = {
+        name: [label for label in labels if label.endswith(suffixes)]
+        for name, suffixes in STRENGTH_ROWS.items()
+    }
+    rows["other"] = [label for label in labels if not any(label in r for r in rows.values())]
+    rows = {name: row for name, row in rows.items() if row}
+    colors = {label.rsplit("-", 1)[0]: None for label in labels}
+    colors = {name: f"C{index % 10}" for index, name in enumerate(colors)}
+    fig, axes = plt.subplots(
+        len(rows), len(table), figsize=(4.5 * len(table) + 2, 3.2 * len(rows)), squeeze=False
+    )
+    for axes_row, (strength, row_labels) in zip(axes, rows.items()):
+        for axis, (kind, compressors) in zip(axes_row, table.items()):
+            for label in row_labels:
+                cells = compressors.get(label, {})
+                xs = sorted(cells, key=int)
+                values = [cells[x]["mean_accepted_per_full_round"] for x in xs]
+                color = colors[label.rsplit("-", 1)[0]]
+                axis.plot([int(x) for x in xs], values, marker="o", color=color, label=label)
+            top = max(int(x) for cells in compressors.values() for x in cells)
+            axis.plot([0, top], [0, top], color="grey", linestyle=":")
+            axis.plot([30], [TARGET_X30], "r*", markersize=10)
+            axis.set(title=f"{kind}, {strength}", xlabel="draft length x", ylim=(0, top + 2))
+            axis.set_ylabel("accepted per round")
+        axes_row[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle("dotted: every draft accepted; star: the target at x=30", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
