@@ -23,6 +23,8 @@ from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.model.loader import DEFAULT_MODEL
 
+KL_FLOOR = 1e-6
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -149,12 +151,13 @@ def plot(result: dict, path) -> None:
     plt = pyplot()
     fig, (kl_axis, share_axis) = plt.subplots(1, 2, figsize=(12, 4))
     for label, row in result["rows"].items():
-        kl_axis.plot(row["kl_by_position"], label=label)
+        # A log axis shows KL across orders of magnitude; exact agreement sits on the floor.
+        kl_axis.plot([max(value, KL_FLOOR) for value in row["kl_by_position"]], label=label)
     kl_axis.set(
         title="KL(full || lossy) by output position",
         xlabel="output position",
-        ylabel="KL (nats)",
-        yscale="symlog",
+        ylabel=f"KL (nats; floor {KL_FLOOR:g})",
+        yscale="log",
     )
     kl_axis.legend(fontsize=8)
     labels = list(result["rows"])
