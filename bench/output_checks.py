@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import codeop
 import json
 import re
+import warnings
 
 _FENCE = re.compile(r"```(?:[a-zA-Z0-9_+-]*)\n(.*?)(?:```|$)", re.DOTALL)
 
@@ -37,15 +39,24 @@ def _as_calls(parsed) -> list[tuple[str, frozenset[str]]] | None:
     return calls
 
 
-def code_parses(text: str) -> bool | None:
+def code_parses(text: str, truncated: bool = False) -> bool | None:
     """Whether the Python in `text` parses: its fenced blocks joined, else the whole text.
-    None when the text holds no code at all (empty)."""
+    None when the text holds no code at all (empty). For an output cut by the token budget
+    (`truncated`), its last line is dropped and the rest need only be a valid beginning of a
+    program: complete, or incomplete but free of syntax errors so far."""
     blocks = _FENCE.findall(text)
     code = "\n".join(blocks) if blocks else text
+    if truncated:
+        code = code.rsplit("\n", 1)[0] if "\n" in code else ""
     if not code.strip():
         return None
     try:
-        ast.parse(code)
-    except (SyntaxError, ValueError):
+        if truncated:
+            with warnings.catch_warnings():  # e.g. invalid escape sequences in the code
+                warnings.simplefilter("ignore")
+                codeop.compile_command(code + "\n", symbol="exec")
+        else:
+            ast.parse(code)
+    except (SyntaxError, ValueError, OverflowError):
         return False
     return True

@@ -44,8 +44,21 @@ def test_code_parses(text, expected):
     assert code_parses(text) == expected
 
 
-def _out(ids, text=""):
-    return SimpleNamespace(token_ids=ids, text=text)
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('```python\ndef f(x):\n    print("cut', True),  # the cut line is dropped
+        ("def f(x):\n    return g(x,\n    y", True),  # an open call is not yet an error
+        ("def f(x:\n    return x\n    y", False),  # an error before the cut
+        ("one line only", None),
+    ],
+)
+def test_truncated_code_needs_only_a_valid_beginning(text, expected):
+    assert code_parses(text, truncated=True) == expected
+
+
+def _out(ids, text="", finish_reason="stop"):
+    return SimpleNamespace(token_ids=ids, text=text, finish_reason=finish_reason)
 
 
 def test_rows_compare_usable_outputs_only_where_full_kv_was_usable(tmp_path):
