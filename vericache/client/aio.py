@@ -198,8 +198,10 @@ class AsyncClient:
         timeout: float | None = None,
     ) -> Result:
         """Generates a reply to `prompt`; see `Client.generate`."""
-        request = generate_request(prompt, prefix_id, mode, max_tokens, stop, draft_len)
-        async with AsyncStream(self._messages(self._stub.Generate, request, timeout)) as stream:
+        async with self.stream(
+            prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
+            draft_len=draft_len, timeout=timeout,
+        ) as stream:  # fmt: skip
             return await stream.result()
 
     def stream(

@@ -215,8 +215,10 @@ class Client:
         `mode` is "vericache" (lossless speculative decoding), "full_local", "full_remote" or
         "lossy"; `draft_len` is the number of tokens drafted per round (None: the server's).
         """
-        request = generate_request(prompt, prefix_id, mode, max_tokens, stop, draft_len)
-        with Stream(self._messages(self._stub.Generate, request, timeout)) as stream:
+        with self.stream(
+            prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
+            draft_len=draft_len, timeout=timeout,
+        ) as stream:  # fmt: skip
             return stream.result()
 
     def stream(

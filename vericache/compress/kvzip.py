@@ -6,7 +6,7 @@ from typing import ClassVar
 import torch
 
 from vericache.compress.base import CompressionMode, TokenDropping
-from vericache.compress.scoring import accumulate_attention, keep_slots, select_slots, token_budget
+from vericache.compress.scoring import keep_slots, replay_scores, select_slots, token_budget
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
@@ -55,17 +55,12 @@ class KVzip(TokenDropping):
             raise InvalidRequestError(
                 f"kvzip needs room after the {num_tokens}-token prefix to replay it"
             )
-        scores: list[torch.Tensor | None] = [None] * len(full.layers)
-
-        def observe(index, positions, queries, layer_kv):
-            part = accumulate_attention(queries, positions, layer_kv, num_tokens, reduce="max")
-            scores[index] = part if scores[index] is None else scores[index].maximum(part)
-
         prefix = list(context.token_ids[:num_tokens])
-        for begin in range(0, num_tokens, chunk_size):
-            replay = prompt + prefix[begin : begin + chunk_size]
-            context.observe(full, num_tokens, replay, observe)
-        return scores
+        replays = [
+            (num_tokens, prompt + prefix[begin : begin + chunk_size])
+            for begin in range(0, num_tokens, chunk_size)
+        ]
+        return replay_scores(full, context, replays, reduce="max")
 
 
 def _encode(tokenizer, text: str) -> list[int]:

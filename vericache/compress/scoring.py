@@ -119,20 +119,35 @@ def committed_queries(cache, layer_index: int):
     return queries[keep], positions[keep]
 
 
-def all_prefix_scores(full, context, reduce: str = "sum") -> list[torch.Tensor]:
-    """Per layer [T, Hkv]: attention every prefix token receives from all later prefix queries,
-    by re-running the prefix with its queries observed (offline; one extra prefill)."""
+def replay_scores(full, context, replays, reduce: str = "sum") -> list[torch.Tensor]:
+    """Per layer [T, Hkv]: attention the T prefix slots receive from the queries of replayed
+    tokens, summed (or maximised) over every replay. `replays` holds (start, token ids) pairs:
+    the ids are fed after the first `start` tokens of `full` (on a copy), queries observed."""
     num_tokens = full.num_tokens
     scores: list[torch.Tensor | None] = [None] * len(full.layers)
 
     def observe(index, positions, queries, layer_kv):
         part = accumulate_attention(queries, positions, layer_kv, num_tokens, reduce)
-        pad = num_tokens - part.shape[0]
+        pad = num_tokens - part.shape[0]  # a replay from the start sees fewer slots at first
         part = F.pad(part, (0, 0, 0, pad)) if pad else part
         if scores[index] is None:
             scores[index] = part
         else:
             scores[index] = scores[index] + part if reduce == "sum" else scores[index].maximum(part)
 
-    context.observe(full, 0, list(context.token_ids[:num_tokens]), observe)
+    for start, token_ids in replays:
+        context.observe(full, start, token_ids, observe)
     return scores
+
+
+def all_prefix_scores(full, context) -> list[torch.Tensor]:
+    """Per layer [T, Hkv]: attention every prefix token receives from all later prefix queries,
+    by re-running the prefix with its queries observed (offline; one extra prefill)."""
+    return replay_scores(full, context, [(0, list(context.token_ids[: full.num_tokens]))])
+
+
+def window_scores(full, context, window: int) -> list[torch.Tensor]:
+    """Per layer [T, Hkv]: attention the last `window` prefix tokens pay to every prefix token."""
+    num_tokens = full.num_tokens
+    tail = list(context.token_ids[num_tokens - window : num_tokens])
+    return replay_scores(full, context, [(num_tokens - window, tail)])

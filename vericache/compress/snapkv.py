@@ -7,11 +7,11 @@ import torch
 
 from vericache.compress.base import CompressionMode, TokenDropping
 from vericache.compress.scoring import (
-    accumulate_attention,
     keep_slots,
     pool_scores,
     select_slots,
     token_budget,
+    window_scores,
 )
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
@@ -61,17 +61,3 @@ class SnapKV(TokenDropping):
             in_window = positions >= num_tokens - min(window, budget // 2)
             layers.append(keep_slots(layer, select_slots(pooled, budget, forced=in_window)))
         return CompressedKV(layers, num_tokens, self)
-
-
-def window_scores(full: KVCache, context, window: int) -> list[torch.Tensor]:
-    """Per layer [T, Hkv]: attention the last `window` prefix tokens pay to every prefix token."""
-    num_tokens = full.num_tokens
-    scores: list[torch.Tensor | None] = [None] * len(full.layers)
-
-    def observe(index, positions, queries, layer_kv):
-        part = accumulate_attention(queries, positions, layer_kv, num_tokens)
-        scores[index] = part if scores[index] is None else scores[index] + part
-
-    tail = list(context.token_ids[num_tokens - window : num_tokens])
-    context.observe(full, num_tokens - window, tail, observe)
-    return scores

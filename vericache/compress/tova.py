@@ -12,8 +12,8 @@ from vericache.compress.scoring import (
     keep_slots,
     select_slots,
     token_budget,
+    window_scores,
 )
-from vericache.compress.snapkv import window_scores
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 
