@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
-import grpc
 import pytest
 import torch
 
 from vericache.compress import KIVI
 from vericache.errors import PrefixNotFoundError
 from vericache.kv.cache import DenseLayerKV, KVCache
-from vericache.serve.kv_transfer import KVFetcher, KVKind, KVTransferService
+from vericache.serve.kv_transfer import (
+    KVFetcher,
+    KVKind,
+    KVTransferService,
+    TransferServer,
+)
 from vericache.serve.link import LinkSpec, ThrottledLink
-from vericache.v1 import kv_transfer_pb2_grpc
 
 FINGERPRINT = "sha256:test-model"
 
@@ -26,28 +26,6 @@ def _full(num_tokens=600, layers=4, heads=2, dim=64, seed=0) -> KVCache:
         keys, values = torch.randn(2, num_tokens, heads, dim, generator=generator)
         caches.append(DenseLayerKV.from_tensors(keys, values, torch.arange(num_tokens)))
     return KVCache(caches, num_tokens)
-
-
-class ServerThread:
-    """An asyncio gRPC server on loopback, in a thread of its own."""
-
-    def __init__(self, service: KVTransferService):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(service), self.loop).result(10)
-
-    async def _start(self, service) -> int:
-        self.server = grpc.aio.server()
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(service, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        await self.server.start()
-        return port
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(None), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +54,7 @@ def serve(prefixes):
 
     def start(spec: LinkSpec = LinkSpec()):
         link = ThrottledLink(spec)
-        server = ServerThread(KVTransferService(_source(prefixes), FINGERPRINT, link))
+        server = TransferServer(KVTransferService(_source(prefixes), FINGERPRINT, link))
         started.append(server)
         return server, link
 

@@ -23,3 +23,11 @@ class CacheStateError(VeriCacheError):
 
 class PrefixNotFoundError(VeriCacheError):
     """No registered prefix has this id (or it was deleted)."""
+
+
+class QueueFullError(VeriCacheError):
+    """The server holds as many requests as it may queue: retry later."""
+
+
+class WorkerUnavailableError(VeriCacheError):
+    """No worker of the kind a request needs is running (none placed, or it died)."""

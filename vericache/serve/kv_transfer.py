@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -36,18 +37,42 @@ class KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):
         self.fingerprint = fingerprint
         self.link = link
 
-    async def Fetch(self, request, context):  # noqa: N802 - the gRPC method name
+    def Fetch(self, request, context):  # noqa: N802 - the gRPC method name
         try:
             state = self.source(request.prefix_id, request.kind)
         except PrefixNotFoundError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         first = True
         for chunk in iter_encode(state, self.fingerprint):
             for start in range(0, len(chunk), PIECE_BYTES):
                 piece = chunk[start : start + PIECE_BYTES]
-                await self.link.send(len(piece), first)
+                self.link.send_blocking(len(piece), first)
                 first = False
+                if not context.is_active():  # the drafter went away
+                    return
                 yield kv_transfer_pb2.KVPiece(data=piece)
+
+
+class TransferServer:
+    """A KVTransfer gRPC server on threads of its own: workers (plain classes, or Ray actors
+    running one call at a time) keep serving KV while they compute. Not asyncio: gRPC's asyncio
+    runtime allows one event loop per process, which the API server may hold."""
+
+    def __init__(
+        self, service: KVTransferService, host: str = "127.0.0.1", port: int = 0, threads: int = 8
+    ):
+        self.host = host
+        self._server = grpc.server(ThreadPoolExecutor(threads, thread_name_prefix="kv-transfer"))
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(service, self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self._server.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self._server.stop(grace_s).wait(30)
 
 
 @dataclass

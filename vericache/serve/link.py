@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from dataclasses import dataclass
 
@@ -68,15 +69,17 @@ class ThrottledLink:
         self._clock = clock
         self._free_at = 0.0  # when the wire finishes the bytes already scheduled on it
         self.bytes_sent = 0
+        self._lock = threading.Lock()  # senders on several threads share the wire
 
     def schedule(self, num_bytes: int, first: bool) -> float:
         """Books `num_bytes` on the wire; returns the seconds until they have arrived."""
-        now = self._clock()
-        start = max(now, self._free_at)
-        duration = num_bytes / self.spec.bandwidth if self.spec.bandwidth else 0.0
-        self._free_at = start + duration
-        self.bytes_sent += num_bytes
-        return self._free_at - now + (self.spec.latency if first else 0.0)
+        with self._lock:
+            now = self._clock()
+            start = max(now, self._free_at)
+            duration = num_bytes / self.spec.bandwidth if self.spec.bandwidth else 0.0
+            self._free_at = start + duration
+            self.bytes_sent += num_bytes
+            return self._free_at - now + (self.spec.latency if first else 0.0)
 
     async def send(self, num_bytes: int, first: bool = False) -> float:
         """Waits until a chunk of `num_bytes` has crossed the link; returns the seconds waited.

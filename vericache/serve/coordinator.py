@@ -1,0 +1,302 @@
+"""The coordinator: owns prefixes and requests, places them on workers, streams the output.
+
+It speaks vericache.v1 messages (api.py maps them onto gRPC) and raises the typed errors of
+vericache.errors for bad input; workers are `WorkerHandle`s, so the same coordinator runs over
+in-process workers (tests, benchmarks) and Ray actors (`vericache serve`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from vericache.compress import build_compressor
+from vericache.engine.prompt import build_chat_prompt
+from vericache.engine.request import SamplingParams
+from vericache.engine.stops import StopChecker
+from vericache.errors import (
+    InvalidRequestError,
+    PrefixNotFoundError,
+    QueueFullError,
+    UnsupportedModelError,
+    WorkerUnavailableError,
+)
+from vericache.serve.catalog import PrefixRecord, check_prefix_id, prefix_id_for
+from vericache.serve.handles import WorkerHandle
+from vericache.serve.rounds import Mode, RequestPlan, ServedRequest, run_request
+from vericache.serve.worker import ModelInfo
+from vericache.v1 import vericache_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_DRAFTER_MODES = (Mode.VERICACHE, Mode.FULL_REMOTE, Mode.LOSSY)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    default_draft_len: int = 30
+    max_draft_len: int = 128
+    default_max_tokens: int = 256
+    max_running: int = 16  # requests decoding at once
+    max_waiting: int = 64  # requests queued beyond those; more are refused (RESOURCE_EXHAUSTED)
+    decode_chunk: int = 8  # tokens per call when one worker decodes alone (streaming granularity)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        verifiers: list[WorkerHandle],
+        drafters: list[WorkerHandle],
+        tokenizer,
+        config: CoordinatorConfig = CoordinatorConfig(),
+    ):
+        self.verifiers = verifiers
+        self.drafters = drafters
+        self.tokenizer = tokenizer
+        self.config = config
+        self.info: ModelInfo | None = None
+        self._addresses: dict[str, str] = {}  # verifier name -> its KVTransfer address
+        self._running = asyncio.Semaphore(config.max_running)
+        self._num_waiting = 0
+        self._registering: dict[str, asyncio.Lock] = {}
+
+    async def start(self) -> Coordinator:
+        if not self.verifiers:
+            raise WorkerUnavailableError("a coordinator needs at least one verifier")
+        described = await asyncio.gather(*(v.call("describe") for v in self.verifiers))
+        for verifier, about in zip(self.verifiers, described):
+            self._addresses[verifier.name] = about["transfer_address"]
+        drafters = await asyncio.gather(*(d.call("describe") for d in self.drafters))
+        infos = {about["info"] for about in [*described, *drafters]}
+        if len({info.fingerprint for info in infos}) != 1:
+            raise UnsupportedModelError(f"workers serve different models: {sorted(infos)}")
+        self.info = described[0]["info"]
+        return self
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.close() for w in [*self.drafters, *self.verifiers]))
+
+    # --- Prefixes ---------------------------------------------------------------------------------
+
+    async def put_prefix(self, request: pb.PutPrefixRequest) -> AsyncIterator[pb.PutPrefixProgress]:
+        token_ids, chat = self._prefix_tokens(request)
+        spec = _compressor_spec(request.compressor)
+        prefix_id = prefix_id_for(self.info.fingerprint, token_ids, chat, spec)
+
+        def progress(stage: str, existed: bool = False) -> pb.PutPrefixProgress:
+            done = stage == "done"
+            return pb.PutPrefixProgress(
+                prefix_id=prefix_id, stage=stage, num_tokens=len(token_ids), done=done,
+                existed=existed,
+            )  # fmt: skip
+
+        yield progress("queued")
+        lock = self._registering.setdefault(prefix_id, asyncio.Lock())
+        async with lock:  # one registration per prefix at a time; the others then find it
+            verifier = self.verifiers[0]
+            if await self._is_registered(verifier, prefix_id):
+                yield progress("done", existed=True)
+                return
+            yield progress("prefill")
+            await verifier.call("store_prefix", token_ids)
+            yield progress("compress")
+            await verifier.call("compress_prefix", token_ids, chat, spec)
+        self._registering.pop(prefix_id, None)
+        yield progress("done")
+
+    async def get_prefix(self, prefix_id: str) -> pb.PrefixInfo:
+        return _prefix_info(await self._record(prefix_id))
+
+    async def list_prefixes(self) -> pb.ListPrefixesResponse:
+        records = await self.verifiers[0].call("list_prefixes")
+        return pb.ListPrefixesResponse(prefixes=[_prefix_info(r) for r in records])
+
+    async def delete_prefix(self, prefix_id: str) -> pb.DeletePrefixResponse:
+        check_prefix_id(prefix_id)
+        await self.verifiers[0].call("delete_prefix", prefix_id)
+        return pb.DeletePrefixResponse(deleted=True)
+
+    async def _record(self, prefix_id: str) -> PrefixRecord:
+        check_prefix_id(prefix_id)
+        return await self.verifiers[0].call("get_prefix", prefix_id)
+
+    async def _is_registered(self, verifier: WorkerHandle, prefix_id: str) -> bool:
+        try:
+            await verifier.call("get_prefix", prefix_id)
+        except PrefixNotFoundError:
+            return False
+        return True
+
+    def _prefix_tokens(self, request: pb.PutPrefixRequest) -> tuple[list[int], bool]:
+        if request.WhichOneof("content") == "token_ids":
+            token_ids = list(request.token_ids.ids)
+            chat = False
+        elif request.WhichOneof("content") == "text":
+            if not request.text:
+                raise InvalidRequestError("the prefix text is empty")
+            prompt = build_chat_prompt(self._need_tokenizer(), request.text, "?")
+            token_ids, chat = list(prompt.token_ids[: prompt.num_prefix_tokens]), True
+        else:
+            raise InvalidRequestError("PutPrefix needs text or token_ids")
+        self._check_length(token_ids, "the prefix")
+        if not all(0 <= t < self.info.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"token ids must lie in [0, {self.info.vocab_size})")
+        return token_ids, chat
+
+    # --- Generation -------------------------------------------------------------------------------
+
+    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        plan = await self._plan(request)
+        if self._num_waiting >= self.config.max_waiting and self._running.locked():
+            raise QueueFullError(
+                f"{self.config.max_running} requests are running and "
+                f"{self._num_waiting} waiting: retry later"
+            )
+        self._num_waiting += 1
+        try:
+            await self._running.acquire()
+        finally:
+            self._num_waiting -= 1
+        try:
+            async for message in self._serve(plan):
+                yield message
+        finally:
+            self._running.release()
+
+    async def _serve(self, plan: RequestPlan) -> AsyncIterator[pb.GenerateResponse]:
+        checker = StopChecker(
+            plan.params, self.info.eos_token_ids, self.info.max_positions, self.tokenizer
+        )
+        served = ServedRequest(plan, checker)
+        verifier = _least_busy(self.verifiers, "verifier")
+        drafter = _least_busy(self.drafters, "drafter") if plan.mode in _DRAFTER_MODES else None
+        workers = [w for w in (verifier, drafter) if w is not None]
+        for worker in workers:
+            worker.active += 1
+        text = _TextDeltas(checker)
+        try:
+            rounds = run_request(served, verifier, drafter, self._addresses[verifier.name])
+            async for tokens in rounds:
+                if tokens:
+                    chunk = pb.TokenChunk(text=text.delta(served.output_ids), token_ids=tokens)
+                    yield pb.GenerateResponse(chunk=chunk)
+            tail = text.delta(served.output_ids, final=True)
+            if tail:
+                yield pb.GenerateResponse(chunk=pb.TokenChunk(text=tail))
+            yield pb.GenerateResponse(stats=served.stats())
+        finally:
+            for worker in workers:
+                worker.active -= 1
+            # Cancelled or not, the workers drop the request's caches.
+            closing = [w.call("close", plan.session_id) for w in workers]
+            await asyncio.shield(asyncio.gather(*closing, return_exceptions=True))
+
+    async def _plan(self, request: pb.GenerateRequest) -> RequestPlan:
+        config = self.config
+        mode = request.mode or (Mode.VERICACHE if request.prefix_id else Mode.FULL_LOCAL)
+        if mode not in Mode.values() or mode == Mode.MODE_UNSPECIFIED:
+            raise InvalidRequestError(f"unknown mode {request.mode}")
+        if not request.prefix_id and mode != Mode.FULL_LOCAL:
+            raise InvalidRequestError(
+                f"mode {Mode.Name(mode)} drafts over a registered prefix's compressed KV: "
+                "give prefix_id, or use FULL_LOCAL"
+            )
+        if mode in _DRAFTER_MODES and not self.drafters:
+            raise WorkerUnavailableError(f"no drafter is running to serve {Mode.Name(mode)}")
+        draft_len = request.draft_len if request.HasField("draft_len") else None
+        draft_len = config.default_draft_len if draft_len is None else draft_len
+        if not 1 <= draft_len <= config.max_draft_len:
+            raise InvalidRequestError(f"draft_len must lie in [1, {config.max_draft_len}]")
+        if request.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        params = SamplingParams(
+            max_new_tokens=request.max_tokens or config.default_max_tokens,
+            stop=tuple(request.stop),
+        )
+        record = await self._record(request.prefix_id) if request.prefix_id else None
+        prompt_ids = self._prompt_ids(record, request.prompt)
+        self._check_length(prompt_ids, "the prompt")
+        return RequestPlan(
+            session_id=uuid.uuid4().hex,
+            mode=mode,
+            prompt_ids=prompt_ids,
+            num_prefix_tokens=record.num_tokens if record else 0,
+            prefix_id=record.prefix_id if record else None,
+            params=params,
+            draft_len=draft_len,
+            decode_chunk=config.decode_chunk,
+        )
+
+    def _prompt_ids(self, record: PrefixRecord | None, prompt: str) -> list[int]:
+        """Chat prefixes are a system turn: the prompt is the user turn after it. Token prefixes
+        are continued by the prompt's tokens as they are."""
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        tokenizer = self._need_tokenizer()
+        if record is None:
+            return list(build_chat_prompt(tokenizer, None, prompt).token_ids)
+        if record.chat:
+            turn = build_chat_prompt(tokenizer, "?", prompt)
+            return [*record.token_ids, *turn.token_ids[turn.num_prefix_tokens :]]
+        return [*record.token_ids, *tokenizer.encode(prompt, add_special_tokens=False)]
+
+    def _check_length(self, token_ids: list[int], what: str) -> None:
+        if not token_ids:
+            raise InvalidRequestError(f"{what} has no tokens")
+        if len(token_ids) >= self.info.max_positions:
+            raise InvalidRequestError(
+                f"{what} has {len(token_ids)} tokens; the model's context is "
+                f"{self.info.max_positions}, and at least one must remain for output"
+            )
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"model {self.info.model} has no tokenizer: text needs one")
+        return self.tokenizer
+
+
+class _TextDeltas:
+    """The text each chunk adds. A token that ends inside a multi-byte character decodes to
+    U+FFFD until the next one completes it: hold such text back rather than send it twice."""
+
+    def __init__(self, checker: StopChecker):
+        self.checker = checker
+        self.sent = 0
+
+    def delta(self, output_ids: list[int], final: bool = False) -> str:
+        text = self.checker.output_text(output_ids) or ""
+        if not final:
+            text = text.rstrip("\ufffd")
+        new, self.sent = text[self.sent :], max(self.sent, len(text))
+        return new
+
+
+def _least_busy(workers: list[WorkerHandle], kind: str) -> WorkerHandle:
+    if not workers:
+        raise WorkerUnavailableError(f"no {kind} is running")
+    return min(workers, key=lambda w: w.active)
+
+
+def _compressor_spec(message: pb.Compressor) -> dict:
+    if not message.name:
+        raise InvalidRequestError("PutPrefix needs a compressor name (`vericache compressors`)")
+    ratio = message.ratio if message.HasField("ratio") else None
+    bits = message.bits if message.HasField("bits") else None
+    return build_compressor(message.name, ratio=ratio, bits=bits).spec()
+
+
+def _prefix_info(record: PrefixRecord) -> pb.PrefixInfo:
+    params = record.compressor["params"]
+    compressor = pb.Compressor(
+        name=record.compressor["name"], ratio=params.get("ratio"), bits=params.get("bits")
+    )
+    return pb.PrefixInfo(
+        prefix_id=record.prefix_id,
+        num_tokens=record.num_tokens,
+        compressor=compressor,
+        full_kv_bytes=record.full_kv_bytes,
+        compressed_kv_bytes=record.compressed_kv_bytes,
+    )

@@ -1,0 +1,134 @@
+"""Starting workers: in this process (tests, benchmarks) or as Ray actors placed by resource.
+
+Verifier actors need the custom resource `verifier` (nodes beside the store), drafter actors the
+resource `drafter` (remote GPUs). An actor whose resource no node offers waits forever, so
+placement waits at most `placement_timeout_s` and then says which resource is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from vericache.errors import WorkerUnavailableError
+from vericache.model.loader import load_tokenizer, resolve_model_dir
+from vericache.serve.coordinator import Coordinator, CoordinatorConfig
+from vericache.serve.drafter import Drafter, DrafterConfig
+from vericache.serve.handles import LocalWorker, RayWorker, WorkerHandle
+from vericache.serve.verifier import Verifier, VerifierConfig
+
+VERIFIER_RESOURCE = "verifier"
+DRAFTER_RESOURCE = "drafter"
+
+
+async def start_coordinator(
+    verifiers: list[WorkerHandle],
+    drafters: list[WorkerHandle],
+    model: str,
+    config: CoordinatorConfig | None = None,
+) -> Coordinator:
+    tokenizer = load_tokenizer(resolve_model_dir(model))
+    config = config or CoordinatorConfig()
+    try:
+        return await Coordinator(verifiers, drafters, tokenizer, config).start()
+    except BaseException:
+        await asyncio.gather(*(w.close() for w in [*verifiers, *drafters]))
+        raise
+
+
+def in_process_workers(
+    verifier: VerifierConfig, drafter: DrafterConfig, num_drafters: int
+) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+    """One verifier and `num_drafters` drafters, each on a thread of its own in this process."""
+    verifiers = [LocalWorker(Verifier(verifier), "verifier-0")]
+    drafters = [LocalWorker(Drafter(drafter), f"drafter-{i}") for i in range(num_drafters)]
+    return verifiers, drafters
+
+
+def ray_workers(
+    verifier: VerifierConfig,
+    drafter: DrafterConfig,
+    num_verifiers: int,
+    num_drafters: int,
+    placement_timeout_s: float = 120.0,
+    num_cpus_per_worker: float = 0.0,
+) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+    """Ray actors placed by resource; the KVTransfer service of each verifier listens on the
+    address of the node it lands on. Call after `ray.init`."""
+    import ray
+
+    def actor(cls, resource: str, config, name: str):
+        options = dict(resources={resource: 1}, num_cpus=num_cpus_per_worker, name=name)
+        return ray.remote(cls).options(**options).remote(config)
+
+    verifier = dataclasses.replace(verifier, transfer_host=None)  # the node's own address
+    verifiers = [
+        actor(_RayVerifier, VERIFIER_RESOURCE, verifier, f"vericache-verifier-{i}")
+        for i in range(num_verifiers)
+    ]
+    drafters = [
+        actor(Drafter, DRAFTER_RESOURCE, drafter, f"vericache-drafter-{i}")
+        for i in range(num_drafters)
+    ]
+    _wait_placed(verifiers, drafters, placement_timeout_s)
+    return (
+        [RayWorker(a, f"verifier-{i}") for i, a in enumerate(verifiers)],
+        [RayWorker(a, f"drafter-{i}") for i, a in enumerate(drafters)],
+    )
+
+
+class _RayVerifier(Verifier):
+    """A verifier whose KVTransfer service listens on the address of the node it was placed on
+    (`transfer_host=None`), which only the actor knows."""
+
+    def __init__(self, config: VerifierConfig):
+        if config.transfer_host is None:
+            config = dataclasses.replace(config, transfer_host=_this_node_address())
+        super().__init__(config)
+
+
+def _this_node_address() -> str:
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return node["NodeManagerAddress"]
+    raise WorkerUnavailableError(f"this actor's node {node_id} is not in the Ray cluster")
+
+
+def _wait_placed(verifiers: list, drafters: list, timeout_s: float) -> None:
+    import ray
+
+    pending = {actor.describe.remote(): (actor, VERIFIER_RESOURCE) for actor in verifiers} | {
+        actor.describe.remote(): (actor, DRAFTER_RESOURCE) for actor in drafters
+    }
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=deadline - time.monotonic())
+        if not ready:
+            missing = sorted({resource for _, resource in pending.values()})
+            for actor in [*verifiers, *drafters]:
+                ray.kill(actor)
+            raise WorkerUnavailableError(_placement_message(missing, timeout_s))
+        ray.get(ready[0])  # raises the actor's own start-up error
+        del pending[ready[0]]
+
+
+def _placement_message(missing: list[str], timeout_s: float) -> str:
+    import ray
+
+    offered = ray.cluster_resources()
+    lacking = [r for r in missing if offered.get(r, 0) <= 0]
+    if lacking:
+        return (
+            f"no node of the Ray cluster offers the resource(s) {', '.join(lacking)}: start "
+            "verifier and drafter nodes with e.g. `ray start --resources "
+            "'{\"verifier\": 1}'` (cluster resources now: "
+            f"{dict(sorted(offered.items()))})"
+        )
+    return (
+        f"{', '.join(missing)} actors were not placed within {timeout_s:.0f} s: every node "
+        "offering the resource is busy, or the actor is still loading the model"
+    )

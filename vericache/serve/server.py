@@ -1,0 +1,77 @@
+"""A whole VeriCache server (workers, coordinator, gRPC API) on an event loop of its own thread.
+
+`vericache serve` runs one until interrupted; `make demo`, the benchmarks and the tests start one,
+talk to it through the client SDK like any user, and stop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+from vericache.serve.api import start_server
+from vericache.serve.coordinator import Coordinator, CoordinatorConfig
+from vericache.serve.handles import WorkerHandle
+from vericache.serve.launch import start_coordinator
+
+# () -> (verifiers, drafters); runs on the server's thread.
+WorkerFactory = Callable[[], tuple[list[WorkerHandle], list[WorkerHandle]]]
+
+
+class BackgroundServer:
+    def __init__(
+        self,
+        workers: WorkerFactory,
+        model: str,
+        address: str = "127.0.0.1:0",
+        config: CoordinatorConfig | None = None,
+        start_timeout_s: float = 600.0,
+    ):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="vericache-server", daemon=True
+        )
+        self._thread.start()
+        self.coordinator: Coordinator | None = None
+        started = asyncio.run_coroutine_threadsafe(
+            self._start(workers, model, address, config), self._loop
+        )
+        try:
+            self.port = started.result(start_timeout_s)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+            raise
+        self.host = address.rsplit(":", 1)[0]
+
+    async def _start(self, workers, model, address, config) -> int:
+        verifiers, drafters = await asyncio.to_thread(workers)
+        self.coordinator = await start_coordinator(verifiers, drafters, model, config)
+        self._server, port = await start_server(self.coordinator, address)
+        return port
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def run(self, coroutine, timeout_s: float | None = None):
+        """Runs a coroutine on the server's loop (e.g. to inspect the coordinator)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if not self._thread.is_alive():
+            return
+        self.run(self._stop(grace_s), timeout_s=120)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+    async def _stop(self, grace_s: float) -> None:
+        await self._server.stop(grace_s)
+        await self.coordinator.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,158 @@
+"""What drafters and verifiers share: how they load the model, decode greedily and hand over KV.
+
+Workers are plain classes (`Verifier`, `Drafter`) that tests run in-process and Ray runs as actors.
+Their state is per session: one session is one request's caches on that worker, opened by the
+coordinator, fed by it round after round, and closed when the request ends or is cancelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vericache.errors import InvalidRequestError, VeriCacheError
+from vericache.kv.cache import KVCache, aligned
+from vericache.kv.codec import model_fingerprint
+from vericache.model.kernels import KEY_ALIGN
+from vericache.model.loader import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
+from vericache.model.runner import ModelRunner, SequenceInput
+
+
+class SessionNotFoundError(VeriCacheError):
+    """A worker was asked about a session it does not hold (never opened, or closed)."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"
+    # torch threads of this worker's process; None keeps torch's default.
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise InvalidRequestError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the coordinator needs to know about the model the workers serve."""
+
+    model: str
+    fingerprint: str
+    max_positions: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load_worker_model(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner, ModelInfo]:
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+    runner = ModelRunner(loaded.config, loaded.weights, config.device)
+    info = ModelInfo(
+        model=config.model,
+        fingerprint=model_fingerprint(loaded.config, config.model),
+        max_positions=loaded.config.max_position_embeddings,
+        vocab_size=loaded.config.vocab_size,
+        eos_token_ids=tuple(loaded.config.eos_token_ids),
+    )
+    return loaded, runner, info
+
+
+def cache_capacity(num_tokens: int, max_positions: int) -> int:
+    """Slots to reserve for a sequence that may reach `num_tokens` tokens: batch-invariant
+    attention reads keys in whole blocks, so reserve them now, not on growth."""
+    return aligned(min(num_tokens, max_positions), KEY_ALIGN)
+
+
+@dataclass
+class ExactKV:
+    """The exact (full-KV) keys and values of tokens [start, start + n), per layer [n, H, D]:
+    what the verifier computed for committed tokens, handed to the drafter's compressed cache."""
+
+    start: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @classmethod
+    def slice(cls, cache: KVCache, start: int, end: int) -> ExactKV:
+        """Copies tokens [start, end) out of an uncompressed cache (slot i holds token i)."""
+        keys, values = [], []
+        for layer in cache.layers:
+            layer_keys, layer_values = layer.keys_values()
+            keys.append(layer_keys[start:end].clone())
+            values.append(layer_values[start:end].clone())
+        return cls(start, keys, values)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def append_to(self, cache: KVCache) -> None:
+        """Appends these tokens to a cache that holds exactly the tokens before them."""
+        if cache.num_tokens != self.start:
+            raise InvalidRequestError(
+                f"exact KV starts at token {self.start}, the cache holds {cache.num_tokens}"
+            )
+        positions = torch.arange(
+            self.start, self.start + self.num_tokens, dtype=torch.int32, device=cache.device
+        )
+        for layer, keys, values in zip(cache.layers, self.keys, self.values):
+            layer.append(keys.to(cache.device), values.to(cache.device), positions)
+        cache.num_tokens = self.start + self.num_tokens
+
+
+@dataclass
+class WorkResult:
+    """What a worker call returns to the coordinator."""
+
+    tokens: list[int] = field(default_factory=list)
+    num_accepted: int = 0
+    exact: ExactKV | None = None  # for the drafter
+    link_delay_s: float = 0.0  # until `exact` has crossed the link
+    link_bytes: int = 0
+    link_s: float = 0.0
+    store_bytes: int = 0
+    store_s: float = 0.0
+
+
+def decode_greedy(
+    runner: ModelRunner,
+    cache: KVCache,
+    pending: list[int],
+    max_tokens: int,
+    end_ids: frozenset[int],
+    invariant: bool,
+    after_step=None,
+) -> list[int]:
+    """Greedy tokens after feeding `pending` (committed tokens the cache does not hold yet), one
+    forward per token, stopping early at an end token. The cache keeps the KV of every token fed.
+    `after_step()` runs after each token (online compressors update there)."""
+    tokens: list[int] = []
+    feed = list(pending)
+    for _ in range(max_tokens):
+        observe = cache.observe if getattr(cache, "records_queries", False) else None
+        ids = torch.tensor(feed, dtype=torch.long)
+        (logits,) = runner.forward([SequenceInput(ids, cache, 1, observe)], invariant)
+        token = int(logits[-1].argmax())
+        tokens.append(token)
+        feed = [token]
+        if after_step is not None:
+            after_step()
+        if token in end_ids:
+            break
+    return tokens
+
+
+def first_token(logits: torch.Tensor) -> int:
+    """The greedy choice from a prefill's last logits [1, vocab] (ties: the lowest id)."""
+    return int(logits[-1].argmax())
