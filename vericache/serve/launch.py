@@ -54,15 +54,15 @@ def ray_workers(
     placement_timeout_s: float = 120.0,
     num_cpus_per_worker: float = 0.0,
 ) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
-    """Ray actors placed by resource; the KVTransfer service of each verifier listens on the
-    address of the node it lands on. Call after `ray.init`."""
+    """Ray actors placed by resource. The KVTransfer service of each verifier listens on
+    `verifier.transfer_host`, or on the address of the node it lands on when that is None.
+    Call after `ray.init`."""
     import ray
 
     def actor(cls, resource: str, config, name: str):
         options = dict(resources={resource: 1}, num_cpus=num_cpus_per_worker, name=name)
         return ray.remote(cls).options(**options).remote(config)
 
-    verifier = dataclasses.replace(verifier, transfer_host=None)  # the node's own address
     verifiers = [
         actor(_RayVerifier, VERIFIER_RESOURCE, verifier, f"vericache-verifier-{i}")
         for i in range(num_verifiers)

@@ -48,7 +48,7 @@ class VerifierConfig(WorkerConfig):
     resident_bytes: int = 4 << 30  # full KV kept between rounds, over all sessions
     link: LinkSpec = LinkSpec()  # toward the drafters
     # Where the KVTransfer service listens (None: loopback here, the node's address on Ray).
-    transfer_host: str | None = "127.0.0.1"
+    transfer_host: str | None = None
     transfer_port: int = 0
     prefill_chunk: int = 512
 
