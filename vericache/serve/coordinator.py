@@ -115,8 +115,12 @@ class Coordinator:
         return pb.ListPrefixesResponse(prefixes=[_prefix_info(r) for r in records])
 
     async def delete_prefix(self, prefix_id: str) -> pb.DeletePrefixResponse:
-        check_prefix_id(prefix_id)
-        await self.verifiers[0].call("delete_prefix", prefix_id)
+        """Idempotent: deleting an unknown (or already deleted) prefix answers deleted=False."""
+        try:
+            check_prefix_id(prefix_id)
+            await self.verifiers[0].call("delete_prefix", prefix_id)
+        except PrefixNotFoundError:
+            return pb.DeletePrefixResponse(deleted=False)
         return pb.DeletePrefixResponse(deleted=True)
 
     async def _record(self, prefix_id: str) -> PrefixRecord:
@@ -259,17 +263,20 @@ class Coordinator:
 
 
 class _TextDeltas:
-    """The text each chunk adds. A token that ends inside a multi-byte character decodes to
-    U+FFFD until the next one completes it: hold such text back rather than send it twice."""
+    """The text each chunk adds. Held back until certain: a token that ends inside a multi-byte
+    character decodes to U+FFFD until the next one completes it, and text that may begin a stop
+    string is cut if the stop string completes (as vLLM holds back len(stop) - 1 characters)."""
 
     def __init__(self, checker: StopChecker):
         self.checker = checker
+        self.hold_back = max((len(stop) - 1 for stop in checker.params.stop), default=0)
         self.sent = 0
 
     def delta(self, output_ids: list[int], final: bool = False) -> str:
         text = self.checker.output_text(output_ids) or ""
         if not final:
             text = text.rstrip("\ufffd")
+            text = text[: len(text) - self.hold_back]
         new, self.sent = text[self.sent :], max(self.sent, len(text))
         return new
 

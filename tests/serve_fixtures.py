@@ -1,0 +1,51 @@
+"""Servers for the serving tests: in-process workers on a tiny chat model, reached through gRPC."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from vericache.serve.coordinator import CoordinatorConfig
+from vericache.serve.drafter import DrafterConfig
+from vericache.serve.launch import in_process_workers
+from vericache.serve.server import BackgroundServer
+from vericache.serve.verifier import VerifierConfig
+
+# About 300 tokens of code in the system turn: long enough that 4x compression drops most of it.
+CONTEXT = "".join(
+    f"def scale_{i}(values, factor={i}):\n    return [v * factor for v in values]\n\n"
+    for i in range(12)
+)
+
+
+def start_server(
+    model: Path,
+    root: Path,
+    num_drafters: int = 2,
+    config: CoordinatorConfig | None = None,
+    **verifier_options,
+) -> BackgroundServer:
+    verifier = VerifierConfig(model=str(model), root=root, transfer_host="127.0.0.1")
+    if verifier_options:
+        verifier = dataclasses.replace(verifier, **verifier_options)
+    drafter = DrafterConfig(model=str(model))
+    return BackgroundServer(
+        lambda: in_process_workers(verifier, drafter, num_drafters), str(model), config=config
+    )
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def open_sessions(server: BackgroundServer) -> int:
+    """Sessions the server's in-process workers still hold."""
+    coordinator = server.coordinator
+    workers = [*coordinator.verifiers, *coordinator.drafters]
+    return sum(len(handle.worker._sessions) for handle in workers)
