@@ -1,4 +1,5 @@
-"""`vericache generate`: one request in one of the three modes."""
+"""`vericache generate`: one request, in this process (modes full, lossy, vericache) or on a
+server (`--server HOST:PORT`; modes vericache, full_local, full_remote, lossy)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ def add_parser(commands) -> None:
         "--context-file", type=Path, help="text put in the system turn (the prefix)"
     )
     parser.add_argument("--prompt", required=True, help="the user turn")
-    parser.add_argument("--mode", choices=[m.value for m in DecodeMode], default="vericache")
+    parser.add_argument("--mode", choices=[*IN_PROCESS_MODES, *SERVER_MODES], default="vericache")
+    parser.add_argument("--server", help="HOST:PORT of a `vericache serve` API")
+    parser.add_argument("--prefix-id", help="a registered prefix (with --server)")
     parser.add_argument(
         "--compressor", default="streamingllm", help=f"one of {sorted(COMPRESSORS)}"
     )
@@ -38,6 +41,10 @@ def add_parser(commands) -> None:
     parser.add_argument("--draft-kv", choices=[s.value for s in DraftKVSource], default="verifier")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
+
+
+IN_PROCESS_MODES = [m.value for m in DecodeMode]
+SERVER_MODES = ["full_local", "full_remote"]  # and lossy, vericache
 
 
 def build_request(args, tokenizer) -> Request:
@@ -81,6 +88,10 @@ def check_device(name: str) -> None:
 
 
 def run(args) -> int:
+    if args.server:
+        return run_on_server(args)
+    if args.mode in SERVER_MODES or args.prefix_id:
+        raise InvalidRequestError("--mode full_local/full_remote and --prefix-id need --server")
     # Check the cheap things before loading the model.
     check_device(args.device)
     if args.mode != DecodeMode.FULL.value:
@@ -101,5 +112,38 @@ def run(args) -> int:
         f"[{request.mode.value}] {len(out.token_ids)} tokens, {stats.tokens_per_s:.1f} tokens/s, "
         f"{stats.rounds} rounds, {stats.mean_accepted_per_round:.1f} accepted per round, "
         f"finish: {out.finish_reason}"
+    )
+    return 0
+
+
+def run_on_server(args) -> int:
+    from vericache.client import Client
+
+    if args.context_file is not None:
+        raise InvalidRequestError(
+            "with --server, register the context once (`vericache prefix put FILE`) and pass "
+            "--prefix-id"
+        )
+    mode = "full_local" if args.mode == DecodeMode.FULL.value else args.mode
+    with Client(args.server) as client:
+        stream = client.stream(
+            args.prompt, prefix_id=args.prefix_id, mode=mode, max_tokens=args.max_tokens,
+            stop=args.stop, draft_len=args.draft_len,
+        )  # fmt: skip
+        with stream:
+            for delta in stream:
+                if not args.json:
+                    print(delta, end="", flush=True)
+            result = stream.result()
+    if args.json:
+        output = {"mode": mode, "prefix_id": args.prefix_id, "text": result.text}
+        output |= {"token_ids": result.token_ids, "finish_reason": result.finish_reason}
+        print(json.dumps(output | {"stats": result.stats}))
+        return 0
+    stats = result.stats
+    print(
+        f"\n[{mode}] {stats['num_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s, "
+        f"{stats['rounds']} rounds, {stats['mean_accepted_per_round']:.1f} accepted per round, "
+        f"{stats['link_bytes']} link bytes, finish: {result.finish_reason}"
     )
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vericache.cli import bench, compressors, generate, kv_size
+from vericache.cli import bench, compressors, generate, kv_size, prefix, serve
 from vericache.cli.parser import OneLineErrorParser
 from vericache.errors import VeriCacheError
 
@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(commands)
     compressors.add_parser(commands)
     kv_size.add_parser(commands)
+    serve.add_parser(commands)
+    prefix.add_parser(commands)
     return parser
 
 

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from vericache.compress import build_compressor
 from vericache.engine.prompt import build_chat_prompt
@@ -25,6 +24,7 @@ from vericache.errors import (
     WorkerUnavailableError,
 )
 from vericache.serve.catalog import PrefixRecord, check_prefix_id, prefix_id_for
+from vericache.serve.config import CoordinatorConfig
 from vericache.serve.handles import WorkerHandle
 from vericache.serve.rounds import Mode, RequestPlan, ServedRequest, run_request
 from vericache.serve.worker import ModelInfo
@@ -35,28 +35,18 @@ log = logging.getLogger(__name__)
 _DRAFTER_MODES = (Mode.VERICACHE, Mode.FULL_REMOTE, Mode.LOSSY)
 
 
-@dataclass(frozen=True)
-class CoordinatorConfig:
-    default_draft_len: int = 30
-    max_draft_len: int = 128
-    default_max_tokens: int = 256
-    max_running: int = 16  # requests decoding at once
-    max_waiting: int = 64  # requests queued beyond those; more are refused (RESOURCE_EXHAUSTED)
-    decode_chunk: int = 8  # tokens per call when one worker decodes alone (streaming granularity)
-
-
 class Coordinator:
     def __init__(
         self,
         verifiers: list[WorkerHandle],
         drafters: list[WorkerHandle],
         tokenizer,
-        config: CoordinatorConfig = CoordinatorConfig(),
+        config: CoordinatorConfig | None = None,
     ):
         self.verifiers = verifiers
         self.drafters = drafters
         self.tokenizer = tokenizer
-        self.config = config
+        self.config = config = config or CoordinatorConfig()
         self.info: ModelInfo | None = None
         self._addresses: dict[str, str] = {}  # verifier name -> its KVTransfer address
         self._running = asyncio.Semaphore(config.max_running)

@@ -18,11 +18,11 @@ import torch
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
+from vericache.serve.config import DrafterConfig
 from vericache.serve.kv_transfer import KVFetcher, KVKind
 from vericache.serve.worker import (
     ExactKV,
     SessionNotFoundError,
-    WorkerConfig,
     WorkResult,
     decode_greedy,
     first_token,
@@ -34,12 +34,6 @@ class DraftRole(str, enum.Enum):
     DRAFT = "draft"
     LOSSY = "lossy"
     FULL = "full"
-
-
-@dataclass(frozen=True)
-class DrafterConfig(WorkerConfig):
-    kv_cache_bytes: int = 4 << 30  # the LRU of fetched prefixes
-    prefill_chunk: int = 512
 
 
 @dataclass

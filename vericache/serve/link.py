@@ -30,6 +30,17 @@ def parse_bandwidth(text: str) -> float:
     return float(match[1]) * _UNITS[(match[2] or "").lower()]
 
 
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmg]i?)?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'4GiB' -> 4 * 2**30 bytes, '500MB' -> 5e8, '1024' -> 1024."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise InvalidRequestError(f"size {text!r} is not like '4GiB', '500MB' or '1024'")
+    return int(float(match[1]) * _UNITS[(match[2] or "").lower()])
+
+
 def parse_duration(text: str) -> float:
     """'2ms' -> 0.002 seconds."""
     match = _DURATION.match(text)

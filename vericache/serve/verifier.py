@@ -27,30 +27,18 @@ from vericache.kv.cache import KVCache
 from vericache.model.loader import DTYPES
 from vericache.model.runner import SequenceInput
 from vericache.serve.catalog import PrefixCatalog, PrefixRecord, prefix_id_for
+from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVKind, KVTransferService, TransferServer
-from vericache.serve.link import LinkSpec, ThrottledLink
+from vericache.serve.link import ThrottledLink
 from vericache.serve.store import FullKVStore
 from vericache.serve.worker import (
     ExactKV,
     SessionNotFoundError,
-    WorkerConfig,
     WorkResult,
     decode_greedy,
     first_token,
     load_worker_model,
 )
-
-
-@dataclass(frozen=True)
-class VerifierConfig(WorkerConfig):
-    root: Path = Path("vericache-store")  # the store's fs:// tier and the prefix catalog
-    store_cpu_bytes: int = 1 << 30  # LMCache's CPU tier
-    resident_bytes: int = 4 << 30  # full KV kept between rounds, over all sessions
-    link: LinkSpec = LinkSpec()  # toward the drafters
-    # Where the KVTransfer service listens (None: loopback here, the node's address on Ray).
-    transfer_host: str | None = None
-    transfer_port: int = 0
-    prefill_chunk: int = 512
 
 
 @dataclass

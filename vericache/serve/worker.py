@@ -15,27 +15,13 @@ from vericache.errors import InvalidRequestError, VeriCacheError
 from vericache.kv.cache import KVCache, aligned
 from vericache.kv.codec import model_fingerprint
 from vericache.model.kernels import KEY_ALIGN
-from vericache.model.loader import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
+from vericache.model.loader import LoadedModel, load_model
 from vericache.model.runner import ModelRunner, SequenceInput
+from vericache.serve.config import WorkerConfig
 
 
 class SessionNotFoundError(VeriCacheError):
     """A worker was asked about a session it does not hold (never opened, or closed)."""
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    device: str = "cpu"
-    # torch threads of this worker's process; None keeps torch's default.
-    num_threads: int | None = None
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise InvalidRequestError(f"num_threads must be >= 1, got {self.num_threads}")
 
 
 @dataclass(frozen=True)
@@ -52,8 +38,11 @@ class ModelInfo:
 def load_worker_model(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner, ModelInfo]:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device)
-    runner = ModelRunner(loaded.config, loaded.weights, config.device)
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = load_model(config.model, dtype=config.dtype, device=device)
+    runner = ModelRunner(loaded.config, loaded.weights, device)
     info = ModelInfo(
         model=config.model,
         fingerprint=model_fingerprint(loaded.config, config.model),

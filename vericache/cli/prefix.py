@@ -1,0 +1,61 @@
+"""`vericache prefix put|list|get|delete`: registered prefixes of a running server."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from vericache.errors import InvalidRequestError
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("prefix", help="register, list, inspect or delete prefixes")
+    actions = parser.add_subparsers(dest="action", required=True)
+    put = actions.add_parser("put", help="register FILE's text as a prefix; prints its id")
+    put.add_argument("file", type=Path)
+    put.add_argument("--compressor", default="snapkv", help="`vericache compressors` lists them")
+    put.add_argument("--ratio", type=float, help="compression ratio (token dropping)")
+    put.add_argument("--bits", type=int, help="bits per value (quantization)")
+    put.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    actions.add_parser("list", help="every registered prefix")
+    get = actions.add_parser("get", help="one prefix")
+    get.add_argument("prefix_id")
+    delete = actions.add_parser("delete", help="delete one prefix")
+    delete.add_argument("prefix_id")
+    for action in actions.choices.values():
+        action.add_argument("--server", default=DEFAULT_SERVER, help="HOST:PORT of the API")
+        action.add_argument("--timeout", type=float, default=600.0, help="seconds")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from vericache.client import Client
+
+    with Client(args.server, timeout=args.timeout) as client:
+        if args.action == "put":
+            print(_put(client, args))
+        elif args.action == "list":
+            print(json.dumps([dataclasses.asdict(p) for p in client.list_prefixes()], indent=2))
+        elif args.action == "get":
+            print(json.dumps(dataclasses.asdict(client.get_prefix(args.prefix_id)), indent=2))
+        else:
+            print(json.dumps({"deleted": client.delete_prefix(args.prefix_id)}))
+    return 0
+
+
+def _put(client, args) -> str:
+    if not args.file.is_file():
+        raise InvalidRequestError(f"{args.file} is not a file")
+
+    def report(progress) -> None:
+        if not args.quiet:
+            print(f"{progress.stage}: {progress.num_tokens} tokens", file=sys.stderr, flush=True)
+
+    text = args.file.read_text()
+    return client.put_prefix(
+        text, compressor=args.compressor, ratio=args.ratio, bits=args.bits, on_progress=report
+    )

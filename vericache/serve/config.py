@@ -1,0 +1,61 @@
+"""Settings of the serving pieces: plain frozen dataclasses, cheap to import (no Ray, no LMCache),
+checked when made, passed to workers and actors as they are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vericache.errors import InvalidRequestError
+from vericache.model.loader import DEFAULT_MODEL, DTYPES
+from vericache.serve.link import LinkSpec
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"  # or "auto": CUDA where the worker finds it, else the CPU
+    # torch threads of this worker's process; None keeps torch's default.
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise InvalidRequestError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class VerifierConfig(WorkerConfig):
+    root: Path = Path("vericache-store")  # the store's fs:// tier and the prefix catalog
+    store_cpu_bytes: int = 1 << 30  # LMCache's CPU tier
+    resident_bytes: int = 4 << 30  # full KV kept between rounds, over all sessions
+    link: LinkSpec = LinkSpec()  # toward the drafters
+    # Where the KVTransfer service listens (None: loopback here, the node's address on Ray).
+    transfer_host: str | None = None
+    transfer_port: int = 0
+    prefill_chunk: int = 512
+
+
+@dataclass(frozen=True)
+class DrafterConfig(WorkerConfig):
+    kv_cache_bytes: int = 4 << 30  # the LRU of fetched prefixes
+    prefill_chunk: int = 512
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    default_draft_len: int = 30
+    max_draft_len: int = 128
+    default_max_tokens: int = 256
+    max_running: int = 16  # requests decoding at once
+    max_waiting: int = 64  # requests queued beyond those; more are refused (RESOURCE_EXHAUSTED)
+    decode_chunk: int = 8  # tokens per call when one worker decodes alone (streaming granularity)
+
+    def __post_init__(self):
+        counts = (self.default_draft_len, self.max_draft_len, self.default_max_tokens)
+        if min(*counts, self.max_running, self.decode_chunk) < 1 or self.max_waiting < 0:
+            raise InvalidRequestError(f"coordinator settings out of range: {self}")
+        if self.default_draft_len > self.max_draft_len:
+            raise InvalidRequestError("default_draft_len must not exceed max_draft_len")
