@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import uuid
 
 from vericache.errors import WorkerUnavailableError
 from vericache.model.loader import load_tokenizer, resolve_model_dir
@@ -59,16 +60,18 @@ def ray_workers(
     Call after `ray.init`."""
     import ray
 
+    group = uuid.uuid4().hex[:6]  # several servers may share one cluster
+
     def actor(cls, resource: str, config, name: str):
         options = dict(resources={resource: 1}, num_cpus=num_cpus_per_worker, name=name)
         return ray.remote(cls).options(**options).remote(config)
 
     verifiers = [
-        actor(_RayVerifier, VERIFIER_RESOURCE, verifier, f"vericache-verifier-{i}")
+        actor(_RayVerifier, VERIFIER_RESOURCE, verifier, f"vericache-{group}-verifier-{i}")
         for i in range(num_verifiers)
     ]
     drafters = [
-        actor(Drafter, DRAFTER_RESOURCE, drafter, f"vericache-drafter-{i}")
+        actor(Drafter, DRAFTER_RESOURCE, drafter, f"vericache-{group}-drafter-{i}")
         for i in range(num_drafters)
     ]
     _wait_placed(verifiers, drafters, placement_timeout_s)

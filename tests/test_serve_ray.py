@@ -1,0 +1,108 @@
+"""The served system on real Ray: a verifier node and a drafter node (`ray.cluster_utils.Cluster`),
+actors placed by their custom resources, reached through gRPC."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.serve_fixtures import CONTEXT, wait_for
+from vericache.client import Client
+from vericache.errors import WorkerUnavailableError
+from vericache.serve.config import DrafterConfig, VerifierConfig
+from vericache.serve.server import BackgroundServer
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+PROMPT = "Which function multiplies by five?"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One Ray cluster for this module: a head node offering `verifier`, a node with `drafter`."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(
+            num_cpus=1, resources={"verifier": 1}, include_dashboard=False,
+            object_store_memory=100 << 20,
+        ),
+    )  # fmt: skip
+    cluster.add_node(num_cpus=1, resources={"drafter": 1}, object_store_memory=100 << 20)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def configs(tiny_chat_checkpoint, tmp_path_factory):
+    model = str(tiny_chat_checkpoint)
+    root = tmp_path_factory.mktemp("ray-store")
+    verifier = VerifierConfig(model=model, root=root, transfer_host="127.0.0.1", num_threads=1)
+    return verifier, DrafterConfig(model=model, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def server(cluster, configs):
+    from vericache.serve.launch import ray_workers
+
+    verifier, drafter = configs
+    workers = lambda: ray_workers(verifier, drafter, 1, 1, placement_timeout_s=120)  # noqa: E731
+    with BackgroundServer(workers, verifier.model) as running:
+        yield running
+
+
+def _actors(server) -> list:
+    """The server's verifier and drafter actors."""
+    coordinator = server.coordinator
+    return [coordinator.verifiers[0].actor, coordinator.drafters[0].actor]
+
+
+def _on_actor(actor, function):
+    return ray.get(actor.__ray_call__.remote(function))
+
+
+def test_actors_land_on_the_nodes_with_their_resource(server, cluster):
+    node_of = lambda self: ray.get_runtime_context().get_node_id()  # noqa: E731
+    verifier_node, drafter_node = (_on_actor(a, node_of) for a in _actors(server))
+    assert verifier_node == cluster.head_node.node_id
+    assert drafter_node != verifier_node
+
+
+def test_every_mode_through_grpc_on_ray(server):
+    with Client(server.target, timeout=120) as client:
+        prefix_id = client.put_prefix(CONTEXT, compressor="h2o", ratio=4)
+        assert client.put_prefix(CONTEXT, compressor="h2o", ratio=4) == prefix_id
+        results = {
+            mode: client.generate(
+                PROMPT, prefix_id=prefix_id, mode=mode, max_tokens=40, draft_len=6
+            )
+            for mode in ("full_local", "vericache", "full_remote", "lossy")
+        }
+    reference = results["full_local"].token_ids
+    assert results["vericache"].token_ids == reference
+    assert results["full_remote"].token_ids == reference
+    assert len(results["lossy"].token_ids) == 40
+    assert results["vericache"].stats["link_bytes"] > 0
+
+
+def test_cancelling_stops_the_work_on_the_actors(server):
+    with Client(server.target, timeout=120) as client:
+        prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+        with client.stream(PROMPT, prefix_id=prefix_id, max_tokens=400, draft_len=2) as stream:
+            next(iter(stream))
+
+        def sessions() -> int:
+            return sum(_on_actor(a, lambda self: len(self._sessions)) for a in _actors(server))
+
+        assert wait_for(lambda: sessions() == 0, timeout_s=30)
+        assert len(client.generate(PROMPT, prefix_id=prefix_id, max_tokens=5).token_ids) == 5
+
+
+def test_a_missing_resource_is_reported_after_the_placement_timeout(cluster, configs):
+    from vericache.serve.launch import ray_workers
+
+    verifier, drafter = configs
+    # The cluster has one `drafter` unit, held by the server's drafter when that test ran.
+    with pytest.raises(WorkerUnavailableError, match="drafter"):
+        ray_workers(verifier, drafter, 0, 3, placement_timeout_s=3)
