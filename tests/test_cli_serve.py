@@ -1,0 +1,71 @@
+"""`vericache prefix`, `vericache generate --server` and `vericache serve`'s option checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.serve_fixtures import CONTEXT, start_server
+from tests.test_cli import run_cli
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_checkpoint, tmp_path_factory):
+    with start_server(tiny_chat_checkpoint, tmp_path_factory.mktemp("cli"), num_drafters=1) as s:
+        yield s
+
+
+def test_prefix_put_list_get_delete(server, tmp_path, capsys):
+    context = tmp_path / "context.py"
+    context.write_text(CONTEXT)
+    target = ["--server", server.target]
+    code, out, err = run_cli(
+        ["prefix", "put", str(context), "--compressor", "snapkv", "--ratio", "4", *target], capsys
+    )
+    assert code == 0 and "prefill" in err
+    prefix_id = out.strip()
+    assert prefix_id.startswith("pfx-")
+    code, out, _ = run_cli(["prefix", "list", *target], capsys)
+    assert prefix_id in {p["prefix_id"] for p in json.loads(out)}
+    code, out, _ = run_cli(["prefix", "get", prefix_id, *target], capsys)
+    assert json.loads(out)["compressor"] == {"name": "snapkv", "ratio": 4.0, "bits": None}
+    code, out, _ = run_cli(["prefix", "delete", prefix_id, *target], capsys)
+    assert json.loads(out) == {"deleted": True}
+    code, _, err = run_cli(["prefix", "get", prefix_id, *target], capsys)
+    assert code == 2 and err.count("\n") == 1 and "no prefix" in err
+
+
+def test_generate_on_a_server_matches_full_local(server, tmp_path, capsys):
+    context = tmp_path / "context.py"
+    context.write_text(CONTEXT)
+    put = ["prefix", "put", str(context), "--quiet", "--server", server.target]
+    _, out, _ = run_cli([*put, "--compressor", "streamingllm", "--ratio", "4"], capsys)
+    prefix_id = out.strip()
+    outputs = {}
+    for mode in ("full_local", "vericache", "full"):
+        argv = ["generate", "--server", server.target, "--prefix-id", prefix_id, "--json"]
+        argv += ["--prompt", "Explain.", "--mode", mode, "--max-tokens", "20", "--draft-len", "4"]
+        code, out, _ = run_cli(argv, capsys)
+        assert code == 0
+        outputs[mode] = json.loads(out)
+    assert outputs["vericache"]["token_ids"] == outputs["full_local"]["token_ids"]
+    assert outputs["full"]["mode"] == "full_local"  # the in-process name, mapped
+    assert outputs["vericache"]["stats"]["rounds"] >= 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--prompt", "hi", "--mode", "full_remote"], "need --server"),
+        (["generate", "--prompt", "hi", "--server", "x:1", "--context-file", "f"], "prefix put"),
+        (["serve", "--local", "--link-bandwidth", "fast"], "bandwidth 'fast'"),
+        (["serve", "--local", "--resident-bytes", "lots"], "size 'lots'"),
+        (["serve", "--local", "--dtype", "float8"], "invalid choice"),
+        (["serve"], "one of the arguments --local --address is required"),
+    ],
+)
+def test_bad_options_fail_before_anything_starts(capsys, argv, message):
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1
