@@ -76,7 +76,7 @@ def test_progress_of_a_new_prefix_walks_every_stage(client):
     stages = []
     client.put_prefix(token_ids=list(range(10, 200)), compressor="tova", ratio=2,
                       on_progress=stages.append)  # fmt: skip
-    assert [p.stage for p in stages] == ["queued", "prefill", "compress", "done"]
+    assert [p.stage for p in stages] == ["queued", "prefill", "store", "compress", "done"]
     assert stages[-1].num_tokens == 190 and not stages[-1].existed
 
 

@@ -50,7 +50,7 @@ class Progress:
     """One step of `put_prefix`, as passed to its `on_progress` callback."""
 
     prefix_id: str
-    stage: str  # "queued", "prefill", "compress", "store", "done"
+    stage: str  # "queued", "prefill", "store", "compress", "done"
     num_tokens: int
     is_done: bool
     existed: bool  # the prefix was already registered: nothing was recomputed

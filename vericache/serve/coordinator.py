@@ -90,8 +90,9 @@ class Coordinator:
             if await self._is_registered(verifier, prefix_id):
                 yield progress("done", existed=True)
                 return
-            yield progress("prefill")
-            await verifier.call("store_prefix", token_ids)
+            for stage, method in (("prefill", "prefill_prefix"), ("store", "store_prefix")):
+                yield progress(stage)
+                await verifier.call(method, token_ids)
             yield progress("compress")
             await verifier.call("compress_prefix", token_ids, chat, spec)
         self._registering.pop(prefix_id, None)

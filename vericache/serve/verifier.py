@@ -64,6 +64,7 @@ class Verifier:
         self.catalog = PrefixCatalog(config.root, self.info.fingerprint)
         self.link = ThrottledLink(config.link)
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._staged: dict[tuple[int, ...], KVCache] = {}  # prefilled prefixes being registered
         service = KVTransferService(self._kv_for_drafter, self.info.fingerprint, self.link)
         host = config.transfer_host or "127.0.0.1"
         self._transfer = TransferServer(service, host, config.transfer_port)
@@ -81,14 +82,25 @@ class Verifier:
         build_compressor(compressor_spec["name"], **compressor_spec["params"])  # validates
         return prefix_id_for(self.info.fingerprint, token_ids, chat, compressor_spec)
 
-    def store_prefix(self, token_ids: list[int]) -> WorkResult:
-        """Prefills a prefix and puts its full KV in the store, unless it is there already."""
+    # Registration runs in three calls, so that the coordinator can report each stage: prefill
+    # (kept here between calls), store (full KV into the store), compress (compressed KV into the
+    # catalog). A prefix whose full KV is stored already skips the first two.
+
+    def prefill_prefix(self, token_ids: list[int]) -> None:
         self._check_tokens(token_ids)
-        if self.store.contains(token_ids):
-            return WorkResult()
+        key = tuple(token_ids)
+        if key in self._staged or self.store.contains(token_ids):
+            return
         cache = self.runner.new_cache(capacity=len(token_ids))
         ids = torch.tensor(token_ids, dtype=torch.long)
         self.runner.prefill(ids, cache, num_logits=0, chunk_size=self.config.prefill_chunk)
+        self._staged[key] = cache
+
+    def store_prefix(self, token_ids: list[int]) -> WorkResult:
+        """Puts the prefilled full KV in the store; returns once it is on disk."""
+        cache = self._staged.get(tuple(token_ids))
+        if cache is None:  # stored already
+            return WorkResult()
         stored = self.store.put(token_ids, cache)
         return WorkResult(store_bytes=stored.bytes_written, store_s=stored.seconds)
 
@@ -97,10 +109,12 @@ class Verifier:
     ) -> PrefixRecord:
         """Compresses a stored prefix and registers it."""
         prefix_id = self.prefix_id(token_ids, chat, compressor_spec)
+        full = self._staged.pop(tuple(token_ids), None)
         if self.catalog.contains(prefix_id):
             return self.catalog.get(prefix_id)
+        if full is None:
+            full = self.store.load(token_ids).cache
         compressor = build_compressor(compressor_spec["name"], **compressor_spec["params"])
-        full = self.store.load(token_ids).cache
         context = ModelContext(self.runner, tuple(token_ids), self.tokenizer)
         compressed = compressor.compress(full, context)
         record = PrefixRecord(prefix_id, tuple(token_ids), chat, compressor.spec(), full.nbytes, 0)
