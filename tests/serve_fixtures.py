@@ -6,11 +6,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-from vericache.serve.coordinator import CoordinatorConfig
-from vericache.serve.drafter import DrafterConfig
+from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 from vericache.serve.launch import in_process_workers
 from vericache.serve.server import BackgroundServer
-from vericache.serve.verifier import VerifierConfig
 
 # About 300 tokens of code in the system turn: long enough that 4x compression drops most of it.
 CONTEXT = "".join(
