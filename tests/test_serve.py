@@ -131,7 +131,7 @@ def test_streamed_deltas_add_up_to_the_text(client):
     assert result.stats["ttft_s"] > 0 and result.stats["tokens_per_s"] > 0
 
 
-def test_concurrent_requests_on_one_and_several_prefixes(client):
+def test_concurrent_requests_on_one_and_several_prefixes(client, server):
     prefixes = [
         client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4),
         client.put_prefix(CONTEXT + "# other\n", compressor="kivi", bits=4),
@@ -146,6 +146,10 @@ def test_concurrent_requests_on_one_and_several_prefixes(client):
         together = list(pool.map(lambda job: run(job, "vericache"), jobs))
     alone = [run(job, "full_local") for job in jobs]
     assert together == alone
+    # Requests running at once shared forwards on the drafters and on the verifier.
+    coordinator = server.coordinator
+    for workers in (coordinator.drafters, coordinator.verifiers):
+        assert max(w.worker.batching()["max_batch"] for w in workers) > 1
 
 
 def test_health_and_reflection(server):

@@ -18,13 +18,13 @@ import torch
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
+from vericache.serve.batching import BatchLoop, DecodeJob
 from vericache.serve.config import DrafterConfig
 from vericache.serve.kv_transfer import KVFetcher, KVKind
 from vericache.serve.worker import (
     ExactKV,
     SessionNotFoundError,
     WorkResult,
-    decode_greedy,
     first_token,
     load_worker_model,
 )
@@ -48,6 +48,7 @@ class Drafter:
         _, self.runner, self.info = load_worker_model(config)
         self._fetchers: dict[str, KVFetcher] = {}  # by verifier address
         self._sessions: dict[str, _Session] = {}
+        self._loop = BatchLoop(self.runner, "drafter-batch")
 
     def describe(self) -> dict:
         return {"info": self.info}
@@ -90,8 +91,9 @@ class Drafter:
         end_ids: list[int],
         exact: ExactKV | None = None,
     ) -> WorkResult:
-        """Up to `max_tokens` greedy tokens after `pending`. `exact`: the verifier's KV of the
-        tokens committed since the last round, which replaces what this cache drafted for them."""
+        """Up to `max_tokens` greedy tokens after `pending`, batched with the drafter's other
+        requests. `exact`: the verifier's KV of the tokens committed since the last round, which
+        replaces what this cache drafted for them."""
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFoundError(f"the drafter holds no session {session_id!r}")
@@ -100,22 +102,25 @@ class Drafter:
             cache.truncate(exact.start)  # drops the drafts: uncommitted, never compressed
             exact.append_to(cache)
             self._update(cache)
-        after_step = (lambda: self._update(cache)) if session.role is DraftRole.LOSSY else None
-        tokens = decode_greedy(
-            self.runner,
+        job = DecodeJob(
             cache,
-            pending,
-            max_tokens,
-            frozenset(end_ids),
+            list(pending),
+            max_steps=max_tokens,
+            end_ids=frozenset(end_ids),
             invariant=session.role is DraftRole.FULL,
-            after_step=after_step,
+            after_step=(lambda: self._update(cache)) if session.role is DraftRole.LOSSY else None,
         )
-        return WorkResult(tokens=tokens)
+        return WorkResult(tokens=self._loop.run(job))
+
+    def batching(self) -> dict:
+        """Steps the batch loop ran, and the largest batch one of them held."""
+        return {"steps": self._loop.num_steps, "max_batch": self._loop.max_batch}
 
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
 
     def shutdown(self) -> None:
+        self._loop.stop()
         self._sessions.clear()
         for fetcher in self._fetchers.values():
             fetcher.close()

@@ -1,8 +1,9 @@
 """How the coordinator calls workers: one interface over in-process objects and Ray actors.
 
-Either way a worker runs one call at a time, in the order calls arrive: an in-process worker on a
-thread of its own, a Ray actor as actors do. So while one request verifies on the verifier, others
-draft on the drafters: the coordinator's rounds stagger through these queues.
+Either way a worker takes up to `MAX_CONCURRENT_CALLS` calls at once (an in-process thread pool, a
+threaded Ray actor): each prepares its request on its own thread and joins the worker's batch loop
+(batching.py), so requests that draft or verify at the same time share forwards. While some
+requests verify on the verifier, others draft on the drafters.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vericache.errors import VeriCacheError, WorkerUnavailableError
+
+MAX_CONCURRENT_CALLS = 64
 
 
 class WorkerHandle:
@@ -33,7 +36,7 @@ class LocalWorker(WorkerHandle):
     def __init__(self, worker, name: str):
         super().__init__(name)
         self.worker = worker
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._executor = ThreadPoolExecutor(MAX_CONCURRENT_CALLS, thread_name_prefix=name)
 
     async def call(self, method: str, *args) -> Any:
         loop = asyncio.get_running_loop()

@@ -16,7 +16,7 @@ from vericache.errors import WorkerUnavailableError
 from vericache.model.loader import load_tokenizer, resolve_model_dir
 from vericache.serve.coordinator import Coordinator, CoordinatorConfig
 from vericache.serve.drafter import Drafter, DrafterConfig
-from vericache.serve.handles import LocalWorker, RayWorker, WorkerHandle
+from vericache.serve.handles import MAX_CONCURRENT_CALLS, LocalWorker, RayWorker, WorkerHandle
 from vericache.serve.verifier import Verifier, VerifierConfig
 
 VERIFIER_RESOURCE = "verifier"
@@ -63,7 +63,10 @@ def ray_workers(
     group = uuid.uuid4().hex[:6]  # several servers may share one cluster
 
     def actor(cls, resource: str, config, name: str):
-        options = dict(resources={resource: 1}, num_cpus=num_cpus_per_worker, name=name)
+        options = dict(
+            resources={resource: 1}, num_cpus=num_cpus_per_worker, name=name,
+            max_concurrency=MAX_CONCURRENT_CALLS,
+        )  # fmt: skip
         return ray.remote(cls).options(**options).remote(config)
 
     verifiers = [

@@ -13,7 +13,10 @@ it loaded from the store and the time it took.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from vericache.engine.engine import num_accepted
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.model.loader import DTYPES
-from vericache.model.runner import SequenceInput
+from vericache.serve.batching import BatchLoop, DecodeJob
 from vericache.serve.catalog import PrefixCatalog, PrefixRecord, prefix_id_for
 from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVKind, KVTransferService, TransferServer
@@ -35,7 +38,6 @@ from vericache.serve.worker import (
     ExactKV,
     SessionNotFoundError,
     WorkResult,
-    decode_greedy,
     first_token,
     load_worker_model,
 )
@@ -47,6 +49,7 @@ class _Session:
     capacity: int
     cache: KVCache | None = None  # None: evicted; `tail` holds the tokens after the prefix
     tail: ExactKV | None = None
+    in_use: bool = False  # a call is working on it: not to be evicted
 
 
 class Verifier:
@@ -65,6 +68,8 @@ class Verifier:
         self.link = ThrottledLink(config.link)
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._staged: dict[tuple[int, ...], KVCache] = {}  # prefilled prefixes being registered
+        self._lock = threading.Lock()  # sessions and residency: calls run on many threads
+        self._loop = BatchLoop(self.runner, "verifier-batch")
         service = KVTransferService(self._kv_for_drafter, self.info.fingerprint, self.link)
         host = config.transfer_host or "127.0.0.1"
         self._transfer = TransferServer(service, host, config.transfer_port)
@@ -157,75 +162,88 @@ class Verifier:
         prefix = self.catalog.get(prefix_id).token_ids if prefix_id else ()
         if tuple(prompt_ids[: len(prefix)]) != prefix or len(prompt_ids) <= len(prefix):
             raise InvalidRequestError("the prompt must extend the prefix by at least one token")
-        session = _Session(prefix, capacity)
         result = WorkResult()
-        self._sessions[session_id] = session
+        with self._lock:
+            self._sessions[session_id] = _Session(prefix, capacity)
         try:
-            self._load(session, result)
-            suffix = torch.tensor(prompt_ids[len(prefix) :], dtype=torch.long)
-            chunk = self.config.prefill_chunk
-            logits = self.runner.prefill(suffix, session.cache, chunk_size=chunk)
+            with self._using(session_id, result) as session:
+                suffix = torch.tensor(prompt_ids[len(prefix) :], dtype=torch.long)
+                chunk = self.config.prefill_chunk
+                logits = self.runner.prefill(suffix, session.cache, chunk_size=chunk)
+                result.tokens = [first_token(logits)]
+                if exact_for_drafter:
+                    exact = ExactKV.slice(session.cache, len(prefix), len(prompt_ids))
+                    self._hand_over(result, exact)
         except BaseException:
-            self._sessions.pop(session_id, None)
+            self.close(session_id)
             raise
-        result.tokens = [first_token(logits)]
-        if exact_for_drafter:
-            self._hand_over(result, ExactKV.slice(session.cache, len(prefix), len(prompt_ids)))
-        self._release(session_id)
         return result
 
     def verify(self, session_id: str, pending: list[int], drafts: list[int]) -> WorkResult:
-        """One forward over [pending + drafts] with the full KV: the full-KV greedy choice after
-        each; keeps the KV of pending and accepted drafts, hands it to the drafter."""
-        session = self._session(session_id)
+        """One forward over [pending + drafts] with the full KV (batched with the other requests
+        due): the full-KV greedy choice after each; keeps the KV of pending and accepted drafts
+        and hands it to the drafter."""
         result = WorkResult()
-        self._load(session, result)
-        cache = session.cache
-        before = cache.num_tokens
-        ids = torch.tensor(pending + drafts, dtype=torch.long)
-        (logits,) = self.runner.forward([SequenceInput(ids, cache, 1 + len(drafts))], True)
-        # [1 + len(drafts)] greedy choices; argmax ties go to the lowest id, as in the engine.
-        result.tokens = logits.argmax(dim=-1).tolist()
-        result.num_accepted = num_accepted(drafts, result.tokens)
-        kept = before + len(pending) + result.num_accepted
-        cache.truncate(kept)
-        self._hand_over(result, ExactKV.slice(cache, before, kept))
-        self._release(session_id)
+        with self._using(session_id, result) as session:
+            cache = session.cache
+            before = cache.num_tokens
+            job = DecodeJob(cache, pending + drafts, num_logits=1 + len(drafts), invariant=True)
+            result.tokens = self._loop.run(job)  # [1 + len(drafts)] greedy choices
+            result.num_accepted = num_accepted(drafts, result.tokens)
+            kept = before + len(pending) + result.num_accepted
+            cache.truncate(kept)
+            self._hand_over(result, ExactKV.slice(cache, before, kept))
         return result
 
     def decode(
         self, session_id: str, pending: list[int], max_tokens: int, end_ids: list[int]
     ) -> WorkResult:
         """FULL_LOCAL: up to `max_tokens` greedy tokens over the full KV."""
-        session = self._session(session_id)
         result = WorkResult()
-        self._load(session, result)
-        result.tokens = decode_greedy(
-            self.runner, session.cache, pending, max_tokens, frozenset(end_ids), invariant=True
-        )
-        self._release(session_id)
+        with self._using(session_id, result) as session:
+            job = DecodeJob(session.cache, list(pending), max_tokens, 1, frozenset(end_ids), True)
+            result.tokens = self._loop.run(job)
         return result
 
+    def batching(self) -> dict:
+        """Steps the batch loop ran, and the largest batch one of them held."""
+        return {"steps": self._loop.num_steps, "max_batch": self._loop.max_batch}
+
     def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        with self._lock:
+            self._sessions.pop(session_id, None)
 
     @property
     def resident_bytes(self) -> int:
-        return sum(s.cache.nbytes for s in self._sessions.values() if s.cache is not None)
+        with self._lock:
+            return self._resident_bytes()
 
     def shutdown(self) -> None:
-        self._sessions.clear()
+        self._loop.stop()
+        with self._lock:
+            self._sessions.clear()
         self._transfer.stop()
         self.store.close()
 
     # --- Internals --------------------------------------------------------------------------------
 
-    def _session(self, session_id: str) -> _Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise SessionNotFoundError(f"the verifier holds no session {session_id!r}")
-        self._sessions.move_to_end(session_id)
-        return session
+    @contextlib.contextmanager
+    def _using(self, session_id: str, result: WorkResult) -> Iterator[_Session]:
+        """The session with its full KV resident, safe from eviction while in use. One call per
+        session at a time (the coordinator's rounds are sequential); sessions run concurrently."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise SessionNotFoundError(f"the verifier holds no session {session_id!r}")
+            self._sessions.move_to_end(session_id)
+            session.in_use = True
+        try:
+            self._load(session, result)  # outside the lock: other requests go on meanwhile
+            yield session
+        finally:
+            with self._lock:
+                session.in_use = False
+                self._evict_beyond_budget()
 
     def _load(self, session: _Session, result: WorkResult) -> None:
         """Makes the session's full KV resident, loading its prefix from the store if needed."""
@@ -233,22 +251,25 @@ class Verifier:
             return
         if session.prefix_tokens:
             loaded = self.store.load(session.prefix_tokens, capacity=session.capacity)
-            session.cache = loaded.cache
+            cache = loaded.cache
             result.store_bytes += loaded.bytes_loaded
             result.store_s += loaded.seconds
         else:
-            session.cache = self.runner.new_cache(capacity=session.capacity)
+            cache = self.runner.new_cache(capacity=session.capacity)
         if session.tail is not None:
-            session.tail.append_to(session.cache)
-            session.tail = None
+            session.tail.append_to(cache)
+        session.cache, session.tail = cache, None
 
-    def _release(self, session_id: str) -> None:
-        """Evicts least recently used sessions (this one last) until residency fits the budget."""
-        for victim_id in [*self._sessions.keys() - {session_id}, session_id]:
-            if self.resident_bytes <= self.config.resident_bytes:
+    def _resident_bytes(self) -> int:
+        return sum(s.cache.nbytes for s in self._sessions.values() if s.cache is not None)
+
+    def _evict_beyond_budget(self) -> None:
+        """Least recently used sessions not in use drop their prefix's KV (keeping the tokens
+        after it) until residency fits the budget. Called with the lock held."""
+        for victim in list(self._sessions.values()):
+            if self._resident_bytes() <= self.config.resident_bytes:
                 return
-            victim = self._sessions[victim_id]
-            if victim.cache is None:
+            if victim.cache is None or victim.in_use:
                 continue
             num_prefix = len(victim.prefix_tokens)
             victim.tail = ExactKV.slice(victim.cache, num_prefix, victim.cache.num_tokens)

@@ -16,7 +16,7 @@ from vericache.kv.cache import KVCache, aligned
 from vericache.kv.codec import model_fingerprint
 from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import LoadedModel, load_model
-from vericache.model.runner import ModelRunner, SequenceInput
+from vericache.model.runner import ModelRunner
 from vericache.serve.config import WorkerConfig
 
 
@@ -112,34 +112,6 @@ class WorkResult:
     link_s: float = 0.0
     store_bytes: int = 0
     store_s: float = 0.0
-
-
-def decode_greedy(
-    runner: ModelRunner,
-    cache: KVCache,
-    pending: list[int],
-    max_tokens: int,
-    end_ids: frozenset[int],
-    invariant: bool,
-    after_step=None,
-) -> list[int]:
-    """Greedy tokens after feeding `pending` (committed tokens the cache does not hold yet), one
-    forward per token, stopping early at an end token. The cache keeps the KV of every token fed.
-    `after_step()` runs after each token (online compressors update there)."""
-    tokens: list[int] = []
-    feed = list(pending)
-    for _ in range(max_tokens):
-        observe = cache.observe if getattr(cache, "records_queries", False) else None
-        ids = torch.tensor(feed, dtype=torch.long)
-        (logits,) = runner.forward([SequenceInput(ids, cache, 1, observe)], invariant)
-        token = int(logits[-1].argmax())
-        tokens.append(token)
-        feed = [token]
-        if after_step is not None:
-            after_step()
-        if token in end_ids:
-            break
-    return tokens
 
 
 def first_token(logits: torch.Tensor) -> int:
