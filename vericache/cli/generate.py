@@ -1,5 +1,7 @@
 """`vericache generate`: one request, in this process (modes full, lossy, vericache) or on a
-server (`--server HOST:PORT`; modes vericache, full_local, full_remote, lossy)."""
+server (`--server HOST:PORT`; modes vericache, full_local, full_remote, lossy). `--long-context`
+runs it in long-context mode (Pipeline 1: compressed KV on the device, full KV in host memory,
+loaded for each verification) within `--memory-budget`, over a link of `--pcie-bandwidth`."""
 
 from __future__ import annotations
 
@@ -10,10 +12,13 @@ import torch
 
 from vericache.compress import COMPRESSORS, build_compressor
 from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
+from vericache.engine.long_context import LongContextEngine
+from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, RequestOutput, SamplingParams
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES
+from vericache.serve.link import parse_bandwidth, parse_size
 
 
 def add_parser(commands) -> None:
@@ -40,7 +45,39 @@ def add_parser(commands) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--draft-kv", choices=[s.value for s in DraftKVSource], default="verifier")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_long_context_arguments(parser)
     parser.set_defaults(handler=run)
+
+
+def add_long_context_arguments(parser) -> None:
+    parser.add_argument(
+        "--long-context",
+        action="store_true",
+        help="compressed KV on the device, full KV in host memory, loaded for each verification",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        help="device memory for weights and KV with --long-context, e.g. 2GiB (default: all)",
+    )
+    parser.add_argument(
+        "--pcie-bandwidth",
+        help="host-to-device bandwidth the full-KV loads are held to with --long-context, e.g. "
+        "8GB/s (emulates PCIe on CPU; default: as fast as the copy goes)",
+    )
+
+
+def long_context_config(args) -> LongContextConfig | None:
+    """The long-context options, checked; None without --long-context."""
+    if not args.long_context:
+        if args.memory_budget or args.pcie_bandwidth:
+            raise InvalidRequestError("--memory-budget and --pcie-bandwidth need --long-context")
+        return None
+    if args.server or args.mode not in (DecodeMode.VERICACHE.value, DecodeMode.FULL.value):
+        raise InvalidRequestError("--long-context runs --mode vericache or full, in this process")
+    return LongContextConfig(
+        memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
+        link_bytes_per_s=parse_bandwidth(args.pcie_bandwidth) if args.pcie_bandwidth else None,
+    )
 
 
 IN_PROCESS_MODES = [m.value for m in DecodeMode]
@@ -88,6 +125,7 @@ def check_device(name: str) -> None:
 
 
 def run(args) -> int:
+    long_context = long_context_config(args)
     if args.server:
         return run_on_server(args)
     if args.mode in SERVER_MODES or args.prefix_id:
@@ -99,12 +137,18 @@ def run(args) -> int:
     SamplingParams(max_new_tokens=args.max_tokens, stop=tuple(args.stop))
     if args.context_file is not None and not args.context_file.is_file():
         raise InvalidRequestError(f"context file {args.context_file} does not exist")
-    config = EngineConfig(draft_kv_source=DraftKVSource(args.draft_kv))
-    engine = Engine.from_pretrained(args.model, args.dtype, args.device, config)
-    request = build_request(args, engine.tokenizer)
-    (out,) = engine.generate([request])
+    engine = build_engine(args, long_context)
+    try:
+        request = build_request(args, engine.tokenizer)
+        (out,) = engine.generate([request])
+    finally:
+        if long_context is not None:
+            engine.close()
     if args.json:
-        print(json.dumps(output_json(args, request, out)))
+        output = output_json(args, request, out)
+        if long_context is not None:
+            output["long_context"] = engine.stats.as_dict()
+        print(json.dumps(output))
         return 0
     print(out.text)
     stats = out.stats
@@ -113,7 +157,27 @@ def run(args) -> int:
         f"{stats.rounds} rounds, {stats.mean_accepted_per_round:.1f} accepted per round, "
         f"finish: {out.finish_reason}"
     )
+    if long_context is not None:
+        print_long_context_summary(engine)
     return 0
+
+
+def build_engine(args, long_context: LongContextConfig | None) -> Engine:
+    config = EngineConfig(draft_kv_source=DraftKVSource(args.draft_kv))
+    if long_context is None:
+        return Engine.from_pretrained(args.model, args.dtype, args.device, config)
+    return LongContextEngine.from_pretrained(
+        args.model, args.dtype, args.device, config, long_context
+    )
+
+
+def print_long_context_summary(engine: LongContextEngine) -> None:
+    lc = engine.stats
+    print(
+        f"[long-context] {lc.num_loads} full-KV loads ({lc.load_bytes:,} bytes), "
+        f"{lc.num_late_loads} late ({lc.stall_s:.3f} s waited), device memory peak "
+        f"{lc.peak_device_bytes:,} of {engine.memory.budget_bytes:,} bytes"
+    )
 
 
 def run_on_server(args) -> int:

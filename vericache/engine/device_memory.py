@@ -1,0 +1,107 @@
+"""Device memory of long-context decoding: what one request takes, and an accountant that enforces
+the budget on what is really held.
+
+The device holds the weights, the compressed KV of every resident request and the full KV of the
+requests being loaded or verified (or, in the full-KV baseline, of every running request).
+`DeviceMemory` adds up the bytes held, by owner, and raises `DeviceMemoryError` the moment the sum
+would pass the budget: the scheduler plans within the budget, the accountant checks that what runs
+stays within it. Sizes are those of the tensors a cache allocates: a full KV at the capacity its
+buffers reserve (keys, values and int32 positions), a compressed KV at its `resident_bytes`.
+Activations and the allocator's slack are not counted: leave room for them in the budget.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable
+
+import torch
+
+from vericache.engine.request import Request
+from vericache.errors import InvalidRequestError, VeriCacheError
+from vericache.kv.cache import aligned
+from vericache.model.config import ModelConfig
+from vericache.model.kernels import KEY_ALIGN
+
+
+class DeviceMemoryError(VeriCacheError):
+    """More device memory was taken than the budget allows (a planning bug, not a user error)."""
+
+
+class DeviceMemory:
+    def __init__(self, budget_bytes: int, weights_bytes: int):
+        if not 0 <= weights_bytes < budget_bytes:
+            raise InvalidRequestError(
+                f"the device-memory budget of {budget_bytes} bytes does not even hold the "
+                f"weights ({weights_bytes} bytes): raise the budget"
+            )
+        self.budget_bytes = budget_bytes
+        self.weights_bytes = weights_bytes
+        self.in_use_bytes = weights_bytes
+        self.peak_bytes = weights_bytes  # high-water mark
+        self._held: dict[Hashable, int] = {}
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.in_use_bytes
+
+    def fits(self, num_bytes: int) -> bool:
+        return num_bytes <= self.free_bytes
+
+    def held(self, owner: Hashable) -> int:
+        return self._held.get(owner, 0)
+
+    def hold(self, owner: Hashable, num_bytes: int) -> None:
+        """Sets what `owner` holds (it may grow or shrink); raises if the budget would pass."""
+        in_use = self.in_use_bytes - self.held(owner) + num_bytes
+        if in_use > self.budget_bytes:
+            raise DeviceMemoryError(
+                f"{owner!r} would take {num_bytes} bytes: {in_use} in use, more than the "
+                f"budget of {self.budget_bytes}"
+            )
+        self._held[owner] = num_bytes
+        self.in_use_bytes = in_use
+        self.peak_bytes = max(self.peak_bytes, in_use)
+
+    def release(self, owner: Hashable) -> None:
+        self.in_use_bytes -= self._held.pop(owner, 0)
+
+
+def slot_bytes(config: ModelConfig, element_size: int) -> int:
+    """Bytes one token takes in a dense cache: keys, values and one int32 position per KV head."""
+    return config.kv_bytes_per_token(element_size) + 4 * config.num_layers * config.num_kv_heads
+
+
+def full_kv_capacity(request: Request, config: ModelConfig) -> int:
+    """Slots a request's full KV reserves: the prompt, every output token and one round's drafts,
+    in whole key blocks of the batch-invariant attention (as Engine reserves them)."""
+    num_tokens = len(request.prompt_ids) + request.params.max_new_tokens + request.draft_len + 1
+    return aligned(min(num_tokens, config.max_position_embeddings), KEY_ALIGN)
+
+
+def full_kv_bytes(request: Request, config: ModelConfig, element_size: int) -> int:
+    return full_kv_capacity(request, config) * slot_bytes(config, element_size)
+
+
+def compressed_token_bytes(config: ModelConfig, element_size: int) -> int:
+    """The most one appended token adds to a compressed KV: its keys and values at full
+    precision, its position and one float32 of online-compressor state per KV head (H2O's
+    scores). Compressors evict or quantize; none grows faster."""
+    return slot_bytes(config, element_size) + 4 * config.num_layers * config.num_kv_heads
+
+
+def compressed_kv_bound(
+    resident_bytes: int, request: Request, config: ModelConfig, element_size: int
+) -> int:
+    """The most a compressed KV holding `resident_bytes` after the prefill holds over the
+    request's life, every output token appended."""
+    num_tokens = request.params.max_new_tokens + 1
+    return resident_bytes + num_tokens * compressed_token_bytes(config, element_size)
+
+
+def device_memory_bytes(device: torch.device | str) -> int:
+    """The whole memory of a device: the default budget."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

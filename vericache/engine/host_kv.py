@@ -1,0 +1,181 @@
+"""Full KV in host memory, and its asynchronous loads onto the device (the paper's Pipeline 1).
+
+`HostKV` is one request's full KV in host memory: pinned on CUDA, so that copies run at full PCIe
+speed off the compute stream; on CPU a separate copy stands for it. `KVLoader.start` begins
+loading one request's full KV and returns a `PendingLoad` at once; `PendingLoad.wait` blocks until
+the KV is on the device (LMCache's visible blocking: `get_non_blocking` then wait). Loads run one
+at a time, in the order they start, on one background thread, as they would share one link: on
+CUDA the thread copies on its own stream, so the copy overlaps the draft forwards on the compute
+stream; with a bandwidth limit, it paces the copy to that rate (`ThrottledLink`), which emulates
+PCIe on CPU (and a slower link on CUDA). `move_compressed` moves a compressed KV between devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from vericache.errors import CacheStateError
+from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.compressed import CompressedKV, layer_from_state
+from vericache.kv.outlier_quantized import OutlierQuantizedLayerKV
+from vericache.kv.state import LayerState
+from vericache.serve.link import LinkSpec, ThrottledLink
+
+
+class HostKV:
+    """One request's full KV in host memory. Per layer, keys and values [capacity, Hkv, D];
+    positions are not stored (a full cache holds token i in slot i)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], num_tokens: int):
+        self.keys = keys
+        self.values = values
+        self.num_tokens = num_tokens
+
+    @classmethod
+    def from_cache(cls, cache: KVCache, capacity: int, pin: bool = False) -> HostKV:
+        """A host copy of a full cache, with room for `capacity` tokens (pinned if `pin`)."""
+        if not cache.is_full:
+            raise CacheStateError("only a full (uncompressed) cache has a host copy")
+        keys, values = [], []
+        for layer in cache.layers:
+            layer_keys, _ = layer.keys_values()
+            shape = (capacity, *layer_keys.shape[1:])
+            keys.append(torch.empty(shape, dtype=layer_keys.dtype, pin_memory=pin))
+            values.append(torch.empty(shape, dtype=layer_keys.dtype, pin_memory=pin))
+        host = cls(keys, values, 0)
+        host.append_from(cache, 0, cache.num_tokens)
+        return host
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tokens held (what a load moves)."""
+        per_token = sum(k[0].nbytes + v[0].nbytes for k, v in zip(self.keys, self.values))
+        return self.num_tokens * per_token
+
+    def append_from(self, cache: KVCache, start: int, end: int) -> None:
+        """Copies the KV of tokens [start, end) from a full cache (on any device)."""
+        if start != self.num_tokens or not start <= end <= min(cache.num_tokens, self.capacity):
+            raise CacheStateError(
+                f"host KV holds {self.num_tokens} of {self.capacity} tokens: cannot take tokens "
+                f"[{start}, {end}) of a cache of {cache.num_tokens}"
+            )
+        for layer, keys, values in zip(cache.layers, self.keys, self.values):
+            layer_keys, layer_values = layer.keys_values()
+            keys[start:end].copy_(layer_keys[start:end])
+            values[start:end].copy_(layer_values[start:end])
+        self.num_tokens = end
+
+
+@dataclass
+class LoadedKV:
+    cache: KVCache  # the full KV on the device
+    num_bytes: int  # bytes moved
+    load_s: float  # from the copy's start to its end (the link's time)
+    stall_s: float  # time `wait` blocked: the load was late
+    was_ready: bool  # the load had completed before `wait` was called
+
+
+class PendingLoad:
+    def __init__(self, future: Future, num_bytes: int):
+        self._future = future
+        self.num_bytes = num_bytes
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> LoadedKV:
+        """Blocks until the full KV is on the device."""
+        was_ready = self._future.done()
+        start = time.perf_counter()
+        cache, load_s = self._future.result()
+        stall_s = 0.0 if was_ready else time.perf_counter() - start
+        return LoadedKV(cache, self.num_bytes, load_s, stall_s, was_ready)
+
+
+class KVLoader:
+    """Loads host KV onto `device` in the background, one load at a time, at most
+    `bytes_per_s` (None: as fast as the copy goes)."""
+
+    def __init__(self, device: torch.device | str, bytes_per_s: float | None = None):
+        self.device = torch.device(device)
+        self.link = ThrottledLink(LinkSpec(bytes_per_s))
+        self._is_cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._is_cuda else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vericache-kv-load")
+
+    def start(self, host: HostKV) -> PendingLoad:
+        """Starts loading the tokens `host` holds now; returns at once."""
+        num_tokens = host.num_tokens
+        layers = None
+        if self._is_cuda:
+            # Allocated and zeroed on the compute stream, which frees them after the
+            # verification; the copy stream waits for the zeroing.
+            layers = self._new_layers(host)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        future = self._executor.submit(self._copy, host, num_tokens, layers)
+        return PendingLoad(future, host.nbytes)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _new_layers(self, host: HostKV) -> list[DenseLayerKV]:
+        # Zero-filled: attention reads whole key blocks past the last token and masks them, so
+        # they must hold finite values.
+        return [
+            DenseLayerKV(k.shape[1], k.shape[2], k.dtype, self.device, host.capacity)
+            for k in host.keys
+        ]
+
+    def _copy(self, host: HostKV, num_tokens: int, layers) -> tuple[KVCache, float]:
+        start = time.perf_counter()
+        stream = torch.cuda.stream(self._stream) if self._is_cuda else contextlib.nullcontext()
+        with stream:
+            layers = layers or self._new_layers(host)
+            positions = torch.arange(num_tokens, dtype=torch.int32, device=self.device)
+            for layer, keys, values in zip(layers, host.keys, host.values):
+                num_bytes = keys[:num_tokens].nbytes + values[:num_tokens].nbytes
+                # Book the wire first, so that the copy overlaps the time it stands for.
+                arrival = time.perf_counter() + self.link.schedule(num_bytes, first=False)
+                layer.append(keys[:num_tokens], values[:num_tokens], positions)
+                time.sleep(max(0.0, arrival - time.perf_counter()))
+            if self._is_cuda:
+                self._stream.synchronize()
+        return KVCache(layers, num_tokens), time.perf_counter() - start
+
+
+def move_compressed(cache: CompressedKV, device: torch.device | str, rope=None) -> CompressedKV:
+    """The same compressed KV on another device (through its state: every layer kind moves).
+    `rope` (the target device's RotaryEmbedding) serves layers that store keys before RoPE."""
+    layers = []
+    for state in cache.to_state().layers:
+        tensors = {name: t.to(device) for name, t in state.tensors.items()}
+        layer = layer_from_state(LayerState(state.kind, dict(state.meta), tensors))
+        if isinstance(layer, OutlierQuantizedLayerKV):
+            layer.attach_rope(rope)
+        layers.append(layer)
+    extras = {name: [t.to(device) for t in ts] for name, ts in cache.extras.items()}
+    budgets = None if cache.budgets is None else list(cache.budgets)
+    return CompressedKV(layers, cache.num_tokens, cache.compressor, budgets, extras)
+
+
+def measure_link_bandwidth(device: torch.device | str, num_bytes: int = 32 << 20) -> float:
+    """Bytes per second of one host -> device copy of `num_bytes` (pinned on CUDA)."""
+    device = torch.device(device)
+    is_cuda = device.type == "cuda"
+    source = torch.ones(num_bytes, dtype=torch.uint8, pin_memory=is_cuda)
+    target = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    target.copy_(source)  # warm-up
+    start = time.perf_counter()
+    target.copy_(source)
+    if is_cuda:
+        torch.cuda.synchronize(device)
+    return num_bytes / max(time.perf_counter() - start, 1e-9)

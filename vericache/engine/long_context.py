@@ -1,0 +1,427 @@
+"""Long-context decoding on one machine (the paper's Pipeline 1).
+
+The compressed KV of every running request stays on the device; its full KV lives in host memory
+(`HostKV`) and is loaded for each verification, asynchronously (`KVLoader`), started S iterations
+ahead so that the load overlaps drafting. A `StaggeredScheduler` plans every iteration within a
+device-memory budget, and a `DeviceMemory` accountant enforces that budget on what is really held:
+the weights, the resident compressed KV and the full KV being loaded or verified. Requests whose
+mode is `FULL` run the baseline under the same accountant: each keeps its full KV on the device
+while it runs, so floor((budget - weights) / full KV) run at once and the rest queue.
+
+One iteration of VeriCache requests:
+    plan = scheduler.schedule()
+    start plan.loads (host -> device, in the background)
+    one draft forward over plan.draft_ids (compressed KV, fast kernels)
+    wait for the loads of plan.verifies; one verification forward over their full KV with the
+        batch-invariant kernels, exactly as Engine verifies: greedy output equals full decoding
+    append the committed tokens' exact KV to the host copy (and, by default, the compressed KV);
+        free the loaded full KV; report each verification; end the iteration with its time, less
+        any wait for a late load
+
+Rounds follow the scheduler's convention: a round of d draft tokens takes d + 1 iterations, the
+verification in its own iteration (Engine verifies in the iteration of its last draft step; it
+has no loads to overlap). The scheduler picks d: the request's draft_len first, never under S. A
+round drafts fewer when the token budget or an end token says so, and verifies when planned.
+
+A request is prefilled on the device when its full KV fits (twice, for VeriCache: the prefill's
+full KV and the compressed KV made from it); the full KV then moves to host memory and the
+compressed KV is parked in host memory until the scheduler first admits the request, since the
+scheduler counts a compressed KV from its admission on.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from vericache.engine.device_memory import (
+    DeviceMemory,
+    compressed_kv_bound,
+    compressed_token_bytes,
+    device_memory_bytes,
+    full_kv_bytes,
+    full_kv_capacity,
+)
+from vericache.engine.engine import DraftKVSource, Engine, EngineConfig, greedy
+from vericache.engine.host_kv import (
+    HostKV,
+    KVLoader,
+    LoadedKV,
+    PendingLoad,
+    measure_link_bandwidth,
+    move_compressed,
+)
+from vericache.engine.long_context_config import LongContextConfig, LongContextStats
+from vericache.engine.request import DecodeMode, Request, RequestOutput
+from vericache.engine.sequence import Sequence
+from vericache.errors import InvalidRequestError
+from vericache.kv.compressed import CompressedKV
+from vericache.model.loader import DEFAULT_MODEL, load_model
+from vericache.model.runner import ModelRunner, SequenceInput
+from vericache.scheduler import (
+    CostModel,
+    IterationPlan,
+    LoadStart,
+    SchedulerRequest,
+    SchedulerStateError,
+    StaggeredScheduler,
+    Verify,
+)
+
+
+class LongContextEngine(Engine):
+    """Decodes many long-context requests within a device-memory budget.
+
+    `generate(requests)` runs them all; `add_request` and `run_iteration` drive the engine one
+    iteration at a time (for a server). One mode at a time: VERICACHE requests (long-context
+    mode) or FULL requests (the full-KV baseline under the same budget). `close()` stops the
+    loader thread.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer=None,
+        config: EngineConfig = EngineConfig(),
+        long_context: LongContextConfig | None = None,
+    ):
+        super().__init__(runner, tokenizer, config)
+        long_context = long_context or LongContextConfig()
+        self.long_context = long_context
+        budget = long_context.memory_budget_bytes or device_memory_bytes(runner.device)
+        self.memory = DeviceMemory(budget, runner.weights.nbytes)
+        self.loader = KVLoader(runner.device, long_context.link_bytes_per_s)
+        self.scheduler = StaggeredScheduler(self._cost_model(), long_context.scheduler)
+        self.stats = LongContextStats()
+        self._is_cuda = runner.device.type == "cuda"
+        self._pending: deque[tuple[str, Request]] = deque()  # not prefilled yet
+        self._running: dict[str, Sequence] = {}  # prefilled, unfinished
+        self._host: dict[str, HostKV] = {}
+        self._loads: dict[str, PendingLoad] = {}
+        self._parked: set[str] = set()  # compressed KV in host memory until first admitted
+        self._num_added = 0
+        self._num_idle = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str = DEFAULT_MODEL,
+        dtype="float32",
+        device="cpu",
+        config=EngineConfig(),
+        long_context: LongContextConfig | None = None,
+    ) -> LongContextEngine:
+        loaded = load_model(model, dtype=dtype, device=device)
+        runner = ModelRunner(loaded.config, loaded.weights, device)
+        return cls(runner, loaded.tokenizer, config, long_context)
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def __enter__(self) -> LongContextEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        keys = [self.add_request(request) for request in requests]
+        outputs: dict[str, RequestOutput] = {}
+        while self.has_unfinished:
+            outputs |= self.run_iteration()
+        return [outputs[key] for key in keys]
+
+    def add_request(self, request: Request) -> str:
+        """Queues a request; returns the key its output will come under."""
+        if request.mode is DecodeMode.LOSSY:
+            raise InvalidRequestError("long-context decoding runs vericache or full requests")
+        modes = {r.mode for _, r in self._pending} | {s.mode for s in self._running.values()}
+        if modes - {request.mode}:
+            raise InvalidRequestError("long-context decoding runs one mode at a time")
+        needed = self._prefill_bytes(request)
+        if self.memory.weights_bytes + needed > self.memory.budget_bytes:
+            raise InvalidRequestError(
+                f"a request of {len(request.prompt_ids)} prompt tokens needs {needed} bytes of "
+                f"device memory besides the weights to run; the budget of "
+                f"{self.memory.budget_bytes} bytes leaves "
+                f"{self.memory.budget_bytes - self.memory.weights_bytes}"
+            )
+        full_bytes = full_kv_bytes(request, self.model_config, self.runner.dtype.itemsize)
+        num_load_iterations = self.scheduler.costs.num_load_iterations(full_bytes)
+        is_vericache = request.mode is DecodeMode.VERICACHE
+        if is_vericache and num_load_iterations > self.scheduler.config.window - 1:
+            raise InvalidRequestError(
+                f"loading {full_bytes} bytes of full KV spans more iterations than the scheduler's "
+                f"window of {self.scheduler.config.window}: raise the window or the bandwidth"
+            )
+        key = f"lc{self._num_added}"
+        self._num_added += 1
+        self._pending.append((key, request))
+        return key
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._pending or self._running)
+
+    def run_iteration(self) -> dict[str, RequestOutput]:
+        """Prefills what fits, then runs one iteration; returns the requests that finished."""
+        start = time.perf_counter()
+        finished = self._admit_pending()
+        prefilled = time.perf_counter()
+        if any(seq.mode is DecodeMode.FULL for seq in self._running.values()):
+            finished |= self._full_iteration()
+        elif self.scheduler.has_requests:
+            finished |= self._vericache_iteration()
+        self.stats.prefill_s += prefilled - start
+        self.stats.decode_s += time.perf_counter() - prefilled
+        self.stats.num_iterations += 1
+        self.stats.peak_device_bytes = self.memory.peak_bytes
+        return finished
+
+    # -- admission and prefill ------------------------------------------------------------------
+
+    def _prefill_bytes(self, request: Request) -> int:
+        full_bytes = full_kv_bytes(request, self.model_config, self.runner.dtype.itemsize)
+        # VeriCache: the compressed KV is made while the full KV is still there.
+        return full_bytes * (2 if request.mode is DecodeMode.VERICACHE else 1)
+
+    def _admit_pending(self) -> dict[str, RequestOutput]:
+        finished = {}
+        while self._pending:
+            key, request = self._pending[0]
+            is_vericache = request.mode is DecodeMode.VERICACHE
+            if is_vericache and len(self._parked) >= self.long_context.max_parked:
+                break
+            if not self.memory.fits(self._prefill_bytes(request)):
+                break  # FIFO: later requests wait too
+            self._pending.popleft()
+            seq = self._start_request(key, request)
+            if seq.is_finished:
+                finished[key] = self._finish(key, seq)
+        return finished
+
+    def _start_request(self, key: str, request: Request) -> Sequence:
+        """Prefills on the device; a VeriCache request's full KV then moves to host memory and its
+        compressed KV is parked until the scheduler admits it."""
+        full_bytes = full_kv_bytes(request, self.model_config, self.runner.dtype.itemsize)
+        self.memory.hold(("full", key), full_bytes)
+        try:
+            seq = self._start(request)
+        except Exception:
+            self.memory.release(("full", key))
+            raise
+        self._running[key] = seq
+        if seq.is_finished or seq.mode is DecodeMode.FULL:
+            return seq
+        resident_bytes = seq.compressed_cache.resident_bytes
+        self.memory.hold(("compressed", key), resident_bytes)
+        capacity = full_kv_capacity(request, self.model_config)
+        self._host[key] = HostKV.from_cache(seq.full_cache, capacity, pin=self._is_cuda)
+        seq.full_cache = None
+        self.memory.release(("full", key))
+        if self._is_cuda:
+            seq.compressed_cache = move_compressed(seq.compressed_cache, "cpu")
+        self.memory.release(("compressed", key))
+        self._parked.add(key)
+        element_size = self.runner.dtype.itemsize
+        bound = compressed_kv_bound(resident_bytes, request, self.model_config, element_size)
+        try:
+            self.scheduler.add_request(
+                SchedulerRequest(key, full_bytes, bound, self._preferred_draft_len(seq))
+            )
+        except Exception:
+            self._forget(key)
+            raise
+        return seq
+
+    def _prefill(self, seq: Sequence) -> torch.Tensor:
+        """Engine._prefill without the prefix store, whose shared KV would sit on the device
+        outside the budget. The same chunks through the same kernels: the full KV is
+        bit-identical to Engine's."""
+        request = seq.request
+        split = min(request.num_prefix_tokens, len(request.prompt_ids) - 1)
+        prefix_ids, suffix = request.prompt_ids[:split], _token_ids(request.prompt_ids[split:])
+        full = self.runner.new_cache(full_kv_capacity(request, self.model_config))
+        if prefix_ids:
+            self._prefill_tokens(_token_ids(prefix_ids), full, num_logits=0)
+        seq.full_cache = full
+        if seq.mode is DecodeMode.FULL:
+            return self._prefill_tokens(suffix, full)
+        compressor = request.compressor
+        compressed = compressor.compress(full, self.model_context(prefix_ids))
+        seq.compressed_cache = compressed
+        logits = self._prefill_tokens(suffix, full)
+        if self.config.draft_kv_source is DraftKVSource.VERIFIER:
+            compressed.append_from(full, split, len(request.prompt_ids))
+        else:
+            self._prefill_tokens(suffix, compressed, num_logits=0)
+        compressor.update(compressed)
+        return logits
+
+    def _unpark(self, key: str) -> None:
+        if key not in self._parked:
+            return
+        seq = self._running[key]
+        if self._is_cuda:
+            seq.compressed_cache = move_compressed(
+                seq.compressed_cache, self.runner.device, self.runner.rope
+            )
+        self._parked.discard(key)
+        self._hold_compressed(key, seq.compressed_cache)
+
+    def _hold_compressed(self, key: str, cache: CompressedKV, num_tentative: int = 0) -> None:
+        """Holds a compressed KV's bytes, and room for `num_tentative` draft tokens to come (so
+        that drafting needs no accounting per token)."""
+        element_size = self.runner.dtype.itemsize
+        tentative = num_tentative * compressed_token_bytes(self.model_config, element_size)
+        self.memory.hold(("compressed", key), cache.resident_bytes + tentative)
+
+    def _preferred_draft_len(self, seq: Sequence) -> int:
+        remaining = seq.request.params.max_new_tokens - len(seq.output_ids)
+        # A verification emits one token beyond the drafts.
+        return max(1, min(seq.request.draft_len, remaining - 1))
+
+    # -- iterations -----------------------------------------------------------------------------
+
+    def _full_iteration(self) -> dict[str, RequestOutput]:
+        self.stats.max_running = max(self.stats.max_running, len(self._running))
+        self.step(list(self._running.values()))  # Engine: one batched full decode step
+        done = [(key, seq) for key, seq in self._running.items() if seq.is_finished]
+        return {key: self._finish(key, seq) for key, seq in done}
+
+    def _vericache_iteration(self) -> dict[str, RequestOutput]:
+        plan = self.scheduler.schedule()
+        for key in (*plan.draft_ids, *(load.request_id for load in plan.loads)):
+            self._unpark(key)
+        for load in plan.loads:
+            self._start_load(load)
+        num_resident = len(self._running) - len(self._parked)
+        self.stats.max_running = max(self.stats.max_running, num_resident)
+        start = time.perf_counter()
+        has_drafted = self._draft(plan.draft_ids)
+        stall_s, finished = self._verify(plan.verifies)
+        # A wait for a late load is link time, not compute, and an iteration whose requests all
+        # wait for their verification says nothing of compute time either.
+        elapsed = time.perf_counter() - start - stall_s
+        is_timed = (has_drafted or plan.verifies) and elapsed > 0
+        self.scheduler.end_iteration(elapsed if is_timed else None)
+        self._check_progress(plan)
+        return finished
+
+    def _start_load(self, load: LoadStart) -> None:
+        key = load.request_id
+        self.memory.hold(("full", key), load.num_bytes)
+        self._loads[key] = self.loader.start(self._host[key])
+        self.stats.num_loads += 1
+
+    def _draft(self, keys: tuple[str, ...]) -> bool:
+        """One batched draft step; returns whether any request drafted."""
+        drafting = [(key, self._running[key]) for key in keys]
+        for key, seq in drafting:
+            if seq.draft_target is None:  # a round begins
+                seq.draft_target = self._round_draft_target(key, seq)
+                self._hold_compressed(key, seq.compressed_cache, seq.draft_target)
+        batch = [seq for _, seq in drafting if seq.needs_compressed_forward]
+        if batch:
+            self._run_compressed(batch)  # Engine: appends one draft token to each
+        return bool(batch)
+
+    def _round_draft_target(self, key: str, seq: Sequence) -> int:
+        """Drafts this round: the scheduler's draft length, within the token budget and context."""
+        reservation = self.scheduler.request_state(key).reservation
+        remaining = seq.request.params.max_new_tokens - len(seq.output_ids)
+        room = self.model_config.max_position_embeddings - len(seq.token_ids)
+        return max(0, min(reservation.num_draft_tokens, remaining - 1, room))
+
+    def _verify(self, verifies: tuple[Verify, ...]) -> tuple[float, dict[str, RequestOutput]]:
+        """One batched verification; returns the time spent waiting for loads, and the requests
+        that finished."""
+        if not verifies:
+            return 0.0, {}
+        batch, stall_s = [], 0.0
+        for verify in verifies:
+            key = verify.request_id
+            seq = self._running[key]
+            loaded = self._loads.pop(key).wait()
+            self._record_load(loaded)
+            stall_s += loaded.stall_s
+            seq.full_cache = loaded.cache
+            batch.append((key, seq, loaded.cache.num_tokens))
+        self._run_full([seq for _, seq, _ in batch])  # Engine: verify, then finish each round
+        finished = {}
+        for key, seq, num_verified_before in batch:
+            num_accepted = seq.stats.accepted_per_round[-1]
+            if seq.is_finished:
+                self.scheduler.on_verified(key, num_accepted, is_finished=True)
+                finished[key] = self._finish(key, seq)
+                continue
+            full = seq.full_cache
+            self._host[key].append_from(full, num_verified_before, full.num_tokens)
+            seq.full_cache = None
+            self.memory.release(("full", key))
+            self._hold_compressed(key, seq.compressed_cache)
+            self.scheduler.on_verified(key, num_accepted, is_finished=False)
+            self.scheduler.set_draft_len(key, self._preferred_draft_len(seq))
+        return stall_s, finished
+
+    def _record_load(self, loaded: LoadedKV) -> None:
+        self.stats.load_bytes += loaded.num_bytes
+        self.stats.num_late_loads += not loaded.was_ready
+        self.stats.stall_s += loaded.stall_s
+        if loaded.num_bytes and loaded.load_s > 0:
+            self.scheduler.costs.observe_load(loaded.num_bytes, loaded.load_s)
+
+    def _check_progress(self, plan: IterationPlan) -> None:
+        self._num_idle = self._num_idle + 1 if plan.is_idle and not self._loads else 0
+        if self._num_idle > 4 * self.scheduler.config.window:
+            raise SchedulerStateError(
+                f"no request ran for {self._num_idle} iterations: "
+                f"{self.scheduler.num_waiting} waiting for admission"
+            )
+
+    def _finish(self, key: str, seq: Sequence) -> RequestOutput:
+        self._forget(key)
+        out = self._output(seq)
+        self.stats.num_finished += 1
+        self.stats.num_output_tokens += len(out.token_ids)
+        return out
+
+    def _forget(self, key: str) -> None:
+        del self._running[key]
+        for kind in ("full", "compressed"):
+            self.memory.release((kind, key))
+        self._host.pop(key, None)
+        self._parked.discard(key)
+        self._loads.pop(key, None)
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    def _cost_model(self) -> CostModel:
+        lc = self.long_context
+        return CostModel(
+            iteration_s=lc.iteration_s or self._time_draft_step(),
+            link_bytes_per_s=lc.link_bytes_per_s or measure_link_bandwidth(self.runner.device),
+            memory_budget_bytes=self.memory.budget_bytes,
+            weights_bytes=self.memory.weights_bytes,
+        )
+
+    def _time_draft_step(self) -> float:
+        """A one-token forward over a short cache: a floor for the iteration time, which the
+        scheduler then refines from the iterations it runs."""
+        cache = self.runner.new_cache(capacity=4)
+        samples = []
+        for _ in range(3):
+            start = time.perf_counter()
+            greedy(self.runner.forward([SequenceInput(_token_ids([0]), cache)]))
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+
+def _token_ids(token_ids) -> torch.Tensor:
+    return torch.tensor(list(token_ids), dtype=torch.long)
