@@ -4,37 +4,32 @@ to end run on Ray (slow)."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from vericache.bench import remote_prefix
 from vericache.bench.workloads import CONTEXT_PROMPTS
+from vericache.cli.bench import parse_benchmark_args
 from vericache.client import Result
 from vericache.errors import InvalidRequestError
 
 
-def _args(**overrides) -> argparse.Namespace:
-    values = dict(
-        quick=True, compressor="streamingllm-4x", draft_len=8, prefixes=None, prefix_tokens=None,
-        requests=None, max_tokens=None, concurrency=None, ratios=None, drafters=1,
-        drafter_kv=1.5, latency_ms=0.0, max_other_load=0.25, max_attempts=3,
-    )  # fmt: skip
-    return argparse.Namespace(**(values | overrides))
+def _args(*argv: str):
+    module, args = parse_benchmark_args("remote-prefix", list(argv))
+    assert module is remote_prefix
+    return args
 
 
 def test_quick_defaults_shrink_the_stream_and_explicit_values_win():
-    quick = remote_prefix.stream_spec(_args())
-    full = remote_prefix.stream_spec(_args(quick=False))
+    quick = remote_prefix.stream_spec(_args("--quick"))
+    full = remote_prefix.stream_spec(_args())
     assert quick.num_requests < full.num_requests and quick.ratios == (1.0,)
-    assert full.ratios == (0.25, 1.0, 4.0)
-    assert remote_prefix.stream_spec(_args(requests=7, ratios=[2.0])).num_requests == 7
-    with pytest.raises(InvalidRequestError):
-        remote_prefix.stream_spec(_args(ratios=[0.0]))
-    with pytest.raises(InvalidRequestError):
-        remote_prefix.stream_spec(_args(concurrency=0))
-    with pytest.raises(InvalidRequestError):
-        remote_prefix.stream_spec(_args(max_attempts=0))
+    assert full.ratios == (0.25, 1.0, 4.0) and full.prefix_tokens == (3000, 4000)
+    spec = remote_prefix.stream_spec(_args("--requests", "7", "--ratios", "0.5,2", "--quick"))
+    assert spec.num_requests == 7 and spec.ratios == (0.5, 2.0)
+    assert remote_prefix.stream_spec(_args("--latency-ms", "2")).latency_s == pytest.approx(0.002)
+    for bad in (["--ratios", "0"], ["--concurrency", "0"], ["--max-attempts", "0"]):
+        with pytest.raises(InvalidRequestError):
+            remote_prefix.stream_spec(_args(*bad))
 
 
 def test_the_stream_cycles_over_prefixes_then_prompts():
@@ -130,8 +125,8 @@ def test_a_tiny_run_end_to_end(tiny_chat_checkpoint):
     if ray.is_initialized():
         pytest.skip("another Ray session is running in this process")
     args = _args(
-        model=str(tiny_chat_checkpoint), prefixes=2, prefix_tokens=(150, 300), requests=2,
-        max_tokens=6, concurrency=2, max_attempts=1,
+        "--quick", "--model", str(tiny_chat_checkpoint), "--prefix-tokens", "150,300",
+        "--requests", "2", "--max-tokens", "6", "--max-attempts", "1",
     )  # fmt: skip
     result = remote_prefix.run(args)
     assert result["summary"]["identical"] is True
