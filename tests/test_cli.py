@@ -85,21 +85,16 @@ def test_missing_context_file_is_one_line(capsys, tiny_chat_checkpoint):
     assert code != 0 and "does not exist" in err and len(err.strip().splitlines()) == 1
 
 
-def test_json_contract_and_vericache_equals_full(capsys, tmp_path, tiny_chat_checkpoint):
+def tiny_generate_argv(tmp_path, checkpoint) -> list[str]:
+    """`vericache generate` on the tiny chat model over a small code context, 12 tokens, JSON."""
     context = tmp_path / "context.txt"
     context.write_text("def add(a, b):\n    return a + b\n" * 20)
-    common = [
-        "generate",
-        "--model",
-        str(tiny_chat_checkpoint),
-        "--context-file",
-        str(context),
-        "--prompt",
-        "Explain.",
-        "--max-tokens",
-        "12",
-        "--json",
-    ]
+    return ["generate", "--model", str(checkpoint), "--context-file", str(context),
+            "--prompt", "Explain.", "--max-tokens", "12", "--json"]  # fmt: skip
+
+
+def test_json_contract_and_vericache_equals_full(capsys, tmp_path, tiny_chat_checkpoint):
+    common = tiny_generate_argv(tmp_path, tiny_chat_checkpoint)
     results = {}
     for mode in ("full", "lossy", "vericache"):
         code, out, _ = run_cli(

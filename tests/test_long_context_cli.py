@@ -7,30 +7,12 @@ import json
 
 import pytest
 
-from tests.test_cli import run_cli
+from tests.test_cli import run_cli, tiny_generate_argv
 
 
 def test_long_context_generate_equals_full(capsys, tmp_path, tiny_chat_checkpoint):
-    context = tmp_path / "context.txt"
-    context.write_text("def add(a, b):\n    return a + b\n" * 20)
-    common = [
-        "generate",
-        "--model",
-        str(tiny_chat_checkpoint),
-        "--context-file",
-        str(context),
-        "--prompt",
-        "Explain.",
-        "--max-tokens",
-        "12",
-        "--compressor",
-        "kivi",
-        "--bits",
-        "2",
-        "--draft-len",
-        "4",
-        "--json",
-    ]
+    common = tiny_generate_argv(tmp_path, tiny_chat_checkpoint)
+    common += ["--compressor", "kivi", "--bits", "2", "--draft-len", "4"]
     long_context = ["--long-context", "--memory-budget", "64MiB", "--pcie-bandwidth", "1GB/s"]
     results = {}
     for name, extra in [
