@@ -94,3 +94,15 @@ def test_transfer_rate_follows_the_link(serve):
     # (tests/test_link.py checks the pace itself within 10%).
     assert paced <= result.seconds <= 1.5 * paced + 0.05
     fetcher.close()
+
+
+def test_concurrent_fetches_of_one_prefix_share_one_transfer(serve):
+    from concurrent.futures import ThreadPoolExecutor
+
+    server, link = serve()
+    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: fetcher.fetch("p1"), range(4)))
+    assert sum(r.link_bytes > 0 for r in results) == 1
+    assert link.bytes_sent == max(r.link_bytes for r in results)
+    fetcher.close()

@@ -8,6 +8,7 @@ fetched in an LRU bounded by bytes: a second request on the same prefix pays no 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -89,6 +90,10 @@ class KVFetcher:
         self.fingerprint = fingerprint
         self.rope = rope
         self.cached = PrefixStore(capacity_bytes)
+        # Concurrent requests on one prefix (drafter calls run on many threads) wait for the
+        # first one's transfer instead of fetching it again.
+        self._fetching: dict[tuple[str, int], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
         self._channel = grpc.insecure_channel(target)
         self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
 
@@ -115,7 +120,11 @@ class KVFetcher:
                 raise
             return cache_from_state(state, self.rope)
 
-        cache = self.cached.lookup((prefix_id, kind), transfer)
+        key = (prefix_id, kind)
+        with self._locks_guard:
+            lock = self._fetching.setdefault(key, threading.Lock())
+        with lock:
+            cache = self.cached.lookup(key, transfer)
         return FetchResult(cache, received, time.perf_counter() - start)
 
     def close(self) -> None:
