@@ -22,6 +22,7 @@ weights and every resident compressed KV, never above the memory budget). Polici
 
 from __future__ import annotations
 
+import abc
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,7 +91,7 @@ def preferred_draft_len(state: RequestState) -> int:
     return state.draft_len
 
 
-class BaseScheduler:
+class BaseScheduler(abc.ABC):
     def __init__(
         self,
         costs: CostModel,
@@ -277,9 +278,9 @@ class BaseScheduler:
 
     # -- for policies ---------------------------------------------------------------------------
 
+    @abc.abstractmethod
     def _admit_waiting(self, base: int) -> None:
         """Admits waiting requests after iteration `base`; the rings hold base+1..base+W."""
-        raise NotImplementedError
 
     def _fits_memory(self, start: int, stop: int, full_kv_bytes: int, new_resident: int) -> bool:
         """Whether full_kv_bytes more over [start, stop], and new_resident more everywhere, fit."""

@@ -8,6 +8,7 @@ requests verify on the verifier, others draft on the drafters.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
@@ -18,16 +19,18 @@ from vericache.errors import VeriCacheError, WorkerUnavailableError
 MAX_CONCURRENT_CALLS = 64
 
 
-class WorkerHandle:
+class WorkerHandle(abc.ABC):
     """A worker the coordinator may place requests on; `active` counts its open sessions."""
 
     def __init__(self, name: str):
         self.name = name
         self.active = 0
 
+    @abc.abstractmethod
     async def call(self, method: str, *args) -> Any:
-        raise NotImplementedError
+        """Runs `method` of the worker with `args`; raises what the worker raised."""
 
+    @abc.abstractmethod
     async def close(self) -> None:
         """Shuts the worker down (its sessions, servers and store)."""
 
