@@ -17,6 +17,7 @@ from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.errors import InvalidRequestError
+from vericache.scheduler import LockstepScheduler
 
 MAX_NEW = 24
 # (prefix tokens, suffix tokens): every full KV fits one 1024-slot key block, so every request
@@ -52,8 +53,10 @@ def sizes(tiny_engine):
 def make_engine(tiny_engine):
     engines = []
 
-    def make(budget=None, link=FAST_LINK, iteration_s=None, config=EngineConfig(), cls=None):
-        long_context = LongContextConfig(budget, link, iteration_s)
+    def make(
+        budget=None, link=FAST_LINK, iteration_s=None, config=EngineConfig(), cls=None, **options
+    ):
+        long_context = LongContextConfig(budget, link, iteration_s, **options)
         engine = (cls or LongContextEngine)(tiny_engine().runner, None, config, long_context)
         engines.append(engine)
         return engine
@@ -125,6 +128,20 @@ def test_budget_holds_more_requests_than_the_full_baseline(make_engine, sizes, f
     assert engine.stats.peak_device_bytes <= budget
     assert engine.stats.max_running > full.stats.max_running
     assert engine.memory.in_use_bytes == engine.memory.weights_bytes  # everything released
+
+
+def test_lockstep_baseline_is_exact_and_loads_every_full_kv_together(
+    make_engine, sizes, full_outputs
+):
+    engine = make_engine(budget_for(sizes, 12), lockstep_draft_len=5)
+    assert isinstance(engine.scheduler, LockstepScheduler)
+    outputs = engine.generate(make_requests(DecodeMode.VERICACHE, StreamingLLM(ratio=4), 5))
+    assert [out.token_ids for out in outputs] == full_outputs
+    assert all(max(out.stats.drafted_per_round) == 5 for out in outputs)
+    # The first round verifies all eight together: their full KVs are on the device at once.
+    weights, full = sizes
+    assert engine.stats.peak_device_bytes >= weights + len(PROMPT_SHAPES) * full
+    assert engine.memory.in_use_bytes == engine.memory.weights_bytes
 
 
 class CheckedEngine(LongContextEngine):

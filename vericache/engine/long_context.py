@@ -2,8 +2,8 @@
 
 The compressed KV of every running request stays on the device; its full KV lives in host memory
 (`HostKV`) and is loaded for each verification, asynchronously (`KVLoader`), started S iterations
-ahead so that the load overlaps drafting. A `StaggeredScheduler` plans every iteration within a
-device-memory budget, and a `DeviceMemory` accountant enforces that budget on what is really held:
+ahead so that the load overlaps drafting. A `StaggeredScheduler` (or the lock-step baseline, with
+`LongContextConfig.lockstep_draft_len`) plans every iteration within a device-memory budget, and a `DeviceMemory` accountant enforces that budget on what is really held:
 the weights, the resident compressed KV and the full KV being loaded or verified. Requests whose
 mode is `FULL` run the baseline under the same accountant: each keeps its full KV on the device
 while it runs, so floor((budget - weights) / full KV) run at once and the rest queue.
@@ -63,9 +63,11 @@ from vericache.kv.compressed import CompressedKV
 from vericache.model.loader import DEFAULT_MODEL, load_model
 from vericache.model.runner import ModelRunner, SequenceInput
 from vericache.scheduler import (
+    BaseScheduler,
     CostModel,
     IterationPlan,
     LoadStart,
+    LockstepScheduler,
     SchedulerRequest,
     SchedulerStateError,
     StaggeredScheduler,
@@ -95,7 +97,7 @@ class LongContextEngine(Engine):
         budget = long_context.memory_budget_bytes or device_memory_bytes(runner.device)
         self.memory = DeviceMemory(budget, runner.weights.nbytes)
         self.loader = KVLoader(runner.device, long_context.link_bytes_per_s)
-        self.scheduler = StaggeredScheduler(self._cost_model(), long_context.scheduler)
+        self.scheduler = self._new_scheduler()
         self.stats = LongContextStats()
         self._is_cuda = runner.device.type == "cuda"
         self._pending: deque[tuple[str, Request]] = deque()  # not prefilled yet
@@ -401,6 +403,12 @@ class LongContextEngine(Engine):
         self._loads.pop(key, None)
 
     # -- start-up -------------------------------------------------------------------------------
+
+    def _new_scheduler(self) -> BaseScheduler:
+        lc = self.long_context
+        if lc.lockstep_draft_len is None:
+            return StaggeredScheduler(self._cost_model(), lc.scheduler)
+        return LockstepScheduler(self._cost_model(), lc.lockstep_draft_len, lc.scheduler)
 
     def _cost_model(self) -> CostModel:
         lc = self.long_context

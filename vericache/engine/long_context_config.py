@@ -20,6 +20,9 @@ class LongContextConfig:
     # First estimate of one iteration's time, refined online; None: timed at start-up.
     iteration_s: float | None = None
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Set: the lock-step baseline, every running request drafts this many tokens and then all of
+    # them verify together (the comparison of `vericache bench stagger`); None: staggered.
+    lockstep_draft_len: int | None = None
     # Prefilled requests awaiting their first admission, compressed KV parked in host memory.
     max_parked: int = 1
 
@@ -28,6 +31,10 @@ class LongContextConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise InvalidRequestError(f"{name} must be > 0, got {value}")
+        if self.lockstep_draft_len is not None and self.lockstep_draft_len < 1:
+            raise InvalidRequestError(
+                f"lockstep_draft_len must be >= 1, got {self.lockstep_draft_len}"
+            )
         if self.max_parked < 1:
             raise InvalidRequestError(f"max_parked must be >= 1, got {self.max_parked}")
 
