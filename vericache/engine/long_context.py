@@ -3,10 +3,11 @@
 The compressed KV of every running request stays on the device; its full KV lives in host memory
 (`HostKV`) and is loaded for each verification, asynchronously (`KVLoader`), started S iterations
 ahead so that the load overlaps drafting. A `StaggeredScheduler` (or the lock-step baseline, with
-`LongContextConfig.lockstep_draft_len`) plans every iteration within a device-memory budget, and a `DeviceMemory` accountant enforces that budget on what is really held:
-the weights, the resident compressed KV and the full KV being loaded or verified. Requests whose
-mode is `FULL` run the baseline under the same accountant: each keeps its full KV on the device
-while it runs, so floor((budget - weights) / full KV) run at once and the rest queue.
+`LongContextConfig.lockstep_draft_len`) plans every iteration within a device-memory budget, and
+a `DeviceMemory` accountant enforces that budget on what is really held: the weights, the resident
+compressed KV and the full KV being loaded or verified. Requests whose mode is `FULL` run the
+baseline under the same accountant: each keeps its full KV on the device while it runs, so
+floor((budget - weights) / full KV) run at once and the rest queue.
 
 One iteration of VeriCache requests:
     plan = scheduler.schedule()
