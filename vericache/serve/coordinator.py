@@ -86,15 +86,11 @@ class Coordinator:
         yield progress("queued")
         lock = self._registering.setdefault(prefix_id, asyncio.Lock())
         async with lock:  # one registration per prefix at a time; the others then find it
-            verifier = self.verifiers[0]
-            if await self._is_registered(verifier, prefix_id):
+            if await self._is_registered(prefix_id):
                 yield progress("done", existed=True)
                 return
-            for stage, method in (("prefill", "prefill_prefix"), ("store", "store_prefix")):
+            async for stage in self._register(prefix_id, token_ids, chat, spec):
                 yield progress(stage)
-                await verifier.call(method, token_ids)
-            yield progress("compress")
-            await verifier.call("compress_prefix", token_ids, chat, spec)
         self._registering.pop(prefix_id, None)
         yield progress("done")
 
@@ -102,25 +98,44 @@ class Coordinator:
         return _prefix_info(await self._record(prefix_id))
 
     async def list_prefixes(self) -> pb.ListPrefixesResponse:
-        records = await self.verifiers[0].call("list_prefixes")
+        records = await self._records()
         return pb.ListPrefixesResponse(prefixes=[_prefix_info(r) for r in records])
 
     async def delete_prefix(self, prefix_id: str) -> pb.DeletePrefixResponse:
         """Idempotent: deleting an unknown (or already deleted) prefix answers deleted=False."""
         try:
             check_prefix_id(prefix_id)
-            await self.verifiers[0].call("delete_prefix", prefix_id)
+            await self._remove(prefix_id)
         except PrefixNotFoundError:
             return pb.DeletePrefixResponse(deleted=False)
         return pb.DeletePrefixResponse(deleted=True)
+
+    # Where prefixes live: the verifiers' catalog here; a subclass may keep them elsewhere.
+
+    async def _register(
+        self, prefix_id: str, token_ids: list[int], chat: bool, spec: dict
+    ) -> AsyncIterator[str]:
+        """Makes a new prefix's full and compressed KV; yields each stage as it begins."""
+        verifier = self.verifiers[0]
+        for stage, method in (("prefill", "prefill_prefix"), ("store", "store_prefix")):
+            yield stage
+            await verifier.call(method, token_ids)
+        yield "compress"
+        await verifier.call("compress_prefix", token_ids, chat, spec)
 
     async def _record(self, prefix_id: str) -> PrefixRecord:
         check_prefix_id(prefix_id)
         return await self.verifiers[0].call("get_prefix", prefix_id)
 
-    async def _is_registered(self, verifier: WorkerHandle, prefix_id: str) -> bool:
+    async def _records(self) -> list[PrefixRecord]:
+        return await self.verifiers[0].call("list_prefixes")
+
+    async def _remove(self, prefix_id: str) -> None:
+        await self.verifiers[0].call("delete_prefix", prefix_id)
+
+    async def _is_registered(self, prefix_id: str) -> bool:
         try:
-            await verifier.call("get_prefix", prefix_id)
+            await self._record(prefix_id)
         except PrefixNotFoundError:
             return False
         return True
@@ -161,27 +176,23 @@ class Coordinator:
         finally:
             self._running.release()
 
-    async def _serve(self, plan: RequestPlan) -> AsyncIterator[pb.GenerateResponse]:
+    def _served(self, plan: RequestPlan) -> ServedRequest:
         checker = StopChecker(
             plan.params, self.info.eos_token_ids, self.info.max_positions, self.tokenizer
         )
-        served = ServedRequest(plan, checker)
+        return ServedRequest(plan, checker)
+
+    async def _serve(self, plan: RequestPlan) -> AsyncIterator[pb.GenerateResponse]:
+        served = self._served(plan)
         verifier = _least_busy(self.verifiers, "verifier")
         drafter = _least_busy(self.drafters, "drafter") if plan.mode in _DRAFTER_MODES else None
         workers = [w for w in (verifier, drafter) if w is not None]
         for worker in workers:
             worker.active += 1
-        text = _TextDeltas(checker)
         try:
             rounds = run_request(served, verifier, drafter, self._addresses[verifier.name])
-            async for tokens in rounds:
-                if tokens:
-                    chunk = pb.TokenChunk(text=text.delta(served.output_ids), token_ids=tokens)
-                    yield pb.GenerateResponse(chunk=chunk)
-            tail = text.delta(served.output_ids, final=True)
-            if tail:
-                yield pb.GenerateResponse(chunk=pb.TokenChunk(text=tail))
-            yield pb.GenerateResponse(stats=served.stats())
+            async for message in stream_responses(served, rounds):
+                yield message
         finally:
             for worker in workers:
                 worker.active -= 1
@@ -199,8 +210,7 @@ class Coordinator:
                 f"mode {Mode.Name(mode)} drafts over a registered prefix's compressed KV: "
                 "give prefix_id, or use FULL_LOCAL"
             )
-        if mode in _DRAFTER_MODES and not self.drafters:
-            raise WorkerUnavailableError(f"no drafter is running to serve {Mode.Name(mode)}")
+        self._check_can_serve(mode)
         draft_len = request.draft_len if request.HasField("draft_len") else None
         draft_len = config.default_draft_len if draft_len is None else draft_len
         if not 1 <= draft_len <= config.max_draft_len:
@@ -224,6 +234,10 @@ class Coordinator:
             draft_len=draft_len,
             decode_chunk=config.decode_chunk,
         )
+
+    def _check_can_serve(self, mode: int) -> None:
+        if mode in _DRAFTER_MODES and not self.drafters:
+            raise WorkerUnavailableError(f"no drafter is running to serve {Mode.Name(mode)}")
 
     def _prompt_ids(self, record: PrefixRecord | None, prompt: str) -> list[int]:
         """Chat prefixes are a system turn: the prompt is the user turn after it. Token prefixes
@@ -251,6 +265,22 @@ class Coordinator:
         if self.tokenizer is None:
             raise InvalidRequestError(f"model {self.info.model} has no tokenizer: text needs one")
         return self.tokenizer
+
+
+async def stream_responses(
+    served: ServedRequest, rounds: AsyncIterator[list[int]]
+) -> AsyncIterator[pb.GenerateResponse]:
+    """The Generate stream of a request: a chunk per batch of committed tokens (with the text they
+    add), the text held back until the end, then the statistics."""
+    text = _TextDeltas(served.checker)
+    async for tokens in rounds:
+        if tokens:
+            chunk = pb.TokenChunk(text=text.delta(served.output_ids), token_ids=tokens)
+            yield pb.GenerateResponse(chunk=chunk)
+    tail = text.delta(served.output_ids, final=True)
+    if tail:
+        yield pb.GenerateResponse(chunk=pb.TokenChunk(text=tail))
+    yield pb.GenerateResponse(stats=served.stats())
 
 
 class _TextDeltas:

@@ -46,10 +46,14 @@ class BackgroundServer:
         self.host = address.rsplit(":", 1)[0]
 
     async def _start(self, workers, model, address, config) -> int:
-        verifiers, drafters = await asyncio.to_thread(workers)
-        self.coordinator = await start_coordinator(verifiers, drafters, model, config)
+        self.coordinator = await self._start_coordinator(workers, model, config)
         self._server, port = await start_server(self.coordinator, address)
         return port
+
+    async def _start_coordinator(self, workers, model: str, config) -> Coordinator:
+        """The coordinator over what `workers` makes (a subclass may take another maker)."""
+        verifiers, drafters = await asyncio.to_thread(workers)
+        return await start_coordinator(verifiers, drafters, model, config)
 
     @property
     def target(self) -> str:
