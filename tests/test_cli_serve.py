@@ -62,7 +62,10 @@ def test_generate_on_a_server_matches_full_local(server, tmp_path, capsys):
         (["serve", "--local", "--link-bandwidth", "fast"], "bandwidth 'fast'"),
         (["serve", "--local", "--resident-bytes", "lots"], "size 'lots'"),
         (["serve", "--local", "--dtype", "float8"], "invalid choice"),
-        (["serve"], "one of the arguments --local --address is required"),
+        (["serve"], "one of --local, --address or --long-context"),
+        (["serve", "--local", "--long-context"], "drop --local/--address"),
+        (["serve", "--local", "--memory-budget", "2GiB"], "need --long-context"),
+        (["serve", "--long-context", "--pcie-bandwidth", "fast"], "is not like '1.2GB/s'"),
     ],
 )
 def test_bad_options_fail_before_anything_starts(capsys, argv, message):

@@ -67,13 +67,11 @@ def add_long_context_arguments(parser) -> None:
 
 
 def long_context_config(args) -> LongContextConfig | None:
-    """The long-context options, checked; None without --long-context."""
+    """The long-context options (of generate and serve), checked; None without --long-context."""
     if not args.long_context:
         if args.memory_budget or args.pcie_bandwidth:
             raise InvalidRequestError("--memory-budget and --pcie-bandwidth need --long-context")
         return None
-    if args.server or args.mode not in (DecodeMode.VERICACHE.value, DecodeMode.FULL.value):
-        raise InvalidRequestError("--long-context runs --mode vericache or full, in this process")
     return LongContextConfig(
         memory_budget_bytes=parse_size(args.memory_budget) if args.memory_budget else None,
         link_bytes_per_s=parse_bandwidth(args.pcie_bandwidth) if args.pcie_bandwidth else None,
@@ -126,6 +124,9 @@ def check_device(name: str) -> None:
 
 def run(args) -> int:
     long_context = long_context_config(args)
+    is_engine_mode = args.mode in (DecodeMode.VERICACHE.value, DecodeMode.FULL.value)
+    if long_context is not None and (args.server or not is_engine_mode):
+        raise InvalidRequestError("--long-context runs --mode vericache or full, in this process")
     if args.server:
         return run_on_server(args)
     if args.mode in SERVER_MODES or args.prefix_id:
