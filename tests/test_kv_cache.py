@@ -4,6 +4,7 @@ rotated at their true positions, not at their slot index."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -225,6 +226,84 @@ def test_nbytes_counts_resident_keys_and_values_only():
     assert layer.nbytes == 2 * 10 * NUM_KV_HEADS * HEAD_DIM * 2  # capacity is not counted
     layer.drop_last(4)
     assert layer.nbytes == 2 * 6 * NUM_KV_HEADS * HEAD_DIM * 2
+
+
+# Clones: a drafter or verifier session starts from a clone of a shared prefix cache
+
+
+@contextlib.contextmanager
+def _poisoned_allocations():
+    """Uninitialised allocations hand back NaN (floats) or -1 (integers), as reused memory may:
+    a clone that relied on fresh buffers being zero then fails."""
+    real = {"empty": torch.empty, "empty_like": torch.empty_like}
+    real_new_empty = torch.Tensor.new_empty
+
+    def poison(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.fill_(math.nan if tensor.is_floating_point() else -1)
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, allocate in real.items():
+            patch.setattr(
+                torch, name, lambda *a, _allocate=allocate, **k: poison(_allocate(*a, **k))
+            )
+        patch.setattr(torch.Tensor, "new_empty", lambda *a, **k: poison(real_new_empty(*a, **k)))
+        yield
+
+
+CLONE_COMPRESSORS = [None, StreamingLLM(ratio=4, num_sinks=2), KIVI(bits=4, group_size=8)]
+
+
+def _compressor_id(compressor) -> str:
+    return "full" if compressor is None else compressor.label
+
+
+@pytest.mark.parametrize("compressor", CLONE_COMPRESSORS, ids=_compressor_id)
+def test_clone_copies_resident_slots_and_is_independent(compressor):
+    source = _full_cache(40) if compressor is None else compressor.compress(_full_cache(40))
+    before = _snapshot(source)
+    with _poisoned_allocations():
+        twin = source.clone(capacity=300)  # room beyond the resident slots, left unfilled
+    _assert_unchanged(twin, before)
+    for layer in twin.layers:
+        padded_keys, padded_values = layer.keys_values(pad_to=1024)
+        assert torch.isfinite(padded_keys).all() and torch.isfinite(padded_values).all()
+    _append(twin, 5, seed=20)
+    _assert_unchanged(source, before)
+    twin_before = _snapshot(twin)
+    _append(source, 3, seed=30)
+    _assert_unchanged(twin, twin_before)
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_checkpoint) -> ModelRunner:
+    loaded = load_model(str(tiny_checkpoint("llama")))
+    return ModelRunner(loaded.config, loaded.weights)
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "invariant"])
+@pytest.mark.parametrize("compressor", CLONE_COMPRESSORS, ids=_compressor_id)
+def test_decoding_over_a_clone_matches_decoding_over_its_source(tiny_runner, compressor, invariant):
+    """Batch-invariant attention reads keys and values in whole KEY_ALIGN blocks: the unfilled
+    slots of a clone must not reach its logits."""
+    ids = torch.randint(3, 512, (PREFIX + 8,), generator=torch.Generator().manual_seed(1))
+    prefix = tiny_runner.new_cache()
+    tiny_runner.forward([SequenceInput(ids[:PREFIX], prefix, 0)])
+    source = prefix if compressor is None else compressor.compress(prefix)
+    with _poisoned_allocations():
+        twin = source.clone(capacity=1500)
+
+    def decode(cache: KVCache) -> torch.Tensor:
+        # Two one-token steps, then a verification-like forward of six tokens.
+        steps = [(PREFIX, PREFIX + 1), (PREFIX + 1, PREFIX + 2), (PREFIX + 2, PREFIX + 8)]
+        logits = [
+            tiny_runner.forward([SequenceInput(ids[a:b], cache, b - a)], invariant=invariant)[0]
+            for a, b in steps
+        ]
+        return torch.cat(logits)
+
+    ours, reference = decode(twin), decode(source)
+    assert torch.isfinite(ours).all()
+    assert torch.equal(ours, reference)
 
 
 # Original positions after compression, end to end

@@ -62,11 +62,14 @@ class DenseLayerKV:
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = 0):
         capacity = aligned(max(capacity, 1))
-        # Zero-filled so that padded views beyond num_slots stay finite.
-        self._keys = torch.zeros(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self._values = torch.zeros_like(self._keys)
-        self._positions = torch.zeros(capacity, num_kv_heads, dtype=torch.int32, device=device)
+        # Left uninitialised: filling whole buffers dominated opening a session on a long prefix.
+        # Slots below `_num_finite` hold finite values (written, or zeroed for a padded view);
+        # num_slots <= _num_finite <= capacity.
+        self._keys = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self._values = torch.empty_like(self._keys)
+        self._positions = torch.empty(capacity, num_kv_heads, dtype=torch.int32, device=device)
         self.num_slots = 0
+        self._num_finite = 0
 
     @classmethod
     def from_tensors(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
@@ -83,9 +86,10 @@ class DenseLayerKV:
         new_capacity = aligned(num_slots if exact else max(num_slots, 2 * capacity))
         for name in ("_keys", "_values", "_positions"):
             old = getattr(self, name)
-            new = old.new_zeros((new_capacity, *old.shape[1:]))
+            new = old.new_empty((new_capacity, *old.shape[1:]))
             new[: self.num_slots] = old[: self.num_slots]
             setattr(self, name, new)
+        self._num_finite = self.num_slots
 
     def _write(self, keys, values, positions) -> None:
         start, end = self.num_slots, self.num_slots + keys.shape[0]
@@ -95,6 +99,7 @@ class DenseLayerKV:
         # [n] positions (the same for every head) broadcast over heads.
         self._positions[start:end] = positions if positions.dim() == 2 else positions.unsqueeze(1)
         self.num_slots = end
+        self._num_finite = max(self._num_finite, end)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         self._write(keys, values, positions)
@@ -102,6 +107,11 @@ class DenseLayerKV:
     def keys_values(self, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         end = aligned(self.num_slots, pad_to)
         self._ensure_capacity(end, exact=True)
+        if end > self._num_finite:
+            # Attention gives the padding zero weight, but 0 * NaN is NaN: zero the tail it reads.
+            self._keys[self._num_finite : end] = 0
+            self._values[self._num_finite : end] = 0
+            self._num_finite = end
         return self._keys[:end], self._values[:end]
 
     def positions(self) -> torch.Tensor:
@@ -137,6 +147,7 @@ class DenseLayerKV:
         return cls.from_tensors(t["keys"], t["values"], t["positions"])
 
     def clone(self, capacity: int = 0) -> DenseLayerKV:
+        """Copies the resident slots only; the rest of `capacity` stays unfilled."""
         num_kv_heads, head_dim = self._keys.shape[1:]
         copy = DenseLayerKV(
             num_kv_heads,
