@@ -9,8 +9,13 @@ import time
 import pytest
 import torch
 
-from vericache.compress import KIVI, StreamingLLM
-from vericache.engine.device_memory import DeviceMemory, DeviceMemoryError, full_kv_bytes
+from vericache.compress import COMPRESSORS, KIVI, StreamingLLM, build_compressor
+from vericache.engine.device_memory import (
+    DeviceMemory,
+    DeviceMemoryError,
+    compressed_prefill_bound,
+    full_kv_bytes,
+)
 from vericache.engine.engine import DraftKVSource, EngineConfig
 from vericache.engine.host_kv import HostKV, KVLoader, move_compressed
 from vericache.engine.long_context import LongContextEngine
@@ -203,7 +208,7 @@ def test_tiny_token_budgets(make_engine, sizes, full_outputs, max_new):
 
 
 def test_refusals(make_engine, sizes):
-    engine = make_engine(budget_for(sizes, 1.5))
+    engine = make_engine(budget_for(sizes, 1) + 1024)
     (vericache,) = make_requests(DecodeMode.VERICACHE, StreamingLLM(), num=1)
     with pytest.raises(InvalidRequestError, match="budget"):
         engine.add_request(vericache)  # the prefill needs a full KV and its compressed KV
@@ -218,6 +223,20 @@ def test_refusals(make_engine, sizes):
         make_engine(sizes[0])
     with pytest.raises(InvalidRequestError, match="window"):
         make_engine(budget_for(sizes, 4), link=1e3, iteration_s=1e-3).add_request(vericache)
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_prefill_compressed_kv_within_its_bound(make_engine, name):
+    compressor = build_compressor(name, bits=2) if name in ("kivi", "kvquant") else None
+    compressor = compressor or build_compressor(name, ratio=3)
+    engine = make_engine()
+    for request in make_requests(DecodeMode.VERICACHE, compressor, num=4):
+        if not request.num_prefix_tokens:
+            continue  # nothing to compress
+        seq = engine._start(request)  # the prefill alone, as the engine runs it
+        element_size = engine.runner.dtype.itemsize
+        bound = compressed_prefill_bound(request, engine.model_config, element_size)
+        assert seq.compressed_cache.resident_bytes <= bound
 
 
 def test_device_memory_accountant():

@@ -12,11 +12,13 @@ Activations and the allocator's slack are not counted: leave room for them in th
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Hashable
 
 import torch
 
+from vericache.compress.base import TokenDropping
 from vericache.engine.request import Request
 from vericache.errors import InvalidRequestError, VeriCacheError
 from vericache.kv.cache import aligned
@@ -97,6 +99,19 @@ def compressed_kv_bound(
     request's life, every output token appended."""
     num_tokens = request.params.max_new_tokens + 1
     return resident_bytes + num_tokens * compressed_token_bytes(config, element_size)
+
+
+def compressed_prefill_bound(request: Request, config: ModelConfig, element_size: int) -> int:
+    """The most the compressed KV made at a request's prefill takes: its prefix compressed, then
+    the rest of the prompt appended. Token dropping keeps ceil(prefix / ratio) tokens summed over
+    layers (PyramidKV moves budget between layers; rounding may add one); quantization is bounded
+    by the prompt at full precision."""
+    num_tokens = len(request.prompt_ids)
+    compressor = request.compressor
+    if isinstance(compressor, TokenDropping):
+        split = min(request.num_prefix_tokens, num_tokens - 1)
+        num_tokens = math.ceil(split / compressor.ratio) + 1 + num_tokens - split
+    return num_tokens * compressed_token_bytes(config, element_size)
 
 
 def device_memory_bytes(device: torch.device | str) -> int:

@@ -24,9 +24,9 @@ verification in its own iteration (Engine verifies in the iteration of its last 
 has no loads to overlap). The scheduler picks d: the request's draft_len first, never under S. A
 round drafts fewer when the token budget or an end token says so, and verifies when planned.
 
-A request is prefilled on the device when its full KV fits (twice, for VeriCache: the prefill's
-full KV and the compressed KV made from it); the full KV then moves to host memory and the
-compressed KV is parked in host memory until the scheduler first admits the request, since the
+A request is prefilled on the device when its full KV fits (for VeriCache, with the compressed KV
+made from it, at its bound `compressed_prefill_bound`); the full KV then moves to host memory and
+the compressed KV is parked in host memory until the scheduler first admits the request, since the
 scheduler counts a compressed KV from its admission on.
 """
 
@@ -42,6 +42,7 @@ import torch
 from vericache.engine.device_memory import (
     DeviceMemory,
     compressed_kv_bound,
+    compressed_prefill_bound,
     compressed_token_bytes,
     device_memory_bytes,
     full_kv_bytes,
@@ -190,9 +191,12 @@ class LongContextEngine(Engine):
     # -- admission and prefill ------------------------------------------------------------------
 
     def _prefill_bytes(self, request: Request) -> int:
-        full_bytes = full_kv_bytes(request, self.model_config, self.runner.dtype.itemsize)
+        element_size = self.runner.dtype.itemsize
+        full_bytes = full_kv_bytes(request, self.model_config, element_size)
+        if request.mode is DecodeMode.FULL:
+            return full_bytes
         # VeriCache: the compressed KV is made while the full KV is still there.
-        return full_bytes * (2 if request.mode is DecodeMode.VERICACHE else 1)
+        return full_bytes + compressed_prefill_bound(request, self.model_config, element_size)
 
     def _admit_pending(self) -> dict[str, RequestOutput]:
         finished = {}
