@@ -3,7 +3,8 @@
 Each iteration runs at most two batched forwards: one over compressed caches (draft steps of
 vericache requests and lossy decode steps, fast kernels) and one over full caches (verifications
 and full decode steps, batch-invariant kernels). A vericache request drafts for up to `draft_len`
-iterations, then verifies in the same iteration as its last draft step.
+iterations (or a length chosen each round, with `adaptive_draft_len`), then verifies in the same
+iteration as its last draft step.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vericache.kv.compressed import CompressedKV
 from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import DEFAULT_MODEL, load_model
 from vericache.model.runner import DEFAULT_PREFILL_CHUNK, ModelRunner, SequenceInput
+from vericache.scheduler.adaptive import MeasuredRoundCosts, acceptance_rate, best_draft_len
 
 
 class DraftKVSource(str, enum.Enum):
@@ -90,6 +92,8 @@ class Engine:
         self.model_config = runner.config
         # Shareable between engines over the same runner (e.g. with different configs).
         self.prefix_store = prefix_store or PrefixStore(config.prefix_cache_bytes)
+        # Timed forwards, for requests with an adaptive draft length.
+        self.round_costs = MeasuredRoundCosts()
 
     @classmethod
     def from_pretrained(
@@ -121,13 +125,22 @@ class Engine:
         remaining = seq.request.params.max_new_tokens - len(seq.output_ids)
         room = self.model_config.max_position_embeddings - len(seq.token_ids)
         # A verification emits one token beyond the drafts; drafting past the budget is waste.
-        return max(0, min(seq.request.draft_len, remaining - 1, room))
+        return max(0, min(self._draft_len(seq), remaining - 1, room))
+
+    def _draft_len(self, seq: Sequence) -> int:
+        request = seq.request
+        if not request.adaptive_draft_len:
+            return request.draft_len
+        stats = seq.stats
+        alpha = acceptance_rate(stats.drafted_per_round, stats.accepted_per_round)
+        return best_draft_len(alpha, self.round_costs.round_costs(), 1, request.draft_len)
 
     def _run_compressed(self, batch: list[Sequence]) -> None:
         inputs = [_compressed_input(seq) for seq in batch]
         start = time.perf_counter()
         tokens = greedy(self.runner.forward(inputs, invariant=False))
         elapsed = time.perf_counter() - start
+        self.round_costs.observe_draft_step(elapsed, len(batch))
         for seq, (token,) in zip(batch, tokens):
             if seq.mode is DecodeMode.LOSSY:
                 self._decode_step(seq, token, elapsed)
@@ -147,6 +160,8 @@ class Engine:
         # [1 + num_drafts] full-KV greedy choices per sequence
         verified = greedy(self.runner.forward(inputs, invariant=self.config.invariant_full_kv))
         elapsed = time.perf_counter() - start
+        num_tokens = sum(len(seq_input.token_ids) for seq_input in inputs)
+        self.round_costs.observe_verification(elapsed, len(batch), num_tokens)
         for seq, seq_verified, verified_before in zip(batch, verified, num_verified_before):
             if seq.mode is DecodeMode.FULL:
                 self._decode_step(seq, seq_verified[0], elapsed)

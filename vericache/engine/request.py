@@ -56,8 +56,11 @@ class Request:
     params: SamplingParams = SamplingParams()
     mode: DecodeMode = DecodeMode.VERICACHE
     compressor: Compressor | None = None
-    draft_len: int = 30
+    draft_len: int = 30  # draft tokens per round; the longest allowed when adaptive
     request_id: str = ""
+    # Choose each round's draft length from this request's acceptance so far and the measured
+    # costs of draft steps and verifications (vericache.scheduler.adaptive), up to draft_len.
+    adaptive_draft_len: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))  # hashable, immutable
@@ -69,6 +72,10 @@ class Request:
             raise InvalidRequestError(f"mode {self.mode.value!r} needs a compressor")
         if self.draft_len < 1:
             raise InvalidRequestError(f"draft_len must be >= 1, got {self.draft_len}")
+        if self.adaptive_draft_len and self.mode is not DecodeMode.VERICACHE:
+            raise InvalidRequestError(
+                f"adaptive_draft_len applies to mode 'vericache' only, not {self.mode.value!r}"
+            )
 
 
 @dataclass
