@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 
@@ -9,9 +12,11 @@ from tests.serve_fixtures import CONTEXT, open_sessions, start_server, wait_for
 from vericache.client import Client
 from vericache.client.errors import (
     DeadlineExceededError,
+    PrefixNotFoundError,
     ServerBusyError,
     ServerUnavailableError,
 )
+from vericache.compress import build_compressor
 from vericache.serve.coordinator import CoordinatorConfig
 from vericache.v1 import vericache_pb2 as pb
 from vericache.v1 import vericache_pb2_grpc
@@ -131,3 +136,67 @@ def test_a_cancelled_stream_closes_the_sessions_on_the_workers(server, prefix_id
         # The slot is free again, and the server serves as before.
         result = client.generate("hi", prefix_id=prefix_id, max_tokens=6)
         assert len(result.token_ids) == 6
+
+
+STAGED_TTL_S = 0.5
+
+
+@pytest.fixture
+def staging_server(tiny_chat_checkpoint, tmp_path):
+    with start_server(
+        tiny_chat_checkpoint, tmp_path, num_drafters=1, staged_ttl_s=STAGED_TTL_S
+    ) as running:
+        yield running
+
+
+def test_a_registration_abandoned_after_prefill_leaves_no_staged_kv(staging_server, monkeypatch):
+    server = staging_server
+    verifier = server.coordinator.verifiers[0].worker
+    # Hold the store stage until the client has cancelled: the compress stage never comes.
+    entered, release, stored = threading.Event(), threading.Event(), threading.Event()
+    real_store = verifier.store_prefix
+
+    def held_store(token_ids):
+        entered.set()
+        release.wait(30)
+        try:
+            return real_store(token_ids)
+        finally:
+            stored.set()
+
+    monkeypatch.setattr(verifier, "store_prefix", held_store)
+    with grpc.insecure_channel(server.target) as channel:
+        compressor = pb.Compressor(name="streamingllm", ratio=4)
+        stream = vericache_pb2_grpc.VeriCacheStub(channel).PutPrefix(
+            pb.PutPrefixRequest(text=CONTEXT, compressor=compressor), timeout=60
+        )
+        prefix_id = next(stream).prefix_id
+        assert entered.wait(30)
+        stream.cancel()
+    release.set()
+    assert stored.wait(30)
+    assert verifier.staged_bytes > 0  # abandoned between its calls
+    monkeypatch.undo()
+
+    time.sleep(STAGED_TTL_S)
+    with Client(server.target, timeout=60) as client:
+        with pytest.raises(PrefixNotFoundError):
+            client.get_prefix(prefix_id)  # any request sweeps the expired entries
+        assert verifier.staged_bytes == 0
+        # Registering again finds the full KV in the store and completes.
+        assert client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4) == prefix_id
+        assert verifier.staged_bytes == 0
+        assert len(client.generate("hi", prefix_id=prefix_id, max_tokens=4).token_ids) == 4
+
+
+def test_a_store_stage_whose_staged_kv_was_dropped_prefills_again(staging_server):
+    verifier = staging_server.coordinator.verifiers[0].worker
+    token_ids = list(range(5, 45))
+    spec = build_compressor("streamingllm", ratio=4).spec()
+    verifier.prefill_prefix(token_ids)
+    assert verifier.discard_staged(token_ids)  # what a coordinator does for a cancelled put
+    assert not verifier.discard_staged(token_ids) and verifier.staged_bytes == 0
+    assert verifier.store_prefix(token_ids).store_bytes > 0
+    assert verifier.store.contains(token_ids)
+    record = verifier.compress_prefix(token_ids, False, spec)
+    assert record.token_ids == tuple(token_ids) and verifier.staged_bytes == 0

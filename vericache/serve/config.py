@@ -36,6 +36,18 @@ class VerifierConfig(WorkerConfig):
     transfer_host: str | None = None
     transfer_port: int = 0
     prefill_chunk: int = 512
+    # Prefilled full KV of prefixes being registered (see staging.py): a registration abandoned
+    # between its calls leaves its entry, dropped after this long unused or past this count.
+    staged_ttl_s: float = 300.0
+    max_staged_prefixes: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.staged_ttl_s > 0 or self.max_staged_prefixes < 1:
+            raise InvalidRequestError(
+                f"staged_ttl_s must be > 0 and max_staged_prefixes >= 1, got {self.staged_ttl_s} "
+                f"and {self.max_staged_prefixes}"
+            )
 
 
 @dataclass(frozen=True)

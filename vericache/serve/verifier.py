@@ -33,6 +33,7 @@ from vericache.serve.catalog import PrefixCatalog, PrefixRecord, prefix_id_for
 from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVKind, KVTransferService, TransferServer
 from vericache.serve.link import ThrottledLink
+from vericache.serve.staging import StagedPrefixes
 from vericache.serve.store import FullKVStore
 from vericache.serve.worker import (
     ExactKV,
@@ -67,7 +68,7 @@ class Verifier:
         self.catalog = PrefixCatalog(config.root, self.info.fingerprint)
         self.link = ThrottledLink(config.link)
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self._staged: dict[tuple[int, ...], KVCache] = {}  # prefilled prefixes being registered
+        self._staged = StagedPrefixes(config.max_staged_prefixes, config.staged_ttl_s)
         self._lock = threading.Lock()  # sessions and residency: calls run on many threads
         self._loop = BatchLoop(self.runner, "verifier-batch")
         service = KVTransferService(self._kv_for_drafter, self.info.fingerprint, self.link)
@@ -88,33 +89,49 @@ class Verifier:
         return prefix_id_for(self.info.fingerprint, token_ids, chat, compressor_spec)
 
     # Registration runs in three calls, so that the coordinator can report each stage: prefill
-    # (kept here between calls), store (full KV into the store), compress (compressed KV into the
-    # catalog). A prefix whose full KV is stored already skips the first two.
+    # (staged here between calls), store (full KV into the store), compress (compressed KV into
+    # the catalog). A prefix whose full KV is stored already skips the first two. A registration
+    # abandoned between calls leaves its staged KV, which expires (staging.py) unless the
+    # coordinator discards it at once (`discard_staged`).
 
     def prefill_prefix(self, token_ids: list[int]) -> None:
         self._check_tokens(token_ids)
+        self._staged.expire()
         key = tuple(token_ids)
-        if key in self._staged or self.store.contains(token_ids):
+        if self._staged.get(key) is not None or self.store.contains(token_ids):
             return
-        cache = self.runner.new_cache(capacity=len(token_ids))
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        self.runner.prefill(ids, cache, num_logits=0, chunk_size=self.config.prefill_chunk)
-        self._staged[key] = cache
+        self._staged.put(key, self._prefill(token_ids))
 
     def store_prefix(self, token_ids: list[int]) -> WorkResult:
         """Puts the prefilled full KV in the store; returns once it is on disk."""
-        cache = self._staged.get(tuple(token_ids))
-        if cache is None:  # stored already
-            return WorkResult()
+        self._staged.expire()
+        key = tuple(token_ids)
+        cache = self._staged.get(key)
+        if cache is None:
+            if self.store.contains(token_ids):
+                return WorkResult()
+            # Staged KV dropped since the prefill stage (expired, or evicted by newer ones).
+            self._check_tokens(token_ids)
+            cache = self._prefill(token_ids)
+            self._staged.put(key, cache)
         stored = self.store.put(token_ids, cache)
         return WorkResult(store_bytes=stored.bytes_written, store_s=stored.seconds)
+
+    def discard_staged(self, token_ids: list[int]) -> bool:
+        """Drops the full KV staged for an abandoned registration; False when none was staged."""
+        return self._staged.take(tuple(token_ids)) is not None
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of full KV staged for registrations in progress (or abandoned, until expired)."""
+        return self._staged.nbytes
 
     def compress_prefix(
         self, token_ids: list[int], chat: bool, compressor_spec: dict
     ) -> PrefixRecord:
         """Compresses a stored prefix and registers it."""
         prefix_id = self.prefix_id(token_ids, chat, compressor_spec)
-        full = self._staged.pop(tuple(token_ids), None)
+        full = self._staged.take(tuple(token_ids))
         if self.catalog.contains(prefix_id):
             return self.catalog.get(prefix_id)
         if full is None:
@@ -126,6 +143,7 @@ class Verifier:
         return self.catalog.add(record, compressed.to_state())
 
     def get_prefix(self, prefix_id: str) -> PrefixRecord:
+        self._staged.expire()  # called for every request and registration: a regular sweep
         return self.catalog.get(prefix_id)
 
     def list_prefixes(self) -> list[PrefixRecord]:
@@ -222,6 +240,7 @@ class Verifier:
         self._loop.stop()
         with self._lock:
             self._sessions.clear()
+        self._staged.clear()
         self._transfer.stop()
         self.store.close()
 
@@ -259,6 +278,13 @@ class Verifier:
         if session.tail is not None:
             session.tail.append_to(cache)
         session.cache, session.tail = cache, None
+
+    def _prefill(self, token_ids: list[int]) -> KVCache:
+        """The full KV of `token_ids`, prefilled chunk by chunk."""
+        cache = self.runner.new_cache(capacity=len(token_ids))
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        self.runner.prefill(ids, cache, num_logits=0, chunk_size=self.config.prefill_chunk)
+        return cache
 
     def _resident_bytes(self) -> int:
         return sum(s.cache.nbytes for s in self._sessions.values() if s.cache is not None)
