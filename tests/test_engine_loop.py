@@ -1,5 +1,5 @@
 """The long-context server's engine loop over a scripted engine (no model): one mode at a time in
-arrival order, progress reported per iteration, cancellation with and without `abort`, and a
+arrival order, progress reported per iteration, cancellation aborting in the engine, and a
 fresh engine after a failed iteration."""
 
 from __future__ import annotations
@@ -71,13 +71,11 @@ class ScriptedEngine:
     def output_ids(self, key: str) -> list[int]:
         return list(self.outputs.get(key, []))
 
-    def close(self) -> None:
-        self.is_closed = True
-
-
-class AbortingEngine(ScriptedEngine):
     def abort(self, key: str) -> None:
         del self.requests[key], self.outputs[key]
+
+    def close(self) -> None:
+        self.is_closed = True
 
 
 class Events:
@@ -155,14 +153,13 @@ def test_a_failed_iteration_fails_its_requests_and_a_fresh_engine_serves_on(loop
     assert after.ended.wait(10) and isinstance(after.events[-1], RequestFinished)
 
 
-@pytest.mark.parametrize("engine", [AbortingEngine, ScriptedEngine], ids=["abort", "no-abort"])
-def test_a_cancelled_request_reports_nothing_more(loops, engine):
-    loop = loops(engine)
+def test_a_cancelled_request_reports_nothing_more(loops):
+    loop = loops(ScriptedEngine)
     sink = Events()
     submission = loop.submit(request(DecodeMode.VERICACHE, num_tokens=1000), sink)
     assert wait_for(lambda: sink.events)
     loop.cancel(submission)
-    # Aborted at once, or (without abort) run to its end, its output dropped.
-    assert wait_for(lambda: loop.num_requests == 0, timeout_s=30)
+    # Aborted between iterations: long before its 1000 tokens.
+    assert wait_for(lambda: loop.num_requests == 0, timeout_s=1)
     assert not sink.ended.is_set()
     assert not loop.engine.has_unfinished

@@ -198,6 +198,28 @@ def test_requests_added_while_running(make_engine, sizes, full_outputs):
     assert [outputs[key].token_ids for key in keys] == full_outputs
 
 
+@pytest.mark.parametrize("mode", [DecodeMode.VERICACHE, DecodeMode.FULL])
+def test_abort_frees_what_a_request_held(make_engine, sizes, full_outputs, mode):
+    # A slow link: loads are in flight when the abort comes.
+    engine = make_engine(budget_for(sizes, 2.5), link=20e6, iteration_s=2e-3)
+    requests = make_requests(mode, StreamingLLM(ratio=4) if mode is DecodeMode.VERICACHE else None)
+    keys = [engine.add_request(request) for request in requests[:4]]
+    outputs = {}
+    for _ in range(6):
+        outputs |= engine.run_iteration()
+    assert engine.output_ids(keys[0]) == full_outputs[0][: len(engine.output_ids(keys[0]))]
+    assert engine.output_ids(keys[3]) == []  # not prefilled yet: the budget holds fewer
+    engine.abort(keys[0])  # running
+    engine.abort(keys[3])  # waiting for its prefill
+    with pytest.raises(KeyError):
+        engine.abort(keys[0])
+    while engine.has_unfinished:
+        outputs |= engine.run_iteration()
+    assert set(outputs) == {keys[1], keys[2]}
+    assert [outputs[key].token_ids for key in keys[1:3]] == full_outputs[1:3]
+    assert engine.memory.in_use_bytes == engine.memory.weights_bytes
+
+
 @pytest.mark.parametrize("max_new", [1, 2])
 def test_tiny_token_budgets(make_engine, sizes, full_outputs, max_new):
     engine = make_engine(budget_for(sizes, 4.5))
@@ -212,6 +234,10 @@ def test_refusals(make_engine, sizes):
     (vericache,) = make_requests(DecodeMode.VERICACHE, StreamingLLM(), num=1)
     with pytest.raises(InvalidRequestError, match="budget"):
         engine.add_request(vericache)  # the prefill needs a full KV and its compressed KV
+    # The prefill fits; decoding, its compressed KV grown by every output token, would not.
+    prefill_bound = compressed_prefill_bound(vericache, engine.model_config, 4)
+    with pytest.raises(InvalidRequestError, match="to decode"):
+        make_engine(budget_for(sizes, 1) + prefill_bound + 1).add_request(vericache)
     (lossy,) = make_requests(DecodeMode.LOSSY, StreamingLLM(), num=1)
     with pytest.raises(InvalidRequestError, match="vericache or full"):
         engine.add_request(lossy)

@@ -143,8 +143,8 @@ def test_a_cancelled_stream_leaves_the_engine(client, server):
     next(iter(stream))
     assert engine_requests(server) == 1
     stream.close()
-    # Aborted in the engine, or (an engine without abort) run to its end and dropped.
-    assert wait_for(lambda: engine_requests(server) == 0, timeout_s=120)
+    # Aborted in the engine between iterations, long before its 300 tokens.
+    assert wait_for(lambda: engine_requests(server) == 0, timeout_s=10)
     result = client.generate("hi", prefix_id=prefix_id, max_tokens=6)
     assert len(result.token_ids) == 6
 

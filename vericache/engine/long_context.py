@@ -159,6 +159,8 @@ class LongContextEngine(Engine):
         full_bytes = full_kv_bytes(request, self.model_config, self.runner.dtype.itemsize)
         num_load_iterations = self.scheduler.costs.num_load_iterations(full_bytes)
         is_vericache = request.mode is DecodeMode.VERICACHE
+        if is_vericache:
+            self._check_fits_scheduler(request, full_bytes)
         if is_vericache and num_load_iterations > self.scheduler.config.window - 1:
             raise InvalidRequestError(
                 f"loading {full_bytes} bytes of full KV spans more iterations than the scheduler's "
@@ -168,6 +170,30 @@ class LongContextEngine(Engine):
         self._num_added += 1
         self._pending.append((key, request))
         return key
+
+    def abort(self, key: str) -> None:
+        """Forgets an unfinished request and frees what it holds; call between iterations."""
+        pending = next((item for item in self._pending if item[0] == key), None)
+        if pending is not None:
+            self._pending.remove(pending)
+            return
+        if key not in self._running:
+            raise KeyError(f"no unfinished request {key!r}")
+        load = self._loads.pop(key, None)
+        if load is not None:
+            load.wait()  # the loader thread is still writing into its buffers
+        if self._running[key].mode is DecodeMode.VERICACHE:
+            self.scheduler.abort(key)
+        self._forget(key)
+
+    def output_ids(self, key: str) -> list[int]:
+        """The output tokens an unfinished request has committed so far (drafts excluded; []
+        before its prefill)."""
+        if any(item[0] == key for item in self._pending):
+            return []
+        if key not in self._running:
+            raise KeyError(f"no unfinished request {key!r}")
+        return list(self._running[key].output_ids)
 
     @property
     def has_unfinished(self) -> bool:
@@ -189,6 +215,21 @@ class LongContextEngine(Engine):
         return finished
 
     # -- admission and prefill ------------------------------------------------------------------
+
+    def _check_fits_scheduler(self, request: Request, full_bytes: int) -> None:
+        """The scheduler's own check, run before the prefill with the compressed KV at its
+        bound: a request it would refuse after the prefill is refused here, alone."""
+        element_size = self.runner.dtype.itemsize
+        resident = compressed_prefill_bound(request, self.model_config, element_size)
+        bound = compressed_kv_bound(resident, request, self.model_config, element_size)
+        needed = self.memory.weights_bytes + bound + full_bytes
+        if needed > self.memory.budget_bytes:
+            raise InvalidRequestError(
+                f"a request of {len(request.prompt_ids)} prompt tokens needs up to {needed} bytes "
+                f"of device memory with the weights to decode (its compressed KV grown by every "
+                f"output token, and its full KV for a verification); the budget is "
+                f"{self.memory.budget_bytes}"
+            )
 
     def _prefill_bytes(self, request: Request) -> int:
         element_size = self.runner.dtype.itemsize

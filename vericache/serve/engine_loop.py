@@ -10,8 +10,7 @@ Requests reach it in arrival order; one whose mode differs from the running requ
 those behind it wait too, until the running ones finish; then the mode switches. No request is
 refused because another client chose the other mode, and neither mode can starve the other.
 
-Cancellation aborts the request in the engine when the engine offers `abort(key)`; otherwise the
-request runs to its end and its output is dropped.
+Cancellation aborts the request in the engine between iterations, freeing what it held.
 """
 
 from __future__ import annotations
@@ -149,7 +148,7 @@ class EngineLoop:
                 self._report_progress(submission)
 
     def _report_progress(self, submission: Submission) -> None:
-        committed = committed_output(self.engine, submission.key)
+        committed = self.engine.output_ids(submission.key)
         if len(committed) > submission.num_reported:
             new = committed[submission.num_reported :]
             submission.num_reported = len(committed)
@@ -160,10 +159,9 @@ class EngineLoop:
         if submission in self._waiting:
             self._waiting.remove(submission)
         # Identity, not key: a restarted engine numbers its keys afresh.
-        elif self._live.get(submission.key) is submission and hasattr(self.engine, "abort"):
+        elif self._live.get(submission.key) is submission:
             self.engine.abort(submission.key)
             del self._live[submission.key]
-        # Without `abort`, a live request runs to its end and its output is dropped.
 
     def _restart(self, error: Exception) -> None:
         """Fails the engine's requests and goes on with a fresh engine: a failed iteration may
@@ -188,11 +186,3 @@ class EngineLoop:
                 submission.on_event(RequestFailed(self._broken or stopped))
         self._waiting.clear()
         self._live.clear()
-
-
-def committed_output(engine: LongContextEngine, key: str) -> list[int]:
-    """The output tokens a request in the engine has committed so far ([] before its prefill)."""
-    if hasattr(engine, "output_ids"):
-        return engine.output_ids(key)
-    sequence = engine._running.get(key)  # until the engine offers output_ids(key)
-    return sequence.output_ids if sequence is not None else []
