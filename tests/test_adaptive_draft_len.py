@@ -88,22 +88,40 @@ def test_bounds_respected(alpha):
         best_draft_len(alpha, CPU_COSTS, 0, 3)
 
 
-def test_measured_costs_split_fixed_and_per_token_time():
+def test_measured_costs_split_a_forward_into_shared_fixed_and_per_token_time():
     costs = MeasuredRoundCosts()
     for num_sequences, num_tokens in [(1, 5), (2, 40), (1, 31), (3, 12), (2, 9)] * 4:
-        costs.observe_verification(
-            0.05 * num_sequences + 0.006 * num_tokens, num_sequences, num_tokens
-        )
+        seconds = 0.03 + 0.01 * num_sequences + 0.003 * num_tokens
+        costs.observe_verification(seconds, num_sequences, num_tokens)
         costs.observe_draft_step(0.1, 4)
     measured = costs.round_costs()
     assert measured.draft_step_s == pytest.approx(0.025)
-    assert measured.verify_fixed_s == pytest.approx(0.05, rel=0.05)
-    assert measured.verify_token_s == pytest.approx(0.006, rel=0.05)
+    assert measured.verify_shared_s == pytest.approx(0.03, rel=0.01)
+    assert measured.verify_fixed_s == pytest.approx(0.01, rel=0.01)
+    assert measured.verify_token_s == pytest.approx(0.003, rel=0.01)
+
+
+def test_measured_costs_are_never_negative():
+    costs = MeasuredRoundCosts()
+    # More sequences, less time: the fit may not credit a verification with negative time.
+    for num_sequences, seconds in [(1, 0.05), (2, 0.04), (3, 0.03), (4, 0.02)]:
+        costs.observe_verification(seconds, num_sequences, 4 * num_sequences)
+    measured = costs.round_costs()
+    assert min(measured.verify_shared_s, measured.verify_fixed_s, measured.verify_token_s) >= 0
 
 
 def test_measured_costs_before_any_timing_are_in_draft_steps():
     costs = MeasuredRoundCosts().round_costs()
-    assert costs.draft_step_s == 1.0 and costs.verify_fixed_s > 0 and costs.verify_token_s > 0
+    assert costs.draft_step_s == 1.0
+    assert costs.verify_shared_s > 0 and costs.verify_fixed_s > 0 and costs.verify_token_s > 0
+
+
+def test_joining_a_planned_verification_pulls_the_draft_length():
+    costs = RoundCosts(1.0, verify_fixed_s=0.5, verify_token_s=0.1, verify_shared_s=3.0)
+    alone = best_draft_len(0.95, costs, 1, 48)
+    assert best_draft_len(0.95, costs, 1, 48, shared_draft_lens={alone + 6}) == alone + 6
+    # Joining is not worth any length: far from the best one, verifying alone wins.
+    assert best_draft_len(0.95, costs, 1, 48, shared_draft_lens={48}) == alone
 
 
 def test_scheduler_policy_follows_each_requests_acceptance():

@@ -111,9 +111,11 @@ class Engine:
         return [self._output(seq) for seq in sequences]
 
     def step(self, active: list[Sequence]) -> None:
+        planned = _planned_verify_steps(active)
         for seq in active:
             if seq.mode is DecodeMode.VERICACHE and seq.draft_target is None:
-                seq.draft_target = self._draft_target(seq)
+                seq.draft_target = self._draft_target(seq, planned)
+                planned.add(max(seq.draft_target - 1, 0))
         compressed_batch = [seq for seq in active if seq.needs_compressed_forward]
         if compressed_batch:
             self._run_compressed(compressed_batch)
@@ -121,19 +123,23 @@ class Engine:
         if full_batch:
             self._run_full(full_batch)
 
-    def _draft_target(self, seq: Sequence) -> int:
+    def _draft_target(self, seq: Sequence, planned: set[int]) -> int:
         remaining = seq.request.params.max_new_tokens - len(seq.output_ids)
         room = self.model_config.max_position_embeddings - len(seq.token_ids)
         # A verification emits one token beyond the drafts; drafting past the budget is waste.
-        return max(0, min(self._draft_len(seq), remaining - 1, room))
+        return max(0, min(self._draft_len(seq, planned), remaining - 1, room))
 
-    def _draft_len(self, seq: Sequence) -> int:
+    def _draft_len(self, seq: Sequence, planned: set[int]) -> int:
+        """planned: steps from now (0: this one) that already run a full-KV forward."""
         request = seq.request
         if not request.adaptive_draft_len:
             return request.draft_len
         stats = seq.stats
         alpha = acceptance_rate(stats.drafted_per_round, stats.accepted_per_round)
-        return best_draft_len(alpha, self.round_costs.round_costs(), 1, request.draft_len)
+        # A round of d draft tokens verifies d - 1 steps from now.
+        shared = {step + 1 for step in planned}
+        costs = self.round_costs.round_costs()
+        return best_draft_len(alpha, costs, 1, request.draft_len, shared)
 
     def _run_compressed(self, batch: list[Sequence]) -> None:
         inputs = [_compressed_input(seq) for seq in batch]
@@ -280,6 +286,18 @@ class Engine:
             finish_reason=seq.finish_reason,
             stats=seq.stats,
         )
+
+
+def _planned_verify_steps(active: list[Sequence]) -> set[int]:
+    """Steps from now (0: this one) in which a full-KV forward is due: verifications of rounds
+    under way, or every step while a full-mode sequence decodes."""
+    if any(seq.mode is DecodeMode.FULL for seq in active):
+        return set(range(max(seq.request.draft_len for seq in active) + 1))
+    return {
+        max(seq.draft_target - len(seq.draft_ids) - 1, 0)
+        for seq in active
+        if seq.mode is DecodeMode.VERICACHE and seq.draft_target is not None
+    }
 
 
 def _compressed_input(seq: Sequence) -> SequenceInput:
