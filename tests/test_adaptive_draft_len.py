@@ -3,8 +3,11 @@ the simulator, and lossless engine output with an adaptive draft length."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from tests.test_cli import run_cli, tiny_generate_argv
 from tests.test_engine_exactness import ScrambledKV, make_prompts
 from vericache.compress import StreamingLLM
 from vericache.engine.request import DecodeMode, Request, SamplingParams
@@ -162,3 +165,20 @@ def test_adaptive_vericache_equals_full(tiny_engine):
         assert all(0 <= d <= 24 for d in out.stats.drafted_per_round)
     scrambled = [d for out in outputs[-len(prompts) :] for d in out.stats.drafted_per_round]
     assert min(scrambled) < 24  # rejected drafts shorten the next ones
+
+
+def test_generate_draft_len_auto_equals_full(capsys, tmp_path, tiny_chat_checkpoint):
+    common = tiny_generate_argv(tmp_path, tiny_chat_checkpoint)
+    results = {}
+    for mode, options in [("full", []), ("vericache", ["--draft-len", "auto"])]:
+        code, out, _ = run_cli([*common, "--mode", mode, *options], capsys)
+        assert code == 0
+        results[mode] = json.loads(out)
+    assert results["vericache"]["token_ids"] == results["full"]["token_ids"]
+    assert results["vericache"]["draft_len"] == "auto"
+
+
+def test_generate_draft_len_auto_is_refused_with_long_context(capsys, tmp_path):
+    argv = ["generate", "--prompt", "hi", "--draft-len", "auto", "--long-context"]
+    code, _, err = run_cli(argv, capsys)
+    assert code != 0 and "--draft-len auto runs in this process" in err

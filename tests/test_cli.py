@@ -37,7 +37,7 @@ def run_cli(argv, capsys):
         (["--compressor", "kivi", "--bits", "3"], "bits must be one of (2, 4, 8)"),
         (["--compressor", "kivi", "--ratio", "4"], "takes no parameter 'ratio'"),
         (["--mode", "sampled"], "invalid choice: 'sampled'"),
-        (["--draft-len", "many"], "invalid int value"),
+        (["--draft-len", "many"], "must be a whole number or 'auto'"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_one_line(capsys, args, message):

@@ -5,6 +5,7 @@ loaded for each verification) within `--memory-budget`, over a link of `--pcie-b
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -35,7 +36,13 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("--ratio", type=float, help="compression ratio (token dropping)")
     parser.add_argument("--bits", type=int, help="bits per value (quantization)")
-    parser.add_argument("--draft-len", type=int, default=30, help="draft tokens per round (x)")
+    parser.add_argument(
+        "--draft-len",
+        type=parse_draft_len,
+        default=30,
+        help=f"draft tokens per round (x), or {AUTO_DRAFT_LEN!r}: chosen each round from the "
+        f"acceptance so far and the measured costs, up to {ADAPTIVE_MAX_DRAFT_LEN}",
+    )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
@@ -78,6 +85,21 @@ def long_context_config(args) -> LongContextConfig | None:
     )
 
 
+AUTO_DRAFT_LEN = "auto"
+ADAPTIVE_MAX_DRAFT_LEN = 48  # the longest draft `--draft-len auto` may choose
+
+
+def parse_draft_len(text: str) -> int | str:
+    if text == AUTO_DRAFT_LEN:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number or {AUTO_DRAFT_LEN!r}, got {text!r}"
+        ) from None
+
+
 IN_PROCESS_MODES = [m.value for m in DecodeMode]
 SERVER_MODES = ["full_local", "full_remote"]  # and lossy, vericache
 
@@ -92,8 +114,16 @@ def build_request(args, tokenizer) -> Request:
         raise InvalidRequestError(f"model {args.model} has no tokenizer; text prompts need one")
     prompt = build_chat_prompt(tokenizer, context, args.prompt)
     params = SamplingParams(max_new_tokens=args.max_tokens, stop=tuple(args.stop))
+    is_adaptive = args.draft_len == AUTO_DRAFT_LEN
+    draft_len = ADAPTIVE_MAX_DRAFT_LEN if is_adaptive else args.draft_len
     return Request(
-        prompt.token_ids, prompt.num_prefix_tokens, params, mode, compressor, args.draft_len
+        prompt.token_ids,
+        prompt.num_prefix_tokens,
+        params,
+        mode,
+        compressor,
+        draft_len,
+        adaptive_draft_len=is_adaptive,
     )
 
 
@@ -102,7 +132,7 @@ def output_json(args, request: Request, out: RequestOutput) -> dict:
         "model": args.model,
         "mode": request.mode.value,
         "compressor": request.compressor.label if request.compressor else None,
-        "draft_len": request.draft_len,
+        "draft_len": AUTO_DRAFT_LEN if request.adaptive_draft_len else request.draft_len,
         "prompt_tokens": len(request.prompt_ids),
         "prefix_tokens": request.num_prefix_tokens,
         "text": out.text,
@@ -127,6 +157,10 @@ def run(args) -> int:
     is_engine_mode = args.mode in (DecodeMode.VERICACHE.value, DecodeMode.FULL.value)
     if long_context is not None and (args.server or not is_engine_mode):
         raise InvalidRequestError("--long-context runs --mode vericache or full, in this process")
+    if args.draft_len == AUTO_DRAFT_LEN and (args.server or long_context is not None):
+        raise InvalidRequestError(
+            f"--draft-len {AUTO_DRAFT_LEN} runs in this process, without --long-context"
+        )
     if args.server:
         return run_on_server(args)
     if args.mode in SERVER_MODES or args.prefix_id:
