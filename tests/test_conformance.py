@@ -170,6 +170,20 @@ def test_vericache_equals_full(engine, full_output, compressor):
     assert vericache.stats.rounds < MAX_NEW  # drafts were accepted: fewer rounds than tokens
 
 
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+def test_empty_prefix(engine, compressor):
+    # Nothing to compress: the whole prompt is the user turn.
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = _prompt()[:SUFFIX]
+    full, vericache = engine.generate(
+        [
+            Request(prompt, 0, params, DecodeMode.FULL),
+            Request(prompt, 0, params, compressor=compressor),
+        ]
+    )
+    assert vericache.token_ids == full.token_ids
+
+
 @pytest.mark.parametrize(
     "compressor", [c for c in COMPRESSORS if c.records_queries], ids=lambda c: c.label
 )

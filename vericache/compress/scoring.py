@@ -61,7 +61,7 @@ def accumulate_attention(
 
 def pool_scores(scores: torch.Tensor, kernel_size: int, kind: str = "avg") -> torch.Tensor:
     """Smooths [S, H] scores along tokens (SnapKV's clustering of neighbouring tokens)."""
-    if kernel_size <= 1:
+    if kernel_size <= 1 or not scores.shape[0]:
         return scores
     x = scores.T.unsqueeze(0)  # [1, H, S]
     pad = kernel_size // 2
@@ -137,7 +137,16 @@ def replay_scores(full, context, replays, reduce: str = "sum") -> list[torch.Ten
 
     for start, token_ids in replays:
         context.observe(full, start, token_ids, observe)
-    return scores
+    # A layer no query reached (an empty prefix: nothing replayed) scores every slot 0.
+    return [
+        layer_scores if layer_scores is not None else _zero_scores(layer, num_tokens)
+        for layer, layer_scores in zip(full.layers, scores)
+    ]
+
+
+def _zero_scores(layer, num_tokens: int) -> torch.Tensor:
+    keys, _ = layer.keys_values()
+    return torch.zeros(num_tokens, keys.shape[1], device=keys.device)
 
 
 def all_prefix_scores(full, context) -> list[torch.Tensor]:
@@ -149,5 +158,6 @@ def all_prefix_scores(full, context) -> list[torch.Tensor]:
 def window_scores(full, context, window: int) -> list[torch.Tensor]:
     """Per layer [T, Hkv]: attention the last `window` prefix tokens pay to every prefix token."""
     num_tokens = full.num_tokens
+    window = min(window, num_tokens)
     tail = list(context.token_ids[num_tokens - window : num_tokens])
-    return replay_scores(full, context, [(num_tokens - window, tail)])
+    return replay_scores(full, context, [(num_tokens - window, tail)] if window else [])
