@@ -172,7 +172,10 @@ def test_a_registration_abandoned_after_prefill_leaves_no_staged_kv(staging_serv
         )
         prefix_id = next(stream).prefix_id
         assert entered.wait(30)
+        assert verifier.staged_bytes > 0  # the prefill's full KV, staged for the store
         stream.cancel()
+    # The coordinator discards it at once, while the store stage still runs on its thread.
+    assert wait_for(lambda: verifier.staged_bytes == 0, timeout_s=10)
     release.set()
     assert stored.wait(30)
     assert verifier.staged_bytes > 0  # abandoned between its calls

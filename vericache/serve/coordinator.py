@@ -85,13 +85,16 @@ class Coordinator:
 
         yield progress("queued")
         lock = self._registering.setdefault(prefix_id, asyncio.Lock())
-        async with lock:  # one registration per prefix at a time; the others then find it
-            if await self._is_registered(prefix_id):
-                yield progress("done", existed=True)
-                return
-            async for stage in self._register(prefix_id, token_ids, chat, spec):
-                yield progress(stage)
-        self._registering.pop(prefix_id, None)
+        try:
+            async with lock:  # one registration per prefix at a time; the others then find it
+                if await self._is_registered(prefix_id):
+                    yield progress("done", existed=True)
+                    return
+                async for stage in self._register(prefix_id, token_ids, chat, spec):
+                    yield progress(stage)
+        finally:  # also when cancelled: no lock is kept per abandoned registration
+            if self._registering.get(prefix_id) is lock:
+                del self._registering[prefix_id]
         yield progress("done")
 
     async def get_prefix(self, prefix_id: str) -> pb.PrefixInfo:
@@ -117,11 +120,20 @@ class Coordinator:
     ) -> AsyncIterator[str]:
         """Makes a new prefix's full and compressed KV; yields each stage as it begins."""
         verifier = self.verifiers[0]
-        for stage, method in (("prefill", "prefill_prefix"), ("store", "store_prefix")):
-            yield stage
-            await verifier.call(method, token_ids)
-        yield "compress"
-        await verifier.call("compress_prefix", token_ids, chat, spec)
+        is_registered = False
+        try:
+            for stage, method in (("prefill", "prefill_prefix"), ("store", "store_prefix")):
+                yield stage
+                await verifier.call(method, token_ids)
+            yield "compress"
+            await verifier.call("compress_prefix", token_ids, chat, spec)
+            is_registered = True
+        finally:
+            if not is_registered:
+                # Cancelled, past its deadline or failed between stages: free the staged full KV
+                # now (the verifier also expires it, for a stage still running on its thread).
+                discard = verifier.call("discard_staged", token_ids)
+                await asyncio.shield(asyncio.gather(discard, return_exceptions=True))
 
     async def _record(self, prefix_id: str) -> PrefixRecord:
         check_prefix_id(prefix_id)
