@@ -138,7 +138,8 @@ def test_budget_holds_more_requests_than_the_full_baseline(make_engine, sizes, f
 def test_lockstep_baseline_is_exact_and_loads_every_full_kv_together(
     make_engine, sizes, full_outputs
 ):
-    engine = make_engine(budget_for(sizes, 12), lockstep_draft_len=5)
+    # Every request prefilled before the first round, which then takes them all.
+    engine = make_engine(budget_for(sizes, 12), lockstep_draft_len=5, max_parked=8)
     assert isinstance(engine.scheduler, LockstepScheduler)
     outputs = engine.generate(make_requests(DecodeMode.VERICACHE, StreamingLLM(ratio=4), 5))
     assert [out.token_ids for out in outputs] == full_outputs
@@ -146,6 +147,7 @@ def test_lockstep_baseline_is_exact_and_loads_every_full_kv_together(
     # The first round verifies all eight together: their full KVs are on the device at once.
     weights, full = sizes
     assert engine.stats.peak_device_bytes >= weights + len(PROMPT_SHAPES) * full
+    assert engine.stats.peak_full_kv_bytes == len(PROMPT_SHAPES) * full
     assert engine.memory.in_use_bytes == engine.memory.weights_bytes
 
 
@@ -277,6 +279,13 @@ def test_device_memory_accountant():
     memory.release("a")
     memory.release("a")
     assert memory.in_use_bytes == 400 and memory.peak_bytes == 900
+    # Bytes by kind of owner: ("full", key) owners add up under "full".
+    memory.hold(("full", 1), 150)
+    memory.hold(("full", 2), 250)
+    memory.release(("full", 1))
+    memory.hold(("full", 3), 100)
+    assert memory.kind_bytes["full"] == 350 and memory.kind_peak_bytes["full"] == 400
+    assert memory.kind_peak_bytes["b"] == 300
 
 
 def test_cpu_loader_honours_its_bandwidth(tiny_engine):

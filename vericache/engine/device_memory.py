@@ -41,6 +41,10 @@ class DeviceMemory:
         self.weights_bytes = weights_bytes
         self.in_use_bytes = weights_bytes
         self.peak_bytes = weights_bytes  # high-water mark
+        # Per kind of owner (the first item of a tuple owner, such as ("full", key)): bytes held
+        # now, and their high-water mark.
+        self.kind_bytes: dict[Hashable, int] = {}
+        self.kind_peak_bytes: dict[Hashable, int] = {}
         self._held: dict[Hashable, int] = {}
 
     @property
@@ -61,12 +65,21 @@ class DeviceMemory:
                 f"{owner!r} would take {num_bytes} bytes: {in_use} in use, more than the "
                 f"budget of {self.budget_bytes}"
             )
+        self._add_to_kind(owner, num_bytes - self.held(owner))
         self._held[owner] = num_bytes
         self.in_use_bytes = in_use
         self.peak_bytes = max(self.peak_bytes, in_use)
 
     def release(self, owner: Hashable) -> None:
-        self.in_use_bytes -= self._held.pop(owner, 0)
+        num_bytes = self._held.pop(owner, 0)
+        self._add_to_kind(owner, -num_bytes)
+        self.in_use_bytes -= num_bytes
+
+    def _add_to_kind(self, owner: Hashable, num_bytes: int) -> None:
+        kind = owner[0] if isinstance(owner, tuple) else owner
+        held = self.kind_bytes.get(kind, 0) + num_bytes
+        self.kind_bytes[kind] = held
+        self.kind_peak_bytes[kind] = max(self.kind_peak_bytes.get(kind, 0), held)
 
 
 def slot_bytes(config: ModelConfig, element_size: int) -> int:

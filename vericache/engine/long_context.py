@@ -212,6 +212,8 @@ class LongContextEngine(Engine):
         self.stats.decode_s += time.perf_counter() - prefilled
         self.stats.num_iterations += 1
         self.stats.peak_device_bytes = self.memory.peak_bytes
+        self.stats.peak_full_kv_bytes = self.memory.kind_peak_bytes.get("full", 0)
+        self.stats.peak_compressed_kv_bytes = self.memory.kind_peak_bytes.get("compressed", 0)
         return finished
 
     # -- admission and prefill ------------------------------------------------------------------

@@ -52,6 +52,8 @@ class LongContextStats:
     num_output_tokens: int = 0
     max_running: int = 0  # most requests decoding at once (their KV on the device)
     peak_device_bytes: int = 0  # the accountant's high-water mark
+    peak_full_kv_bytes: int = 0  # high-water mark of the full KV on the device
+    peak_compressed_kv_bytes: int = 0  # ... and of the compressed KV (drafts' room included)
 
     @property
     def elapsed_s(self) -> float:
