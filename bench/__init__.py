@@ -1,10 +1,13 @@
 """Benchmarks, run as `vericache bench NAME`; see vericache/cli/bench.py for the module contract."""
 
 BENCHMARKS = {
+    "adaptive": "vericache.bench.adaptive",
     "batching": "vericache.bench.batching",
     "acceptance": "vericache.bench.acceptance",
     "codec": "vericache.bench.codec",
     "decode-speed": "vericache.bench.decode_speed",
+    "long-context": "vericache.bench.long_context",
     "lossy-quality": "vericache.bench.lossy_quality",
     "remote-prefix": "vericache.bench.remote_prefix",
+    "stagger": "vericache.bench.stagger",
 }
