@@ -167,8 +167,11 @@ def test_adaptive_vericache_equals_full(tiny_engine):
     assert min(scrambled) < 24  # rejected drafts shorten the next ones
 
 
-def test_generate_draft_len_auto_equals_full(capsys, tmp_path, tiny_chat_checkpoint):
-    common = tiny_generate_argv(tmp_path, tiny_chat_checkpoint)
+@pytest.mark.parametrize("engine_options", [[], ["--long-context"]], ids=["engine", "long"])
+def test_generate_draft_len_auto_equals_full(
+    capsys, tmp_path, tiny_chat_checkpoint, engine_options
+):
+    common = [*tiny_generate_argv(tmp_path, tiny_chat_checkpoint), *engine_options]
     results = {}
     for mode, options in [("full", []), ("vericache", ["--draft-len", "auto"])]:
         code, out, _ = run_cli([*common, "--mode", mode, *options], capsys)
@@ -178,7 +181,7 @@ def test_generate_draft_len_auto_equals_full(capsys, tmp_path, tiny_chat_checkpo
     assert results["vericache"]["draft_len"] == "auto"
 
 
-def test_generate_draft_len_auto_is_refused_with_long_context(capsys, tmp_path):
-    argv = ["generate", "--prompt", "hi", "--draft-len", "auto", "--long-context"]
+def test_generate_draft_len_auto_is_refused_with_a_server(capsys):
+    argv = ["generate", "--prompt", "hi", "--draft-len", "auto", "--server", "127.0.0.1:1"]
     code, _, err = run_cli(argv, capsys)
     assert code != 0 and "--draft-len auto runs in this process" in err

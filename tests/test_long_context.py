@@ -4,6 +4,7 @@ loads complete before their verification, and the CPU loader held to its bandwid
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -198,6 +199,23 @@ def test_requests_added_while_running(make_engine, sizes, full_outputs):
     while engine.has_unfinished:
         outputs |= engine.run_iteration()
     assert [outputs[key].token_ids for key in keys] == full_outputs
+
+
+def test_adaptive_draft_lengths_follow_acceptance(make_engine, sizes, full_outputs):
+    engine = make_engine(budget_for(sizes, 4.5))
+    requests = [
+        dataclasses.replace(r, adaptive_draft_len=True)
+        for r in make_requests(DecodeMode.VERICACHE, StreamingLLM(ratio=4), 24)
+    ]
+    outputs = engine.generate(requests)
+    assert [out.token_ids for out in outputs] == full_outputs
+    for out in outputs:
+        drafted, accepted = out.stats.drafted_per_round, out.stats.accepted_per_round
+        assert max(drafted) <= 24  # the request's draft_len bounds its adaptive length
+        if accepted[0] == drafted[0]:
+            assert drafted[1] > drafted[0]  # all accepted: draft longer
+        else:
+            assert max(drafted[1:]) <= 12  # rejections: draft short (never under the load span)
 
 
 @pytest.mark.parametrize("mode", [DecodeMode.VERICACHE, DecodeMode.FULL])

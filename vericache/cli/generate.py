@@ -157,10 +157,8 @@ def run(args) -> int:
     is_engine_mode = args.mode in (DecodeMode.VERICACHE.value, DecodeMode.FULL.value)
     if long_context is not None and (args.server or not is_engine_mode):
         raise InvalidRequestError("--long-context runs --mode vericache or full, in this process")
-    if args.draft_len == AUTO_DRAFT_LEN and (args.server or long_context is not None):
-        raise InvalidRequestError(
-            f"--draft-len {AUTO_DRAFT_LEN} runs in this process, without --long-context"
-        )
+    if args.draft_len == AUTO_DRAFT_LEN and args.server:
+        raise InvalidRequestError(f"--draft-len {AUTO_DRAFT_LEN} runs in this process")
     if args.server:
         return run_on_server(args)
     if args.mode in SERVER_MODES or args.prefix_id:

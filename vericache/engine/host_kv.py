@@ -165,17 +165,3 @@ def move_compressed(cache: CompressedKV, device: torch.device | str, rope=None) 
     extras = {name: [t.to(device) for t in ts] for name, ts in cache.extras.items()}
     budgets = None if cache.budgets is None else list(cache.budgets)
     return CompressedKV(layers, cache.num_tokens, cache.compressor, budgets, extras)
-
-
-def measure_link_bandwidth(device: torch.device | str, num_bytes: int = 32 << 20) -> float:
-    """Bytes per second of one host -> device copy of `num_bytes` (pinned on CUDA)."""
-    device = torch.device(device)
-    is_cuda = device.type == "cuda"
-    source = torch.ones(num_bytes, dtype=torch.uint8, pin_memory=is_cuda)
-    target = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    target.copy_(source)  # warm-up
-    start = time.perf_counter()
-    target.copy_(source)
-    if is_cuda:
-        torch.cuda.synchronize(device)
-    return num_bytes / max(time.perf_counter() - start, 1e-9)

@@ -32,13 +32,13 @@ scheduler counts a compressed KV from its admission on.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
 
 import torch
 
+from vericache.engine.calibration import calibrated_costs
 from vericache.engine.device_memory import (
     DeviceMemory,
     compressed_kv_bound,
@@ -48,13 +48,12 @@ from vericache.engine.device_memory import (
     full_kv_bytes,
     full_kv_capacity,
 )
-from vericache.engine.engine import DraftKVSource, Engine, EngineConfig, greedy
+from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
 from vericache.engine.host_kv import (
     HostKV,
     KVLoader,
     LoadedKV,
     PendingLoad,
-    measure_link_bandwidth,
     move_compressed,
 )
 from vericache.engine.long_context_config import LongContextConfig, LongContextStats
@@ -63,18 +62,19 @@ from vericache.engine.sequence import Sequence
 from vericache.errors import InvalidRequestError
 from vericache.kv.compressed import CompressedKV
 from vericache.model.loader import DEFAULT_MODEL, load_model
-from vericache.model.runner import ModelRunner, SequenceInput
+from vericache.model.runner import ModelRunner
 from vericache.scheduler import (
     BaseScheduler,
-    CostModel,
     IterationPlan,
     LoadStart,
     LockstepScheduler,
+    RequestState,
     SchedulerRequest,
     SchedulerStateError,
     StaggeredScheduler,
     Verify,
 )
+from vericache.scheduler.adaptive import AdaptiveDraftLen
 
 
 class LongContextEngine(Engine):
@@ -337,6 +337,17 @@ class LongContextEngine(Engine):
         # A verification emits one token beyond the drafts.
         return max(1, min(seq.request.draft_len, remaining - 1))
 
+    def _choose_draft_len(self, state: RequestState) -> int:
+        """The scheduler's draft-length policy: the request's own length, or for an adaptive
+        request the one its acceptance and the scheduler's costs favour (at most that length,
+        which is its upper bound)."""
+        seq = self._running[state.request_id]
+        if not seq.request.adaptive_draft_len:
+            return state.draft_len
+        # Tokens per second of a round is unimodal in its length: the best length within the
+        # bound is the bound or the unbounded best, whichever is shorter.
+        return min(self._adaptive(state), state.draft_len)
+
     # -- iterations -----------------------------------------------------------------------------
 
     def _full_iteration(self) -> dict[str, RequestOutput]:
@@ -454,29 +465,14 @@ class LongContextEngine(Engine):
 
     def _new_scheduler(self) -> BaseScheduler:
         lc = self.long_context
-        if lc.lockstep_draft_len is None:
-            return StaggeredScheduler(self._cost_model(), lc.scheduler)
-        return LockstepScheduler(self._cost_model(), lc.lockstep_draft_len, lc.scheduler)
-
-    def _cost_model(self) -> CostModel:
-        lc = self.long_context
-        return CostModel(
-            iteration_s=lc.iteration_s or self._time_draft_step(),
-            link_bytes_per_s=lc.link_bytes_per_s or measure_link_bandwidth(self.runner.device),
-            memory_budget_bytes=self.memory.budget_bytes,
-            weights_bytes=self.memory.weights_bytes,
-        )
-
-    def _time_draft_step(self) -> float:
-        """A one-token forward over a short cache: a floor for the iteration time, which the
-        scheduler then refines from the iterations it runs."""
-        cache = self.runner.new_cache(capacity=4)
-        samples = []
-        for _ in range(3):
-            start = time.perf_counter()
-            greedy(self.runner.forward([SequenceInput(_token_ids([0]), cache)]))
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+        costs = calibrated_costs(self.runner, self.memory, lc)
+        if lc.lockstep_draft_len is not None:
+            return LockstepScheduler(costs, lc.lockstep_draft_len, lc.scheduler)
+        scheduler = StaggeredScheduler(costs, lc.scheduler)
+        # ADMIT places a round within the window: no draft can be longer.
+        self._adaptive = AdaptiveDraftLen(scheduler, scheduler.config.window - 1)
+        scheduler.choose_draft_len = self._choose_draft_len
+        return scheduler
 
 
 def _token_ids(token_ids) -> torch.Tensor:
