@@ -32,16 +32,29 @@ from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
-from vericache.model.loader import DEFAULT_MODEL, load_model
+from vericache.model.loader import DEFAULT_MODEL, LoadedModel, load_model
 from vericache.model.runner import ModelRunner
 
 TARGET = 1.8
 
 
-def add_arguments(parser) -> None:
+def add_model_arguments(parser) -> None:
+    """Model, device and compressor: the options `bench stagger` shares."""
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
     parser.add_argument("--compressor", default="snapkv-4x")
+
+
+def load_runner(model: str, device: str) -> tuple[LoadedModel, ModelRunner]:
+    """The model on `device` ("auto": CUDA when present)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = load_model(model, device=device)
+    return loaded, ModelRunner(loaded.config, loaded.weights, device)
+
+
+def add_arguments(parser) -> None:
+    add_model_arguments(parser)
     parser.add_argument("--requests", type=int, help="requests in the run (12; quick 6)")
     parser.add_argument("--context-tokens", type=int, help="per request (7000; quick 1500)")
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (384; quick 24)")
@@ -65,11 +78,7 @@ def run(args) -> dict:
     num_requests = args.requests or (6 if args.quick else 12)
     context_tokens = args.context_tokens or (1500 if args.quick else 7000)
     max_tokens = args.max_tokens or (24 if args.quick else 384)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded = load_model(args.model, device=device)
-    runner = ModelRunner(loaded.config, loaded.weights, device)
+    loaded, runner = load_runner(args.model, args.device)
     requests = long_context_requests(
         loaded.tokenizer, num_requests, context_tokens, max_tokens, args.compressor, args.draft_len
     )
@@ -101,7 +110,7 @@ def run(args) -> dict:
         },
         "config": {
             "model": args.model,
-            "device": device,
+            "device": str(runner.device),
             "compressor": args.compressor,
             "num_requests": num_requests,
             "prompt_tokens": [len(r.prompt_ids) for r in requests],

@@ -20,25 +20,25 @@ lock-step's; `peak_memory_full_kvs`: the most full KV on the device at once, in 
 
 from __future__ import annotations
 
-import torch
-
 from vericache.bench.common import environment, pyplot
 from vericache.bench.decode_speed import time_steps
-from vericache.bench.long_context import long_context_requests, run_engine, without_tokens
+from vericache.bench.long_context import (
+    add_model_arguments,
+    load_runner,
+    long_context_requests,
+    run_engine,
+    without_tokens,
+)
 from vericache.engine.device_memory import full_kv_bytes
 from vericache.engine.engine import Engine, EngineConfig
 from vericache.engine.long_context_config import LongContextConfig
-from vericache.model.loader import DEFAULT_MODEL, load_model
-from vericache.model.runner import ModelRunner
 from vericache.scheduler import SchedulerConfig
 
 TARGET = 1.3
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
-    parser.add_argument("--compressor", default="snapkv-4x")
+    add_model_arguments(parser)
     parser.add_argument("--requests", type=int, help="concurrent requests B (8; quick 8)")
     parser.add_argument("--context-tokens", type=int, help="per request (3000; quick 1000)")
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (96; quick 32)")
@@ -57,11 +57,7 @@ def run(args) -> dict:
     context_tokens = args.context_tokens or (1000 if args.quick else 3000)
     max_tokens = args.max_tokens or (32 if args.quick else 96)
     draft_len = args.draft_len or (12 if args.quick else 30)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded = load_model(args.model, device=device)
-    runner = ModelRunner(loaded.config, loaded.weights, device)
+    loaded, runner = load_runner(args.model, args.device)
     requests = long_context_requests(
         loaded.tokenizer, num_requests, context_tokens, max_tokens, args.compressor, draft_len
     )
@@ -109,7 +105,7 @@ def run(args) -> dict:
         },
         "config": {
             "model": args.model,
-            "device": device,
+            "device": str(runner.device),
             "compressor": args.compressor,
             "num_requests": num_requests,
             "prompt_tokens": [len(r.prompt_ids) for r in requests],
