@@ -1,0 +1,127 @@
+"""Server metrics: vLLM's names in the vericache namespace, values from recorded events, the
+Prometheus text served over HTTP on loopback, and the periodic summary line."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from vericache.serve.metrics import ServeMetrics
+
+MODEL = "smollm2-135m"
+# vLLM's metric names (vllm:... there) that dashboards read.
+VLLM_NAMES = {
+    "num_requests_running",
+    "num_requests_waiting",
+    "prompt_tokens",
+    "generation_tokens",
+    "request_success",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
+}
+
+
+def samples(metrics: ServeMetrics) -> dict[tuple, float]:
+    """(sample name, labels without model_name) -> value."""
+    out = {}
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for sample in family.samples:
+            assert sample.labels.pop("model_name") == MODEL
+            out[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def test_names_mirror_vllm():
+    families = {
+        f.name for f in text_string_to_metric_families(ServeMetrics(MODEL).exposition().decode())
+    }
+    assert {f"vericache:{name}" for name in VLLM_NAMES} <= families
+
+
+def test_rounds_count_drafts_and_accepted_tokens_by_position():
+    metrics = ServeMetrics(MODEL)
+    metrics.round_verified(8, 5)
+    metrics.round_verified(4, 4)
+    metrics.round_verified(3, 0)
+    values = samples(metrics)
+    assert values["vericache:spec_decode_num_drafts_total", ()] == 3
+    assert values["vericache:spec_decode_num_draft_tokens_total", ()] == 15
+    assert values["vericache:spec_decode_num_accepted_tokens_total", ()] == 9
+    per_pos = "vericache:spec_decode_num_accepted_tokens_per_pos_total"
+    counts = [values.get((per_pos, (("position", str(p)),)), 0) for p in range(6)]
+    assert counts == [2, 2, 2, 2, 1, 0]
+    with pytest.raises(ValueError):
+        metrics.round_verified(2, 3)
+
+
+def test_streamed_tokens_give_ttft_and_inter_token_latency():
+    metrics = ServeMetrics(MODEL)
+    metrics.request_admitted(120)
+    metrics.tokens_streamed(3, 0.5, is_first=True)  # TTFT 0.5 s, then 2 tokens at once
+    metrics.tokens_streamed(4, 0.4, is_first=False)  # 4 tokens, 0.1 s each
+    metrics.request_finished("stop", 1.2)
+    values = samples(metrics)
+    assert values["vericache:prompt_tokens_total", ()] == 120
+    assert values["vericache:generation_tokens_total", ()] == 7
+    assert values["vericache:time_to_first_token_seconds_count", ()] == 1
+    assert values["vericache:time_to_first_token_seconds_sum", ()] == pytest.approx(0.5)
+    assert values["vericache:inter_token_latency_seconds_count", ()] == 6
+    assert values["vericache:inter_token_latency_seconds_sum", ()] == pytest.approx(0.4)
+    assert values["vericache:request_success_total", (("finished_reason", "stop"),)] == 1
+    assert values["vericache:e2e_request_latency_seconds_sum", ()] == pytest.approx(1.2)
+
+
+def test_link_store_memory_and_queue():
+    metrics = ServeMetrics(MODEL)
+    metrics.set_queue(num_running=3, num_waiting=2)
+    metrics.link_used(1_000_000, 0.25)
+    metrics.store_lookup(hit=True, num_bytes=5000)
+    metrics.store_lookup(hit=False)
+    metrics.set_device_memory(2 << 30)
+    values = samples(metrics)
+    assert values["vericache:num_requests_running", ()] == 3
+    assert values["vericache:num_requests_waiting", ()] == 2
+    assert values["vericache:link_bytes_total", ()] == 1_000_000
+    assert values["vericache:link_seconds_total", ()] == 0.25
+    assert values["vericache:store_lookups_total", (("result", "hit"),)] == 1
+    assert values["vericache:store_lookups_total", (("result", "miss"),)] == 1
+    assert values["vericache:store_bytes_total", ()] == 5000
+    assert values["vericache:device_memory_bytes", ()] == 2 << 30
+
+
+def test_two_servers_keep_their_own_metrics():
+    first, second = ServeMetrics(MODEL), ServeMetrics(MODEL)
+    first.round_verified(5, 5)
+    assert samples(second)["vericache:spec_decode_num_drafts_total", ()] == 0
+
+
+def test_metrics_served_over_http():
+    metrics = ServeMetrics(MODEL)
+    metrics.round_verified(6, 2)
+    server, thread = metrics.start_http(port=0)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+    assert 'vericache:spec_decode_num_accepted_tokens_total{model_name="smollm2-135m"} 2.0' in text
+
+
+def test_summary_line_covers_the_time_since_the_last():
+    metrics = ServeMetrics(MODEL)
+    metrics.round_verified(10, 8)
+    metrics.round_verified(10, 6)
+    metrics.tokens_streamed(16, 1.0, is_first=True)
+    metrics.set_queue(2, 0)
+    line = metrics.summary_line()
+    assert "7.0 accepted per round over 2 rounds" in line and "2 running" in line
+    assert "- accepted per round over 0 rounds" in metrics.summary_line()  # nothing since

@@ -1,0 +1,187 @@
+"""Prometheus metrics of a VeriCache server, named like vLLM's so that existing dashboards work.
+
+Every name is in the `vericache:` namespace where vLLM uses `vllm:`
+(`vericache:num_requests_running` for `vllm:num_requests_running`,
+`vericache:spec_decode_num_accepted_tokens_per_pos` for
+`vllm:spec_decode_num_accepted_tokens_per_pos`, ...), with a `model_name` label as vLLM has; the
+slow link, the full-KV store and device memory, which vLLM has no names for, follow the same
+style. A server owns one `ServeMetrics` (its own registry, so that several servers can run in one
+process), records events into it, and serves it over HTTP (`start_http`) for Prometheus to scrape.
+`summary_line()` gives the periodic one-line log: tokens/s and accepted per round since the last.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+
+NAMESPACE = "vericache"
+# Seconds; as vLLM's buckets for these histograms, from a few ms to minutes.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+@dataclass
+class _Totals:
+    """Counter values at the last summary line."""
+
+    at: float
+    generation_tokens: float = 0.0
+    drafts: float = 0.0
+    accepted_tokens: float = 0.0
+
+
+class ServeMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._running = self._gauge("num_requests_running", "Requests decoding now.")
+        self._waiting = self._gauge("num_requests_waiting", "Requests queued for admission.")
+        self._prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self._generation_tokens = self._counter("generation_tokens", "Output tokens generated.")
+        self._success = self._counter(
+            "request_success", "Finished requests, by finish reason.", ("finished_reason",)
+        )
+        self._ttft = self._histogram(
+            "time_to_first_token_seconds", "Time to the first output token.", TTFT_BUCKETS
+        )
+        self._itl = self._histogram(
+            "inter_token_latency_seconds", "Time between streamed output tokens.", ITL_BUCKETS
+        )
+        self._e2e = self._histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS
+        )
+        self._drafts = self._counter("spec_decode_num_drafts", "Draft rounds verified.")
+        self._draft_tokens = self._counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self._accepted = self._counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens the verifier accepted."
+        )
+        self._accepted_per_pos = self._counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by their position in the draft.",
+            ("position",),
+        )
+        self._link_bytes = self._counter("link_bytes", "Bytes sent over the slow link.")
+        self._link_seconds = self._counter("link_seconds", "Seconds requests waited on the link.")
+        self._store = self._counter("store_lookups", "Full-KV store lookups.", ("result",))
+        self._store_bytes = self._counter("store_bytes", "Bytes loaded from the full-KV store.")
+        self._device_memory = self._gauge(
+            "device_memory_bytes", "Device memory in use by the KV caches and weights."
+        )
+        # Series exist from the start (at 0), as vLLM's do, so that rates and dashboards work
+        # before the first request.
+        for metric in (self._running, self._waiting, self._prompt_tokens, self._generation_tokens,
+                       self._ttft, self._itl, self._e2e, self._drafts, self._draft_tokens,
+                       self._accepted, self._link_bytes, self._link_seconds, self._store_bytes,
+                       self._device_memory):  # fmt: skip
+            metric.labels(model_name)
+        self._last = _Totals(at=time.monotonic())
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def set_queue(self, num_running: int, num_waiting: int) -> None:
+        self._running.labels(self.model_name).set(num_running)
+        self._waiting.labels(self.model_name).set(num_waiting)
+
+    def request_admitted(self, num_prompt_tokens: int) -> None:
+        self._prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def tokens_streamed(self, num_tokens: int, seconds_since_last: float, is_first: bool) -> None:
+        """A chunk of output tokens reached the client `seconds_since_last` after the previous
+        one (after the request's arrival, for the first). A chunk of n tokens counts n latencies
+        of seconds / n, as a client reading them one by one would see."""
+        if num_tokens < 1:
+            return
+        self._generation_tokens.labels(self.model_name).inc(num_tokens)
+        if is_first:
+            self._ttft.labels(self.model_name).observe(seconds_since_last)
+            num_tokens, seconds_since_last = num_tokens - 1, 0.0
+        for _ in range(num_tokens):
+            self._itl.labels(self.model_name).observe(seconds_since_last / max(num_tokens, 1))
+
+    def round_verified(self, num_drafted: int, num_accepted: int) -> None:
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"accepted {num_accepted} of {num_drafted} draft tokens")
+        self._drafts.labels(self.model_name).inc()
+        self._draft_tokens.labels(self.model_name).inc(num_drafted)
+        self._accepted.labels(self.model_name).inc(num_accepted)
+        for position in range(num_accepted):  # accepted drafts are a prefix of the draft
+            self._accepted_per_pos.labels(self.model_name, str(position)).inc()
+
+    def request_finished(self, finish_reason: str, e2e_s: float) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+        self._e2e.labels(self.model_name).observe(e2e_s)
+
+    def link_used(self, num_bytes: int, wait_s: float) -> None:
+        self._link_bytes.labels(self.model_name).inc(num_bytes)
+        self._link_seconds.labels(self.model_name).inc(wait_s)
+
+    def store_lookup(self, hit: bool, num_bytes: int = 0) -> None:
+        self._store.labels(self.model_name, "hit" if hit else "miss").inc()
+        self._store_bytes.labels(self.model_name).inc(num_bytes)
+
+    def set_device_memory(self, num_bytes: int) -> None:
+        self._device_memory.labels(self.model_name).set(num_bytes)
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The text format Prometheus scrapes."""
+        return generate_latest(self.registry)
+
+    def start_http(self, port: int, host: str = "127.0.0.1"):
+        """Serves `/metrics` on a daemon thread; returns (server, thread) to shut it down."""
+        return start_http_server(port, host, registry=self.registry)
+
+    def summary_line(self) -> str:
+        """Tokens/s and accepted per round since the previous call."""
+        now = time.monotonic()
+        totals = _Totals(
+            at=now,
+            generation_tokens=self._value(self._generation_tokens),
+            drafts=self._value(self._drafts),
+            accepted_tokens=self._value(self._accepted),
+        )
+        elapsed = max(now - self._last.at, 1e-9)
+        tokens = totals.generation_tokens - self._last.generation_tokens
+        drafts = totals.drafts - self._last.drafts
+        accepted = totals.accepted_tokens - self._last.accepted_tokens
+        self._last = totals
+        per_round = f"{accepted / drafts:.1f}" if drafts else "-"
+        return (
+            f"{tokens / elapsed:.1f} tokens/s, {per_round} accepted per round over {drafts:.0f} "
+            f"rounds, {self._value(self._running):.0f} running, "
+            f"{self._value(self._waiting):.0f} waiting"
+        )
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _value(self, metric) -> float:
+        return metric.labels(self.model_name)._value.get()
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(_name(name), doc, ("model_name", *labels), registry=self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(_name(name), doc, ("model_name",), registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(_name(name), doc, ("model_name",), registry=self.registry, buckets=buckets)
+
+
+def _name(name: str) -> str:
+    # vLLM's style: the namespace joined with a colon (prometheus_client's namespace= joins "_").
+    return f"{NAMESPACE}:{name}"
