@@ -13,11 +13,15 @@
         print(stream.result().stats["tokens_per_s"])
 
 The same with `AsyncClient`: `await client.generate(...)`, `async for delta in client.stream(...)`,
-`await stream.result()`. Importing this package loads grpc and the stubs only, never torch or Ray.
+`await stream.result()`. A server that needs an API key gets it from `Client(target, api_key=...)`
+or $VERICACHE_API_KEY; `root_certificates=open("ca.crt", "rb").read()` (or `tls=True` for the
+system's CAs) connects over TLS. Importing this package loads grpc and the stubs only, never torch
+or Ray.
 """
 
 from vericache.client.aio import AsyncClient, AsyncStream
 from vericache.client.errors import (
+    AuthenticationError,
     DeadlineExceededError,
     InvalidRequestError,
     PrefixNotFoundError,
@@ -32,6 +36,7 @@ from vericache.client.types import Compressor, ModeName, PrefixInfo, Progress, R
 __all__ = [
     "AsyncClient",
     "AsyncStream",
+    "AuthenticationError",
     "Client",
     "Compressor",
     "DeadlineExceededError",

@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from vericache.client.channel import channel_settings
 from vericache.client.errors import RequestCancelledError, VeriCacheError, error_from_rpc
 from vericache.client.protocol import (
     GenerateAccumulator,
@@ -141,11 +142,19 @@ class AsyncClient:
         timeout: float | None = None,
         retries: int = 3,
         backoff_s: float = 0.2,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
     ):
         self.target = target
         self.timeout = check_timeout(timeout)
         self._retry = RetryPolicy(retries, backoff_s)
-        self._channel = grpc.aio.insecure_channel(target)
+        settings = channel_settings(api_key, tls, root_certificates)
+        self._metadata = settings.metadata
+        if settings.credentials is None:
+            self._channel = grpc.aio.insecure_channel(target)
+        else:
+            self._channel = grpc.aio.secure_channel(target, settings.credentials)
         self._stub = vericache_pb2_grpc.VeriCacheStub(self._channel)
 
     async def put_prefix(
@@ -233,7 +242,7 @@ class AsyncClient:
         return Deadline(self.timeout if timeout is None else check_timeout(timeout))
 
     def _messages(self, method: Callable, request, timeout: float | None) -> _AsyncMessageStream:
-        start = functools.partial(method, request)
+        start = functools.partial(method, request, metadata=self._metadata)
         return _AsyncMessageStream(start, self._retry, self._deadline(timeout))
 
     async def _unary(self, method: Callable, request, timeout: float | None):
@@ -241,7 +250,7 @@ class AsyncClient:
         num_failed = 0
         while True:
             try:
-                return await method(request, timeout=deadline.remaining())
+                return await method(request, timeout=deadline.remaining(), metadata=self._metadata)
             except grpc.RpcError as exc:
                 num_failed += 1
                 delay = self._retry.delay_before_retry(exc, num_failed, deadline)

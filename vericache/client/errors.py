@@ -12,6 +12,7 @@ import grpc
 from vericache.errors import InvalidRequestError, PrefixNotFoundError, VeriCacheError
 
 __all__ = [
+    "AuthenticationError",
     "DeadlineExceededError",
     "InvalidRequestError",
     "PrefixNotFoundError",
@@ -31,8 +32,14 @@ class ServerError(VeriCacheError):
         self.code = code
 
 
+class AuthenticationError(ServerError):
+    """No API key, or one the server does not know (UNAUTHENTICATED): pass `api_key=` or set
+    $VERICACHE_API_KEY."""
+
+
 class ServerBusyError(ServerError):
-    """The server's queue is full (RESOURCE_EXHAUSTED): try again later or lower the load."""
+    """The server's queue is full, or the call goes past the API key's limits
+    (RESOURCE_EXHAUSTED): try again later, lower the load, or ask for less."""
 
 
 class ServerUnavailableError(ServerError):
@@ -48,6 +55,7 @@ class RequestCancelledError(ServerError):
 
 
 _SERVER_ERRORS: dict[grpc.StatusCode, type[ServerError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ServerBusyError,
     grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,

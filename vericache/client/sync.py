@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from vericache.client.channel import channel_settings
 from vericache.client.errors import RequestCancelledError, VeriCacheError, error_from_rpc
 from vericache.client.protocol import (
     GenerateAccumulator,
@@ -142,6 +143,10 @@ class Client:
     `timeout=` overrides it). UNAVAILABLE is retried `retries` times, waiting `backoff_s`, then
     twice as long each time, for calls that cannot repeat output: lookups, deletes, and streams
     before their first message. Every failure raises a `vericache.client.errors` type.
+
+    `api_key` (None: $VERICACHE_API_KEY) is sent with every call. `tls=True` connects over TLS
+    trusting the system's CAs; `root_certificates` (PEM bytes of the CA that signed the server's
+    certificate) implies TLS and trusts those instead.
     """
 
     def __init__(
@@ -151,11 +156,19 @@ class Client:
         timeout: float | None = None,
         retries: int = 3,
         backoff_s: float = 0.2,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
     ):
         self.target = target
         self.timeout = check_timeout(timeout)
         self._retry = RetryPolicy(retries, backoff_s)
-        self._channel = grpc.insecure_channel(target)
+        settings = channel_settings(api_key, tls, root_certificates)
+        self._metadata = settings.metadata
+        if settings.credentials is None:
+            self._channel = grpc.insecure_channel(target)
+        else:
+            self._channel = grpc.secure_channel(target, settings.credentials)
         self._stub = vericache_pb2_grpc.VeriCacheStub(self._channel)
 
     def put_prefix(
@@ -250,7 +263,7 @@ class Client:
         return Deadline(self.timeout if timeout is None else check_timeout(timeout))
 
     def _messages(self, method: Callable, request, timeout: float | None) -> _MessageStream:
-        start = functools.partial(method, request)
+        start = functools.partial(method, request, metadata=self._metadata)
         return _MessageStream(start, self._retry, self._deadline(timeout))
 
     def _unary(self, method: Callable, request, timeout: float | None):
@@ -258,7 +271,7 @@ class Client:
         num_failed = 0
         while True:
             try:
-                return method(request, timeout=deadline.remaining())
+                return method(request, timeout=deadline.remaining(), metadata=self._metadata)
             except grpc.RpcError as exc:
                 num_failed += 1
                 delay = self._retry.delay_before_retry(exc, num_failed, deadline)

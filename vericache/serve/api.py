@@ -3,12 +3,17 @@
 Each typed error becomes its status code; anything else is logged and reported as INTERNAL. A bad
 request never takes the server down. A cancelled RPC (the client went away, or its deadline
 passed) cancels the handler, and the coordinator closes the request's sessions on the workers.
+
+Each RPC first maps the caller's API key to its tenant (auth.py): UNAUTHENTICATED without a valid
+one. grpc.health.v1 and reflection need no key (kubelet's probes send none). With TLS, health is
+also served in plaintext on `Access.health_port`, alone: kubelet's gRPC probes cannot speak TLS.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,6 +26,7 @@ from vericache.errors import (
     UnsupportedModelError,
     WorkerUnavailableError,
 )
+from vericache.serve.auth import Access, Tenant, UnauthenticatedError
 from vericache.serve.coordinator import Coordinator
 from vericache.v1 import vericache_pb2, vericache_pb2_grpc
 
@@ -28,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = vericache_pb2.DESCRIPTOR.services_by_name["VeriCache"].full_name
 _STATUS = [
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnsupportedModelError, grpc.StatusCode.INVALID_ARGUMENT),
     (PrefixNotFoundError, grpc.StatusCode.NOT_FOUND),
@@ -52,45 +59,70 @@ async def _statuses(context: grpc.aio.ServicerContext, method: str):
 
 
 class VeriCacheService(vericache_pb2_grpc.VeriCacheServicer):
-    def __init__(self, coordinator: Coordinator):
+    def __init__(self, coordinator: Coordinator, access: Access):
         self.coordinator = coordinator
+        self.access = access
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        return self.access.tenant_for(context.invocation_metadata())
 
     async def PutPrefix(self, request, context):  # noqa: N802 - gRPC method names
         async with _statuses(context, "PutPrefix"):
-            async for progress in self.coordinator.put_prefix(request):
+            async for progress in self.coordinator.put_prefix(request, self._tenant(context)):
                 yield progress
 
     async def GetPrefix(self, request, context):  # noqa: N802
         async with _statuses(context, "GetPrefix"):
-            return await self.coordinator.get_prefix(request.prefix_id)
+            return await self.coordinator.get_prefix(request.prefix_id, self._tenant(context))
 
     async def ListPrefixes(self, request, context):  # noqa: N802
         async with _statuses(context, "ListPrefixes"):
-            return await self.coordinator.list_prefixes()
+            return await self.coordinator.list_prefixes(self._tenant(context))
 
     async def DeletePrefix(self, request, context):  # noqa: N802
         async with _statuses(context, "DeletePrefix"):
-            return await self.coordinator.delete_prefix(request.prefix_id)
+            return await self.coordinator.delete_prefix(request.prefix_id, self._tenant(context))
 
     async def Generate(self, request, context):  # noqa: N802
         async with _statuses(context, "Generate"):
-            async for message in self.coordinator.generate(request):
+            async for message in self.coordinator.generate(request, self._tenant(context)):
                 yield message
 
 
+@dataclass(frozen=True)
+class ApiServers:
+    servers: list[grpc.aio.Server]  # the API's, then the health-only one if any
+    port: int  # the API's
+    health_port: int | None  # the plaintext health-only port
+
+
 async def start_server(
-    coordinator: Coordinator, address: str = "127.0.0.1:0"
-) -> tuple[grpc.aio.Server, int]:
-    """Starts the API on `address` ("host:port", port 0 picks a free one); returns the server
-    and its port. Health reports SERVING for the whole server and for vericache.v1.VeriCache."""
+    coordinator: Coordinator, address: str = "127.0.0.1:0", access: Access | None = None
+) -> ApiServers:
+    """Starts the API on `address` ("host:port", port 0 picks a free one), and a health-only
+    server on `access.health_port` (0 picks one) if set. Health reports SERVING for the whole
+    server and for vericache.v1.VeriCache. `access` None: no API keys and no TLS."""
+    access = access or Access()
     server = grpc.aio.server()
-    vericache_pb2_grpc.add_VeriCacheServicer_to_server(VeriCacheService(coordinator), server)
+    service = VeriCacheService(coordinator, access)
+    vericache_pb2_grpc.add_VeriCacheServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
-    await server.start()
+    if access.tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([access.tls.read()]))
+    servers, health_port = [server], None
+    if access.health_port is not None:
+        health_only = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_only)
+        host = address.rsplit(":", 1)[0]
+        health_port = health_only.add_insecure_port(f"{host}:{access.health_port}")
+        servers.append(health_only)
+    for running in servers:
+        await running.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    return ApiServers(servers, port, health_port)

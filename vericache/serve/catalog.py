@@ -2,9 +2,12 @@
 
 A prefix id is a content hash of the model, the prefix's token ids, how the prompt continues it
 (a chat system turn or raw tokens) and the compressor with its parameters: registering the same
-prefix twice gives the same id. The full KV lives in the LMCache store (store.py); the catalog keeps
-each prefix's record (JSON) and its compressed KV (the KV codec's stream) under `root`, written
-atomically, so a verifier that restarts, or another verifier sharing `root`, finds them again.
+prefix twice gives the same id. A tenant's name joins the hash (`owned_spec`): two tenants
+registering the same text get two prefixes, and a prefix belongs to the tenant whose name gives its
+id; the anonymous tenant ("") adds nothing, so prefixes made before tenants are its own. The full
+KV lives in the LMCache store (store.py); the catalog keeps each prefix's record (JSON) and its
+compressed KV (the KV codec's stream) under `root`, written atomically, so a verifier that
+restarts, or another verifier sharing `root`, finds them again.
 """
 
 from __future__ import annotations
@@ -54,6 +57,21 @@ def prefix_id_for(fingerprint: str, token_ids, chat: bool, compressor_spec: dict
     }
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
     return _ID_PREFIX + digest[:32]
+
+
+def owned_spec(compressor_spec: dict, tenant: str) -> dict:
+    """The spec a tenant registers a prefix with: hashed into its id, ignored by the compressor
+    (which reads only "name" and "params")."""
+    return {**compressor_spec, "tenant": tenant} if tenant else compressor_spec
+
+
+def compressor_only(spec: dict) -> dict:
+    return {"name": spec["name"], "params": spec["params"]}
+
+
+def is_owned_by(record: PrefixRecord, fingerprint: str, tenant: str) -> bool:
+    spec = owned_spec(compressor_only(record.compressor), tenant)
+    return prefix_id_for(fingerprint, record.token_ids, record.chat, spec) == record.prefix_id
 
 
 def check_prefix_id(prefix_id: str) -> None:

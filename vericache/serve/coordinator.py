@@ -3,13 +3,18 @@
 It speaks vericache.v1 messages (api.py maps them onto gRPC) and raises the typed errors of
 vericache.errors for bad input; workers are `WorkerHandle`s, so the same coordinator runs over
 in-process workers (tests, benchmarks) and Ray actors (`vericache serve`).
+
+Every call runs for a `Tenant` (auth.py; the anonymous one without API keys): a tenant sees and uses
+only its own prefixes (another's answers NOT_FOUND, as an unknown one does) within its limits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from vericache.compress import build_compressor
@@ -23,7 +28,14 @@ from vericache.errors import (
     UnsupportedModelError,
     WorkerUnavailableError,
 )
-from vericache.serve.catalog import PrefixRecord, check_prefix_id, prefix_id_for
+from vericache.serve.auth import ANONYMOUS, Tenant, TenantLimitError
+from vericache.serve.catalog import (
+    PrefixRecord,
+    check_prefix_id,
+    is_owned_by,
+    owned_spec,
+    prefix_id_for,
+)
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.handles import WorkerHandle
 from vericache.serve.rounds import Mode, RequestPlan, ServedRequest, run_request
@@ -52,6 +64,7 @@ class Coordinator:
         self._running = asyncio.Semaphore(config.max_running)
         self._num_waiting = 0
         self._registering: dict[str, asyncio.Lock] = {}
+        self._num_active = Counter()  # tenant name -> its Generate and PutPrefix calls running
 
     async def start(self) -> Coordinator:
         if not self.verifiers:
@@ -71,9 +84,12 @@ class Coordinator:
 
     # --- Prefixes ---------------------------------------------------------------------------------
 
-    async def put_prefix(self, request: pb.PutPrefixRequest) -> AsyncIterator[pb.PutPrefixProgress]:
+    async def put_prefix(
+        self, request: pb.PutPrefixRequest, tenant: Tenant = ANONYMOUS
+    ) -> AsyncIterator[pb.PutPrefixProgress]:
         token_ids, chat = self._prefix_tokens(request)
-        spec = _compressor_spec(request.compressor)
+        tenant.check_tokens(len(token_ids))
+        spec = owned_spec(_compressor_spec(request.compressor), tenant.name)
         prefix_id = prefix_id_for(self.info.fingerprint, token_ids, chat, spec)
 
         def progress(stage: str, existed: bool = False) -> pb.PutPrefixProgress:
@@ -83,35 +99,85 @@ class Coordinator:
                 existed=existed,
             )  # fmt: skip
 
-        yield progress("queued")
-        lock = self._registering.setdefault(prefix_id, asyncio.Lock())
-        try:
-            async with lock:  # one registration per prefix at a time; the others then find it
-                if await self._is_registered(prefix_id):
-                    yield progress("done", existed=True)
-                    return
-                async for stage in self._register(prefix_id, token_ids, chat, spec):
-                    yield progress(stage)
-        finally:  # also when cancelled: no lock is kept per abandoned registration
-            if self._registering.get(prefix_id) is lock:
-                del self._registering[prefix_id]
-        yield progress("done")
+        with self._active(tenant):
+            yield progress("queued")
+            lock = self._registering.setdefault(prefix_id, asyncio.Lock())
+            try:
+                async with lock:  # one registration per prefix at a time; the others find it
+                    if await self._is_registered(prefix_id):
+                        yield progress("done", existed=True)
+                        return
+                    await self._check_prefix_bytes(tenant)
+                    async for stage in self._register(prefix_id, token_ids, chat, spec):
+                        yield progress(stage)
+                    await self._check_prefix_bytes(tenant, new_prefix_id=prefix_id)
+            finally:  # also when cancelled: no lock is kept per abandoned registration
+                if self._registering.get(prefix_id) is lock:
+                    del self._registering[prefix_id]
+            yield progress("done")
 
-    async def get_prefix(self, prefix_id: str) -> pb.PrefixInfo:
-        return _prefix_info(await self._record(prefix_id))
+    async def get_prefix(self, prefix_id: str, tenant: Tenant = ANONYMOUS) -> pb.PrefixInfo:
+        return _prefix_info(await self._owned_record(prefix_id, tenant))
 
-    async def list_prefixes(self) -> pb.ListPrefixesResponse:
-        records = await self._records()
+    async def list_prefixes(self, tenant: Tenant = ANONYMOUS) -> pb.ListPrefixesResponse:
+        records = await self._owned_records(tenant)
         return pb.ListPrefixesResponse(prefixes=[_prefix_info(r) for r in records])
 
-    async def delete_prefix(self, prefix_id: str) -> pb.DeletePrefixResponse:
+    async def delete_prefix(
+        self, prefix_id: str, tenant: Tenant = ANONYMOUS
+    ) -> pb.DeletePrefixResponse:
         """Idempotent: deleting an unknown (or already deleted) prefix answers deleted=False."""
         try:
-            check_prefix_id(prefix_id)
+            await self._owned_record(prefix_id, tenant)
             await self._remove(prefix_id)
         except PrefixNotFoundError:
             return pb.DeletePrefixResponse(deleted=False)
         return pb.DeletePrefixResponse(deleted=True)
+
+    # Tenants: their prefixes and limits.
+
+    async def _owned_record(self, prefix_id: str, tenant: Tenant) -> PrefixRecord:
+        record = await self._record(prefix_id)
+        if not is_owned_by(record, self.info.fingerprint, tenant.name):
+            raise PrefixNotFoundError(f"no prefix {prefix_id!r} is registered")
+        return record
+
+    async def _owned_records(self, tenant: Tenant) -> list[PrefixRecord]:
+        records = await self._records()
+        return [r for r in records if is_owned_by(r, self.info.fingerprint, tenant.name)]
+
+    async def _check_prefix_bytes(self, tenant: Tenant, new_prefix_id: str | None = None) -> None:
+        """Before a registration: is any quota left? After it (`new_prefix_id`): if the new
+        prefix went past the quota, it is removed again."""
+        if tenant.max_prefix_bytes is None:
+            return
+        records = await self._owned_records(tenant)
+        used = sum(r.full_kv_bytes + r.compressed_kv_bytes for r in records)
+        limit = tenant.max_prefix_bytes
+        if (used <= limit) if new_prefix_id else (used < limit):
+            return
+        if new_prefix_id is not None:
+            with contextlib.suppress(PrefixNotFoundError):
+                await self._remove(new_prefix_id)
+        raise TenantLimitError(
+            f"registered prefixes would hold {used} bytes of KV, past this API key's limit of "
+            f"{tenant.max_prefix_bytes}: delete prefixes first"
+        )
+
+    @contextlib.contextmanager
+    def _active(self, tenant: Tenant):
+        limit = tenant.max_concurrent_requests
+        if limit is not None and self._num_active[tenant.name] >= limit:
+            raise TenantLimitError(
+                f"{limit} requests of this API key are running, its limit: retry later"
+            )
+        self._num_active[tenant.name] += 1
+        try:
+            yield
+        finally:
+            self._num_active[tenant.name] -= 1
+            if not self._num_active[tenant.name]:
+                del self._num_active[tenant.name]
 
     # Where prefixes live: the verifiers' catalog here; a subclass may keep them elsewhere.
 
@@ -170,23 +236,26 @@ class Coordinator:
 
     # --- Generation -------------------------------------------------------------------------------
 
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        plan = await self._plan(request)
-        if self._num_waiting >= self.config.max_waiting and self._running.locked():
-            raise QueueFullError(
-                f"{self.config.max_running} requests are running and "
-                f"{self._num_waiting} waiting: retry later"
-            )
-        self._num_waiting += 1
-        try:
-            await self._running.acquire()
-        finally:
-            self._num_waiting -= 1
-        try:
-            async for message in self._serve(plan):
-                yield message
-        finally:
-            self._running.release()
+    async def generate(
+        self, request: pb.GenerateRequest, tenant: Tenant = ANONYMOUS
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        plan = await self._plan(request, tenant)
+        with self._active(tenant):
+            if self._num_waiting >= self.config.max_waiting and self._running.locked():
+                raise QueueFullError(
+                    f"{self.config.max_running} requests are running and "
+                    f"{self._num_waiting} waiting: retry later"
+                )
+            self._num_waiting += 1
+            try:
+                await self._running.acquire()
+            finally:
+                self._num_waiting -= 1
+            try:
+                async for message in self._serve(plan):
+                    yield message
+            finally:
+                self._running.release()
 
     def _served(self, plan: RequestPlan) -> ServedRequest:
         checker = StopChecker(
@@ -212,7 +281,7 @@ class Coordinator:
             closing = [w.call("close", plan.session_id) for w in workers]
             await asyncio.shield(asyncio.gather(*closing, return_exceptions=True))
 
-    async def _plan(self, request: pb.GenerateRequest) -> RequestPlan:
+    async def _plan(self, request: pb.GenerateRequest, tenant: Tenant) -> RequestPlan:
         config = self.config
         mode = request.mode or (Mode.VERICACHE if request.prefix_id else Mode.FULL_LOCAL)
         if mode not in Mode.values() or mode == Mode.MODE_UNSPECIFIED:
@@ -233,9 +302,12 @@ class Coordinator:
             max_new_tokens=request.max_tokens or config.default_max_tokens,
             stop=tuple(request.stop),
         )
-        record = await self._record(request.prefix_id) if request.prefix_id else None
+        record = None
+        if request.prefix_id:
+            record = await self._owned_record(request.prefix_id, tenant)
         prompt_ids = self._prompt_ids(record, request.prompt)
         self._check_length(prompt_ids, "the prompt")
+        tenant.check_tokens(len(prompt_ids), params.max_new_tokens)
         return RequestPlan(
             session_id=uuid.uuid4().hex,
             mode=mode,

@@ -32,7 +32,8 @@ from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.request import DecodeMode, Request
 from vericache.errors import InvalidRequestError, PrefixNotFoundError
-from vericache.serve.catalog import PrefixRecord, check_prefix_id
+from vericache.serve.auth import Access
+from vericache.serve.catalog import PrefixRecord, check_prefix_id, compressor_only
 from vericache.serve.config import CoordinatorConfig, WorkerConfig
 from vericache.serve.coordinator import Coordinator, stream_responses
 from vericache.serve.engine_loop import (
@@ -78,8 +79,9 @@ class LongContextCoordinator(Coordinator):
     ) -> AsyncIterator[str]:
         full_kv_bytes = len(token_ids) * self._slot_bytes
         record = PrefixRecord(
-            prefix_id, tuple(token_ids), chat, spec, full_kv_bytes, compressed_kv_bytes=0
-        )
+            prefix_id, tuple(token_ids), chat, compressor_only(spec), full_kv_bytes,
+            compressed_kv_bytes=0,
+        )  # fmt: skip
         self._prefixes[prefix_id] = record
         return
         yield  # no stage: the engine prefills and compresses each request itself
@@ -182,9 +184,10 @@ class LongContextServer(BackgroundServer):
         address: str = "127.0.0.1:0",
         config: CoordinatorConfig | None = None,
         start_timeout_s: float = 600.0,
+        access: Access | None = None,
     ):
         self._long_context = long_context
-        super().__init__(worker, worker.model, address, config, start_timeout_s)
+        super().__init__(worker, worker.model, address, config, start_timeout_s, access)
 
     async def _start_coordinator(self, worker: WorkerConfig, model: str, config) -> Coordinator:
         return await start_long_context_coordinator(worker, self._long_context, config)

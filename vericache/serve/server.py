@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 
 from vericache.serve.api import start_server
+from vericache.serve.auth import Access
 from vericache.serve.coordinator import Coordinator, CoordinatorConfig
 from vericache.serve.handles import WorkerHandle
 from vericache.serve.launch import start_coordinator
@@ -27,7 +28,11 @@ class BackgroundServer:
         address: str = "127.0.0.1:0",
         config: CoordinatorConfig | None = None,
         start_timeout_s: float = 600.0,
+        access: Access | None = None,
     ):
+        self.access = access  # None: no API keys, no TLS (tests, benchmarks on loopback)
+        self._servers = []
+        self.health_port: int | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vericache-server", daemon=True
@@ -47,8 +52,9 @@ class BackgroundServer:
 
     async def _start(self, workers, model, address, config) -> int:
         self.coordinator = await self._start_coordinator(workers, model, config)
-        self._server, port = await start_server(self.coordinator, address)
-        return port
+        started = await start_server(self.coordinator, address, self.access)
+        self._servers, self.health_port = started.servers, started.health_port
+        return started.port
 
     async def _start_coordinator(self, workers, model: str, config) -> Coordinator:
         """The coordinator over what `workers` makes (a subclass may take another maker)."""
@@ -71,7 +77,7 @@ class BackgroundServer:
         self._thread.join(30)
 
     async def _stop(self, grace_s: float) -> None:
-        await self._server.stop(grace_s)
+        await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
         await self.coordinator.close()
 
     def __enter__(self) -> BackgroundServer:
