@@ -18,6 +18,7 @@ from vericache.bench.common import (
     compressor_labels,
     environment,
     int_list,
+    progress,
     pyplot,
 )
 from vericache.bench.workloads import standard_workloads
@@ -85,7 +86,9 @@ def run(args) -> dict:
                 for compressor in compressors
             ]
             outputs = []
-            for start in range(0, len(batch), args.batch_size):
+            chunks = range(0, len(batch), args.batch_size)
+            description = f"{source.value} KV, x={draft_len}"
+            for start in progress(chunks, description, unit="batch"):
                 chunk = batch[start : start + args.batch_size]
                 outputs += engine.generate([request for *_, request in chunk])
             for (kind, compressor, reference, _), out in zip(batch, outputs):

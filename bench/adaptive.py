@@ -18,7 +18,13 @@ import statistics
 import time
 from collections import defaultdict
 
-from vericache.bench.common import compressor_from_label, environment, int_list, pyplot
+from vericache.bench.common import (
+    compressor_from_label,
+    environment,
+    int_list,
+    progress,
+    pyplot,
+)
 from vericache.bench.workloads import code_contexts, humaneval_prompts, tool_contexts
 from vericache.engine.engine import Engine, EngineConfig
 from vericache.engine.prompt import build_chat_prompt
@@ -52,18 +58,17 @@ def run(args) -> dict:
 
     settings = [str(d) for d in draft_lens] + [ADAPTIVE]
     samples, outputs = defaultdict(list), {}
-    for repeat in range(repeats):
-        for setting in settings:
-            batch = [_request(item, params, setting, max(draft_lens)) for item in workload]
-            fresh = Engine(engine.runner, engine.tokenizer, engine.config, engine.prefix_store)
-            start = time.perf_counter()
-            outputs[setting] = fresh.generate(batch)
-            elapsed = time.perf_counter() - start
-            num_tokens = sum(len(out.token_ids) for out in outputs[setting])
-            samples[setting].append(num_tokens / elapsed)
-            print(
-                f"[adaptive] repeat {repeat} draft_len={setting}: {num_tokens / elapsed:.1f} tok/s"
-            )
+    # Repeats interleave the settings, so that a slow spell of the machine hits them all.
+    runs = [(repeat, setting) for repeat in range(repeats) for setting in settings]
+    for repeat, setting in progress(runs, "adaptive and static runs"):
+        batch = [_request(item, params, setting, max(draft_lens)) for item in workload]
+        fresh = Engine(engine.runner, engine.tokenizer, engine.config, engine.prefix_store)
+        start = time.perf_counter()
+        outputs[setting] = fresh.generate(batch)
+        elapsed = time.perf_counter() - start
+        num_tokens = sum(len(out.token_ids) for out in outputs[setting])
+        samples[setting].append(num_tokens / elapsed)
+        print(f"[adaptive] repeat {repeat} draft_len={setting}: {num_tokens / elapsed:.1f} tok/s")
     return _result(args, workload, references, samples, outputs, draft_lens, max_tokens, repeats)
 
 

@@ -6,6 +6,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import time
 
 import torch
@@ -78,3 +79,19 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def progress(iterable=None, description: str = "", total: int | None = None, unit: str = "it"):
+    """A progress bar on stderr for a person waiting at a terminal (silent when stderr is not
+    one, e.g. in CI logs); used as tqdm: iterate it, or `update(n)` and `close()` it."""
+    from tqdm import tqdm
+
+    return tqdm(
+        iterable,
+        desc=description,
+        total=total,
+        unit=unit,
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from vericache.bench.common import compressor_from_label, environment, pyplot
+from vericache.bench.common import compressor_from_label, environment, progress, pyplot
 from vericache.bench.workloads import code_contexts, humaneval_prompts
 from vericache.engine.device_memory import full_kv_bytes
 from vericache.engine.engine import EngineConfig
@@ -163,9 +163,16 @@ def run_engine(runner, tokenizer, requests, long_context: LongContextConfig) -> 
     """Decodes `requests` in one long-context engine; its statistics, the scheduler's memory and
     per-iteration metrics, and the output token ids."""
     engine = LongContextEngine(runner, tokenizer, EngineConfig(), long_context)
-    with engine:
+    total = sum(r.params.max_new_tokens for r in requests)
+    with engine, progress(description="decoding", total=total, unit="tok") as bar:
         start = time.perf_counter()
-        outputs = engine.generate(requests)
+        keys = [engine.add_request(request) for request in requests]
+        finished = {}
+        while engine.has_unfinished:
+            done = engine.run_iteration()
+            bar.update(sum(len(out.token_ids) for out in done.values()))
+            finished |= done
+        outputs = [finished[key] for key in keys]
         wall_s = time.perf_counter() - start
     iterations = list(engine.scheduler.metrics.iterations)
     return {

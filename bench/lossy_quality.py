@@ -18,7 +18,13 @@ from collections import defaultdict
 
 import torch
 
-from vericache.bench.common import compressor_from_label, compressor_labels, environment, pyplot
+from vericache.bench.common import (
+    compressor_from_label,
+    compressor_labels,
+    environment,
+    progress,
+    pyplot,
+)
 from vericache.bench.output_checks import code_parses, tool_calls
 from vericache.bench.workloads import standard_workloads
 from vericache.engine.engine import Engine, EngineConfig
@@ -49,7 +55,7 @@ def run(args) -> dict:
     params = SamplingParams(max_new_tokens=max_tokens)
     full = engine.generate([_request(p, params, DecodeMode.FULL) for _, p in prompts])
     rows = {}
-    for label in labels:
+    for label in progress(labels, "compressors"):
         compressor = compressor_from_label(label)
         lossy = engine.generate(
             [_request(p, params, DecodeMode.LOSSY, compressor) for _, p in prompts]

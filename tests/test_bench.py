@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vericache.bench import acceptance, decode_speed
-from vericache.bench.common import compressor_from_label, compressor_labels
+from vericache.bench.common import compressor_from_label, compressor_labels, progress
 from vericache.compress import COMPRESSORS, KIVI, StreamingLLM
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import load_model
@@ -87,3 +87,11 @@ def test_step_timing_restores_the_caches(tiny_checkpoint):
     assert decode_speed.time_verification(runner, caches[0], 5, repeats=2) > 0
     assert [cache.num_tokens for cache in caches] == [50, 50]
     assert torch.equal(caches[0].layers[0].keys_values()[0], keys_before)
+
+
+def test_progress_passes_items_through_and_takes_updates():
+    # Silent here (stderr is not a terminal under pytest), and transparent.
+    assert list(progress(range(4), "items")) == [0, 1, 2, 3]
+    with progress(description="tokens", total=10, unit="tok") as bar:
+        bar.update(4)
+        assert bar.disable
