@@ -6,6 +6,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+from vericache.serve.auth import Access
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 from vericache.serve.launch import in_process_workers
 from vericache.serve.server import BackgroundServer
@@ -22,14 +23,19 @@ def start_server(
     root: Path,
     num_drafters: int = 2,
     config: CoordinatorConfig | None = None,
+    access: Access | None = None,
     **verifier_options,
 ) -> BackgroundServer:
+    """`access` None: no API keys and no TLS, as `--insecure-no-auth` serves."""
     verifier = VerifierConfig(model=str(model), root=root, transfer_host="127.0.0.1")
     if verifier_options:
         verifier = dataclasses.replace(verifier, **verifier_options)
     drafter = DrafterConfig(model=str(model))
     return BackgroundServer(
-        lambda: in_process_workers(verifier, drafter, num_drafters), str(model), config=config
+        lambda: in_process_workers(verifier, drafter, num_drafters),
+        str(model),
+        config=config,
+        access=access or Access(),
     )
 
 

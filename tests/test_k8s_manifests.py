@@ -21,7 +21,8 @@ import yaml
 from packaging.specifiers import SpecifierSet
 
 from vericache.cli.main import build_parser
-from vericache.cli.serve import coordinator_config, worker_configs
+from vericache.cli.serve import access_from_args, coordinator_config, worker_configs
+from vericache.errors import InvalidRequestError
 from vericache.serve.api import SERVICE_NAME
 from vericache.serve.launch import DRAFTER_RESOURCE, VERIFIER_RESOURCE
 
@@ -216,11 +217,14 @@ def test_service_is_headless_on_the_grpc_port():
     }
 
 
-def test_probes_use_grpc_health_on_the_api_port():
-    grpc_port = port_named(HEAD, "grpc")
+def test_probes_use_grpc_health_on_the_plaintext_health_port():
+    # Kubelet's gRPC probes cannot speak TLS: they use the health-only port, never the API's.
+    args = build_parser().parse_args(serve_argv())
+    health_port = port_named(HEAD, "health")
+    assert args.health_port == health_port != port_named(HEAD, "grpc")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert set(HEAD[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
-        assert HEAD[probe]["grpc"]["port"] == grpc_port, probe
+        assert HEAD[probe]["grpc"]["port"] == health_port, probe
     assert HEAD["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
 
 
@@ -230,8 +234,14 @@ def test_api_keys_and_tls_come_from_optional_secrets():
     assert all(s["optional"] for s in secrets.values())  # the cluster starts without them
     mounts = {m["name"]: m["mountPath"] for m in HEAD["volumeMounts"]}
     secret_dirs = [mounts[name] for name in secrets]
-    paths = [e["value"] for e in HEAD["env"] if e["name"].endswith("_FILE")]
+    env = {e["name"]: e["value"] for e in HEAD["env"]}
+    paths = [value for name, value in env.items() if name.endswith("_FILE")]
     assert len(paths) == 3
+    # The names `vericache serve` reads: without the keys file it refuses to start.
+    args = build_parser().parse_args(serve_argv())
+    assert not args.insecure_no_auth and args.api_keys_file is None
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        access_from_args(args, env)
     assert all(any(p.startswith(d + "/") for d in secret_dirs) for p in paths), paths
 
 

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import ray
 
+    from vericache.serve.auth import Access
     from vericache.serve.launch import ray_workers
     from vericache.serve.server import BackgroundServer
 
@@ -53,9 +54,12 @@ def main(argv: list[str] | None = None) -> None:
             root=Path(root), link=link, transfer_host="127.0.0.1", num_threads=1
         )
         drafter = DrafterConfig(num_threads=1)
-        with BackgroundServer(
-            lambda: ray_workers(verifier, drafter, 1, 2), DEFAULT_MODEL
-        ) as server:
+
+        def workers():
+            return ray_workers(verifier, drafter, 1, 2)
+
+        # Loopback only, for this process's own client: no API keys (--insecure-no-auth).
+        with BackgroundServer(workers, DEFAULT_MODEL, access=Access()) as server:
             print(f"Serving on {server.target}; slow link {args.link_bandwidth}, "
                   f"{args.link_latency}\n")  # fmt: skip
             with Client(server.target, timeout=600) as client:

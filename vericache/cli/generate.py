@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from vericache.cli.prefix import add_connection_arguments, connection_options
 from vericache.compress import COMPRESSORS, build_compressor
 from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
 from vericache.engine.long_context import LongContextEngine
@@ -31,6 +32,7 @@ def add_parser(commands) -> None:
     parser.add_argument("--mode", choices=[*IN_PROCESS_MODES, *SERVER_MODES], default="vericache")
     parser.add_argument("--server", help="HOST:PORT of a `vericache serve` API")
     parser.add_argument("--prefix-id", help="a registered prefix (with --server)")
+    add_connection_arguments(parser)
     parser.add_argument(
         "--compressor", default="streamingllm", help=f"one of {sorted(COMPRESSORS)}"
     )
@@ -222,7 +224,7 @@ def run_on_server(args) -> int:
             "--prefix-id"
         )
     mode = "full_local" if args.mode == DecodeMode.FULL.value else args.mode
-    with Client(args.server) as client:
+    with Client(args.server, **connection_options(args)) as client:
         stream = client.stream(
             args.prompt, prefix_id=args.prefix_id, mode=mode, max_tokens=args.max_tokens,
             stop=args.stop, draft_len=args.draft_len,

@@ -1,4 +1,7 @@
-"""`vericache prefix put|list|get|delete`: registered prefixes of a running server."""
+"""`vericache prefix put|list|get|delete`: registered prefixes of a running server.
+
+`--api-key` (default $VERICACHE_API_KEY) authenticates; `--tls-ca FILE` connects over TLS trusting
+that CA. A tenant sees only its own prefixes."""
 
 from __future__ import annotations
 
@@ -29,13 +32,31 @@ def add_parser(commands) -> None:
     for action in actions.choices.values():
         action.add_argument("--server", default=DEFAULT_SERVER, help="HOST:PORT of the API")
         action.add_argument("--timeout", type=float, default=600.0, help="seconds")
+        add_connection_arguments(action)
     parser.set_defaults(handler=run)
+
+
+def add_connection_arguments(parser) -> None:
+    """--api-key and --tls-ca, for every command that talks to a server."""
+    parser.add_argument("--api-key", help="the server's API key (default: $VERICACHE_API_KEY)")
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA certificate: connect over TLS")
+
+
+def connection_options(args) -> dict:
+    """Client keyword arguments from --api-key and --tls-ca."""
+    root_certificates = None
+    if args.tls_ca is not None:
+        try:
+            root_certificates = args.tls_ca.read_bytes()
+        except OSError as exc:
+            raise InvalidRequestError(f"cannot read --tls-ca: {exc}") from None
+    return {"api_key": args.api_key, "root_certificates": root_certificates}
 
 
 def run(args) -> int:
     from vericache.client import Client
 
-    with Client(args.server, timeout=args.timeout) as client:
+    with Client(args.server, timeout=args.timeout, **connection_options(args)) as client:
         if args.action == "put":
             print(_put(client, args))
         elif args.action == "list":

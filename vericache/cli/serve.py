@@ -4,10 +4,17 @@
 `--address auto` (or HOST:PORT) joins a running cluster whose nodes offer them (cluster/, k8s/).
 `--long-context` serves from this process alone, no Ray: one long-context engine (compressed KV on
 the device, full KV in host memory) within `--memory-budget`, over a link of `--pcie-bandwidth`.
+
+Callers need an API key from `--api-keys-file` (serve/auth.py has its format) unless the server
+starts with `--insecure-no-auth`; `--tls-cert` and `--tls-key` serve over TLS. The three files
+default to $VERICACHE_API_KEYS_FILE, $VERICACHE_TLS_CERT_FILE and $VERICACHE_TLS_KEY_FILE; TLS
+files named only by those variables are used if both exist (the k8s Secret is optional).
+`--health-port` serves grpc.health.v1 alone in plaintext, for probes that cannot speak TLS.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -16,6 +23,7 @@ from pathlib import Path
 from vericache.cli.generate import add_long_context_arguments, long_context_config
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES, cache_root
+from vericache.serve.auth import Access, ApiKeys, TlsFiles
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig, WorkerConfig
 from vericache.serve.link import LinkSpec, parse_size
 
@@ -45,7 +53,52 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--placement-timeout", type=float, default=300.0, help="seconds")
     add_long_context_arguments(parser)
+    add_access_arguments(parser)
     parser.set_defaults(handler=run)
+
+
+def add_access_arguments(parser) -> None:
+    access = parser.add_argument_group("access")
+    access.add_argument(
+        "--api-keys-file",
+        type=Path,
+        help="tenants and their API keys, JSON ($VERICACHE_API_KEYS_FILE)",
+    )
+    access.add_argument(
+        "--insecure-no-auth", action="store_true", help="no API keys: every caller is one tenant"
+    )
+    access.add_argument("--tls-cert", type=Path, help="PEM certificate ($VERICACHE_TLS_CERT_FILE)")
+    access.add_argument("--tls-key", type=Path, help="PEM private key ($VERICACHE_TLS_KEY_FILE)")
+    access.add_argument(
+        "--health-port", type=int, help="also serve grpc.health.v1 alone, in plaintext, here"
+    )
+
+
+def access_from_args(args, environ=os.environ) -> Access:
+    """The API keys, TLS files and health port the options (or environment) name; checked."""
+    keys_file = args.api_keys_file or environ.get("VERICACHE_API_KEYS_FILE") or None
+    if args.insecure_no_auth and args.api_keys_file:
+        raise InvalidRequestError("--insecure-no-auth and --api-keys-file exclude each other")
+    if not args.insecure_no_auth and keys_file is None:
+        raise InvalidRequestError(
+            "serve needs API keys (--api-keys-file or $VERICACHE_API_KEYS_FILE), or "
+            "--insecure-no-auth to let every caller in"
+        )
+    api_keys = None if args.insecure_no_auth else ApiKeys.load(Path(keys_file))
+    return Access(api_keys, _tls_files(args, environ), args.health_port)
+
+
+def _tls_files(args, environ) -> TlsFiles | None:
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise InvalidRequestError("TLS needs both --tls-cert and --tls-key")
+        tls = TlsFiles(args.tls_cert, args.tls_key)
+        tls.read()  # both readable, or a clear error now
+        return tls
+    cert, key = environ.get("VERICACHE_TLS_CERT_FILE"), environ.get("VERICACHE_TLS_KEY_FILE")
+    if cert and key and Path(cert).is_file() and Path(key).is_file():
+        return TlsFiles(Path(cert), Path(key))
+    return None
 
 
 def worker_options(args) -> dict:
@@ -95,11 +148,14 @@ def run(args) -> int:
     if long_context is None and not is_on_ray:
         raise InvalidRequestError("serve needs one of --local, --address or --long-context")
     config = coordinator_config(args)
+    if long_context is None:
+        worker_configs(args)  # sizes and the link parse before the access files are read
+    access = access_from_args(args)
     if long_context is not None:
-        server = start_long_context(args, long_context, config)
+        server = start_long_context(args, long_context, config, access)
     else:
-        server = start_on_ray(args, config)
-    print(f"VeriCache serving on {server.target}", flush=True)
+        server = start_on_ray(args, config, access)
+    print(f"VeriCache serving on {server.target}{_describe(access, server)}", flush=True)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
@@ -109,7 +165,18 @@ def run(args) -> int:
     return 0
 
 
-def start_on_ray(args, config: CoordinatorConfig):
+def _describe(access: Access, server) -> str:
+    keys = access.api_keys
+    words = [
+        "TLS" if access.tls else "plaintext",
+        f"{len(keys.tenants)} tenant(s)" if keys else "no API keys (--insecure-no-auth)",
+    ]
+    if server.health_port is not None:
+        words.append(f"health on port {server.health_port}")
+    return f" ({', '.join(words)})"
+
+
+def start_on_ray(args, config: CoordinatorConfig, access: Access):
     from vericache.serve.launch import ray_workers
     from vericache.serve.server import BackgroundServer
 
@@ -120,12 +187,14 @@ def start_on_ray(args, config: CoordinatorConfig):
         return ray_workers(verifier, drafter, args.verifiers, args.drafters, args.placement_timeout)
 
     print(f"Starting {args.verifiers} verifier(s) and {args.drafters} drafter(s)...", flush=True)
-    return BackgroundServer(workers, args.model, f"{args.host}:{args.port}", config)
+    address = f"{args.host}:{args.port}"
+    return BackgroundServer(workers, args.model, address, config, access=access)
 
 
-def start_long_context(args, long_context, config: CoordinatorConfig):
+def start_long_context(args, long_context, config: CoordinatorConfig, access: Access):
     from vericache.serve.long_context import LongContextServer
 
     worker = WorkerConfig(**worker_options(args))
     print("Starting the long-context engine...", flush=True)
-    return LongContextServer(worker, long_context, f"{args.host}:{args.port}", config)
+    address = f"{args.host}:{args.port}"
+    return LongContextServer(worker, long_context, address, config, access=access)
