@@ -175,6 +175,7 @@ def test_a_full_server_refuses_with_resource_exhausted(tiny_chat_checkpoint):
 def test_vericache_serve_long_context(tiny_chat_checkpoint):
     argv = [sys.executable, "-m", "vericache.cli.main", "serve", "--long-context"]
     argv += ["--model", str(tiny_chat_checkpoint), "--port", "0", "--pcie-bandwidth", "10GB/s"]
+    argv += ["--insecure-no-auth"]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         lines = iter(process.stdout.readline, "")

@@ -155,7 +155,8 @@ def run(args) -> int:
         server = start_long_context(args, long_context, config, access)
     else:
         server = start_on_ray(args, config, access)
-    print(f"VeriCache serving on {server.target}{_describe(access, server)}", flush=True)
+    print(f"VeriCache serving on {server.target}", flush=True)
+    print(f"Access: {_describe(access, server)}", flush=True)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
@@ -173,7 +174,7 @@ def _describe(access: Access, server) -> str:
     ]
     if server.health_port is not None:
         words.append(f"health on port {server.health_port}")
-    return f" ({', '.join(words)})"
+    return ", ".join(words)
 
 
 def start_on_ray(args, config: CoordinatorConfig, access: Access):
