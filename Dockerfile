@@ -52,4 +52,6 @@ WORKDIR /home/vericache
 
 EXPOSE 50051
 ENTRYPOINT ["vericache"]
+# Serving needs API keys: mount a keys file and set VERICACHE_API_KEYS_FILE to it (as k8s/ does),
+# or append --insecure-no-auth for a trusted network; without either the server refuses to start.
 CMD ["serve", "--local", "--host", "0.0.0.0", "--port", "50051", "--root", "/var/lib/vericache/store"]

@@ -158,6 +158,9 @@ def test_head_starts_server_on_the_cluster(name):
     args = serve_args(config)
     assert args.address == "auto" and not args.local and not args.long_context
     assert args.host == "0.0.0.0"  # clients connect from other machines
+    # Reachable from other machines, so never without keys; the keys file is copied to the head.
+    assert args.api_keys_file and not args.insecure_no_auth
+    assert Path(args.api_keys_file).name in {Path(t).name for t in config["file_mounts"]}
 
 
 @pytest.mark.parametrize("name", CONFIGS)
