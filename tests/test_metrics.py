@@ -125,3 +125,30 @@ def test_summary_line_covers_the_time_since_the_last():
     line = metrics.summary_line()
     assert "7.0 accepted per round over 2 rounds" in line and "2 running" in line
     assert "- accepted per round over 0 rounds" in metrics.summary_line()  # nothing since
+
+
+def test_a_served_request_is_metered(tiny_chat_checkpoint, tmp_path):
+    from tests.serve_fixtures import CONTEXT, start_server
+    from vericache.client import Client
+
+    with start_server(tiny_chat_checkpoint, tmp_path / "store") as server:
+        with Client(server.target, timeout=120) as client:
+            prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+            result = client.generate("Go on.", prefix_id=prefix_id, max_tokens=12, draft_len=4)
+        metrics = server.coordinator.metrics
+        text = metrics.exposition().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            values[key] = sample.value
+    label = (("model_name", str(tiny_chat_checkpoint)),)
+    assert values["vericache:generation_tokens_total", label] == len(result.token_ids)
+    assert values["vericache:spec_decode_num_drafts_total", label] == result.stats["rounds"]
+    accepted = values["vericache:spec_decode_num_accepted_tokens_total", label]
+    assert accepted == sum(result.stats["accepted_per_round"])
+    assert values["vericache:time_to_first_token_seconds_count", label] == 1
+    assert values["vericache:link_bytes_total", label] == result.stats["link_bytes"]
+    assert values["vericache:num_requests_running", label] == 0
+    finished = (("finished_reason", result.finish_reason), *label)
+    assert values["vericache:request_success_total", tuple(sorted(finished))] == 1

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import grpc
 import pytest
@@ -175,17 +176,21 @@ def test_a_full_server_refuses_with_resource_exhausted(tiny_chat_checkpoint):
 def test_vericache_serve_long_context(tiny_chat_checkpoint):
     argv = [sys.executable, "-m", "vericache.cli.main", "serve", "--long-context"]
     argv += ["--model", str(tiny_chat_checkpoint), "--port", "0", "--pcie-bandwidth", "10GB/s"]
-    argv += ["--insecure-no-auth"]
+    argv += ["--insecure-no-auth", "--metrics-port", "0"]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         lines = iter(process.stdout.readline, "")
         serving = next(line for line in lines if line.startswith("VeriCache serving on"))
         target = serving.split()[-1]
+        metrics_url = next(line for line in lines if line.startswith("Metrics on")).split()[-1]
         with Client(target, timeout=60) as client:
             prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
             full = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=12)
             exact = client.generate(PROMPT, prefix_id=prefix_id, max_tokens=12, draft_len=3)
         assert exact.token_ids == full.token_ids
+        with urllib.request.urlopen(metrics_url, timeout=10) as response:
+            scraped = response.read().decode()
+        assert 'vericache:request_success_total{finished_reason="length"' in scraped
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0

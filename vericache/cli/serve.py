@@ -52,6 +52,15 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--placement-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus /metrics over HTTP on this port"
+    )
+    parser.add_argument(
+        "--log-interval",
+        type=float,
+        default=10.0,
+        help="seconds between one-line summaries on stderr (tokens/s, accepted per round); 0: none",
+    )
     add_long_context_arguments(parser)
     add_access_arguments(parser)
     parser.set_defaults(handler=run)
@@ -157,10 +166,16 @@ def run(args) -> int:
         server = start_on_ray(args, config, access)
     print(f"VeriCache serving on {server.target}", flush=True)
     print(f"Access: {_describe(access, server)}", flush=True)
+    metrics = server.coordinator.metrics
+    if args.metrics_port is not None:
+        http, _ = metrics.start_http(args.metrics_port, args.host)
+        print(f"Metrics on http://{args.host}:{http.server_port}/metrics", flush=True)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
-    stopped.wait()
+    interval = args.log_interval if args.log_interval > 0 else None
+    while not stopped.wait(interval):
+        print(f"[vericache] {metrics.summary_line()}", file=sys.stderr, flush=True)
     print("Stopping...", file=sys.stderr, flush=True)
     server.stop()
     return 0

@@ -38,6 +38,7 @@ from vericache.serve.catalog import (
 )
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.handles import WorkerHandle
+from vericache.serve.metrics import ServeMetrics, metered
 from vericache.serve.rounds import Mode, RequestPlan, ServedRequest, run_request
 from vericache.serve.worker import ModelInfo
 from vericache.v1 import vericache_pb2 as pb
@@ -65,6 +66,8 @@ class Coordinator:
         self._num_waiting = 0
         self._registering: dict[str, asyncio.Lock] = {}
         self._num_active = Counter()  # tenant name -> its Generate and PutPrefix calls running
+        self.metrics: ServeMetrics | None = None  # made at start, once the model is known
+        self._num_running_requests = 0
 
     async def start(self) -> Coordinator:
         if not self.verifiers:
@@ -77,6 +80,7 @@ class Coordinator:
         if len({info.fingerprint for info in infos}) != 1:
             raise UnsupportedModelError(f"workers serve different models: {sorted(infos)}")
         self.info = described[0]["info"]
+        self.metrics = ServeMetrics(self.info.model)
         return self
 
     async def close(self) -> None:
@@ -247,15 +251,22 @@ class Coordinator:
                     f"{self._num_waiting} waiting: retry later"
                 )
             self._num_waiting += 1
+            self._meter_queue(running_delta=0)
             try:
                 await self._running.acquire()
             finally:
                 self._num_waiting -= 1
+            self._meter_queue(running_delta=1)
             try:
                 async for message in self._serve(plan):
                     yield message
             finally:
                 self._running.release()
+                self._meter_queue(running_delta=-1)
+
+    def _meter_queue(self, running_delta: int) -> None:
+        self._num_running_requests += running_delta
+        self.metrics.set_queue(self._num_running_requests, self._num_waiting)
 
     def _served(self, plan: RequestPlan) -> ServedRequest:
         checker = StopChecker(
@@ -272,7 +283,7 @@ class Coordinator:
             worker.active += 1
         try:
             rounds = run_request(served, verifier, drafter, self._addresses[verifier.name])
-            async for message in stream_responses(served, rounds):
+            async for message in metered(self.metrics, served, stream_responses(served, rounds)):
                 yield message
         finally:
             for worker in workers:

@@ -43,6 +43,7 @@ from vericache.serve.engine_loop import (
     RequestFinished,
     TokensCommitted,
 )
+from vericache.serve.metrics import ServeMetrics, metered
 from vericache.serve.rounds import Mode, RequestPlan, ServedRequest
 from vericache.serve.server import BackgroundServer
 from vericache.serve.worker import ModelInfo, load_worker_model
@@ -63,6 +64,7 @@ class LongContextCoordinator(Coordinator):
         super().__init__([], [], tokenizer, config)
         self.engine_loop = engine_loop
         self.info = info
+        self.metrics = ServeMetrics(info.model)
         self._slot_bytes = slot_bytes  # one token of full KV, as the engine holds it
         self._prefixes: dict[str, PrefixRecord] = {}
 
@@ -120,7 +122,8 @@ class LongContextCoordinator(Coordinator):
 
         submission = self.engine_loop.submit(await self._engine_request(plan), deliver)
         try:
-            async for message in stream_responses(served, _committed(served, events)):
+            responses = stream_responses(served, _committed(served, events))
+            async for message in metered(self.metrics, served, responses):
                 yield message
         finally:
             self.engine_loop.cancel(submission)  # a no-op once it finished

@@ -13,6 +13,7 @@ process), records events into it, and serves it over HTTP (`start_http`) for Pro
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -185,3 +186,28 @@ class ServeMetrics:
 def _name(name: str) -> str:
     # vLLM's style: the namespace joined with a colon (prometheus_client's namespace= joins "_").
     return f"{NAMESPACE}:{name}"
+
+
+async def metered(metrics: ServeMetrics, served, responses: AsyncIterator) -> AsyncIterator:
+    """Passes a served request's Generate stream through (`vericache.serve.rounds.ServedRequest`,
+    its `GenerateResponse` messages), recording it: the streamed tokens as they go (latencies
+    from the request's admission), then its rounds, link and store traffic, and how it ended
+    ("abort" when the stream was closed early)."""
+    metrics.request_admitted(len(served.plan.prompt_ids))
+    last, is_first = served.started_at, True
+    try:
+        async for message in responses:
+            if message.HasField("chunk") and message.chunk.token_ids:
+                now = time.perf_counter()
+                metrics.tokens_streamed(len(message.chunk.token_ids), now - last, is_first)
+                last, is_first = now, False
+            yield message
+    finally:
+        for drafted, accepted in zip(served.drafted_per_round, served.accepted_per_round):
+            metrics.round_verified(drafted, accepted)
+        traffic = served.traffic
+        metrics.link_used(traffic.link_bytes, traffic.link_wait_s)
+        if traffic.store_bytes:
+            metrics.store_lookup(hit=True, num_bytes=traffic.store_bytes)
+        elapsed = time.perf_counter() - served.started_at
+        metrics.request_finished(served.finish_reason or "abort", elapsed)

@@ -61,6 +61,7 @@ class ServedRequest:
     finish_reason: str | None = None
     rounds: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
+    drafted_per_round: list[int] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
     first_token_at: float | None = None
 
@@ -219,6 +220,7 @@ async def _vericache(
         request.rounds += 1
         # A stop inside the accepted drafts ends the request before the rest is emitted.
         request.accepted_per_round.append(min(accepted, len(committed)))
+        request.drafted_per_round.append(len(drafts))
         exact, link_delay = verified.exact, verified.link_delay_s
         yield committed
 
