@@ -228,6 +228,14 @@ def test_probes_use_grpc_health_on_the_plaintext_health_port():
     assert HEAD["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
 
 
+def test_metrics_port_is_served_declared_and_annotated():
+    args = build_parser().parse_args(serve_argv())
+    annotations = CLUSTER["spec"]["headGroupSpec"]["template"]["metadata"]["annotations"]
+    assert args.metrics_port == port_named(HEAD, "metrics")
+    assert annotations["prometheus.io/port"] == str(args.metrics_port)
+    assert annotations["prometheus.io/scrape"] == "true"
+
+
 def test_api_keys_and_tls_come_from_optional_secrets():
     secrets = {v["name"]: v["secret"] for v in HEAD_POD["volumes"] if "secret" in v}
     assert {"vericache-api-keys", "vericache-tls"} == {s["secretName"] for s in secrets.values()}
