@@ -14,6 +14,7 @@ files named only by those variables are used if both exist (the k8s Secret is op
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -26,6 +27,9 @@ from vericache.model.loader import DEFAULT_MODEL, DTYPES, cache_root
 from vericache.serve.auth import Access, ApiKeys, TlsFiles
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig, WorkerConfig
 from vericache.serve.link import LinkSpec, parse_size
+from vericache.serve.logs import configure_logging
+
+log = logging.getLogger("vericache.serve.summary")
 
 
 def add_parser(commands) -> None:
@@ -54,6 +58,12 @@ def add_parser(commands) -> None:
     parser.add_argument("--placement-timeout", type=float, default=300.0, help="seconds")
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus /metrics over HTTP on this port"
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="server logs on stderr: text, or one JSON object per line (request ids as fields)",
     )
     parser.add_argument(
         "--log-interval",
@@ -157,6 +167,7 @@ def run(args) -> int:
     if long_context is None and not is_on_ray:
         raise InvalidRequestError("serve needs one of --local, --address or --long-context")
     config = coordinator_config(args)
+    configure_logging(args.log_format)
     if long_context is None:
         worker_configs(args)  # sizes and the link parse before the access files are read
     access = access_from_args(args)
@@ -175,7 +186,7 @@ def run(args) -> int:
         signal.signal(signum, lambda *_: stopped.set())
     interval = args.log_interval if args.log_interval > 0 else None
     while not stopped.wait(interval):
-        print(f"[vericache] {metrics.summary_line()}", file=sys.stderr, flush=True)
+        log.info("summary: %s", metrics.summary_line())
     print("Stopping...", file=sys.stderr, flush=True)
     server.stop()
     return 0

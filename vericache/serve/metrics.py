@@ -12,6 +12,7 @@ process), records events into it, and serves it over HTTP (`start_http`) for Pro
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ from prometheus_client import (
     start_http_server,
 )
 
+from vericache.v1.vericache_pb2 import Mode
+
+log = logging.getLogger(__name__)
 NAMESPACE = "vericache"
 # Seconds; as vLLM's buckets for these histograms, from a few ms to minutes.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -192,7 +196,7 @@ async def metered(metrics: ServeMetrics, served, responses: AsyncIterator) -> As
     """Passes a served request's Generate stream through (`vericache.serve.rounds.ServedRequest`,
     its `GenerateResponse` messages), recording it: the streamed tokens as they go (latencies
     from the request's admission), then its rounds, link and store traffic, and how it ended
-    ("abort" when the stream was closed early)."""
+    ("abort" when the stream was closed early), in the metrics and as one log line."""
     metrics.request_admitted(len(served.plan.prompt_ids))
     last, is_first = served.started_at, True
     try:
@@ -210,4 +214,26 @@ async def metered(metrics: ServeMetrics, served, responses: AsyncIterator) -> As
         if traffic.store_bytes:
             metrics.store_lookup(hit=True, num_bytes=traffic.store_bytes)
         elapsed = time.perf_counter() - served.started_at
-        metrics.request_finished(served.finish_reason or "abort", elapsed)
+        finish_reason = served.finish_reason or "abort"
+        metrics.request_finished(finish_reason, elapsed)
+        _log_finished(served, finish_reason, elapsed)
+
+
+def _log_finished(served, finish_reason: str, elapsed_s: float) -> None:
+    plan, accepted = served.plan, served.accepted_per_round
+    mean_accepted = round(sum(accepted) / len(accepted), 2) if accepted else None
+    log.info(
+        "request finished",
+        extra={
+            "request_id": plan.session_id,
+            "mode": Mode.Name(plan.mode).lower(),
+            "prefix_id": plan.prefix_id,
+            "prompt_tokens": len(plan.prompt_ids),
+            "output_tokens": len(served.output_ids),
+            "finish_reason": finish_reason,
+            "rounds": served.rounds,
+            "mean_accepted_per_round": mean_accepted,
+            "link_bytes": served.traffic.link_bytes,
+            "elapsed_s": round(elapsed_s, 4),
+        },
+    )
