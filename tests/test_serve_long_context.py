@@ -191,6 +191,18 @@ def test_vericache_serve_long_context(tiny_chat_checkpoint):
         with urllib.request.urlopen(metrics_url, timeout=10) as response:
             scraped = response.read().decode()
         assert 'vericache:request_success_total{finished_reason="length"' in scraped
+        drafts = next(
+            line
+            for line in scraped.splitlines()
+            if line.startswith("vericache:spec_decode_num_drafts_total")
+        )
+        assert float(drafts.split()[-1]) > 0  # the vericache request's rounds
+        memory = next(
+            line
+            for line in scraped.splitlines()
+            if line.startswith("vericache:device_memory_bytes")
+        )
+        assert float(memory.split()[-1]) > 0  # the weights at least
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0

@@ -124,6 +124,8 @@ class LongContextCoordinator(Coordinator):
         try:
             responses = stream_responses(served, _committed(served, events))
             async for message in metered(self.metrics, served, responses):
+                # Read across threads: a momentary value, as a gauge is.
+                self.metrics.set_device_memory(self.engine_loop.engine.memory.in_use_bytes)
                 yield message
         finally:
             self.engine_loop.cancel(submission)  # a no-op once it finished
@@ -158,6 +160,7 @@ async def _committed(
         served.finish_reason = output.finish_reason
         served.rounds = output.stats.rounds
         served.accepted_per_round = list(output.stats.accepted_per_round)
+        served.drafted_per_round = list(output.stats.drafted_per_round)
         return
 
 
