@@ -24,6 +24,7 @@ from vericache.bench.common import (
     int_list,
     progress,
     pyplot,
+    save_figure,
 )
 from vericache.bench.workloads import code_contexts, humaneval_prompts, tool_contexts
 from vericache.engine.engine import Engine, EngineConfig
@@ -209,6 +210,4 @@ def plot(result: dict, path) -> None:
         f"(x={summary['best_static_draft_len']})"
     )
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)

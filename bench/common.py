@@ -81,6 +81,16 @@ def pyplot():
     return plt
 
 
+def save_figure(figure, path, title: str | None = None) -> None:
+    """Writes a benchmark's figure as PNG (with `title` above its panels) and frees it."""
+    plt = pyplot()
+    if title:
+        figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def progress(iterable=None, description: str = "", total: int | None = None, unit: str = "it"):
     """A progress bar on stderr for a person waiting at a terminal (silent when stderr is not
     one, e.g. in CI logs); used as tqdm: iterate it, or `update(n)` and `close()` it."""

@@ -24,7 +24,13 @@ import time
 
 import torch
 
-from vericache.bench.common import compressor_from_label, environment, progress, pyplot
+from vericache.bench.common import (
+    compressor_from_label,
+    environment,
+    progress,
+    pyplot,
+    save_figure,
+)
 from vericache.bench.workloads import code_contexts, humaneval_prompts
 from vericache.engine.device_memory import full_kv_bytes
 from vericache.engine.engine import EngineConfig
@@ -227,12 +233,13 @@ def plot(result: dict, path) -> None:
         f"({config['budget_bytes'] / 1e9:.2f} GB)",
         fontsize=10,
     )
-    figure.suptitle(
+    pcie = f"PCIe {config['pcie_bandwidth_bytes_per_s'] / 1e9:g} GB/s (emulated)"
+    save_figure(figure, path, f"{workload_title(config)}, {pcie}")
+
+
+def workload_title(config: dict) -> str:
+    """What a run decoded, for a plot's title."""
+    return (
         f"{config['num_requests']} requests of ~{max(config['prompt_tokens'])} tokens, "
-        f"{config['compressor']}, x={config['draft_len']}, PCIe "
-        f"{config['pcie_bandwidth_bytes_per_s'] / 1e9:g} GB/s (emulated)",
-        fontsize=9,
+        f"{config['compressor']}, x={config['draft_len']}"
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)

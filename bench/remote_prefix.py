@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vericache.bench.common import compressor_from_label, environment, pyplot
+from vericache.bench.common import compressor_from_label, environment, pyplot, save_figure
 from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
 from vericache.client import Client, Result
 from vericache.errors import InvalidRequestError
@@ -432,14 +432,12 @@ def plot(result: dict, path) -> None:
         axis.set_xlabel("full-KV transfer time / reply decode time (link bandwidth)")
         axis.legend(fontsize=8)
     config = result["config"]
-    fig.suptitle(
+    title = (
         f"{config['num_requests']} requests over {config['num_prefixes']} prefixes, "
         f"{config['concurrency']} in flight, {config['max_tokens']} tokens each, "
-        f"{config['compressor']}, x={config['draft_len']}",
-        fontsize=9,
+        f"{config['compressor']}, x={config['draft_len']}"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, title)
 
 
 def _token_range(text: str) -> tuple[int, int]:

@@ -20,7 +20,7 @@ lock-step's; `peak_memory_full_kvs`: the most full KV on the device at once, in 
 
 from __future__ import annotations
 
-from vericache.bench.common import environment, pyplot
+from vericache.bench.common import environment, pyplot, save_figure
 from vericache.bench.decode_speed import time_steps
 from vericache.bench.long_context import (
     add_model_arguments,
@@ -28,6 +28,7 @@ from vericache.bench.long_context import (
     long_context_requests,
     run_engine,
     without_tokens,
+    workload_title,
 )
 from vericache.engine.device_memory import full_kv_bytes
 from vericache.engine.engine import Engine, EngineConfig
@@ -159,12 +160,8 @@ def plot(result: dict, path) -> None:
     memory.set_ylabel("device memory peak, GB")
     memory.set_title(f"peak ratio {summary['peak_memory_ratio']:.2f}", fontsize=10)
     memory.legend(fontsize=8)
-    figure.suptitle(
-        f"{config['num_requests']} requests of ~{max(config['prompt_tokens'])} tokens, "
-        f"{config['compressor']}, x={config['draft_len']}, a full-KV load = "
-        f"{config['load_draft_steps']:g} draft steps ({config['link_bytes_per_s'] / 1e6:.0f} MB/s)",
-        fontsize=9,
+    load = (
+        f"a full-KV load = {config['load_draft_steps']:g} draft steps "
+        f"({config['link_bytes_per_s'] / 1e6:.0f} MB/s)"
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, f"{workload_title(config)}, {load}")
