@@ -172,13 +172,7 @@ def run_engine(runner, tokenizer, requests, long_context: LongContextConfig) -> 
     total = sum(r.params.max_new_tokens for r in requests)
     with engine, progress(description="decoding", total=total, unit="tok") as bar:
         start = time.perf_counter()
-        keys = [engine.add_request(request) for request in requests]
-        finished = {}
-        while engine.has_unfinished:
-            done = engine.run_iteration()
-            bar.update(sum(len(out.token_ids) for out in done.values()))
-            finished |= done
-        outputs = [finished[key] for key in keys]
+        outputs = engine.generate(requests, lambda output: bar.update(len(output.token_ids)))
         wall_s = time.perf_counter() - start
     iterations = list(engine.scheduler.metrics.iterations)
     return {

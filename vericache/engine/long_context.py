@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -134,11 +134,20 @@ class LongContextEngine(Engine):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
+    def generate(
+        self,
+        requests: Iterable[Request],
+        on_finished: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Decodes every request; `on_finished` hears of each one as it finishes."""
         keys = [self.add_request(request) for request in requests]
         outputs: dict[str, RequestOutput] = {}
         while self.has_unfinished:
-            outputs |= self.run_iteration()
+            finished = self.run_iteration()
+            if on_finished is not None:
+                for output in finished.values():
+                    on_finished(output)
+            outputs |= finished
         return [outputs[key] for key in keys]
 
     def add_request(self, request: Request) -> str:
