@@ -156,9 +156,9 @@ class ServeMetrics:
         now = time.monotonic()
         totals = _Totals(
             at=now,
-            generation_tokens=self._value(self._generation_tokens),
-            drafts=self._value(self._drafts),
-            accepted_tokens=self._value(self._accepted),
+            generation_tokens=self._value("generation_tokens_total"),
+            drafts=self._value("spec_decode_num_drafts_total"),
+            accepted_tokens=self._value("spec_decode_num_accepted_tokens_total"),
         )
         elapsed = max(now - self._last.at, 1e-9)
         tokens = totals.generation_tokens - self._last.generation_tokens
@@ -168,14 +168,16 @@ class ServeMetrics:
         per_round = f"{accepted / drafts:.1f}" if drafts else "-"
         return (
             f"{tokens / elapsed:.1f} tokens/s, {per_round} accepted per round over {drafts:.0f} "
-            f"rounds, {self._value(self._running):.0f} running, "
-            f"{self._value(self._waiting):.0f} waiting"
+            f"rounds, {self._value('num_requests_running'):.0f} running, "
+            f"{self._value('num_requests_waiting'):.0f} waiting"
         )
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _value(self, metric) -> float:
-        return metric.labels(self.model_name)._value.get()
+    def _value(self, sample_name: str) -> float:
+        """A sample of this server's model, by its name less the namespace."""
+        labels = {"model_name": self.model_name}
+        return self.registry.get_sample_value(_name(sample_name), labels) or 0.0
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(_name(name), doc, ("model_name", *labels), registry=self.registry)
