@@ -86,13 +86,6 @@ class ServeMetrics:
         self._device_memory = self._gauge(
             "device_memory_bytes", "Device memory in use by the KV caches and weights."
         )
-        # Series exist from the start (at 0), as vLLM's do, so that rates and dashboards work
-        # before the first request.
-        for metric in (self._running, self._waiting, self._prompt_tokens, self._generation_tokens,
-                       self._ttft, self._itl, self._e2e, self._drafts, self._draft_tokens,
-                       self._accepted, self._link_bytes, self._link_seconds, self._store_bytes,
-                       self._device_memory):  # fmt: skip
-            metric.labels(model_name)
         self._last = _Totals(at=time.monotonic())
 
     # -- events ---------------------------------------------------------------------------------
@@ -180,13 +173,23 @@ class ServeMetrics:
         return self.registry.get_sample_value(_name(sample_name), labels) or 0.0
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-        return Counter(_name(name), doc, ("model_name", *labels), registry=self.registry)
+        counter = Counter(_name(name), doc, ("model_name", *labels), registry=self.registry)
+        return self._with_series(counter) if not labels else counter
 
     def _gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(_name(name), doc, ("model_name",), registry=self.registry)
+        return self._with_series(Gauge(_name(name), doc, ("model_name",), registry=self.registry))
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(_name(name), doc, ("model_name",), registry=self.registry, buckets=buckets)
+        histogram = Histogram(
+            _name(name), doc, ("model_name",), registry=self.registry, buckets=buckets
+        )
+        return self._with_series(histogram)
+
+    def _with_series(self, metric):
+        """A metric labelled by the model alone gets its series now, at 0, as vLLM's do: rates
+        and dashboards work before the first request."""
+        metric.labels(self.model_name)
+        return metric
 
 
 def _name(name: str) -> str:
