@@ -71,11 +71,17 @@ class BatchLoop:
 
     def run(self, job: DecodeJob) -> list[int]:
         """Runs `job` to completion among the others; returns its greedy choices."""
-        if job.done:
-            return job.choices
-        finished: Future = Future()
-        self._inbox.put((job, finished))
-        return finished.result()
+        return self.run_many([job])[0]
+
+    def run_many(self, jobs: list[DecodeJob]) -> list[list[int]]:
+        """Runs `jobs` to completion among the others, all joining at the same step (a scheduled
+        iteration's batch must not be split between two forwards); returns their choices."""
+        arrivals = [(job, Future()) for job in jobs if not job.done]
+        if arrivals:
+            self._inbox.put(arrivals)
+        for _, finished in arrivals:
+            finished.result()  # raises the step's error, if any
+        return [job.choices for job in jobs]
 
     def stop(self) -> None:
         self._inbox.put(None)
@@ -84,14 +90,15 @@ class BatchLoop:
     def _run(self) -> None:
         active: list[tuple[DecodeJob, Future]] = []
         while True:
-            arrivals = [self._inbox.get()] if not active else []
+            groups = [self._inbox.get()] if not active else []
             while True:  # take in everything that is waiting
                 try:
-                    arrivals.append(self._inbox.get_nowait())
+                    groups.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            if None in arrivals:
-                for _, finished in active + [a for a in arrivals if a is not None]:
+            arrivals = [arrival for group in groups if group is not None for arrival in group]
+            if None in groups:
+                for _, finished in active + arrivals:
                     finished.set_exception(RuntimeError("the worker is shutting down"))
                 return
             active += arrivals

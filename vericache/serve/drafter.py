@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.engine.calibration import time_draft_step
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
@@ -36,6 +37,10 @@ class DraftRole(str, enum.Enum):
     FULL = "full"
 
 
+# step()'s arguments: session_id, pending, max_tokens, end_ids, exact.
+DraftStep = tuple[str, list[int], int, list[int], "ExactKV | None"]
+
+
 @dataclass
 class _Session:
     role: DraftRole
@@ -51,7 +56,8 @@ class Drafter:
         self._loop = BatchLoop(self.runner, "drafter-batch")
 
     def describe(self) -> dict:
-        return {"info": self.info}
+        """The model, and the time of one draft step (a first estimate for the scheduler)."""
+        return {"info": self.info, "draft_step_s": time_draft_step(self.runner)}
 
     def open(
         self,
@@ -94,6 +100,30 @@ class Drafter:
         """Up to `max_tokens` greedy tokens after `pending`, batched with the drafter's other
         requests. `exact`: the verifier's KV of the tokens committed since the last round, which
         replaces what this cache drafted for them."""
+        job = self._job(session_id, pending, max_tokens, end_ids, exact)
+        return WorkResult(tokens=self._loop.run(job))
+
+    def step_many(self, steps: list[DraftStep]) -> list[WorkResult | None]:
+        """`step` for several sessions at once, in one batch from their first forward on: a
+        scheduled iteration's draft step (scheduled.py). A session closed meanwhile (its request
+        cancelled) gets None; the others step."""
+        jobs: list[DecodeJob | None] = []
+        for step in steps:
+            try:
+                jobs.append(self._job(*step))
+            except SessionNotFoundError:
+                jobs.append(None)
+        choices = iter(self._loop.run_many([job for job in jobs if job is not None]))
+        return [None if job is None else WorkResult(tokens=next(choices)) for job in jobs]
+
+    def _job(
+        self,
+        session_id: str,
+        pending: list[int],
+        max_tokens: int,
+        end_ids: list[int],
+        exact: ExactKV | None,
+    ) -> DecodeJob:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFoundError(f"the drafter holds no session {session_id!r}")
@@ -102,7 +132,7 @@ class Drafter:
             cache.truncate(exact.start)  # drops the drafts: uncommitted, never compressed
             exact.append_to(cache)
             self._update(cache)
-        job = DecodeJob(
+        return DecodeJob(
             cache,
             list(pending),
             max_steps=max_tokens,
@@ -110,7 +140,6 @@ class Drafter:
             invariant=session.role is DraftRole.FULL,
             after_step=(lambda: self._update(cache)) if session.role is DraftRole.LOSSY else None,
         )
-        return WorkResult(tokens=self._loop.run(job))
 
     def batching(self) -> dict:
         """Steps the batch loop ran, and the largest batch one of them held."""

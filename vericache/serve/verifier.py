@@ -24,6 +24,8 @@ import torch
 
 from vericache.compress import build_compressor
 from vericache.compress.context import ModelContext
+from vericache.engine.calibration import measure_link_bandwidth
+from vericache.engine.device_memory import slot_bytes
 from vericache.engine.engine import num_accepted
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
@@ -43,6 +45,9 @@ from vericache.serve.worker import (
     load_worker_model,
 )
 
+# verify()'s arguments: session_id, pending, drafts.
+Verification = tuple[str, list[int], list[int]]
+
 
 @dataclass
 class _Session:
@@ -51,6 +56,7 @@ class _Session:
     cache: KVCache | None = None  # None: evicted; `tail` holds the tokens after the prefix
     tail: ExactKV | None = None
     in_use: bool = False  # a call is working on it: not to be evicted
+    pinned: bool = False  # loaded ahead of its verification (`load`): not to be evicted either
 
 
 class Verifier:
@@ -80,7 +86,18 @@ class Verifier:
         return self._transfer.address
 
     def describe(self) -> dict:
-        return {"info": self.info, "transfer_address": self.transfer_address}
+        """What the coordinator plans with: the model, where to fetch KV, device memory (the
+        weights, the bytes one cache slot of full KV takes, the budget for resident full KV) and a
+        first estimate of the bandwidth of full-KV loads onto the device."""
+        element_size = self.runner.dtype.itemsize
+        return {
+            "info": self.info,
+            "transfer_address": self.transfer_address,
+            "weights_bytes": self.runner.weights.nbytes,
+            "slot_bytes": slot_bytes(self.runner.config, element_size),
+            "resident_bytes": self.config.resident_bytes,
+            "load_bytes_per_s": measure_link_bandwidth(self.runner.device),
+        }
 
     # --- Prefixes ---------------------------------------------------------------------------------
 
@@ -197,21 +214,53 @@ class Verifier:
             raise
         return result
 
+    def load(self, session_id: str) -> WorkResult:
+        """Brings the session's full KV onto the device ahead of its next verification, and keeps
+        it there until then: a scheduled load (scheduled.py), overlapping other requests' work."""
+        result = WorkResult()
+        with self._using(session_id, result) as session:
+            session.pinned = True
+        return result
+
     def verify(self, session_id: str, pending: list[int], drafts: list[int]) -> WorkResult:
         """One forward over [pending + drafts] with the full KV (batched with the other requests
         due): the full-KV greedy choice after each; keeps the KV of pending and accepted drafts
         and hands it to the drafter."""
-        result = WorkResult()
-        with self._using(session_id, result) as session:
-            cache = session.cache
-            before = cache.num_tokens
-            job = DecodeJob(cache, pending + drafts, num_logits=1 + len(drafts), invariant=True)
-            result.tokens = self._loop.run(job)  # [1 + len(drafts)] greedy choices
-            result.num_accepted = num_accepted(drafts, result.tokens)
-            kept = before + len(pending) + result.num_accepted
-            cache.truncate(kept)
-            self._hand_over(result, ExactKV.slice(cache, before, kept))
+        result = self.verify_many([(session_id, pending, drafts)])[0]
+        if result is None:
+            raise SessionNotFoundError(f"the verifier holds no session {session_id!r}")
         return result
+
+    def verify_many(self, verifications: list[Verification]) -> list[WorkResult | None]:
+        """`verify` for several sessions (session_id, pending, drafts) in one batched forward. A
+        session closed meanwhile (its request cancelled) gets None; the others verify."""
+        results: list[WorkResult | None] = []
+        batch = []  # (session, its verification, its result, its tokens before)
+        with contextlib.ExitStack() as using:
+            for verification in verifications:
+                result = WorkResult()
+                try:
+                    session = using.enter_context(self._using(verification[0], result))
+                except SessionNotFoundError:
+                    results.append(None)
+                    continue
+                results.append(result)
+                batch.append((session, verification, result, session.cache.num_tokens))
+            jobs = [
+                DecodeJob(
+                    session.cache, pending + drafts, num_logits=1 + len(drafts), invariant=True
+                )
+                for session, (_, pending, drafts), _, _ in batch
+            ]
+            choices = self._loop.run_many(jobs)  # each [1 + len(drafts)] greedy choices
+            for (session, (_, pending, drafts), result, before), tokens in zip(batch, choices):
+                result.tokens = tokens
+                result.num_accepted = num_accepted(drafts, tokens)
+                kept = before + len(pending) + result.num_accepted
+                session.cache.truncate(kept)
+                session.pinned = False
+                self._hand_over(result, ExactKV.slice(session.cache, before, kept))
+        return results
 
     def decode(
         self, session_id: str, pending: list[int], max_tokens: int, end_ids: list[int]
@@ -295,7 +344,7 @@ class Verifier:
         for victim in list(self._sessions.values()):
             if self._resident_bytes() <= self.config.resident_bytes:
                 return
-            if victim.cache is None or victim.in_use:
+            if victim.cache is None or victim.in_use or victim.pinned:
                 continue
             num_prefix = len(victim.prefix_tokens)
             victim.tail = ExactKV.slice(victim.cache, num_prefix, victim.cache.num_tokens)
