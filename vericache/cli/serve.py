@@ -25,7 +25,13 @@ from vericache.cli.generate import add_long_context_arguments, long_context_conf
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES, cache_root
 from vericache.serve.auth import Access, ApiKeys, TlsFiles
-from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig, WorkerConfig
+from vericache.serve.config import (
+    SCHEDULING_POLICIES,
+    CoordinatorConfig,
+    DrafterConfig,
+    VerifierConfig,
+    WorkerConfig,
+)
 from vericache.serve.link import LinkSpec, parse_size
 from vericache.serve.logs import configure_logging
 
@@ -53,6 +59,14 @@ def add_parser(commands) -> None:
     parser.add_argument("--resident-bytes", default="4GiB", help="full KV a verifier keeps")
     parser.add_argument("--drafter-cache-bytes", default="4GiB", help="a drafter's prefix LRU")
     parser.add_argument("--draft-len", type=int, default=30, help="default tokens per draft")
+    parser.add_argument(
+        "--scheduling",
+        choices=SCHEDULING_POLICIES,
+        default="per-request",
+        help="distributed VERICACHE rounds: each request on its own (batched in the workers), "
+        "or planned across requests by the staggering scheduler (or lock-step, the paper's "
+        "baseline)",
+    )
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--placement-timeout", type=float, default=300.0, help="seconds")
@@ -143,6 +157,7 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
 def coordinator_config(args) -> CoordinatorConfig:
     return CoordinatorConfig(
         default_draft_len=args.draft_len,
+        scheduling=args.scheduling,
         max_running=args.max_running,
         max_waiting=args.max_waiting,
     )

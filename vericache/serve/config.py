@@ -8,6 +8,7 @@ from pathlib import Path
 
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES
+from vericache.scheduler import SchedulerConfig
 from vericache.serve.link import LinkSpec
 
 
@@ -56,6 +57,9 @@ class DrafterConfig(WorkerConfig):
     prefill_chunk: int = 512
 
 
+SCHEDULING_POLICIES = ("per-request", "staggered", "lockstep")
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     default_draft_len: int = 30
@@ -64,8 +68,18 @@ class CoordinatorConfig:
     max_running: int = 16  # requests decoding at once
     max_waiting: int = 64  # requests queued beyond those; more are refused (RESOURCE_EXHAUSTED)
     decode_chunk: int = 8  # tokens per call when one worker decodes alone (streaming granularity)
+    # How VERICACHE rounds are driven (scheduled.py): "per-request" runs each request's rounds on
+    # its own, batched only inside the workers; "staggered" plans every draft step, verification
+    # and full-KV load across requests with the staggering scheduler; "lockstep" with the paper's
+    # baseline (everyone drafts x, then everyone verifies).
+    scheduling: str = "per-request"
+    scheduler: SchedulerConfig = SchedulerConfig()
 
     def __post_init__(self):
+        if self.scheduling not in SCHEDULING_POLICIES:
+            raise InvalidRequestError(
+                f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}"
+            )
         counts = (self.default_draft_len, self.max_draft_len, self.default_max_tokens)
         if min(*counts, self.max_running, self.decode_chunk) < 1 or self.max_waiting < 0:
             raise InvalidRequestError(f"coordinator settings out of range: {self}")

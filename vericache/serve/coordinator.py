@@ -40,6 +40,7 @@ from vericache.serve.config import CoordinatorConfig
 from vericache.serve.handles import WorkerHandle
 from vericache.serve.metrics import ServeMetrics, metered
 from vericache.serve.rounds import Mode, RequestPlan, ServedRequest, run_request
+from vericache.serve.scheduled import ScheduledRounds, new_scheduled_rounds
 from vericache.serve.worker import ModelInfo
 from vericache.v1 import vericache_pb2 as pb
 
@@ -68,6 +69,8 @@ class Coordinator:
         self._num_active = Counter()  # tenant name -> its Generate and PutPrefix calls running
         self.metrics: ServeMetrics | None = None  # made at start, once the model is known
         self._num_running_requests = 0
+        # Verifier name -> the schedule of its VERICACHE rounds; empty: each request on its own.
+        self.schedules: dict[str, ScheduledRounds] = {}
 
     async def start(self) -> Coordinator:
         if not self.verifiers:
@@ -81,6 +84,12 @@ class Coordinator:
             raise UnsupportedModelError(f"workers serve different models: {sorted(infos)}")
         self.info = described[0]["info"]
         self.metrics = ServeMetrics(self.info.model)
+        if self.config.scheduling != "per-request" and drafters:
+            draft_step_s = max(about["draft_step_s"] for about in drafters)
+            self.schedules = {
+                verifier.name: new_scheduled_rounds(verifier, about, draft_step_s, self.config)
+                for verifier, about in zip(self.verifiers, described)
+            }
         return self
 
     async def close(self) -> None:
@@ -282,7 +291,9 @@ class Coordinator:
         for worker in workers:
             worker.active += 1
         try:
-            rounds = run_request(served, verifier, drafter, self._addresses[verifier.name])
+            address = self._addresses[verifier.name]
+            schedule = self.schedules.get(verifier.name)
+            rounds = run_request(served, verifier, drafter, address, schedule)
             async for message in metered(self.metrics, served, stream_responses(served, rounds)):
                 yield message
         finally:

@@ -11,9 +11,11 @@ token at a time, so every mode stops at the same token); workers hold only its c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from vericache.engine.request import SamplingParams
 from vericache.engine.stops import StopChecker
@@ -90,11 +92,25 @@ class ServedRequest:
             self.first_token_at = time.perf_counter()
         return appended
 
-    def draft_target(self) -> int:
+    def finish_round(self, drafts: list[int], verified: WorkResult) -> list[int]:
+        """Commits a verified round: the accepted drafts and the verifier's own next token."""
+        self.traffic.add(verified)
+        accepted = verified.num_accepted
+        committed = self.commit(drafts[:accepted] + [verified.tokens[accepted]])
+        self.rounds += 1
+        # A stop inside the accepted drafts ends the request before the rest is emitted.
+        self.accepted_per_round.append(min(accepted, len(committed)))
+        self.drafted_per_round.append(len(drafts))
+        return committed
+
+    def draft_target(self, draft_len: int | None = None) -> int:
+        """Drafts for the next round: `draft_len` (the request's own by default) within the
+        token budget and the context."""
         remaining = self.plan.params.max_new_tokens - len(self.output_ids)
         room = self.checker.max_total_tokens - len(self.token_ids)
+        draft_len = self.plan.draft_len if draft_len is None else draft_len
         # A verification emits one token beyond the drafts; drafting past the budget is waste.
-        return max(0, min(self.plan.draft_len, remaining - 1, room))
+        return max(0, min(draft_len, remaining - 1, room))
 
     def decode_target(self) -> int:
         remaining = self.plan.params.max_new_tokens - len(self.output_ids)
@@ -123,16 +139,26 @@ class ServedRequest:
         )
 
 
+class Schedule(Protocol):
+    """Runs VERICACHE rounds across requests (scheduled.py) instead of one request alone."""
+
+    def rounds(
+        self, request: ServedRequest, drafter: WorkerHandle, opened: WorkResult
+    ) -> AsyncIterator[list[int]]: ...
+
+
 async def run_request(
     request: ServedRequest,
     verifier: WorkerHandle | None,
     drafter: WorkerHandle | None,
     transfer_address: str,
+    schedule: Schedule | None = None,
 ) -> AsyncIterator[list[int]]:
-    """Drives the workers for one request; yields each batch of committed tokens."""
+    """Drives the workers for one request; yields each batch of committed tokens. VERICACHE
+    rounds run on `schedule` when given, else on their own."""
     plan = request.plan
     if plan.mode == Mode.VERICACHE:
-        rounds = _vericache(request, verifier, drafter, transfer_address)
+        rounds = _vericache(request, verifier, drafter, transfer_address, schedule)
     elif plan.mode == Mode.FULL_LOCAL:
         opening = _open_verifier(request, verifier, False)
         rounds = _alone(request, verifier, "decode", opening)
@@ -191,7 +217,11 @@ async def _alone(
 
 
 async def _vericache(
-    request: ServedRequest, verifier: WorkerHandle, drafter: WorkerHandle, address: str
+    request: ServedRequest,
+    verifier: WorkerHandle,
+    drafter: WorkerHandle,
+    address: str,
+    schedule: Schedule | None,
 ) -> AsyncIterator[list[int]]:
     plan = request.plan
     # The verifier prefills the prompt while the drafter fetches the compressed prefix.
@@ -201,6 +231,12 @@ async def _vericache(
     request.traffic.add(opened)
     request.traffic.add(fetched)
     yield request.commit(opened.tokens)
+    if schedule is not None:
+        if request.finish_reason is None:
+            async with contextlib.aclosing(schedule.rounds(request, drafter, opened)) as rounds:
+                async for tokens in rounds:
+                    yield tokens
+        return
     end_ids = sorted(request.checker.end_ids)
     exact: ExactKV | None = opened.exact
     link_delay = opened.link_delay_s
@@ -214,15 +250,8 @@ async def _vericache(
             )
             drafts = stepped.tokens
         verified = await verifier.call("verify", plan.session_id, request.output_ids[-1:], drafts)
-        request.traffic.add(verified)
-        accepted = verified.num_accepted
-        committed = request.commit(drafts[:accepted] + [verified.tokens[accepted]])
-        request.rounds += 1
-        # A stop inside the accepted drafts ends the request before the rest is emitted.
-        request.accepted_per_round.append(min(accepted, len(committed)))
-        request.drafted_per_round.append(len(drafts))
         exact, link_delay = verified.exact, verified.link_delay_s
-        yield committed
+        yield request.finish_round(drafts, verified)
 
 
 async def _cross_link(request: ServedRequest, delay: float) -> None:

@@ -1,0 +1,163 @@
+"""VERICACHE rounds driven by the scheduler (staggered and lock-step) in the served system: exact
+outputs, full-KV loads started ahead of each verification and within the verifier's memory, and
+requests that leave the schedule (finished, cancelled, refused) leave nothing behind."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import pytest
+
+from tests.serve_fixtures import CONTEXT, open_sessions, start_server, wait_for
+from vericache.client import Client
+from vericache.engine.device_memory import slot_bytes
+from vericache.errors import InvalidRequestError
+from vericache.model.loader import load_model
+from vericache.serve.config import CoordinatorConfig
+from vericache.serve.handles import LocalWorker
+
+PROMPTS = [
+    "Which function multiplies by three?",
+    "Write a function that adds two lists.",
+    "What does scale_7 return?",
+    "Explain scale_0 in one line.",
+]
+MAX_TOKENS = 40
+
+
+class RecordingWorker(LocalWorker):
+    """The verifier's handle, recording each (method, session) the coordinator calls."""
+
+    def __init__(self, handle: LocalWorker):
+        super().__init__(handle.worker, handle.name)
+        self.calls: list[tuple[str, str]] = []
+
+    async def call(self, method, *args):
+        if method == "load":
+            self.calls.append(("load", args[0]))
+        elif method == "verify_many":
+            self.calls += [("verify", session_id) for session_id, _, _ in args[0]]
+        return await super().call(method, *args)
+
+
+@pytest.fixture(scope="module", params=["staggered", "lockstep"])
+def scheduled(request, tiny_chat_checkpoint, tmp_path_factory):
+    """A server whose verifier holds two requests' full KV at most, so four requests at once
+    must take turns: their prefixes are dropped after verifying and loaded again before the next."""
+    model = load_model(str(tiny_chat_checkpoint))
+    full_kv_bytes = model.config.max_position_embeddings * slot_bytes(model.config, 4)
+    config = CoordinatorConfig(scheduling=request.param, default_draft_len=6)
+    root = tmp_path_factory.mktemp(f"scheduled-{request.param}")
+    with start_server(
+        tiny_chat_checkpoint, root, config=config, resident_bytes=2 * full_kv_bytes
+    ) as server:
+        coordinator = server.coordinator
+        recording = RecordingWorker(coordinator.verifiers[0])
+        coordinator.verifiers[0] = recording
+        coordinator.schedules[recording.name].verifier = recording
+        with Client(server.target, timeout=120) as client:
+            prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+            yield server, client, prefix_id, recording
+
+
+def test_scheduled_rounds_equal_full_decoding(scheduled):
+    server, client, prefix_id, recording = scheduled
+    references = [
+        client.generate(p, prefix_id=prefix_id, mode="full_local", max_tokens=MAX_TOKENS)
+        for p in PROMPTS
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(
+            pool.map(
+                lambda p: client.generate(p, prefix_id=prefix_id, max_tokens=MAX_TOKENS), PROMPTS
+            )
+        )
+    for result, reference in zip(results, references):
+        assert result.token_ids == reference.token_ids
+        assert result.text == reference.text
+        assert result.stats["rounds"] < MAX_TOKENS
+    # Only two full KVs fit: prefixes were dropped between rounds and loaded again.
+    assert sum(r.stats["store_bytes"] for r in results) > 0
+    schedule = server.coordinator.schedules[recording.name]
+    assert wait_for(lambda: not schedule.scheduler.has_requests)
+    costs = schedule.scheduler.costs
+    assert schedule.scheduler.metrics.peak_memory_bytes <= costs.memory_budget_bytes
+    assert wait_for(lambda: open_sessions(server) == 0)
+
+
+def test_every_verification_follows_its_own_load(scheduled):
+    server, client, prefix_id, recording = scheduled
+    recording.calls.clear()
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        list(pool.map(lambda p: client.generate(p, prefix_id=prefix_id, max_tokens=24), PROMPTS))
+    loaded: set[str] = set()
+    verified = 0
+    for method, session_id in recording.calls:
+        if method == "load":
+            loaded.add(session_id)
+        else:
+            assert session_id in loaded, "verified without a load since its last verification"
+            loaded.discard(session_id)
+            verified += 1
+    assert verified >= len(PROMPTS)
+
+
+def test_a_cancelled_request_leaves_the_schedule(scheduled):
+    server, client, prefix_id, recording = scheduled
+    stream = client.stream("Go on.", prefix_id=prefix_id, max_tokens=300, draft_len=2)
+    next(iter(stream))
+    stream.close()
+    schedule = server.coordinator.schedules[recording.name]
+    assert wait_for(lambda: not schedule.scheduler.has_requests)
+    assert wait_for(lambda: open_sessions(server) == 0)
+    # The server schedules the next request as before.
+    result = client.generate("hi", prefix_id=prefix_id, max_tokens=6)
+    assert len(result.token_ids) == 6
+
+
+def test_a_request_past_the_verifier_memory_is_refused(tiny_chat_checkpoint, tmp_path):
+    config = CoordinatorConfig(scheduling="staggered")
+    tiny_budget = 1 << 10
+    with start_server(
+        tiny_chat_checkpoint, tmp_path, config=config, resident_bytes=tiny_budget
+    ) as server:
+        with Client(server.target, timeout=60) as client:
+            prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+            with pytest.raises(InvalidRequestError, match="budget"):
+                client.generate("hi", prefix_id=prefix_id, max_tokens=6)
+            assert wait_for(lambda: open_sessions(server) == 0)
+            # Modes that do not verify in rounds still run.
+            result = client.generate("hi", prefix_id=prefix_id, mode="lossy", max_tokens=6)
+            assert len(result.token_ids) == 6
+
+
+def test_scheduling_must_be_a_known_policy():
+    with pytest.raises(InvalidRequestError, match="scheduling"):
+        dataclasses.replace(CoordinatorConfig(), scheduling="round-robin")
+
+
+def test_a_batch_goes_on_without_a_session_closed_meanwhile(scheduled):
+    """A cancelled request's session may close while its batch is on the way to a worker: the
+    batch's other requests still step and verify."""
+    server, client, prefix_id, _ = scheduled
+    verifier = server.coordinator.verifiers[0].worker
+    drafter = server.coordinator.drafters[0].worker
+    record = verifier.get_prefix(prefix_id)
+    prompt = [*record.token_ids, 11, 12]
+    address = verifier.transfer_address
+    for session_id in ("first", "second"):
+        opened = verifier.open(session_id, prefix_id, prompt, 512, True)
+        drafter.open(session_id, "draft", address, prefix_id, prompt, record.num_tokens, 512)
+        drafter.step(session_id, [], 0, [], opened.exact)  # takes in the prompt's exact KV
+    try:
+        steps = [(sid, [opened.tokens[0]], 2, [], None) for sid in ("first", "gone", "second")]
+        stepped = drafter.step_many(steps)
+        assert stepped[1] is None and len(stepped[0].tokens) == len(stepped[2].tokens) == 2
+        verifications = [(sid, [opened.tokens[0]], [5, 6]) for sid in ("first", "gone", "second")]
+        verified = verifier.verify_many(verifications)
+        assert verified[1] is None and len(verified[0].tokens) == len(verified[2].tokens) == 3
+    finally:
+        for session_id in ("first", "second"):
+            verifier.close(session_id)
+            drafter.close(session_id)
