@@ -82,7 +82,15 @@ def test_scheduled_rounds_equal_full_decoding(scheduled):
     schedule = server.coordinator.schedules[recording.name]
     assert wait_for(lambda: not schedule.scheduler.has_requests)
     costs = schedule.scheduler.costs
-    assert schedule.scheduler.metrics.peak_memory_bytes <= costs.memory_budget_bytes
+    peak = schedule.scheduler.metrics.peak_memory_bytes
+    assert costs.weights_bytes < peak <= costs.memory_budget_bytes
+    # Each planned iteration is in the server's metrics.
+    metrics = server.coordinator.metrics
+    labels = {"model_name": metrics.model_name}
+    sample = metrics.registry.get_sample_value
+    assert sample("vericache:scheduler_verify_batch_size_sum", labels) >= len(PROMPTS)
+    assert sample("vericache:scheduler_draft_batch_size_count", labels) > MAX_TOKENS / 6
+    assert sample("vericache:scheduler_memory_peak_bytes", labels) == peak
     assert wait_for(lambda: open_sessions(server) == 0)
 
 

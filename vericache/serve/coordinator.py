@@ -87,7 +87,9 @@ class Coordinator:
         if self.config.scheduling != "per-request" and drafters:
             draft_step_s = max(about["draft_step_s"] for about in drafters)
             self.schedules = {
-                verifier.name: new_scheduled_rounds(verifier, about, draft_step_s, self.config)
+                verifier.name: new_scheduled_rounds(
+                    verifier, about, draft_step_s, self.config, self.metrics
+                )
                 for verifier, about in zip(self.verifiers, described)
             }
         return self

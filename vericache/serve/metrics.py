@@ -35,6 +35,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)  # fmt: skip
+BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
@@ -86,6 +88,22 @@ class ServeMetrics:
         self._device_memory = self._gauge(
             "device_memory_bytes", "Device memory in use by the KV caches and weights."
         )
+        # Scheduled rounds (scheduled.py): one observation per iteration planned.
+        self._draft_batch = self._histogram(
+            "scheduler_draft_batch_size", "Requests drafting in an iteration.", BATCH_BUCKETS
+        )
+        self._verify_batch = self._histogram(
+            "scheduler_verify_batch_size", "Requests verifying in an iteration.", BATCH_BUCKETS
+        )
+        self._link_share = self._histogram(
+            "scheduler_link_utilisation",
+            "Share of an iteration's full-KV load link time that is booked.",
+            SHARE_BUCKETS,
+        )
+        self._memory_peak = self._gauge(
+            "scheduler_memory_peak_bytes",
+            "High-water mark of planned device memory: weights, resident and loaded KV.",
+        )
         self._last = _Totals(at=time.monotonic())
 
     # -- events ---------------------------------------------------------------------------------
@@ -133,6 +151,14 @@ class ServeMetrics:
 
     def set_device_memory(self, num_bytes: int) -> None:
         self._device_memory.labels(self.model_name).set(num_bytes)
+
+    def iteration_planned(self, iteration, peak_memory_bytes: int) -> None:
+        """One planned iteration (`vericache.scheduler.IterationMetrics`), and the scheduler's
+        device-memory high-water mark so far."""
+        self._draft_batch.labels(self.model_name).observe(iteration.num_drafting)
+        self._verify_batch.labels(self.model_name).observe(iteration.num_verifying)
+        self._link_share.labels(self.model_name).observe(iteration.link_utilisation)
+        self._memory_peak.labels(self.model_name).set(peak_memory_bytes)
 
     # -- output ---------------------------------------------------------------------------------
 

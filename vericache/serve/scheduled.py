@@ -33,6 +33,7 @@ from vericache.scheduler import (
 )
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.handles import WorkerHandle
+from vericache.serve.metrics import ServeMetrics
 from vericache.serve.rounds import ServedRequest
 from vericache.serve.worker import ExactKV, WorkResult
 
@@ -70,8 +71,10 @@ class ScheduledRounds:
         new_scheduler: Callable[[CostModel], BaseScheduler],
         costs: CostModel,
         slot_bytes: int,
+        metrics: ServeMetrics | None = None,
     ):
         self.verifier = verifier
+        self.metrics = metrics
         self._new_scheduler = new_scheduler
         self.scheduler = new_scheduler(costs)
         self.slot_bytes = slot_bytes  # one cache slot of full KV
@@ -113,6 +116,9 @@ class ScheduledRounds:
 
     async def _iteration(self) -> None:
         plan = self.scheduler.schedule()
+        if self.metrics is not None:
+            scheduled = self.scheduler.metrics
+            self.metrics.iteration_planned(scheduled.iterations[-1], scheduled.peak_memory_bytes)
         for load in plan.loads:
             self._start_load(self._entries[load.request_id])
         started = time.perf_counter()
@@ -222,7 +228,11 @@ class ScheduledRounds:
 
 
 def new_scheduled_rounds(
-    verifier: WorkerHandle, about: dict, draft_step_s: float, config: CoordinatorConfig
+    verifier: WorkerHandle,
+    about: dict,
+    draft_step_s: float,
+    config: CoordinatorConfig,
+    metrics: ServeMetrics | None = None,
 ) -> ScheduledRounds:
     """The schedule of one verifier, from what it described of itself (`Verifier.describe`) and
     the time of a draft step; both estimates are refined as it runs."""
@@ -239,7 +249,7 @@ def new_scheduled_rounds(
             return LockstepScheduler(costs, draft_len, config.scheduler)
         return StaggeredScheduler(costs, config.scheduler)
 
-    return ScheduledRounds(verifier, new_scheduler, costs, about["slot_bytes"])
+    return ScheduledRounds(verifier, new_scheduler, costs, about["slot_bytes"], metrics)
 
 
 async def _loaded(entry: _Entry) -> WorkResult:
