@@ -66,6 +66,8 @@ def test_generate_on_a_server_matches_full_local(server, tmp_path, capsys):
         (["serve", "--local", "--long-context"], "drop --local/--address"),
         (["serve", "--local", "--memory-budget", "2GiB"], "need --long-context"),
         (["serve", "--long-context", "--pcie-bandwidth", "fast"], "is not like '1.2GB/s'"),
+        (["serve", "--local", "--pcie-bandwidth", "fast"], "is not like '1.2GB/s'"),
+        (["serve", "--local", "--scheduling", "round-robin"], "invalid choice"),
     ],
 )
 def test_bad_options_fail_before_anything_starts(capsys, argv, message):

@@ -24,6 +24,7 @@ PROMPTS = [
     "Explain scale_0 in one line.",
 ]
 MAX_TOKENS = 40
+LOAD_BANDWIDTH = 50e6  # bytes/s: the store's loads onto the verifier's device, emulated
 
 
 class RecordingWorker(LocalWorker):
@@ -50,7 +51,11 @@ def scheduled(request, tiny_chat_checkpoint, tmp_path_factory):
     config = CoordinatorConfig(scheduling=request.param, default_draft_len=6)
     root = tmp_path_factory.mktemp(f"scheduled-{request.param}")
     with start_server(
-        tiny_chat_checkpoint, root, config=config, resident_bytes=2 * full_kv_bytes
+        tiny_chat_checkpoint,
+        root,
+        config=config,
+        resident_bytes=2 * full_kv_bytes,
+        load_bandwidth=LOAD_BANDWIDTH,
     ) as server:
         coordinator = server.coordinator
         recording = RecordingWorker(coordinator.verifiers[0])
@@ -77,8 +82,11 @@ def test_scheduled_rounds_equal_full_decoding(scheduled):
         assert result.token_ids == reference.token_ids
         assert result.text == reference.text
         assert result.stats["rounds"] < MAX_TOKENS
-    # Only two full KVs fit: prefixes were dropped between rounds and loaded again.
-    assert sum(r.stats["store_bytes"] for r in results) > 0
+    # Only two full KVs fit: prefixes were dropped between rounds and loaded again, each load
+    # held to the emulated host-to-device bandwidth.
+    store_bytes = sum(r.stats["store_bytes"] for r in results)
+    assert store_bytes > 0
+    assert sum(r.stats["store_wait_s"] for r in results) >= store_bytes / LOAD_BANDWIDTH
     schedule = server.coordinator.schedules[recording.name]
     assert wait_for(lambda: not schedule.scheduler.has_requests)
     costs = schedule.scheduler.costs

@@ -75,10 +75,12 @@ def add_long_context_arguments(parser) -> None:
     )
 
 
-def long_context_config(args) -> LongContextConfig | None:
-    """The long-context options (of generate and serve), checked; None without --long-context."""
+def long_context_config(args, pcie_alone: bool = False) -> LongContextConfig | None:
+    """The long-context options (of generate and serve), checked; None without --long-context.
+    `pcie_alone`: --pcie-bandwidth means something without --long-context too (serve's
+    verifiers hold their store loads to it)."""
     if not args.long_context:
-        if args.memory_budget or args.pcie_bandwidth:
+        if args.memory_budget or (args.pcie_bandwidth and not pcie_alone):
             raise InvalidRequestError("--memory-budget and --pcie-bandwidth need --long-context")
         return None
     return LongContextConfig(

@@ -3,7 +3,8 @@
 `--local` starts a Ray instance on this machine offering one `verifier` and N `drafter` resources;
 `--address auto` (or HOST:PORT) joins a running cluster whose nodes offer them (cluster/, k8s/).
 `--long-context` serves from this process alone, no Ray: one long-context engine (compressed KV on
-the device, full KV in host memory) within `--memory-budget`, over a link of `--pcie-bandwidth`.
+the device, full KV in host memory) within `--memory-budget`, over a link of `--pcie-bandwidth`
+(without --long-context, the verifiers hold their full-KV loads from the store to it).
 
 Callers need an API key from `--api-keys-file` (serve/auth.py has its format) unless the server
 starts with `--insecure-no-auth`; `--tls-cert` and `--tls-key` serve over TLS. The three files
@@ -32,7 +33,7 @@ from vericache.serve.config import (
     VerifierConfig,
     WorkerConfig,
 )
-from vericache.serve.link import LinkSpec, parse_size
+from vericache.serve.link import LinkSpec, parse_bandwidth, parse_size
 from vericache.serve.logs import configure_logging
 
 log = logging.getLogger("vericache.serve.summary")
@@ -149,6 +150,7 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
         root=args.root or cache_root() / "store",
         resident_bytes=parse_size(args.resident_bytes),
         link=LinkSpec.parse(args.link_bandwidth, args.link_latency),
+        load_bandwidth=parse_bandwidth(args.pcie_bandwidth) if args.pcie_bandwidth else None,
     )
     drafter = DrafterConfig(**common, kv_cache_bytes=parse_size(args.drafter_cache_bytes))
     return verifier, drafter
@@ -175,7 +177,7 @@ def start_ray(args) -> None:
 
 def run(args) -> int:
     # Checks every option before anything starts.
-    long_context = long_context_config(args)
+    long_context = long_context_config(args, pcie_alone=True)
     is_on_ray = args.local or args.address
     if long_context is not None and is_on_ray:
         raise InvalidRequestError("--long-context serves from this process: drop --local/--address")

@@ -33,6 +33,9 @@ class VerifierConfig(WorkerConfig):
     store_cpu_bytes: int = 1 << 30  # LMCache's CPU tier
     resident_bytes: int = 4 << 30  # full KV kept between rounds, over all sessions
     link: LinkSpec = LinkSpec()  # toward the drafters
+    # Host-to-device path of full-KV loads from the store (PCIe): None, as fast as the copy goes;
+    # bytes/s to hold them to (emulates PCIe on CPU, as the long-context mode's loads).
+    load_bandwidth: float | None = None
     # Where the KVTransfer service listens (None: loopback here, the node's address on Ray).
     transfer_host: str | None = None
     transfer_port: int = 0
@@ -44,6 +47,8 @@ class VerifierConfig(WorkerConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.load_bandwidth is not None and not self.load_bandwidth > 0:
+            raise InvalidRequestError(f"load_bandwidth must be > 0, got {self.load_bandwidth}")
         if not self.staged_ttl_s > 0 or self.max_staged_prefixes < 1:
             raise InvalidRequestError(
                 f"staged_ttl_s must be > 0 and max_staged_prefixes >= 1, got {self.staged_ttl_s} "

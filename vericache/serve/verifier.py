@@ -7,8 +7,8 @@ round of drafts (FULL_LOCAL: plain greedy decoding).
 
 Residency: between rounds the verifier keeps at most `resident_bytes` of full KV across sessions.
 Past that, the least recently used sessions drop their prefix's KV and keep only the KV of the
-tokens after it; their next round reloads the prefix from the store. Every call reports the bytes
-it loaded from the store and the time it took.
+tokens after it; their next round reloads the prefix from the store, at `load_bandwidth` where set
+(emulated PCIe). Every call reports the bytes it loaded from the store and the time it took.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from vericache.serve.batching import BatchLoop, DecodeJob
 from vericache.serve.catalog import PrefixCatalog, PrefixRecord, prefix_id_for
 from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVKind, KVTransferService, TransferServer
-from vericache.serve.link import ThrottledLink
+from vericache.serve.link import LinkSpec, ThrottledLink
 from vericache.serve.staging import StagedPrefixes
 from vericache.serve.store import FullKVStore
 from vericache.serve.worker import (
@@ -73,6 +73,7 @@ class Verifier:
         )
         self.catalog = PrefixCatalog(config.root, self.info.fingerprint)
         self.link = ThrottledLink(config.link)
+        self._device_path = ThrottledLink(LinkSpec(config.load_bandwidth))  # store -> device
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._staged = StagedPrefixes(config.max_staged_prefixes, config.staged_ttl_s)
         self._lock = threading.Lock()  # sessions and residency: calls run on many threads
@@ -96,7 +97,10 @@ class Verifier:
             "weights_bytes": self.runner.weights.nbytes,
             "slot_bytes": slot_bytes(self.runner.config, element_size),
             "resident_bytes": self.config.resident_bytes,
-            "load_bytes_per_s": measure_link_bandwidth(self.runner.device),
+            "load_bytes_per_s": min(
+                measure_link_bandwidth(self.runner.device),
+                self.config.load_bandwidth or float("inf"),
+            ),
         }
 
     # --- Prefixes ---------------------------------------------------------------------------------
@@ -321,7 +325,8 @@ class Verifier:
             loaded = self.store.load(session.prefix_tokens, capacity=session.capacity)
             cache = loaded.cache
             result.store_bytes += loaded.bytes_loaded
-            result.store_s += loaded.seconds
+            held = self._device_path.send_blocking(loaded.bytes_loaded, first=True)
+            result.store_s += loaded.seconds + held
         else:
             cache = self.runner.new_cache(capacity=session.capacity)
         if session.tail is not None:
