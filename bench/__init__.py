@@ -9,5 +9,6 @@ BENCHMARKS = {
     "long-context": "vericache.bench.long_context",
     "lossy-quality": "vericache.bench.lossy_quality",
     "remote-prefix": "vericache.bench.remote_prefix",
+    "serve-stagger": "vericache.bench.serve_stagger",
     "stagger": "vericache.bench.stagger",
 }

@@ -37,7 +37,7 @@ import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from vericache.bench.common import compressor_from_label, environment, pyplot, save_figure
@@ -45,7 +45,7 @@ from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
 from vericache.client import Client, Result
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
-from vericache.serve.config import DrafterConfig, VerifierConfig
+from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 from vericache.serve.link import LinkSpec
 
 TARGET = 1.5
@@ -151,7 +151,7 @@ def bandwidths_for(ratios, full_wire_bytes: float, seconds_per_reply: float) -> 
 
 
 @contextlib.contextmanager
-def _ray_session(num_drafters: int):
+def ray_session(num_drafters: int):
     """A local Ray instance offering the verifier and drafter resources, unless one is running."""
     import ray
 
@@ -175,19 +175,29 @@ def _ray_session(num_drafters: int):
 
 def _server(model: str, root: Path, spec: StreamSpec, bandwidth: float | None, kv_bytes: int):
     """Fresh Ray workers (one thread each) and a server over them; the store lives in `root`."""
+    link = LinkSpec(bandwidth, spec.latency_s)
+    verifier = VerifierConfig(model=model, root=root, link=link)
+    drafter = DrafterConfig(model=model, kv_cache_bytes=kv_bytes)
+    return ray_server(verifier, drafter, spec.num_drafters)
+
+
+def ray_server(
+    verifier: VerifierConfig,
+    drafter: DrafterConfig,
+    num_drafters: int,
+    config: CoordinatorConfig | None = None,
+):
+    """Fresh Ray workers, one thread each (a worker stands for a GPU), and a server over them."""
     from vericache.serve.launch import ray_workers
     from vericache.serve.server import BackgroundServer
 
-    link = LinkSpec(bandwidth, spec.latency_s)
-    verifier = VerifierConfig(
-        model=model, root=root, link=link, num_threads=1, transfer_host="127.0.0.1"
-    )
-    drafter = DrafterConfig(model=model, kv_cache_bytes=kv_bytes, num_threads=1)
+    verifier = replace(verifier, num_threads=1, transfer_host="127.0.0.1")
+    drafter = replace(drafter, num_threads=1)
 
     def workers():
-        return ray_workers(verifier, drafter, 1, spec.num_drafters, placement_timeout_s=300)
+        return ray_workers(verifier, drafter, 1, num_drafters, placement_timeout_s=300)
 
-    return BackgroundServer(workers, model)
+    return BackgroundServer(workers, verifier.model, config=config)
 
 
 def _register(client: Client, contexts, label: str) -> list[dict]:
@@ -223,24 +233,27 @@ def _register(client: Client, contexts, label: str) -> list[dict]:
     return prefixes
 
 
-def serve_stream(target: str, jobs: list[tuple[str, str]], mode: str, spec: StreamSpec):
-    """Submits every request, `spec.concurrency` at a time: the wall time, each Result, and the
-    CPU seconds spent meanwhile (`cpu_seconds` keys)."""
+def serve_stream(
+    target: str,
+    jobs: list[tuple[str, str]],
+    mode: str,
+    max_tokens: int,
+    draft_len: int,
+    concurrency: int,
+):
+    """Submits every request, `concurrency` at a time: the wall time, each Result, and the CPU
+    seconds spent meanwhile (`cpu_seconds` keys)."""
     with Client(target) as client:
 
         def one(job: tuple[str, str]) -> Result:
             prefix_id, prompt = job
             return client.generate(
-                prompt,
-                prefix_id=prefix_id,
-                mode=mode,
-                max_tokens=spec.max_tokens,
-                draft_len=spec.draft_len,
+                prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, draft_len=draft_len
             )
 
         cpu_before = cpu_seconds()
         start = time.perf_counter()
-        with ThreadPoolExecutor(spec.concurrency) as pool:
+        with ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(one, jobs))
         wall_s = time.perf_counter() - start
         cpu = {key: value - cpu_before[key] for key, value in cpu_seconds().items()}
@@ -296,7 +309,9 @@ def _serve_configuration(model, root, spec, kv_bytes, jobs, bandwidth, mode):
     attempts = []
     for attempt in range(1, spec.max_attempts + 1):
         with _server(model, root, spec, bandwidth, kv_bytes) as server:
-            wall_s, results, cpu_s = serve_stream(server.target, jobs, mode, spec)
+            wall_s, results, cpu_s = serve_stream(
+                server.target, jobs, mode, spec.max_tokens, spec.draft_len, spec.concurrency
+            )
         record = stream_record(wall_s, results, cpu_s) | {"attempt": attempt}
         load = cpu_s["other"] / wall_s
         print(
@@ -317,7 +332,7 @@ def run(args) -> dict:
     spec = stream_spec(args)
     tokenizer = load_tokenizer(resolve_model_dir(args.model))
     contexts = code_contexts(tokenizer, *spec.prefix_tokens, spec.num_prefixes, truncate=True)
-    with _ray_session(spec.num_drafters), tempfile.TemporaryDirectory() as directory:
+    with ray_session(spec.num_drafters), tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
         with _server(args.model, root, spec, None, 16 << 30) as server, Client(server.target) as c:
             prefixes = _register(c, contexts, spec.compressor)

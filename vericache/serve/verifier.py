@@ -77,6 +77,8 @@ class Verifier:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._staged = StagedPrefixes(config.max_staged_prefixes, config.staged_ttl_s)
         self._lock = threading.Lock()  # sessions and residency: calls run on many threads
+        self._peak_resident_bytes = 0  # full KV resident at once, at most so far
+        self._slot_bytes = slot_bytes(self.runner.config, self.runner.dtype.itemsize)  # a token's
         self._loop = BatchLoop(self.runner, "verifier-batch")
         service = KVTransferService(self._kv_for_drafter, self.info.fingerprint, self.link)
         host = config.transfer_host or "127.0.0.1"
@@ -90,12 +92,11 @@ class Verifier:
         """What the coordinator plans with: the model, where to fetch KV, device memory (the
         weights, the bytes one cache slot of full KV takes, the budget for resident full KV) and a
         first estimate of the bandwidth of full-KV loads onto the device."""
-        element_size = self.runner.dtype.itemsize
         return {
             "info": self.info,
             "transfer_address": self.transfer_address,
             "weights_bytes": self.runner.weights.nbytes,
-            "slot_bytes": slot_bytes(self.runner.config, element_size),
+            "slot_bytes": self._slot_bytes,
             "resident_bytes": self.config.resident_bytes,
             "load_bytes_per_s": min(
                 measure_link_bandwidth(self.runner.device),
@@ -284,10 +285,10 @@ class Verifier:
         with self._lock:
             self._sessions.pop(session_id, None)
 
-    @property
-    def resident_bytes(self) -> int:
+    def residency(self) -> dict:
+        """Full KV resident now and at most so far (its high-water mark), in bytes."""
         with self._lock:
-            return self._resident_bytes()
+            return {"bytes": self._resident_bytes(), "peak_bytes": self._peak_resident_bytes}
 
     def shutdown(self) -> None:
         self._loop.stop()
@@ -309,8 +310,13 @@ class Verifier:
                 raise SessionNotFoundError(f"the verifier holds no session {session_id!r}")
             self._sessions.move_to_end(session_id)
             session.in_use = True
+            if session.cache is None:  # make room first: a load must not overshoot the budget
+                self._evict_beyond_budget(incoming=session.capacity * self._slot_bytes)
         try:
             self._load(session, result)  # outside the lock: other requests go on meanwhile
+            with self._lock:
+                resident = self._resident_bytes()
+                self._peak_resident_bytes = max(self._peak_resident_bytes, resident)
             yield session
         finally:
             with self._lock:
@@ -343,11 +349,12 @@ class Verifier:
     def _resident_bytes(self) -> int:
         return sum(s.cache.nbytes for s in self._sessions.values() if s.cache is not None)
 
-    def _evict_beyond_budget(self) -> None:
+    def _evict_beyond_budget(self, incoming: int = 0) -> None:
         """Least recently used sessions not in use drop their prefix's KV (keeping the tokens
-        after it) until residency fits the budget. Called with the lock held."""
+        after it) until residency, with `incoming` bytes about to load, fits the budget. Called
+        with the lock held."""
         for victim in list(self._sessions.values()):
-            if self._resident_bytes() <= self.config.resident_bytes:
+            if self._resident_bytes() + incoming <= self.config.resident_bytes:
                 return
             if victim.cache is None or victim.in_use or victim.pinned:
                 continue
