@@ -124,6 +124,40 @@ def test_round_timeline():
     assert (metrics.num_rounds, metrics.num_accepted, metrics.num_output_tokens) == (2, 6, 8)
 
 
+def test_a_verification_longer_than_an_iteration_spans_several():
+    # A verification of 2.5 iterations spans V = 3: it starts right after the drafts, others
+    # draft meanwhile, and it is reported (and its full KV released) in its third iteration.
+    costs = _costs()
+    costs.observe_verification(2.5)
+    assert costs.num_verify_iterations() == 3
+    scheduler = StaggeredScheduler(costs, SchedulerConfig(window=16))
+    scheduler.add_request(_req("a", draft_len=4))
+    plans = _run(scheduler, 14, accepted=3)
+    assert [(p.iteration, [v.request_id for v in p.verify_starts]) for p in plans[:7]] == [
+        (0, []), (1, []), (2, []), (3, []), (4, ["a"]), (5, []), (6, []),
+    ]  # fmt: skip
+    assert [p.iteration for p in plans if p.verifies] == [6, 13]
+    assert plans[2].loads[0].verify_iteration == 4  # the load ends before the verification starts
+    assert [p.draft_ids for p in plans[4:11]] == [()] * 3 + [("a",)] * 4  # drafts again after 6
+    assert scheduler.full_kv_reserved_bytes(scheduler.iteration) == 0
+    # Full KV stays reserved while the verification runs (iterations 4-6 of the first round).
+    memory = [m.memory_bytes for m in scheduler.metrics.iterations]
+    assert memory[2:7] == [100 + 50 + 200] * 5 and memory[7] == 100 + 50
+
+
+def test_lockstep_verifications_span_several_iterations():
+    costs = _costs()
+    costs.observe_verification(1.5)  # V = 2
+    scheduler = LockstepScheduler(costs, draft_len=4, config=SchedulerConfig(window=16))
+    for rid in "ab":
+        scheduler.add_request(_req(rid))
+    plans = _run(scheduler, 12)
+    # 400 bytes load in iterations 4-7; both start verifying in 8 and are reported in 9.
+    assert [len(p.verify_starts) for p in plans[:10]] == [0] * 8 + [2, 0]
+    assert [len(p.verifies) for p in plans[:10]] == [0] * 9 + [2]
+    assert plans[10].draft_ids == ("a", "b")
+
+
 def test_admit_tries_best_then_minus_one_plus_one():
     # S = 1 and no slack: each load must take the iteration right before its verification.
     scheduler = StaggeredScheduler(_costs(), SchedulerConfig(window=16, load_slack=0))

@@ -177,3 +177,21 @@ def test_a_batch_goes_on_without_a_session_closed_meanwhile(scheduled):
         for session_id in ("first", "second"):
             verifier.close(session_id)
             drafter.close(session_id)
+
+
+def test_verifications_that_span_iterations_stay_exact(scheduled):
+    """A verifier slower than a draft step: each verification runs over several iterations while
+    the other requests draft, and is reported when its reservation ends."""
+    server, client, prefix_id, recording = scheduled
+    costs = server.coordinator.schedules[recording.name].scheduler.costs
+    costs.verify_s = 6 * costs.iteration_s  # as measured on a slow verifier (refined as it runs)
+    assert costs.num_verify_iterations() >= 6
+    references = [
+        client.generate(p, prefix_id=prefix_id, mode="full_local", max_tokens=24) for p in PROMPTS
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(
+            pool.map(lambda p: client.generate(p, prefix_id=prefix_id, max_tokens=24), PROMPTS)
+        )
+    assert [r.token_ids for r in results] == [r.token_ids for r in references]
+    assert wait_for(lambda: open_sessions(server) == 0)

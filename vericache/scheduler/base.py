@@ -14,6 +14,12 @@ in iterations t+1..t+d, so it completes before iteration v; the full KV holds de
 the iteration its load starts through v, and is released after the verification. Its compressed KV
 stays resident from its first admission until it finishes or is aborted.
 
+A verification that costs more than an iteration (V = CostModel.num_verify_iterations() > 1: a
+verifier slower than a draft step, as on a CPU, or a drafter on a faster device) spans iterations
+v..v+V-1: it starts in v (`plan.verify_starts`), runs while the others draft, and is reported in
+v+V-1 (`plan.verifies`); its full KV stays reserved through v+V-1 and the round takes d+V
+iterations. With V = 1 both lists are the same.
+
 Two reservation rings cover the W iterations after the last finished one: link seconds booked per
 iteration (never above the iteration time) and full-KV bytes reserved per iteration (with the
 weights and every resident compressed KV, never above the memory budget). Policies differ only in
@@ -50,7 +56,8 @@ class Reservation:
     draft_first: int  # first draft iteration
     draft_last: int  # last draft iteration (equal to draft_first + num_draft_tokens - 1)
     load_start: int  # first iteration with link time booked; full KV reserved from here
-    verify_iteration: int
+    verify_first: int  # the verification starts here (right after the last draft iteration)
+    verify_iteration: int  # ...and is reported here; full KV reserved through it
     link_bookings: tuple[tuple[int, float], ...]  # (iteration, link seconds)
 
 
@@ -163,24 +170,26 @@ class BaseScheduler(abc.ABC):
             raise SchedulerStateError(f"iteration {self.iteration} is planned already: end it")
         self._admit_waiting(self.iteration - 1)
         now = self.iteration
-        loads, drafts, verifies = [], [], []
+        loads, drafts, starts, verifies = [], [], [], []
         for state in self._running.values():
             res = state.reservation
             if res.load_start == now:
                 loads.append(
-                    LoadStart(state.request_id, state.request.full_kv_bytes, res.verify_iteration)
+                    LoadStart(state.request_id, state.request.full_kv_bytes, res.verify_first)
                 )
             if res.draft_first <= now <= res.draft_last:
                 drafts.append(state.request_id)
+            if res.verify_first == now:
+                starts.append(Verify(state.request_id, res.num_draft_tokens))
             if res.verify_iteration == now:
                 verifies.append(Verify(state.request_id, res.num_draft_tokens))
-        self._plan = IterationPlan(now, tuple(loads), tuple(drafts), tuple(verifies))
+        self._plan = IterationPlan(now, tuple(loads), tuple(drafts), tuple(verifies), tuple(starts))
         self._unreported = {v.request_id for v in verifies}
         self.metrics.record(
             IterationMetrics(
                 iteration=now,
                 num_drafting=len(drafts),
-                num_verifying=len(verifies),
+                num_verifying=len(starts),
                 num_loads_started=len(loads),
                 num_running=len(self._running),
                 num_waiting=len(self._waiting),

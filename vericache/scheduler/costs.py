@@ -24,6 +24,9 @@ class CostModel:
     memory_budget_bytes: int  # device memory the scheduler plans within
     weights_bytes: int = 0  # M: weights and other fixed residents, counted against the budget
     alpha: float = 0.2  # weight of each new observation in the moving averages
+    # One verification's seconds, once measured (`observe_verification`); None: it fits in an
+    # iteration, as when the draft step and the verification share a device and a batch.
+    verify_s: float | None = None
 
     def __post_init__(self):
         _check_positive("iteration_s", self.iteration_s)
@@ -36,6 +39,8 @@ class CostModel:
             )
         if not 0 < self.alpha <= 1:
             raise InvalidRequestError(f"alpha must lie in (0, 1], got {self.alpha}")
+        if self.verify_s is not None:
+            _check_positive("verify_s", self.verify_s)
 
     @classmethod
     def calibrate(
@@ -68,6 +73,21 @@ class CostModel:
     def observe_iteration(self, seconds: float) -> None:
         _check_positive("an iteration's seconds", seconds)
         self.iteration_s += self.alpha * (seconds - self.iteration_s)
+
+    def observe_verification(self, seconds: float) -> None:
+        """A verification timed apart from the draft steps (on another device)."""
+        _check_positive("a verification's seconds", seconds)
+        if self.verify_s is None:
+            self.verify_s = seconds
+        else:
+            self.verify_s += self.alpha * (seconds - self.verify_s)
+
+    def num_verify_iterations(self) -> int:
+        """V = max(1, ceil(verification time / iteration time)): the iterations a verification
+        spans, while other requests draft."""
+        if self.verify_s is None:
+            return 1
+        return max(1, math.ceil(self.verify_s / self.iteration_s - 1e-9))
 
     def observe_load(self, num_bytes: int, seconds: float) -> None:
         """A finished full-KV load, timed from its start to its end alone on the link."""

@@ -9,7 +9,8 @@ step, as in the paper's 10-request example (40 GB moved at once, about 20 iterat
 drafting). overlap_loads=True is a stronger baseline: the loads start so as to end with the
 drafting (at once if L > x, which still leaves L - x iterations without drafting). Either way every
 full KV of the round holds device memory from the loads' start through the verification: the
-memory spike staggering avoids. A round must fit the window: max(x, L) (or x + L) <= W - 1.
+memory spike staggering avoids. A round must fit the window: max(x, L) (or x + L) + V <= W, V the
+iterations a verification spans (base.py).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class LockstepScheduler(BaseScheduler):
 
     def add_request(self, request: SchedulerRequest) -> None:
         span = self.costs.num_load_iterations(request.full_kv_bytes)
-        if self._round_iterations(span) > self.config.window - 1:
+        if self._round_iterations(span) + self.costs.num_verify_iterations() > self.config.window:
             raise InvalidRequestError(
                 f"request {request.request_id!r}: a lock-step round of {self.draft_len} draft "
                 f"steps and a {span}-iteration load does not fit the window of "
@@ -79,7 +80,8 @@ class LockstepScheduler(BaseScheduler):
 
     def _round_fits(self, batch: list[RequestState], new_resident: int) -> bool:
         num_load_iterations, _ = self._num_load_iterations(batch)
-        if self._round_iterations(num_load_iterations) > self.config.window - 1:
+        num_verify = self.costs.num_verify_iterations()
+        if self._round_iterations(num_load_iterations) + num_verify > self.config.window:
             return False
         full_kv_bytes = sum(state.request.full_kv_bytes for state in batch)
         fixed = self.costs.weights_bytes + self._resident_bytes + new_resident
@@ -89,10 +91,12 @@ class LockstepScheduler(BaseScheduler):
         num_load_iterations, load_s = self._num_load_iterations(batch)
         # Only when the costs drifted past the window since the round's requests were added:
         # the loads then book the window and the verification waits for them.
-        longest = self.config.window - 1 - (0 if self.overlap_loads else self.draft_len)
-        num_load_iterations = min(num_load_iterations, longest)
-        verify_iteration = base + self._round_iterations(num_load_iterations) + 1
-        load_start = verify_iteration - num_load_iterations
+        num_verify = min(self.costs.num_verify_iterations(), self.config.window - 1)
+        longest = self.config.window - num_verify - (0 if self.overlap_loads else self.draft_len)
+        num_load_iterations = max(1, min(num_load_iterations, longest))
+        verify_first = base + self._round_iterations(num_load_iterations) + 1
+        verify_iteration = verify_first + num_verify - 1
+        load_start = verify_first - num_load_iterations
         link_s = []  # the loads share the link: their total, iteration by iteration
         remaining = load_s
         for _ in range(num_load_iterations):
@@ -107,6 +111,7 @@ class LockstepScheduler(BaseScheduler):
                 draft_first=base + 1,
                 draft_last=base + self.draft_len,
                 load_start=load_start,
+                verify_first=verify_first,
                 verify_iteration=verify_iteration,
                 link_bookings=bookings,
             )

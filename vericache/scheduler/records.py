@@ -72,7 +72,7 @@ class SchedulerRequest:
 class LoadStart:
     request_id: str
     num_bytes: int  # full KV to move onto the device
-    verify_iteration: int  # the load must be complete before this iteration's verification
+    verify_iteration: int  # the load must be complete when the verification starts, here
 
 
 @dataclass(frozen=True)
@@ -88,18 +88,21 @@ class IterationPlan:
     iteration: int
     loads: tuple[LoadStart, ...]  # start these full-KV loads now (they run asynchronously)
     draft_ids: tuple[str, ...]  # one batched draft step over these requests' compressed KV
-    verifies: tuple[Verify, ...]  # one batched verification; report each with on_verified
+    verifies: tuple[Verify, ...]  # verifications that end now: report each with on_verified
+    # Verifications that start now, as one batch (their loads are complete). Each ends, and is
+    # reported, in the iteration its reservation says: this one when they take one iteration.
+    verify_starts: tuple[Verify, ...] = ()
 
     @property
     def is_idle(self) -> bool:
-        return not (self.loads or self.draft_ids or self.verifies)
+        return not (self.loads or self.draft_ids or self.verifies or self.verify_starts)
 
 
 @dataclass(frozen=True)
 class IterationMetrics:
     iteration: int
     num_drafting: int  # draft batch size
-    num_verifying: int  # verify batch size
+    num_verifying: int  # verify batch size (verifications starting in this iteration)
     num_loads_started: int
     num_running: int  # admitted requests with a reservation (drafting, loading or verifying)
     num_waiting: int  # requests queued for admission after this iteration's admission pass

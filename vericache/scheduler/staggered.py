@@ -3,13 +3,13 @@ full-KV loads spread over the link and over time instead of arriving all at once
 
 ADMIT(request), after iteration t: S = max(1, ceil(full KV / (bandwidth * iteration time))). Try
 draft lengths d from the request's best (its draft-length policy) outward, best, -1, +1, -2, +2,
-..., within [S, W-1]. For each d, book the load's link seconds backward from iteration t+d, taking
-the free time of each iteration, over at most S + load_slack iterations (and never before t+1):
-the load ends right before the verification at t+d+1, so its full KV holds device memory for about
-S+1 iterations, and loads aimed at one busy iteration push requests to other draft lengths instead
-of piling up (which is what staggers them). The first d whose link booking fits, and whose full KV
-fits device memory from the load's start through the verification, is reserved. If none fits, the
-request waits.
+..., within [S, W-V] (V: the iterations a verification spans, base.py). For each d, book the
+load's link seconds backward from iteration t+d, taking the free time of each iteration, over at
+most S + load_slack iterations (and never before t+1): the load ends right before the verification
+starts at t+d+1, so its full KV holds device memory for about S+V iterations, and loads aimed at
+one busy iteration push requests to other draft lengths instead of piling up (which is what
+staggers them). The first d whose link booking fits, and whose full KV fits device memory from the
+load's start through the verification's end, is reserved. If none fits, the request waits.
 
 Liveness, three rules:
 - Admission order is the wait queue, FIFO by the iteration each request joined it (arrival or last
@@ -64,17 +64,18 @@ class StaggeredScheduler(BaseScheduler):
     def _admit(self, state: RequestState, base: int) -> bool:
         if not state.is_resident and not self._keeps_reserve(state):
             return False
-        high = self.config.window - 1
+        num_verify = min(self.costs.num_verify_iterations(), self.config.window - 1)
+        high = self.config.window - num_verify  # the verification ends inside the window
         span = min(self.costs.num_load_iterations(state.request.full_kv_bytes), high)
         for num_draft_tokens in draft_len_order(self.choose_draft_len(state), span, high):
-            reservation = self._place(state, base, num_draft_tokens, span)
+            reservation = self._place(state, base, num_draft_tokens, span, num_verify)
             if reservation is not None:
                 self._commit(state, reservation, base)
                 return True
         return False
 
     def _place(
-        self, state: RequestState, base: int, num_draft_tokens: int, span: int
+        self, state: RequestState, base: int, num_draft_tokens: int, span: int, num_verify: int
     ) -> Reservation | None:
         capacity = self.costs.iteration_s
         tolerance = 1e-9 * capacity
@@ -94,7 +95,8 @@ class StaggeredScheduler(BaseScheduler):
         if remaining > tolerance:
             return None
         load_start = bookings[-1][0]
-        verify_iteration = base + num_draft_tokens + 1
+        verify_first = base + num_draft_tokens + 1
+        verify_iteration = verify_first + num_verify - 1
         new_resident = 0 if state.is_resident else state.request.compressed_kv_bytes
         if not self._fits_memory(
             load_start, verify_iteration, state.request.full_kv_bytes, new_resident
@@ -105,6 +107,7 @@ class StaggeredScheduler(BaseScheduler):
             draft_first=base + 1,
             draft_last=base + num_draft_tokens,
             load_start=load_start,
+            verify_first=verify_first,
             verify_iteration=verify_iteration,
             link_bookings=tuple(reversed(bookings)),
         )

@@ -52,6 +52,7 @@ class _Entry:
     round_target: int | None = None  # drafts this round; None until its first draft step
     drafts: list[int] = field(default_factory=list)
     load: asyncio.Task | None = None
+    verification: asyncio.Task | None = None  # its batch's, shared with the batch's others
 
     @property
     def session_id(self) -> str:
@@ -121,14 +122,15 @@ class ScheduledRounds:
             self.metrics.iteration_planned(scheduled.iterations[-1], scheduled.peak_memory_bytes)
         for load in plan.loads:
             self._start_load(self._entries[load.request_id])
+        if plan.verify_starts:
+            self._start_verification([self._entries[v.request_id] for v in plan.verify_starts])
         started = time.perf_counter()
-        drafted, stall_s = await asyncio.gather(
-            self._draft_step(plan.draft_ids), self._verify(plan.verifies)
-        )
-        # Waiting for a late load is link time, not compute; an idle iteration measures nothing.
-        elapsed = time.perf_counter() - started - stall_s
-        is_timed = (drafted or plan.verifies) and elapsed > 0
-        self.scheduler.end_iteration(elapsed if is_timed else None)
+        drafted = await self._draft_step(plan.draft_ids)
+        # The iteration's own work is the draft step: waiting for a verification to end (or a
+        # late load) is the verifier's time, which V, the iterations a verification spans, counts.
+        elapsed = time.perf_counter() - started
+        await self._report(plan.verifies)
+        self.scheduler.end_iteration(elapsed if drafted and elapsed > 0 else None)
         if plan.is_idle:
             await asyncio.sleep(0.001)  # requests wait for room: let the running ones finish
 
@@ -173,33 +175,56 @@ class ScheduledRounds:
             if result is not None:  # None: its session closed meanwhile (cancelled)
                 entry.drafts += result.tokens
 
-    async def _verify(self, verifies: tuple[Verify, ...]) -> float:
-        """The due requests' verification, one batched call; returns the seconds spent waiting
-        for their loads."""
-        if not verifies:
-            return 0.0
-        entries = [self._entries[v.request_id] for v in verifies]
-        started = time.perf_counter()
+    def _start_verification(self, entries: list[_Entry]) -> None:
+        """Verifies the requests whose drafts are done, as one batch that runs on while the
+        others draft; each is reported in the iteration its reservation ends (`_report`)."""
+        batch = asyncio.create_task(self._verify_batch(entries))
+        for entry in entries:
+            entry.verification = batch
+
+    async def _verify_batch(
+        self, entries: list[_Entry]
+    ) -> dict[str, WorkResult | Exception | None]:
+        """Waits for the batch's loads, then verifies it in one call; a session's outcome is its
+        result or its error (None: closed meanwhile)."""
+        outcomes: dict[str, WorkResult | Exception | None] = {}
         loads = await asyncio.gather(*(_loaded(e) for e in entries), return_exceptions=True)
-        stall_s = time.perf_counter() - started
+        ready = []
         for entry, loaded in zip(entries, loads):
             entry.load = None
-            if isinstance(loaded, BaseException):
-                self._fail(entry.session_id, loaded)
+            if isinstance(loaded, Exception):
+                outcomes[entry.session_id] = loaded
             else:
                 self._record_load(entry, loaded)
-        entries = [e for e in entries if e.session_id in self._entries]
-        calls = [(e.session_id, e.served.output_ids[-1:], e.drafts) for e in entries]
+                ready.append(entry)
+        ready = [e for e in ready if e.session_id in self._entries]  # not cancelled meanwhile
+        calls = [(e.session_id, e.served.output_ids[-1:], e.drafts) for e in ready]
+        started = time.perf_counter()
         try:
             results = await self.verifier.call("verify_many", calls) if calls else []
-        except Exception as exc:  # noqa: BLE001
-            for entry in entries:
-                self._fail(entry.session_id, exc)
-            return stall_s
-        for entry, result in zip(entries, results):
-            if result is not None and entry.session_id in self._entries:  # not cancelled
-                self._finish_round(entry, result)
-        return stall_s
+        except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the others go on
+            results = [exc] * len(ready)
+        else:
+            if calls:
+                self.scheduler.costs.observe_verification(time.perf_counter() - started)
+        outcomes.update((e.session_id, result) for e, result in zip(ready, results))
+        return outcomes
+
+    async def _report(self, verifies: tuple[Verify, ...]) -> None:
+        """Finishes the rounds whose verification ends in this iteration (waiting for it)."""
+        for verify in verifies:
+            entry = self._entries.get(verify.request_id)
+            if entry is None:  # cancelled meanwhile
+                continue
+            outcomes = await entry.verification
+            outcome = outcomes.get(entry.session_id)
+            entry.verification = None
+            if entry.session_id not in self._entries or outcome is None:
+                continue  # cancelled while it verified (its session closed)
+            if isinstance(outcome, Exception):
+                self._fail(entry.session_id, outcome)
+            else:
+                self._finish_round(entry, outcome)
 
     def _record_load(self, entry: _Entry, loaded: WorkResult) -> None:
         entry.served.traffic.add(loaded)
