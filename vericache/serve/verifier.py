@@ -5,10 +5,12 @@ catalog), serves compressed and full KV to drafters through the KVTransfer servi
 and runs the full-KV half of every request: the prefill of its prompt, the verification of each
 round of drafts (FULL_LOCAL: plain greedy decoding).
 
-Residency: between rounds the verifier keeps at most `resident_bytes` of full KV across sessions.
-Past that, the least recently used sessions drop their prefix's KV and keep only the KV of the
-tokens after it; their next round reloads the prefix from the store, at `load_bandwidth` where set
-(emulated PCIe). Every call reports the bytes it loaded from the store and the time it took.
+Residency: the verifier holds at most `resident_bytes` of full KV across sessions (a session
+larger than that alone). Past it, the least recently used sessions not in use drop their prefix's
+KV and keep only the KV of the tokens after it; their next call reloads the prefix from the store
+(at `load_bandwidth` where set: emulated PCIe), waiting for room while the full KV of calls in
+progress, or loaded ahead of a verification, fills the budget. Every call reports the bytes it
+loaded from the store and the time it took.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class Verifier:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._staged = StagedPrefixes(config.max_staged_prefixes, config.staged_ttl_s)
         self._lock = threading.Lock()  # sessions and residency: calls run on many threads
+        self._room = threading.Condition(self._lock)  # signalled when full KV may have freed
+        self._loading_bytes = 0  # full KV of the loads in progress, not resident yet
         self._peak_resident_bytes = 0  # full KV resident at once, at most so far
         self._slot_bytes = slot_bytes(self.runner.config, self.runner.dtype.itemsize)  # a token's
         self._loop = BatchLoop(self.runner, "verifier-batch")
@@ -284,6 +288,7 @@ class Verifier:
     def close(self, session_id: str) -> None:
         with self._lock:
             self._sessions.pop(session_id, None)
+            self._room.notify_all()
 
     def residency(self) -> dict:
         """Full KV resident now and at most so far (its high-water mark), in bytes."""
@@ -310,18 +315,34 @@ class Verifier:
                 raise SessionNotFoundError(f"the verifier holds no session {session_id!r}")
             self._sessions.move_to_end(session_id)
             session.in_use = True
-            if session.cache is None:  # make room first: a load must not overshoot the budget
-                self._evict_beyond_budget(incoming=session.capacity * self._slot_bytes)
+            incoming = 0 if session.cache is not None else session.capacity * self._slot_bytes
+            self._wait_for_room(incoming)
+            self._loading_bytes += incoming
         try:
-            self._load(session, result)  # outside the lock: other requests go on meanwhile
-            with self._lock:
-                resident = self._resident_bytes()
-                self._peak_resident_bytes = max(self._peak_resident_bytes, resident)
+            try:
+                self._load(session, result)  # outside the lock: other requests go on meanwhile
+            finally:
+                with self._lock:
+                    self._loading_bytes -= incoming
+                    resident = self._resident_bytes()
+                    self._peak_resident_bytes = max(self._peak_resident_bytes, resident)
             yield session
         finally:
             with self._lock:
                 session.in_use = False
                 self._evict_beyond_budget()
+                self._room.notify_all()
+
+    def _wait_for_room(self, incoming: int) -> None:
+        """Evicts idle sessions until a load of `incoming` bytes fits the budget, waiting while
+        the full KV in use, pinned or loading does not leave room; a session larger than the
+        budget loads once no other full KV is held. Called with the lock held."""
+        while incoming:
+            self._evict_beyond_budget(incoming)
+            held = self._resident_bytes() + self._loading_bytes
+            if held + incoming <= self.config.resident_bytes or held == 0:
+                return
+            self._room.wait()
 
     def _load(self, session: _Session, result: WorkResult) -> None:
         """Makes the session's full KV resident, loading its prefix from the store if needed."""
@@ -354,7 +375,10 @@ class Verifier:
         after it) until residency, with `incoming` bytes about to load, fits the budget. Called
         with the lock held."""
         for victim in list(self._sessions.values()):
-            if self._resident_bytes() + incoming <= self.config.resident_bytes:
+            if (
+                self._resident_bytes() + self._loading_bytes + incoming
+                <= self.config.resident_bytes
+            ):
                 return
             if victim.cache is None or victim.in_use or victim.pinned:
                 continue
