@@ -99,6 +99,9 @@ def test_scheduled_rounds_equal_full_decoding(scheduled):
     assert sample("vericache:scheduler_verify_batch_size_sum", labels) >= len(PROMPTS)
     assert sample("vericache:scheduler_draft_batch_size_count", labels) > MAX_TOKENS / 6
     assert sample("vericache:scheduler_memory_peak_bytes", labels) == peak
+    # The verifier itself never held more full KV than its budget, openings included.
+    residency = server.run(recording.call("residency"))
+    assert 0 < residency["peak_bytes"] <= recording.worker.config.resident_bytes
     assert wait_for(lambda: open_sessions(server) == 0)
 
 
