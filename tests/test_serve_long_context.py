@@ -203,6 +203,12 @@ def test_vericache_serve_long_context(tiny_chat_checkpoint):
             if line.startswith("vericache:device_memory_bytes")
         )
         assert float(memory.split()[-1]) > 0  # the weights at least
+        verify_batches = next(
+            line
+            for line in scraped.splitlines()
+            if line.startswith("vericache:scheduler_verify_batch_size_sum")
+        )
+        assert float(verify_batches.split()[-1]) > 0  # the scheduler's iterations, metered
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0

@@ -66,6 +66,8 @@ class EngineLoop:
         self._live: dict[str, Submission] = {}  # engine key -> submission
         self._is_stopping = False
         self._broken: Exception | None = None  # a failed iteration left no engine to go on with
+        # Called on the engine's thread after every iteration, with the engine (e.g. to meter it).
+        self.on_iteration: Callable[[LongContextEngine], None] | None = None
         self._thread = threading.Thread(target=self._run, name="vericache-engine", daemon=True)
         self._thread.start()
 
@@ -136,6 +138,8 @@ class EngineLoop:
             log.exception("a long-context iteration failed; its requests fail with it")
             self._restart(exc)
             return
+        if self.on_iteration is not None:
+            self.on_iteration(self.engine)
         for key, submission in list(self._live.items()):
             output = finished.get(key)
             if output is not None:

@@ -67,6 +67,8 @@ class LongContextCoordinator(Coordinator):
         self.metrics = ServeMetrics(info.model)
         self._slot_bytes = slot_bytes  # one token of full KV, as the engine holds it
         self._prefixes: dict[str, PrefixRecord] = {}
+        self._last_metered = None  # the engine's last iteration in the metrics
+        engine_loop.on_iteration = self._meter_iteration
 
     async def start(self) -> LongContextCoordinator:
         return self
@@ -124,11 +126,18 @@ class LongContextCoordinator(Coordinator):
         try:
             responses = stream_responses(served, _committed(served, events))
             async for message in metered(self.metrics, served, responses):
-                # Read across threads: a momentary value, as a gauge is.
-                self.metrics.set_device_memory(self.engine_loop.engine.memory.in_use_bytes)
                 yield message
         finally:
             self.engine_loop.cancel(submission)  # a no-op once it finished
+
+    def _meter_iteration(self, engine) -> None:
+        """After each engine iteration (on its thread): device memory in use, and the iteration
+        the scheduler planned (batch sizes, link utilisation, planned memory high-water mark)."""
+        self.metrics.set_device_memory(engine.memory.in_use_bytes)
+        scheduled = engine.scheduler.metrics
+        if scheduled.iterations and scheduled.iterations[-1] is not self._last_metered:
+            self._last_metered = scheduled.iterations[-1]
+            self.metrics.iteration_planned(self._last_metered, scheduled.peak_memory_bytes)
 
     async def _engine_request(self, plan: RequestPlan) -> Request:
         mode = _ENGINE_MODES[plan.mode]
