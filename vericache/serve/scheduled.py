@@ -131,7 +131,22 @@ class ScheduledRounds:
         elapsed = time.perf_counter() - started
         await self._report(plan.verifies)
         self.scheduler.end_iteration(elapsed if drafted and elapsed > 0 else None)
-        if plan.is_idle:
+        if not drafted:
+            await self._idle(plan.is_idle)
+
+    async def _idle(self, is_idle: bool) -> None:
+        """An iteration without a draft step lasts until a verification or load in flight ends,
+        or an iteration's time: the plan's clock keeps pace with the workers."""
+        in_flight = {
+            task
+            for entry in self._entries.values()
+            for task in (entry.verification, entry.load)
+            if task is not None and not task.done()
+        }
+        if in_flight:
+            timeout = self.scheduler.costs.iteration_s
+            await asyncio.wait(in_flight, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        elif is_idle:
             await asyncio.sleep(0.001)  # requests wait for room: let the running ones finish
 
     def _start_load(self, entry: _Entry) -> None:
