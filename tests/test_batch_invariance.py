@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vericache.model import linear
 from vericache.model.kernels import KEY_ALIGN, attention
 from vericache.model.linear import Linear
 from vericache.model.loader import load_model
@@ -18,9 +19,18 @@ from vericache.model.runner import ModelRunner, SequenceInput
 ROW_COUNTS = [1, 2, 3, 5, 9, 16, 17, 31, 64, 100]
 
 
+@pytest.fixture(params=[False, True], ids=["library", "row-blocks"])
+def row_blocks(request, monkeypatch) -> bool:
+    """Also runs a test on the CUDA algorithm (fixed row blocks, online-softmax attention), which
+    must be batch-invariant on any device."""
+    if request.param:
+        monkeypatch.setattr(linear, "uses_row_blocks", lambda x: True)
+    return request.param
+
+
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (512, 64), (200, 48)])
-def test_linear_rows_do_not_depend_on_the_row_count(shape, onednn, monkeypatch):
+def test_linear_rows_do_not_depend_on_the_row_count(shape, onednn, monkeypatch, row_blocks):
     monkeypatch.setenv("VERICACHE_DISABLE_ONEDNN", "0" if onednn else "1")
     torch.manual_seed(0)
     layer = Linear(torch.randn(shape), torch.randn(shape[0]))
@@ -34,7 +44,7 @@ def test_linear_rows_do_not_depend_on_the_row_count(shape, onednn, monkeypatch):
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4), (8, 2)], ids=["gqa3", "mha", "gqa4"])
 @pytest.mark.parametrize("num_cached", [10, KEY_ALIGN - 20, 3 * KEY_ALIGN - 1])
-def test_attention_decode_equals_verification_rows(num_cached, heads, kv_heads):
+def test_attention_decode_equals_verification_rows(num_cached, heads, kv_heads, row_blocks):
     torch.manual_seed(0)
     num_new, dim = 31, 32
     total = num_cached + num_new
@@ -52,7 +62,7 @@ def test_attention_decode_equals_verification_rows(num_cached, heads, kv_heads):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_runner_step_by_step_equals_one_forward_bitwise(tiny_checkpoint, family):
+def test_runner_step_by_step_equals_one_forward_bitwise(tiny_checkpoint, family, row_blocks):
     loaded = load_model(str(tiny_checkpoint(family)))
     runner = ModelRunner(loaded.config, loaded.weights)
     torch.manual_seed(0)
@@ -83,3 +93,14 @@ def test_runner_step_by_step_equals_one_forward_bitwise(tiny_checkpoint, family)
     assert torch.equal(stepwise, verified)
     for step_layer, verify_layer in zip(stepwise_cache.layers, verify_cache.layers):
         assert torch.equal(step_layer.keys_values()[0], verify_layer.keys_values()[0])
+
+
+def test_row_blocked_attention_matches_the_library_attention(row_blocks):
+    torch.manual_seed(1)
+    num_cached, num_new = KEY_ALIGN + 300, 31
+    total = num_cached + num_new
+    keys, values = torch.randn(2 * KEY_ALIGN, 2, 32), torch.randn(2 * KEY_ALIGN, 2, 32)
+    q = torch.randn(num_new, 6, 32)
+    fast = attention(q, keys, values, total, invariant=False)
+    invariant = attention(q, keys, values, total, invariant=True)
+    torch.testing.assert_close(invariant, fast, atol=2e-5, rtol=1e-4)

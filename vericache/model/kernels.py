@@ -9,8 +9,11 @@ produce bit-identical logits for the same token, which makes VeriCache's greedy 
 full-KV decoding, not merely close. Linear layers: see linear.py. Attention: measured on MKL,
 batched products with fewer than four rows take other code paths than larger ones, so query rows
 are padded to a multiple of QUERY_ROW_ALIGN; keys are padded to KEY_ALIGN slots and summed block
-by block so that a row's reductions do not depend on how many masked keys trail it.
-tests/test_batch_invariance.py checks each property on the machine it runs on.
+by block so that a row's reductions do not depend on how many masked keys trail it. On CUDA, whose
+kernels pick their algorithm by shape, every product and reduction of the set runs on fixed blocks
+of rows (linear.py's CUDA_ROW_BLOCK) and attention combines its key blocks with an online softmax.
+tests/test_batch_invariance.py checks each property on the machine it runs on, and the CUDA
+algorithm on the CPU too.
 """
 
 from __future__ import annotations
@@ -19,14 +22,19 @@ import torch
 import torch.nn.functional as F
 
 from vericache.kv.cache import aligned
-from vericache.model.linear import pad_rows
+from vericache.model import linear
+from vericache.model.linear import CUDA_ROW_BLOCK, map_row_blocks, pad_rows
 
 KEY_ALIGN = 1024
 QUERY_ROW_ALIGN = 4
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, invariant: bool = False
+) -> torch.Tensor:
     """Normalises the last axis in float32, like the reference implementation."""
+    if invariant and linear.uses_row_blocks(x):
+        return map_row_blocks(lambda block: rms_norm(block, weight, eps), x, CUDA_ROW_BLOCK)
     x32 = x.float()
     variance = x32.pow(2).mean(-1, keepdim=True)
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
@@ -55,7 +63,9 @@ def attention(
     num_new, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
-    if invariant:
+    if invariant and linear.uses_row_blocks(q):
+        out = _blocked_invariant_attention(q, keys, values, num_slots, window_mask)
+    elif invariant:
         out = _invariant_attention(q, keys, values, num_slots, window_mask)
     else:
         out = _sdpa_attention(q, keys[:num_slots], values[:num_slots], window_mask, group)
@@ -100,7 +110,8 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
         rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim), QUERY_ROW_ALIGN
     )
     scores = torch.matmul(rows, keys.permute(1, 2, 0))  # [Hkv, R, T']
-    scores.masked_fill_(~_visible(scores, num_new, num_slots, group, window_mask), float("-inf"))
+    visible = _visible(scores.shape, scores.device, num_new, num_slots, group, window_mask)
+    scores.masked_fill_(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     # probs @ values, one fixed-shape product per block of KEY_ALIGN keys, summed in block order:
     # the sum over keys then does not depend on how many masked blocks trail the visible ones
@@ -120,10 +131,58 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
     return out.permute(2, 0, 1, 3)  # [n, Hkv, g, D] == [n, Hq, D]
 
 
-def _visible(scores, num_new: int, num_slots: int, group: int, window_mask) -> torch.Tensor:
-    """[Hkv, R, T'] bool for the padded score matrix of `_invariant_attention`."""
-    num_kv_heads, num_rows, padded_slots = scores.shape
-    device = scores.device
+def _blocked_invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tensor:
+    """The batch-invariant attention for CUDA, where kernels pick their algorithm by shape: query
+    rows in blocks of CUDA_ROW_BLOCK, keys in blocks of KEY_ALIGN, every product and reduction on
+    one (row block, key block) shape, and the key blocks combined in order with an online softmax.
+    Key blocks a row cannot see change nothing, bit for bit (their weights are exactly 0 and the
+    running scale exactly 1), so a row's result does not depend on how many trail it."""
+    num_new, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    padded_slots = aligned(num_slots, KEY_ALIGN)
+    # Rows ordered (group member, token) per KV head: [Hkv, g * n, D].
+    rows = (q * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
+    rows = rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
+    rows = pad_rows(rows, CUDA_ROW_BLOCK)
+    shape = (num_kv_heads, rows.shape[1], padded_slots)
+    visible = _visible(shape, q.device, num_new, num_slots, group, window_mask)
+    keys_t = keys[:padded_slots].permute(1, 2, 0)  # [Hkv, D, T']
+    values_h = values[:padded_slots].permute(1, 0, 2)  # [Hkv, T', D]
+    blocks = []
+    for start in range(0, rows.shape[1], CUDA_ROW_BLOCK):
+        part = slice(start, start + CUDA_ROW_BLOCK)
+        blocks.append(_online_softmax_rows(rows[:, part], keys_t, values_h, visible[:, part]))
+    out = torch.cat(blocks, dim=1)  # [Hkv, R, D]
+    out = out[:, : group * num_new].view(num_kv_heads, group, num_new, head_dim)
+    return out.permute(2, 0, 1, 3)  # [n, Hkv, g, D] == [n, Hq, D]
+
+
+def _online_softmax_rows(rows, keys_t, values_h, visible) -> torch.Tensor:
+    """softmax(rows @ keys) @ values for one block of rows [Hkv, B, D], key block by key block."""
+    num_kv_heads, num_rows, _ = rows.shape
+    running_max = rows.new_full((num_kv_heads, num_rows, 1), float("-inf"), dtype=torch.float32)
+    total = rows.new_zeros((num_kv_heads, num_rows, 1), dtype=torch.float32)
+    out = rows.new_zeros((num_kv_heads, num_rows, values_h.shape[-1]), dtype=torch.float32)
+    for start in range(0, keys_t.shape[-1], KEY_ALIGN):
+        end = start + KEY_ALIGN
+        scores = torch.matmul(rows, keys_t[..., start:end]).float()  # [Hkv, B, KEY_ALIGN]
+        scores.masked_fill_(~visible[..., start:end], float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
+        # A row that has seen no key yet keeps -inf: subtract 0 there, never -inf - -inf.
+        shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        weights = torch.exp(scores - shift)
+        scale = torch.exp(running_max - shift)
+        total = total * scale + weights.sum(-1, keepdim=True)
+        block = torch.matmul(weights.to(values_h.dtype), values_h[:, start:end]).float()
+        out = out * scale + block
+        running_max = new_max
+    return (out / total).to(values_h.dtype)
+
+
+def _visible(shape, device, num_new: int, num_slots: int, group: int, window_mask) -> torch.Tensor:
+    """[Hkv, R, T'] bool for a padded score matrix of `shape` (R rows: g * n, then padding)."""
+    num_kv_heads, num_rows, padded_slots = shape
     visible = torch.zeros(
         num_kv_heads, group, num_new, padded_slots, dtype=torch.bool, device=device
     )

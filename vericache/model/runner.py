@@ -83,14 +83,14 @@ class ModelRunner:
 
     def _layer(self, index, layer, hidden, positions, batch, counts, invariant) -> torch.Tensor:
         c = self.config
-        x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
+        x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps, invariant)
         q, k, v = layer.qkv(x, invariant).split(self._qkv_split, dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)  # [N, Hq, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [N, Hkv, D]
         v = v.view(-1, c.num_kv_heads, c.head_dim)  # [N, Hkv, D]
         if c.qk_norm:
-            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
+            q = rms_norm(q, layer.q_norm, c.rms_norm_eps, invariant)
+            k = rms_norm(k, layer.k_norm, c.rms_norm_eps, invariant)
         q, k = self.rope(q, positions), self.rope(k, positions)
         outputs, start = [], 0
         window = c.layer_windows[index]
@@ -107,7 +107,7 @@ class ModelRunner:
             outputs.append(_attend(layer_kv, q[start:end], window_mask, invariant))
             start = end
         hidden = hidden + layer.o_proj(torch.cat(outputs), invariant)
-        x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps)
+        x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
         gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
         return hidden + layer.down(silu(gate) * up, invariant)
 
@@ -121,7 +121,7 @@ class ModelRunner:
             return [
                 selected.new_empty(0, self.config.vocab_size, dtype=torch.float32) for _ in batch
             ]
-        normed = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps)
+        normed = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps, invariant)
         logits = self.weights.lm_head(normed.float(), invariant)
         return list(logits.split([seq.num_logits for seq in batch]))
 
