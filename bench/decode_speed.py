@@ -34,6 +34,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, help="alternations engine/transformers (5; quick 3)")
     parser.add_argument("--compressors", default="streamingllm-4x,kivi-4bit")
     parser.add_argument("--batch", type=int, default=8, help="requests in the batched comparison")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both models run there)")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -101,9 +102,10 @@ def engine_vs_transformers(engine: Engine, model: str, ids: list[int], steps: in
     """Decode tokens/s of the engine's full mode and of transformers generate, alternating."""
     from transformers import AutoModelForCausalLM
 
+    device = engine.runner.device
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(model)), dtype=torch.float32)
-    hf.eval()
-    input_ids = torch.tensor([ids])
+    hf.to(device).eval()
+    input_ids = torch.tensor([ids], device=device)
     with torch.no_grad():
         start = time.perf_counter()
         prefilled = hf(input_ids[:, :-1], use_cache=True).past_key_values
@@ -124,6 +126,7 @@ def engine_vs_transformers(engine: Engine, model: str, ids: list[int], steps: in
                 min_new_tokens=steps,
                 do_sample=False,
             )
+            _synchronize(device)
             elapsed = time.perf_counter() - start
         # One forward per token, as the engine's rate counts its decode steps.
         hf_rates.append((output.shape[1] - input_ids.shape[1]) / elapsed)
@@ -137,7 +140,7 @@ def engine_vs_transformers(engine: Engine, model: str, ids: list[int], steps: in
 def run(args) -> dict:
     steps = args.steps or (12 if args.quick else 32)
     rounds = args.rounds or (3 if args.quick else 5)
-    engine = Engine.from_pretrained(args.model)
+    engine = Engine.from_pretrained(args.model, device=args.device)
     context = long_code_context(engine.tokenizer, args.context_tokens)
     ids = engine.tokenizer.encode(context.text, add_special_tokens=False)
     prefix = tuple(ids[:-1])
@@ -157,7 +160,13 @@ def run(args) -> dict:
             "runner_over_hf": "median engine full-mode decode tokens/s (batch-invariant kernels) / "
             "median transformers generate tokens/s, same prefilled context (target >= 1)",
         },
-        "config": {"model": args.model, "steps": steps, "rounds": rounds, "quick": args.quick},
+        "config": {
+            "model": args.model,
+            "steps": steps,
+            "rounds": rounds,
+            "quick": args.quick,
+            "device": args.device,
+        },  # fmt: skip
         "environment": environment(),
         "context": {"files": context.name, "tokens": context.num_tokens},
         "step_ms": step_ms,
