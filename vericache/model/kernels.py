@@ -104,11 +104,7 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
     group = num_heads // num_kv_heads
     padded_slots = aligned(num_slots, KEY_ALIGN)
     keys, values = keys[:padded_slots], values[:padded_slots]
-    # Rows ordered (group member, token) per KV head: [Hkv, g * n, D].
-    rows = (q * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
-    rows = pad_rows(
-        rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim), QUERY_ROW_ALIGN
-    )
+    rows = _query_rows(q, num_kv_heads, QUERY_ROW_ALIGN)
     scores = torch.matmul(rows, keys.permute(1, 2, 0))  # [Hkv, R, T']
     visible = _visible(scores.shape, scores.device, num_new, num_slots, group, window_mask)
     scores.masked_fill_(~visible, float("-inf"))
@@ -127,8 +123,7 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
             for h in range(num_kv_heads)
         ]
     )  # [Hkv, R, D]
-    out = out[:, : group * num_new].view(num_kv_heads, group, num_new, head_dim)
-    return out.permute(2, 0, 1, 3)  # [n, Hkv, g, D] == [n, Hq, D]
+    return _from_query_rows(out, num_new, group)
 
 
 def _blocked_invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tensor:
@@ -137,14 +132,11 @@ def _blocked_invariant_attention(q, keys, values, num_slots, window_mask) -> tor
     one (row block, key block) shape, and the key blocks combined in order with an online softmax.
     Key blocks a row cannot see change nothing, bit for bit (their weights are exactly 0 and the
     running scale exactly 1), so a row's result does not depend on how many trail it."""
-    num_new, num_heads, head_dim = q.shape
+    num_new, num_heads, _ = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
     padded_slots = aligned(num_slots, KEY_ALIGN)
-    # Rows ordered (group member, token) per KV head: [Hkv, g * n, D].
-    rows = (q * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
-    rows = rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
-    rows = pad_rows(rows, CUDA_ROW_BLOCK)
+    rows = _query_rows(q, num_kv_heads, CUDA_ROW_BLOCK)
     shape = (num_kv_heads, rows.shape[1], padded_slots)
     visible = _visible(shape, q.device, num_new, num_slots, group, window_mask)
     keys_t = keys[:padded_slots].permute(1, 2, 0)  # [Hkv, D, T']
@@ -153,9 +145,24 @@ def _blocked_invariant_attention(q, keys, values, num_slots, window_mask) -> tor
     for start in range(0, rows.shape[1], CUDA_ROW_BLOCK):
         part = slice(start, start + CUDA_ROW_BLOCK)
         blocks.append(_online_softmax_rows(rows[:, part], keys_t, values_h, visible[:, part]))
-    out = torch.cat(blocks, dim=1)  # [Hkv, R, D]
+    return _from_query_rows(torch.cat(blocks, dim=1), num_new, group)
+
+
+def _query_rows(q: torch.Tensor, num_kv_heads: int, row_align: int) -> torch.Tensor:
+    """Scaled queries [n, Hq, D] as rows ordered (group member, token) per KV head, padded with
+    zero rows to a multiple of row_align: [Hkv, R, D], R >= g * n."""
+    num_new, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    rows = (q * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
+    rows = rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
+    return pad_rows(rows, row_align)
+
+
+def _from_query_rows(out: torch.Tensor, num_new: int, group: int) -> torch.Tensor:
+    """The inverse of `_query_rows` for an output [Hkv, R, D]: [n, Hq, D], padding dropped."""
+    num_kv_heads, _, head_dim = out.shape
     out = out[:, : group * num_new].view(num_kv_heads, group, num_new, head_dim)
-    return out.permute(2, 0, 1, 3)  # [n, Hkv, g, D] == [n, Hq, D]
+    return out.permute(2, 0, 1, 3).reshape(num_new, num_kv_heads * group, head_dim)
 
 
 def _online_softmax_rows(rows, keys_t, values_h, visible) -> torch.Tensor:
