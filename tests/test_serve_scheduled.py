@@ -42,6 +42,16 @@ class RecordingWorker(LocalWorker):
         return await super().call(method, *args)
 
 
+def _all_at_once(client, prefix_id: str, max_tokens: int) -> list:
+    """Every prompt of PROMPTS as a VERICACHE request, all in flight together."""
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(
+            pool.map(
+                lambda p: client.generate(p, prefix_id=prefix_id, max_tokens=max_tokens), PROMPTS
+            )
+        )
+
+
 @pytest.fixture(scope="module", params=["staggered", "lockstep"])
 def scheduled(request, tiny_chat_checkpoint, tmp_path_factory):
     """A server whose verifier holds two requests' full KV at most, so four requests at once
@@ -72,12 +82,7 @@ def test_scheduled_rounds_equal_full_decoding(scheduled):
         client.generate(p, prefix_id=prefix_id, mode="full_local", max_tokens=MAX_TOKENS)
         for p in PROMPTS
     ]
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(
-            pool.map(
-                lambda p: client.generate(p, prefix_id=prefix_id, max_tokens=MAX_TOKENS), PROMPTS
-            )
-        )
+    results = _all_at_once(client, prefix_id, MAX_TOKENS)
     for result, reference in zip(results, references):
         assert result.token_ids == reference.token_ids
         assert result.text == reference.text
@@ -108,8 +113,7 @@ def test_scheduled_rounds_equal_full_decoding(scheduled):
 def test_every_verification_follows_its_own_load(scheduled):
     server, client, prefix_id, recording = scheduled
     recording.calls.clear()
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        list(pool.map(lambda p: client.generate(p, prefix_id=prefix_id, max_tokens=24), PROMPTS))
+    _all_at_once(client, prefix_id, 24)
     loaded: set[str] = set()
     verified = 0
     for method, session_id in recording.calls:
@@ -192,9 +196,6 @@ def test_verifications_that_span_iterations_stay_exact(scheduled):
     references = [
         client.generate(p, prefix_id=prefix_id, mode="full_local", max_tokens=24) for p in PROMPTS
     ]
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        results = list(
-            pool.map(lambda p: client.generate(p, prefix_id=prefix_id, max_tokens=24), PROMPTS)
-        )
+    results = _all_at_once(client, prefix_id, 24)
     assert [r.token_ids for r in results] == [r.token_ids for r in references]
     assert wait_for(lambda: open_sessions(server) == 0)
