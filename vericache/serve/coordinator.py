@@ -84,15 +84,23 @@ class Coordinator:
             raise UnsupportedModelError(f"workers serve different models: {sorted(infos)}")
         self.info = described[0]["info"]
         self.metrics = ServeMetrics(self.info.model)
-        if self.config.scheduling != "per-request" and drafters:
-            draft_step_s = max(about["draft_step_s"] for about in drafters)
-            self.schedules = {
-                verifier.name: new_scheduled_rounds(
-                    verifier, about, draft_step_s, self.config, self.metrics
-                )
-                for verifier, about in zip(self.verifiers, described)
-            }
+        if self.config.scheduling != "per-request" and self.drafters:
+            await self._start_schedules(described)
         return self
+
+    async def _start_schedules(self, described: list[dict]) -> None:
+        """One schedule per verifier, from first estimates of a draft step and of each verifier's
+        load bandwidth (measured only here: per-request rounds need neither)."""
+        steps = await asyncio.gather(*(d.call("time_draft_step") for d in self.drafters))
+        bandwidths = await asyncio.gather(
+            *(v.call("measure_load_bandwidth") for v in self.verifiers)
+        )
+        self.schedules = {
+            verifier.name: new_scheduled_rounds(
+                verifier, about, bandwidth, max(steps), self.config, self.metrics
+            )
+            for verifier, about, bandwidth in zip(self.verifiers, described, bandwidths)
+        }
 
     async def close(self) -> None:
         await asyncio.gather(*(w.close() for w in [*self.drafters, *self.verifiers]))

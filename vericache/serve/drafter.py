@@ -56,8 +56,11 @@ class Drafter:
         self._loop = BatchLoop(self.runner, "drafter-batch")
 
     def describe(self) -> dict:
-        """The model, and the time of one draft step (a first estimate for the scheduler)."""
-        return {"info": self.info, "draft_step_s": time_draft_step(self.runner)}
+        return {"info": self.info}
+
+    def time_draft_step(self) -> float:
+        """Seconds of one draft step: a first estimate for a scheduler, which refines it."""
+        return time_draft_step(self.runner)
 
     def open(
         self,

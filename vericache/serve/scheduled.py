@@ -270,15 +270,16 @@ class ScheduledRounds:
 def new_scheduled_rounds(
     verifier: WorkerHandle,
     about: dict,
+    load_bytes_per_s: float,
     draft_step_s: float,
     config: CoordinatorConfig,
     metrics: ServeMetrics | None = None,
 ) -> ScheduledRounds:
-    """The schedule of one verifier, from what it described of itself (`Verifier.describe`) and
-    the time of a draft step; both estimates are refined as it runs."""
+    """The schedule of one verifier, from what it described of itself (`Verifier.describe`), its
+    load bandwidth and the time of a draft step; both estimates are refined as it runs."""
     costs = CostModel(
         iteration_s=draft_step_s,
-        link_bytes_per_s=about["load_bytes_per_s"],
+        link_bytes_per_s=load_bytes_per_s,
         memory_budget_bytes=about["weights_bytes"] + about["resident_bytes"],
         weights_bytes=about["weights_bytes"],
     )

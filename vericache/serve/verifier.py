@@ -82,7 +82,8 @@ class Verifier:
         self._room = threading.Condition(self._lock)  # signalled when full KV may have freed
         self._loading_bytes = 0  # full KV of the loads in progress, not resident yet
         self._peak_resident_bytes = 0  # full KV resident at once, at most so far
-        self._slot_bytes = slot_bytes(self.runner.config, self.runner.dtype.itemsize)  # a token's
+        # One token's full KV in a cache slot, positions included.
+        self._slot_bytes = slot_bytes(self.runner.config, self.runner.dtype.itemsize)
         self._loop = BatchLoop(self.runner, "verifier-batch")
         service = KVTransferService(self._kv_for_drafter, self.info.fingerprint, self.link)
         host = config.transfer_host or "127.0.0.1"
@@ -93,20 +94,21 @@ class Verifier:
         return self._transfer.address
 
     def describe(self) -> dict:
-        """What the coordinator plans with: the model, where to fetch KV, device memory (the
-        weights, the bytes one cache slot of full KV takes, the budget for resident full KV) and a
-        first estimate of the bandwidth of full-KV loads onto the device."""
+        """What the coordinator plans with: the model, where to fetch KV, and device memory (the
+        weights, the bytes one cache slot of full KV takes, the budget for resident full KV)."""
         return {
             "info": self.info,
             "transfer_address": self.transfer_address,
             "weights_bytes": self.runner.weights.nbytes,
             "slot_bytes": self._slot_bytes,
             "resident_bytes": self.config.resident_bytes,
-            "load_bytes_per_s": min(
-                measure_link_bandwidth(self.runner.device),
-                self.config.load_bandwidth or float("inf"),
-            ),
         }
+
+    def measure_load_bandwidth(self) -> float:
+        """A first estimate of the bytes/s of full-KV loads onto the device, for a scheduler
+        (which refines it with every load): a host-to-device copy, held to `load_bandwidth`."""
+        measured = measure_link_bandwidth(self.runner.device)
+        return min(measured, self.config.load_bandwidth or float("inf"))
 
     # --- Prefixes ---------------------------------------------------------------------------------
 
