@@ -114,16 +114,8 @@ def run(args) -> dict:
             "time in decode iterations), VERICACHE over FULL, same budget (target >= 1.8)",
             "max_running": "most requests decoding at once (their KV on the device)",
         },
-        "config": {
-            "model": args.model,
-            "device": str(runner.device),
-            "compressor": args.compressor,
-            "num_requests": num_requests,
-            "prompt_tokens": [len(r.prompt_ids) for r in requests],
-            "max_tokens": max_tokens,
-            "draft_len": args.draft_len,
-            "weights_bytes": runner.weights.nbytes,
-            "full_kv_bytes": full_bytes,
+        "config": workload_config(args, runner, requests, max_tokens, args.draft_len, full_bytes)
+        | {
             "budget_bytes": budget,
             "budget_full_kvs": args.budget_full_kvs,
             "pcie_bandwidth_bytes_per_s": args.pcie_bandwidth,
@@ -131,6 +123,21 @@ def run(args) -> dict:
         },
         "runs": {mode: without_tokens(r) for mode, r in runs.items()},
         "environment": environment(),
+    }
+
+
+def workload_config(args, runner, requests, max_tokens: int, draft_len: int, full_bytes: int):
+    """The settings a long-context run records: model, device, requests and their sizes."""
+    return {
+        "model": args.model,
+        "device": str(runner.device),
+        "compressor": args.compressor,
+        "num_requests": len(requests),
+        "prompt_tokens": [len(r.prompt_ids) for r in requests],
+        "max_tokens": max_tokens,
+        "draft_len": draft_len,
+        "weights_bytes": runner.weights.nbytes,
+        "full_kv_bytes": full_bytes,
     }
 
 

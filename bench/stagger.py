@@ -28,6 +28,7 @@ from vericache.bench.long_context import (
     long_context_requests,
     run_engine,
     without_tokens,
+    workload_config,
     workload_title,
 )
 from vericache.engine.device_memory import full_kv_bytes
@@ -104,16 +105,8 @@ def run(args) -> dict:
             "peak_memory_ratio": "device-memory high-water mark, staggered / lock-step",
             "peak_memory_full_kvs": "high-water mark of the full KV on the device / one full KV",
         },
-        "config": {
-            "model": args.model,
-            "device": str(runner.device),
-            "compressor": args.compressor,
-            "num_requests": num_requests,
-            "prompt_tokens": [len(r.prompt_ids) for r in requests],
-            "max_tokens": max_tokens,
-            "draft_len": draft_len,
-            "weights_bytes": runner.weights.nbytes,
-            "full_kv_bytes": full_bytes,
+        "config": workload_config(args, runner, requests, max_tokens, draft_len, full_bytes)
+        | {
             "draft_step_s": draft_step_s,
             "load_draft_steps": args.load_draft_steps,
             "link_bytes_per_s": bandwidth,
