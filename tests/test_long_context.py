@@ -23,6 +23,7 @@ from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.errors import InvalidRequestError
+from vericache.model.runner import SequenceInput
 from vericache.scheduler import LockstepScheduler
 
 MAX_NEW = 24
@@ -328,6 +329,32 @@ def test_cpu_loader_honours_its_bandwidth(tiny_engine):
         assert torch.equal(layer.keys_values()[0][:2000], loaded.keys_values()[0][:2000])
         assert torch.equal(layer.positions(), loaded.positions())
     assert second.cache.is_full and second.cache.num_tokens == 2000
+
+
+def test_cpu_load_hands_over_the_host_buffers(tiny_engine):
+    """On CPU a load is the host KV itself: a verification's tokens land in host memory, and
+    committing them copies nothing."""
+    runner = tiny_engine().runner
+    cache = runner.new_cache(capacity=2048)
+    runner.prefill(torch.arange(700) % 500 + 3, cache, num_logits=0)
+    host = HostKV.from_cache(cache, capacity=2048)
+    loader = KVLoader("cpu")
+    try:
+        loaded = loader.start(host).wait().cache
+    finally:
+        loader.close()
+    assert loaded.layers[0].keys_values()[0].data_ptr() == host.keys[0].data_ptr()
+    new_tokens = torch.tensor([5, 6, 7])
+    runner.forward([SequenceInput(new_tokens, loaded, 3)], invariant=True)
+    runner.forward([SequenceInput(new_tokens, cache, 3)], invariant=True)
+    loaded.truncate(702)  # two of the three kept, as after a verification
+    host.append_from(loaded, 700, 702)
+    assert host.num_tokens == 702
+    for layer, keys, values in zip(cache.layers, host.keys, host.values):
+        expected_keys, expected_values = layer.keys_values()
+        assert torch.equal(keys[:702], expected_keys[:702])
+        assert torch.equal(values[:702], expected_values[:702])
+        assert torch.count_nonzero(keys[703:]) == 0  # padding attention reads stays finite
 
 
 @pytest.mark.parametrize(

@@ -1,18 +1,23 @@
 """Full KV in host memory, and its asynchronous loads onto the device (the paper's Pipeline 1).
 
 `HostKV` is one request's full KV in host memory: pinned on CUDA, so that copies run at full PCIe
-speed off the compute stream; on CPU a separate copy stands for it. `KVLoader.start` begins
-loading one request's full KV and returns a `PendingLoad` at once; `PendingLoad.wait` blocks until
-the KV is on the device (LMCache's visible blocking: `get_non_blocking` then wait). Loads run one
-at a time, in the order they start, on one background thread, as they would share one link: on
-CUDA the thread copies on its own stream, so the copy overlaps the draft forwards on the compute
-stream; with a bandwidth limit, it paces the copy to that rate (`ThrottledLink`), which emulates
-PCIe on CPU (and a slower link on CUDA). `move_compressed` moves a compressed KV between devices.
+speed off the compute stream. `KVLoader.start` begins loading one request's full KV and returns a
+`PendingLoad` at once; `PendingLoad.wait` blocks until the KV is on the device (LMCache's visible
+blocking: `get_non_blocking` then wait). Loads run one at a time, in the order they start, on one
+background thread, as they would share one link: on CUDA the thread copies on its own stream, so
+the copy overlaps the draft forwards on the compute stream; with a bandwidth limit, it paces the
+copy to that rate (`ThrottledLink`), a slower link than PCIe.
+
+On CPU the device is host memory: a load hands over the host buffers themselves (`HostKV.view`)
+once the emulated link (`ThrottledLink`, standing for PCIe) has carried their bytes. A copy there
+would stand for nothing a GPU pays for (its copy engine moves the bytes, not its compute units),
+yet it would take the cores' time and memory bandwidth from the draft forwards: about 140 ms of
+CPU per load of a 7k-token full KV on the embedded model. `move_compressed` moves a compressed KV
+between devices.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,13 +33,14 @@ from vericache.serve.link import LinkSpec, ThrottledLink
 
 
 class HostKV:
-    """One request's full KV in host memory. Per layer, keys and values [capacity, Hkv, D];
-    positions are not stored (a full cache holds token i in slot i)."""
+    """One request's full KV in host memory. Per layer, keys and values [capacity, Hkv, D]
+    (a full cache holds token i in slot i)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], num_tokens: int):
         self.keys = keys
         self.values = values
         self.num_tokens = num_tokens
+        self._positions: list[torch.Tensor] | None = None  # per layer [capacity, Hkv], for views
 
     @classmethod
     def from_cache(cls, cache: KVCache, capacity: int, pin: bool = False) -> HostKV:
@@ -42,11 +48,14 @@ class HostKV:
         if not cache.is_full:
             raise CacheStateError("only a full (uncompressed) cache has a host copy")
         keys, values = [], []
+        # Pinned buffers are only copied from; unpinned ones are also viewed (CPU loads), whose
+        # attention reads the padding past the last token: it must hold finite values.
+        new = torch.empty if pin else torch.zeros
         for layer in cache.layers:
             layer_keys, _ = layer.keys_values()
             shape = (capacity, *layer_keys.shape[1:])
-            keys.append(torch.empty(shape, dtype=layer_keys.dtype, pin_memory=pin))
-            values.append(torch.empty(shape, dtype=layer_keys.dtype, pin_memory=pin))
+            keys.append(new(shape, dtype=layer_keys.dtype, pin_memory=pin))
+            values.append(new(shape, dtype=layer_keys.dtype, pin_memory=pin))
         host = cls(keys, values, 0)
         host.append_from(cache, 0, cache.num_tokens)
         return host
@@ -70,9 +79,26 @@ class HostKV:
             )
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
             layer_keys, layer_values = layer.keys_values()
+            if layer_keys.data_ptr() == keys.data_ptr():
+                continue  # a view of these buffers (`view`): its tokens are written here already
             keys[start:end].copy_(layer_keys[start:end])
             values[start:end].copy_(layer_values[start:end])
         self.num_tokens = end
+
+    def view(self, num_tokens: int) -> KVCache:
+        """The first num_tokens tokens as a full cache over these host buffers, without a copy:
+        tokens it appends are written here (and `append_from` it then copies nothing)."""
+        if self.keys[0].is_pinned():
+            raise CacheStateError("pinned host KV is copied to the device, not viewed")
+        if self._positions is None:
+            capacity, num_kv_heads = self.keys[0].shape[:2]
+            slots = torch.arange(capacity, dtype=torch.int32).unsqueeze(1)
+            self._positions = [slots.repeat(1, num_kv_heads) for _ in self.keys]
+        layers = [
+            DenseLayerKV.over(keys, values, positions, num_tokens)
+            for keys, values, positions in zip(self.keys, self.values, self._positions)
+        ]
+        return KVCache(layers, num_tokens)
 
 
 @dataclass
@@ -114,15 +140,16 @@ class KVLoader:
 
     def start(self, host: HostKV) -> PendingLoad:
         """Starts loading the tokens `host` holds now; returns at once."""
-        num_tokens = host.num_tokens
-        layers = None
-        if self._is_cuda:
-            # Allocated and zeroed on the compute stream, which frees them after the
-            # verification; the copy stream waits for the zeroing.
-            layers = self._new_layers(host)
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        num_tokens, num_bytes = host.num_tokens, host.nbytes
+        if not self._is_cuda:
+            future = self._executor.submit(self._hand_over, host, num_tokens, num_bytes)
+            return PendingLoad(future, num_bytes)
+        # Allocated and zeroed on the compute stream, which frees them after the verification;
+        # the copy stream waits for the zeroing.
+        layers = self._new_layers(host)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         future = self._executor.submit(self._copy, host, num_tokens, layers)
-        return PendingLoad(future, host.nbytes)
+        return PendingLoad(future, num_bytes)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -135,11 +162,16 @@ class KVLoader:
             for k in host.keys
         ]
 
-    def _copy(self, host: HostKV, num_tokens: int, layers) -> tuple[KVCache, float]:
+    def _hand_over(self, host: HostKV, num_tokens: int, num_bytes: int) -> tuple[KVCache, float]:
+        """A CPU load: the host buffers, once the link has carried their bytes."""
         start = time.perf_counter()
-        stream = torch.cuda.stream(self._stream) if self._is_cuda else contextlib.nullcontext()
-        with stream:
-            layers = layers or self._new_layers(host)
+        self.link.send_blocking(num_bytes)
+        return host.view(num_tokens), time.perf_counter() - start
+
+    def _copy(self, host: HostKV, num_tokens: int, layers) -> tuple[KVCache, float]:
+        """A CUDA load: copies on the loader's stream into `layers`, paced to the link."""
+        start = time.perf_counter()
+        with torch.cuda.stream(self._stream):
             positions = torch.arange(num_tokens, dtype=torch.int32, device=self.device)
             for layer, keys, values in zip(layers, host.keys, host.values):
                 num_bytes = keys[:num_tokens].nbytes + values[:num_tokens].nbytes
@@ -147,8 +179,7 @@ class KVLoader:
                 arrival = time.perf_counter() + self.link.schedule(num_bytes, first=False)
                 layer.append(keys[:num_tokens], values[:num_tokens], positions)
                 time.sleep(max(0.0, arrival - time.perf_counter()))
-            if self._is_cuda:
-                self._stream.synchronize()
+            self._stream.synchronize()
         return KVCache(layers, num_tokens), time.perf_counter() - start
 
 

@@ -78,6 +78,19 @@ class DenseLayerKV:
         layer._write(keys, values, positions)
         return layer
 
+    @classmethod
+    def over(
+        cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, num_slots: int
+    ) -> DenseLayerKV:
+        """A layer over existing buffers, holding their first num_slots slots: no copy, and
+        appends write into them. keys, values: [capacity, H, D]; positions: [capacity, H]; every
+        slot must hold finite values (attention reads padding past the last slot)."""
+        layer = cls.__new__(cls)
+        layer._keys, layer._values, layer._positions = keys, values, positions
+        layer.num_slots = num_slots
+        layer._num_finite = keys.shape[0]
+        return layer
+
     def _ensure_capacity(self, num_slots: int, exact: bool = False) -> None:
         """Room for num_slots; appends grow geometrically, `exact` grows to just what is asked."""
         capacity = self._keys.shape[0]
