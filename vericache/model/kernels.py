@@ -106,8 +106,15 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
     keys, values = keys[:padded_slots], values[:padded_slots]
     rows = _query_rows(q, num_kv_heads, QUERY_ROW_ALIGN)
     scores = torch.matmul(rows, keys.permute(1, 2, 0))  # [Hkv, R, T']
-    visible = _visible(scores.shape, scores.device, num_new, num_slots, group, window_mask)
-    scores.masked_fill_(~visible, float("-inf"))
+    # Without a window every row sees every slot before the first new token, so only the columns
+    # from there on are masked (padding rows then see the early slots too: finite scores, and
+    # their output, which no other row's depends on, is discarded).
+    first_masked = 0 if window_mask is not None else num_slots - num_new
+    masked = scores[..., first_masked:]
+    visible = _visible(
+        masked.shape, scores.device, num_new, num_slots, group, window_mask, first_masked
+    )
+    masked.masked_fill_(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     # probs @ values, one fixed-shape product per block of KEY_ALIGN keys, summed in block order:
     # the sum over keys then does not depend on how many masked blocks trail the visible ones
@@ -187,20 +194,26 @@ def _online_softmax_rows(rows, keys_t, values_h, visible) -> torch.Tensor:
     return (out / total).to(values_h.dtype)
 
 
-def _visible(shape, device, num_new: int, num_slots: int, group: int, window_mask) -> torch.Tensor:
-    """[Hkv, R, T'] bool for a padded score matrix of `shape` (R rows: g * n, then padding)."""
-    num_kv_heads, num_rows, padded_slots = shape
+def _visible(
+    shape, device, num_new: int, num_slots: int, group: int, window_mask, first_slot: int = 0
+) -> torch.Tensor:
+    """[Hkv, R, C] bool for the columns first_slot .. first_slot + C of a padded score matrix
+    (R rows: g * n, then padding), shaped `shape`."""
+    num_kv_heads, num_rows, num_columns = shape
     visible = torch.zeros(
-        num_kv_heads, group, num_new, padded_slots, dtype=torch.bool, device=device
+        num_kv_heads, group, num_new, num_columns, dtype=torch.bool, device=device
     )
-    token_mask = visibility_mask(num_new, num_slots, window_mask, device)
-    visible[..., :num_slots] = token_mask if window_mask is None else token_mask.unsqueeze(1)
-    visible = visible.view(num_kv_heads, group * num_new, padded_slots)
+    token_mask = visibility_mask(num_new, num_slots, window_mask, device)[..., first_slot:]
+    visible[..., : num_slots - first_slot] = (
+        token_mask if window_mask is None else token_mask.unsqueeze(1)
+    )
+    visible = visible.view(num_kv_heads, group * num_new, num_columns)
     if num_rows > group * num_new:
-        # Padding rows see slot 0 only, so their softmax stays finite; their output is discarded.
+        # Padding rows see slot 0 (or the unmasked slots before first_slot), so their softmax
+        # stays finite; their output is discarded.
         extra = torch.zeros(
-            num_kv_heads, num_rows - group * num_new, padded_slots, dtype=torch.bool, device=device
+            num_kv_heads, num_rows - group * num_new, num_columns, dtype=torch.bool, device=device
         )
-        extra[..., 0] = True
+        extra[..., 0] = first_slot == 0
         visible = torch.cat([visible, extra], dim=1)
     return visible
