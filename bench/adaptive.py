@@ -1,7 +1,8 @@
 """Adaptive draft length against static ones, on a mixed workload decoded as one batch.
 
 Several compressors (streamingllm-4x, snapkv-8x, kvzip-4x by default) over code contexts (stdlib
-modules with a HumanEval prompt) and tool contexts (BFCL catalogues with a question): every
+modules with a HumanEval prompt), tool contexts (BFCL catalogues with a question) and short math
+chats (a one-line system turn, where token dropping keeps little and acceptance falls): every
 (context, compressor) pair is one vericache request, and all of them decode together in one
 `Engine.generate` batch. The batch runs once per static draft length and once with
 `adaptive_draft_len` (each round's length chosen per request from its acceptance so far and the
@@ -26,7 +27,13 @@ from vericache.bench.common import (
     pyplot,
     save_figure,
 )
-from vericache.bench.workloads import code_contexts, humaneval_prompts, tool_contexts
+from vericache.bench.workloads import (
+    MATH_CONTEXT,
+    MATH_PROBLEMS,
+    code_contexts,
+    humaneval_prompts,
+    tool_contexts,
+)
 from vericache.engine.engine import Engine, EngineConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
@@ -41,6 +48,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compressors", default="streamingllm-4x,snapkv-8x,kvzip-4x")
     parser.add_argument("--draft-lens", type=int_list, help="static lengths (4,8,16,30,48)")
     parser.add_argument("--contexts", type=int, help="code and tool contexts, each (2; quick 1)")
+    parser.add_argument("--math-prompts", type=int, help="short math chats (2; quick 1)")
     parser.add_argument("--context-tokens", type=int, default=3000, help="per context, about")
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (128; quick 64)")
     parser.add_argument("--repeats", type=int, help="runs of each setting, interleaved (3; 1)")
@@ -75,12 +83,15 @@ def run(args) -> dict:
 
 def _workload(engine: Engine, args, num_contexts: int) -> list[dict]:
     """(kind, context name, prompt ids, compressor label) for every context x compressor."""
+    num_math = args.math_prompts if args.math_prompts is not None else (1 if args.quick else 2)
     tokenizer = engine.tokenizer
     low = int(args.context_tokens * 0.8)
     codes = code_contexts(tokenizer, low, args.context_tokens, count=num_contexts)
     prompts = [("code", c.name, c.text, p) for c, p in zip(codes, humaneval_prompts(num_contexts))]
     for tools in tool_contexts(tokenizer, low, count=num_contexts):
         prompts.append(("tools", tools.name, tools.context, tools.questions[0]))
+    for index, problem in enumerate(MATH_PROBLEMS[:num_math]):
+        prompts.append(("math", f"math:{index}", MATH_CONTEXT, problem.prompt))
     return [
         {
             "kind": kind,

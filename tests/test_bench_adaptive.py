@@ -40,3 +40,23 @@ def test_summary_compares_adaptive_with_the_best_static_run(tmp_path):
     assert result["rounds"]["adaptive"]["code/streamingllm-4x"]["mean_draft_len"] == 4.5
     adaptive.plot(result, tmp_path / "adaptive.png")
     assert (tmp_path / "adaptive.png").stat().st_size > 0
+
+
+def test_workload_mixes_long_contexts_with_short_math_chats(monkeypatch):
+    code = SimpleNamespace(name="textwrap.py", text="code")
+    tools = SimpleNamespace(name="MathAPI", context="tools", questions=("q",))
+    monkeypatch.setattr(adaptive, "code_contexts", lambda *args, count: [code] * count)
+    monkeypatch.setattr(adaptive, "tool_contexts", lambda *args, count: [tools] * count)
+    monkeypatch.setattr(adaptive, "humaneval_prompts", lambda count: ["def f():"] * count)
+    monkeypatch.setattr(
+        adaptive, "build_chat_prompt", lambda tokenizer, context, question: (context, question)
+    )
+    engine = SimpleNamespace(tokenizer=None)
+    args = argparse.Namespace(
+        compressors="streamingllm-4x,snapkv-8x", context_tokens=3000, math_prompts=None, quick=False
+    )
+    workload = adaptive._workload(engine, args, num_contexts=1)
+    kinds = [(item["kind"], item["compressor"].label) for item in workload]
+    assert kinds.count(("math", "snapkv-8x")) == 2 and kinds.count(("code", "snapkv-8x")) == 1
+    math_prompts = {item["prompt"] for item in workload if item["kind"] == "math"}
+    assert math_prompts == {(adaptive.MATH_CONTEXT, p.prompt) for p in adaptive.MATH_PROBLEMS[:2]}
