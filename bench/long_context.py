@@ -1,9 +1,10 @@
 """Long-context decoding (the paper's Pipeline 1) against full-KV decoding at one device-memory
 budget, on the embedded model.
 
-N requests (enough to fill the budget in both modes), each a long code context (a standard-library module cut to `--context-tokens`, near
-the model's 8k window) and a HumanEval prompt, are decoded twice by a `LongContextEngine` held to
-the same device-memory budget (the weights plus `--budget-full-kvs` full KVs of one request):
+N requests (enough to fill the budget in both modes), each a long code context (a standard-library
+module cut to `--context-tokens`, near the model's 8k window) and a HumanEval prompt, are decoded
+twice by a `LongContextEngine` held to the same device-memory budget (the weights plus
+`--budget-full-kvs` full KVs of one request):
 - FULL: every running request keeps its full KV on the device, so floor((budget - weights) / full
   KV) decode at once (batched) and the rest queue.
 - VERICACHE: every admitted request keeps only its compressed KV on the device and its full KV in
