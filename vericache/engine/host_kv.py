@@ -87,7 +87,8 @@ class HostKV:
 
     def view(self, num_tokens: int) -> KVCache:
         """The first num_tokens tokens as a full cache over these host buffers, without a copy:
-        tokens it appends are written here (and `append_from` it then copies nothing)."""
+        tokens it appends are written here (and `append_from` it then copies nothing). The
+        buffers must hold finite values throughout, as `from_cache`'s zero-filled ones do."""
         if self.keys[0].is_pinned():
             raise CacheStateError("pinned host KV is copied to the device, not viewed")
         if self._positions is None:
