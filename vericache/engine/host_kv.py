@@ -145,8 +145,8 @@ class KVLoader:
         if not self._is_cuda:
             future = self._executor.submit(self._hand_over, host, num_tokens, num_bytes)
             return PendingLoad(future, num_bytes)
-        # Allocated and zeroed on the compute stream, which frees them after the verification;
-        # the copy stream waits for the zeroing.
+        # Allocated on the compute stream, which frees them after the verification; the copy
+        # stream waits for the allocation.
         layers = self._new_layers(host)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         future = self._executor.submit(self._copy, host, num_tokens, layers)
@@ -156,8 +156,8 @@ class KVLoader:
         self._executor.shutdown(wait=True)
 
     def _new_layers(self, host: HostKV) -> list[DenseLayerKV]:
-        # Zero-filled: attention reads whole key blocks past the last token and masks them, so
-        # they must hold finite values.
+        # Left uninitialised: attention reads whole key blocks past the last token, and
+        # DenseLayerKV zeroes that padding when it is first read (0 * NaN would be NaN).
         return [
             DenseLayerKV(k.shape[1], k.shape[2], k.dtype, self.device, host.capacity)
             for k in host.keys
