@@ -166,9 +166,10 @@ class CheckedEngine(LongContextEngine):
             # The drafts stayed within the room held for them.
             assert seq.compressed_cache.resident_bytes <= self.memory.held(("compressed", key))
             for layer, host_keys, host_values in zip(full.layers, host.keys, host.values):
-                keys, values = layer.keys_values()
-                assert torch.equal(keys[: full.num_tokens], host_keys[: host.num_tokens])
-                assert torch.equal(values[: full.num_tokens], host_values[: host.num_tokens])
+                keys, values = layer.keys_values()  # [T, H, D]; the host's are [H, T, D]
+                n = host.num_tokens
+                assert torch.equal(keys[: full.num_tokens], host_keys[:, :n].transpose(0, 1))
+                assert torch.equal(values[: full.num_tokens], host_values[:, :n].transpose(0, 1))
         super()._run_full(batch)
 
 
@@ -350,11 +351,11 @@ def test_cpu_load_hands_over_the_host_buffers(tiny_engine):
     loaded.truncate(702)  # two of the three kept, as after a verification
     host.append_from(loaded, 700, 702)
     assert host.num_tokens == 702
-    for layer, keys, values in zip(cache.layers, host.keys, host.values):
+    for layer, keys, values in zip(cache.layers, host.keys, host.values):  # host: [H, T, D]
         expected_keys, expected_values = layer.keys_values()
-        assert torch.equal(keys[:702], expected_keys[:702])
-        assert torch.equal(values[:702], expected_values[:702])
-        assert torch.count_nonzero(keys[703:]) == 0  # padding attention reads stays finite
+        assert torch.equal(keys[:, :702].transpose(0, 1), expected_keys[:702])
+        assert torch.equal(values[:, :702].transpose(0, 1), expected_values[:702])
+        assert torch.count_nonzero(keys[:, 703:]) == 0  # padding attention reads stays finite
 
 
 @pytest.mark.parametrize(

@@ -33,8 +33,8 @@ from vericache.serve.link import LinkSpec, ThrottledLink
 
 
 class HostKV:
-    """One request's full KV in host memory. Per layer, keys and values [capacity, Hkv, D]
-    (a full cache holds token i in slot i)."""
+    """One request's full KV in host memory. Per layer, keys and values head-major
+    [Hkv, capacity, D], as `DenseLayerKV` stores them (a full cache holds token i in slot i)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], num_tokens: int):
         self.keys = keys
@@ -52,8 +52,8 @@ class HostKV:
         # attention reads the padding past the last token: it must hold finite values.
         new = torch.empty if pin else torch.zeros
         for layer in cache.layers:
-            layer_keys, _ = layer.keys_values()
-            shape = (capacity, *layer_keys.shape[1:])
+            layer_keys, _ = layer.keys_values()  # [T, H, D]
+            shape = (layer_keys.shape[1], capacity, layer_keys.shape[2])
             keys.append(new(shape, dtype=layer_keys.dtype, pin_memory=pin))
             values.append(new(shape, dtype=layer_keys.dtype, pin_memory=pin))
         host = cls(keys, values, 0)
@@ -62,12 +62,12 @@ class HostKV:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[0]
+        return self.keys[0].shape[1]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the tokens held (what a load moves)."""
-        per_token = sum(k[0].nbytes + v[0].nbytes for k, v in zip(self.keys, self.values))
+        per_token = sum(k[:, 0].nbytes + v[:, 0].nbytes for k, v in zip(self.keys, self.values))
         return self.num_tokens * per_token
 
     def append_from(self, cache: KVCache, start: int, end: int) -> None:
@@ -78,11 +78,11 @@ class HostKV:
                 f"[{start}, {end}) of a cache of {cache.num_tokens}"
             )
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
-            layer_keys, layer_values = layer.keys_values()
+            layer_keys, layer_values = layer.keys_values()  # [T, H, D]
             if layer_keys.data_ptr() == keys.data_ptr():
                 continue  # a view of these buffers (`view`): its tokens are written here already
-            keys[start:end].copy_(layer_keys[start:end])
-            values[start:end].copy_(layer_values[start:end])
+            keys[:, start:end].copy_(layer_keys[start:end].transpose(0, 1))
+            values[:, start:end].copy_(layer_values[start:end].transpose(0, 1))
         self.num_tokens = end
 
     def view(self, num_tokens: int) -> KVCache:
@@ -92,7 +92,7 @@ class HostKV:
         if self.keys[0].is_pinned():
             raise CacheStateError("pinned host KV is copied to the device, not viewed")
         if self._positions is None:
-            capacity, num_kv_heads = self.keys[0].shape[:2]
+            num_kv_heads, capacity, _ = self.keys[0].shape
             slots = torch.arange(capacity, dtype=torch.int32).unsqueeze(1)
             self._positions = [slots.repeat(1, num_kv_heads) for _ in self.keys]
         layers = [
@@ -159,7 +159,7 @@ class KVLoader:
         # Left uninitialised: attention reads whole key blocks past the last token, and
         # DenseLayerKV zeroes that padding when it is first read (0 * NaN would be NaN).
         return [
-            DenseLayerKV(k.shape[1], k.shape[2], k.dtype, self.device, host.capacity)
+            DenseLayerKV(k.shape[0], k.shape[2], k.dtype, self.device, host.capacity)
             for k in host.keys
         ]
 
@@ -175,10 +175,11 @@ class KVLoader:
         with torch.cuda.stream(self._stream):
             positions = torch.arange(num_tokens, dtype=torch.int32, device=self.device)
             for layer, keys, values in zip(layers, host.keys, host.values):
-                num_bytes = keys[:num_tokens].nbytes + values[:num_tokens].nbytes
+                keys, values = keys[:, :num_tokens], values[:, :num_tokens]  # [H, T, D]
+                num_bytes = keys.nbytes + values.nbytes
                 # Book the wire first, so that the copy overlaps the time it stands for.
                 arrival = time.perf_counter() + self.link.schedule(num_bytes, first=False)
-                layer.append(keys[:num_tokens], values[:num_tokens], positions)
+                layer.append(keys.transpose(0, 1), values.transpose(0, 1), positions)
                 time.sleep(max(0.0, arrival - time.perf_counter()))
             self._stream.synchronize()
         return KVCache(layers, num_tokens), time.perf_counter() - start

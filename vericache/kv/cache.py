@@ -1,10 +1,13 @@
 """KV caches as explicit objects owned by the engine.
 
-Layout, fixed once for every cache: per layer, keys and values are [slots, kv_heads, head_dim]
-(token-major, as vLLM and LMCache chunks keep them), and each slot records the original position of
-the token it holds, per head: [slots, kv_heads]. Keys are stored after RoPE, so a compressed cache
-that dropped tokens keeps the rotation of the tokens it kept, and a new token is rotated at its true
-position (the number of tokens the sequence has seen), not at its slot index.
+Layout, fixed once for every cache: per layer, keys and values are handed out as [slots, kv_heads,
+head_dim] (token-major, as vLLM and LMCache chunks index them) and each slot records the original
+position of the token it holds, per head: [slots, kv_heads]. A dense layer stores them head-major,
+[kv_heads, capacity, head_dim], and hands out transposed views: decode attention streams each head's
+keys from one contiguous block instead of striding over the other heads'. Keys are stored after
+RoPE, so a compressed cache that dropped tokens keeps the rotation of the tokens it kept, and a new
+token is rotated at its true position (the number of tokens the sequence has seen), not at its
+slot index.
 
 A full cache and a compressed (draft) cache are two instances of `KVCache`; a compressor decides
 what their layers hold. Tokens appended during a draft are tentative: `truncate` rolls them back,
@@ -65,7 +68,7 @@ class DenseLayerKV:
         # Left uninitialised: filling whole buffers dominated opening a session on a long prefix.
         # Slots below `_num_finite` hold finite values (written, or zeroed for a padded view);
         # num_slots <= _num_finite <= capacity.
-        self._keys = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self._keys = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self._values = torch.empty_like(self._keys)
         self._positions = torch.empty(capacity, num_kv_heads, dtype=torch.int32, device=device)
         self.num_slots = 0
@@ -82,33 +85,51 @@ class DenseLayerKV:
     def over(
         cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, num_slots: int
     ) -> DenseLayerKV:
-        """A layer over existing buffers, holding their first num_slots slots: no copy, and
-        appends write into them. keys, values: [capacity, H, D]; positions: [capacity, H]; every
-        slot must hold finite values (attention reads padding past the last slot)."""
+        """A layer over existing head-major buffers, holding their first num_slots slots: no
+        copy, and appends write into them. keys, values: [H, capacity, D]; positions:
+        [capacity, H]; every slot must hold finite values (attention reads padding past the
+        last slot)."""
         layer = cls.__new__(cls)
         layer._keys, layer._values, layer._positions = keys, values, positions
         layer.num_slots = num_slots
-        layer._num_finite = keys.shape[0]
+        layer._num_finite = keys.shape[1]
         return layer
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[1]
 
     def _ensure_capacity(self, num_slots: int, exact: bool = False) -> None:
         """Room for num_slots; appends grow geometrically, `exact` grows to just what is asked."""
-        capacity = self._keys.shape[0]
-        if num_slots <= capacity:
+        if num_slots <= self.capacity:
             return
-        new_capacity = aligned(num_slots if exact else max(num_slots, 2 * capacity))
-        for name in ("_keys", "_values", "_positions"):
+        new_capacity = aligned(num_slots if exact else max(num_slots, 2 * self.capacity))
+        n = self.num_slots
+        num_kv_heads, _, head_dim = self._keys.shape
+        for name in ("_keys", "_values"):
             old = getattr(self, name)
-            new = old.new_empty((new_capacity, *old.shape[1:]))
-            new[: self.num_slots] = old[: self.num_slots]
+            new = old.new_empty((num_kv_heads, new_capacity, head_dim))
+            new[:, :n] = old[:, :n]
             setattr(self, name, new)
-        self._num_finite = self.num_slots
+        positions = self._positions.new_empty((new_capacity, num_kv_heads))
+        positions[:n] = self._positions[:n]
+        self._positions = positions
+        self._num_finite = n
 
     def _write(self, keys, values, positions) -> None:
+        """keys, values: [n, H, D], on any device."""
         start, end = self.num_slots, self.num_slots + keys.shape[0]
         self._ensure_capacity(end)
-        self._keys[start:end] = keys
-        self._values[start:end] = values
+        if keys.device == self._keys.device:
+            self._keys[:, start:end] = keys.transpose(0, 1)
+            self._values[:, start:end] = values.transpose(0, 1)
+        else:
+            # Head by head: a strided copy across devices would stage through a contiguous copy
+            # on the source side; a head of a head-major host buffer is one contiguous block.
+            for head in range(keys.shape[1]):
+                self._keys[head, start:end].copy_(keys[:, head])
+                self._values[head, start:end].copy_(values[:, head])
+            positions = positions.to(self._positions.device)
         # [n] positions (the same for every head) broadcast over heads.
         self._positions[start:end] = positions if positions.dim() == 2 else positions.unsqueeze(1)
         self.num_slots = end
@@ -118,14 +139,15 @@ class DenseLayerKV:
         self._write(keys, values, positions)
 
     def keys_values(self, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T', H, D] views of the head-major buffers (strided, not contiguous)."""
         end = aligned(self.num_slots, pad_to)
         self._ensure_capacity(end, exact=True)
         if end > self._num_finite:
             # Attention gives the padding zero weight, but 0 * NaN is NaN: zero the tail it reads.
-            self._keys[self._num_finite : end] = 0
-            self._values[self._num_finite : end] = 0
+            self._keys[:, self._num_finite : end] = 0
+            self._values[:, self._num_finite : end] = 0
             self._num_finite = end
-        return self._keys[:end], self._values[:end]
+        return self._keys[:, :end].transpose(0, 1), self._values[:, :end].transpose(0, 1)
 
     def positions(self) -> torch.Tensor:
         return self._positions[: self.num_slots]
@@ -137,22 +159,24 @@ class DenseLayerKV:
 
     def retain(self, slot_index: torch.Tensor) -> None:
         """Keep only the given slots, per head: slot_index [k, H], ascending within each head."""
-        k = slot_index.shape[0]
-        gather = slot_index.unsqueeze(-1).expand(k, *self._keys.shape[1:])
-        keys = torch.gather(self._keys[: self.num_slots], 0, gather)
-        values = torch.gather(self._values[: self.num_slots], 0, gather)
-        positions = torch.gather(self._positions[: self.num_slots], 0, slot_index)
+        n = self.num_slots
+        gather = slot_index.T.unsqueeze(-1).expand(-1, -1, self._keys.shape[2])  # [H, k, D]
+        keys = torch.gather(self._keys[:, :n], 1, gather)
+        values = torch.gather(self._values[:, :n], 1, gather)
+        positions = torch.gather(self._positions[:n], 0, slot_index)
         self.num_slots = 0
-        self._write(keys, values, positions)
+        self._write(keys.transpose(0, 1), values.transpose(0, 1), positions)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.num_slots * self._keys[0].numel() * self._keys.element_size()
+        num_kv_heads, _, head_dim = self._keys.shape
+        return 2 * self.num_slots * num_kv_heads * head_dim * self._keys.element_size()
 
     def to_state(self) -> LayerState:
+        keys, values = self.keys_values()
         n = self.num_slots
-        tensors = {"keys": self._keys[:n], "values": self._values[:n]}
-        return LayerState("dense", {}, {**tensors, "positions": self._positions[:n]})
+        tensors = {"keys": keys[:n], "values": values[:n], "positions": self._positions[:n]}
+        return LayerState("dense", {}, tensors)
 
     @classmethod
     def from_state(cls, state: LayerState) -> DenseLayerKV:
@@ -161,7 +185,7 @@ class DenseLayerKV:
 
     def clone(self, capacity: int = 0) -> DenseLayerKV:
         """Copies the resident slots only; the rest of `capacity` stays unfilled."""
-        num_kv_heads, head_dim = self._keys.shape[1:]
+        num_kv_heads, _, head_dim = self._keys.shape
         copy = DenseLayerKV(
             num_kv_heads,
             head_dim,
@@ -169,8 +193,8 @@ class DenseLayerKV:
             self._keys.device,
             max(capacity, self.num_slots),
         )
-        n = self.num_slots
-        copy._write(self._keys[:n], self._values[:n], self._positions[:n])
+        state = self.to_state().tensors
+        copy._write(state["keys"], state["values"], state["positions"])
         return copy
 
 

@@ -87,11 +87,12 @@ class KVCacheConnector(GPUConnectorInterface):
         return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_dim])
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, *, kv: KVCache, **_) -> None:
-        chunk = memory_obj.tensor  # [2, L, t, H * D]
+        # [2, L, t, H * D] -> [2, L, t, H, D]
+        chunk = memory_obj.tensor.unflatten(-1, (self.num_kv_heads, self.head_dim))
         for index, layer in enumerate(kv.layers):
-            keys, values = layer.keys_values()  # [T, H, D]
-            chunk[0, index].copy_(keys[start:end].flatten(1))
-            chunk[1, index].copy_(values[start:end].flatten(1))
+            keys, values = layer.keys_values()  # [T, H, D], strided views
+            chunk[0, index].copy_(keys[start:end])
+            chunk[1, index].copy_(values[start:end])
         self.num_tokens_stored += end - start
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, *, kv: KVCache, **_) -> None:
