@@ -18,6 +18,8 @@ algorithm on the CPU too.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -198,7 +200,21 @@ def _visible(
     shape, device, num_new: int, num_slots: int, group: int, window_mask, first_slot: int = 0
 ) -> torch.Tensor:
     """[Hkv, R, C] bool for the columns first_slot .. first_slot + C of a padded score matrix
-    (R rows: g * n, then padding), shaped `shape`."""
+    (R rows: g * n, then padding), shaped `shape`. Read only: the causal ones are shared."""
+    if window_mask is None:
+        return _causal_visible(tuple(shape), device, num_new, num_slots, group, first_slot)
+    return _build_visible(shape, device, num_new, num_slots, group, window_mask, first_slot)
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_visible(shape, device, num_new, num_slots, group, first_slot) -> torch.Tensor:
+    # Every layer of a forward asks for the same mask per sequence: built once, not per layer.
+    return _build_visible(shape, device, num_new, num_slots, group, None, first_slot)
+
+
+def _build_visible(
+    shape, device, num_new: int, num_slots: int, group: int, window_mask, first_slot: int
+) -> torch.Tensor:
     num_kv_heads, num_rows, num_columns = shape
     visible = torch.zeros(
         num_kv_heads, group, num_new, num_columns, dtype=torch.bool, device=device
