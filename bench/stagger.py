@@ -12,6 +12,11 @@ set from a draft step timed at start-up):
   verifications spread over the iterations, so the link moves loads while the others draft and at
   most a few full KVs are on the device at a time.
 
+Each request writes `--max-tokens` tokens (256), about ten rounds: requests finish about a round
+apart, and with a few rounds each (96 tokens) the last requests decoding alone, as many as one
+or two, took about 40% of the iterations, so that the run measured the drain more than B
+concurrent requests.
+
 Headline `staggered_over_lockstep`: output tokens/s over the decode iterations, staggered over
 lock-step (target >= 1.3). `peak_memory_ratio`: the device-memory high-water mark of staggered over
 lock-step's; `peak_memory_full_kvs`: the most full KV on the device at once, in full KVs
@@ -43,7 +48,7 @@ def add_arguments(parser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--requests", type=int, help="concurrent requests B (8; quick 8)")
     parser.add_argument("--context-tokens", type=int, help="per request (3000; quick 1000)")
-    parser.add_argument("--max-tokens", type=int, help="output tokens per request (96; quick 32)")
+    parser.add_argument("--max-tokens", type=int, help="output tokens per request (256; quick 32)")
     parser.add_argument("--draft-len", type=int, help="x, both policies (30; quick 12)")
     parser.add_argument(
         "--load-draft-steps",
@@ -57,7 +62,7 @@ def add_arguments(parser) -> None:
 def run(args) -> dict:
     num_requests = args.requests or 8
     context_tokens = args.context_tokens or (1000 if args.quick else 3000)
-    max_tokens = args.max_tokens or (32 if args.quick else 96)
+    max_tokens = args.max_tokens or (32 if args.quick else 256)
     draft_len = args.draft_len or (12 if args.quick else 30)
     loaded, runner = load_runner(args.model, args.device)
     requests = long_context_requests(
