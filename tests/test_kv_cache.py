@@ -91,6 +91,20 @@ def test_dense_padded_view_is_finite_beyond_num_slots(pad_to):
     assert torch.isfinite(padded_keys).all() and torch.isfinite(padded_values).all()
 
 
+def test_dense_layer_hands_out_head_major_views_that_survive_growth():
+    # Decode attention streams each head's keys from one block: per head, the [T, D] rows of a
+    # view lie back to back, before and after the buffers grow.
+    keys, values = _kv(300)
+    layer = DenseLayerKV(NUM_KV_HEADS, HEAD_DIM, torch.float32, "cpu", capacity=256)
+    layer.append(keys[:200], values[:200], torch.arange(200))
+    layer.append(keys[200:], values[200:], torch.arange(200, 300))  # grows past 256
+    got_keys, got_values = layer.keys_values()
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    for view in (got_keys, got_values):
+        assert all(view[:, head].is_contiguous() for head in range(NUM_KV_HEADS))
+    assert layer.nbytes == keys.nbytes + values.nbytes
+
+
 def test_dense_drop_last_removes_newest_slots():
     keys, values = _kv(10)
     layer = DenseLayerKV.from_tensors(keys, values, torch.arange(10))
