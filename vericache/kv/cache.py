@@ -120,16 +120,18 @@ class DenseLayerKV:
         """keys, values: [n, H, D], on any device."""
         start, end = self.num_slots, self.num_slots + keys.shape[0]
         self._ensure_capacity(end)
-        if keys.device == self._keys.device:
-            self._keys[:, start:end] = keys.transpose(0, 1)
-            self._values[:, start:end] = values.transpose(0, 1)
-        else:
-            # Head by head: a strided copy across devices would stage through a contiguous copy
-            # on the source side; a head of a head-major host buffer is one contiguous block.
+        if keys.device != self._keys.device and keys[:, 0].is_contiguous():
+            # From a head-major buffer on another device (a load from host memory), head by
+            # head: each head is one contiguous block on both sides, where a strided copy would
+            # stage through unpinned memory.
             for head in range(keys.shape[1]):
                 self._keys[head, start:end].copy_(keys[:, head])
                 self._values[head, start:end].copy_(values[:, head])
-            positions = positions.to(self._positions.device)
+        else:
+            keys, values = keys.to(self._keys.device), values.to(self._keys.device)
+            self._keys[:, start:end] = keys.transpose(0, 1)
+            self._values[:, start:end] = values.transpose(0, 1)
+        positions = positions.to(self._positions.device)
         # [n] positions (the same for every head) broadcast over heads.
         self._positions[start:end] = positions if positions.dim() == 2 else positions.unsqueeze(1)
         self.num_slots = end

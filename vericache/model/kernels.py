@@ -113,9 +113,14 @@ def _invariant_attention(q, keys, values, num_slots, window_mask) -> torch.Tenso
     # their output, which no other row's depends on, is discarded).
     first_masked = 0 if window_mask is not None else num_slots - num_new
     masked = scores[..., first_masked:]
-    visible = _visible(
-        masked.shape, scores.device, num_new, num_slots, group, window_mask, first_masked
-    )
+    if window_mask is None:
+        visible = _causal_tail_visible(
+            tuple(masked.shape), scores.device, num_new, num_slots, group, first_masked
+        )
+    else:
+        visible = _visible(
+            masked.shape, scores.device, num_new, num_slots, group, window_mask, first_masked
+        )
     masked.masked_fill_(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     # probs @ values, one fixed-shape product per block of KEY_ALIGN keys, summed in block order:
@@ -196,25 +201,19 @@ def _online_softmax_rows(rows, keys_t, values_h, visible) -> torch.Tensor:
     return (out / total).to(values_h.dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _causal_tail_visible(shape, device, num_new, num_slots, group, first_slot) -> torch.Tensor:
+    """`_visible` without a window, for the columns from the first new token on (small: C = n
+    rounded up to KEY_ALIGN at most). Every layer of a forward asks for the same one per
+    sequence, so it is built once, not per layer. Shared: read only."""
+    return _visible(shape, device, num_new, num_slots, group, None, first_slot)
+
+
 def _visible(
     shape, device, num_new: int, num_slots: int, group: int, window_mask, first_slot: int = 0
 ) -> torch.Tensor:
     """[Hkv, R, C] bool for the columns first_slot .. first_slot + C of a padded score matrix
-    (R rows: g * n, then padding), shaped `shape`. Read only: the causal ones are shared."""
-    if window_mask is None:
-        return _causal_visible(tuple(shape), device, num_new, num_slots, group, first_slot)
-    return _build_visible(shape, device, num_new, num_slots, group, window_mask, first_slot)
-
-
-@functools.lru_cache(maxsize=64)
-def _causal_visible(shape, device, num_new, num_slots, group, first_slot) -> torch.Tensor:
-    # Every layer of a forward asks for the same mask per sequence: built once, not per layer.
-    return _build_visible(shape, device, num_new, num_slots, group, None, first_slot)
-
-
-def _build_visible(
-    shape, device, num_new: int, num_slots: int, group: int, window_mask, first_slot: int
-) -> torch.Tensor:
+    (R rows: g * n, then padding), shaped `shape`."""
     num_kv_heads, num_rows, num_columns = shape
     visible = torch.zeros(
         num_kv_heads, group, num_new, num_columns, dtype=torch.bool, device=device
