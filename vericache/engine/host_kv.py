@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vericache.errors import CacheStateError
-from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.cache import DenseLayerKV, KVCache, write_head_major
 from vericache.kv.compressed import CompressedKV, layer_from_state
 from vericache.kv.outlier_quantized import OutlierQuantizedLayerKV
 from vericache.kv.state import LayerState
@@ -81,15 +81,8 @@ class HostKV:
             layer_keys, layer_values = layer.keys_values()  # [T, H, D]
             if layer_keys.data_ptr() == keys.data_ptr():
                 continue  # a view of these buffers (`view`): its tokens are written here already
-            if layer_keys.device == keys.device:
-                keys[:, start:end].copy_(layer_keys[start:end].transpose(0, 1))
-                values[:, start:end].copy_(layer_values[start:end].transpose(0, 1))
-                continue
-            # From the device, head by head: each head is one contiguous block on both sides,
-            # where a strided copy would stage through unpinned memory.
-            for head in range(keys.shape[0]):
-                keys[head, start:end].copy_(layer_keys[start:end, head])
-                values[head, start:end].copy_(layer_values[start:end, head])
+            write_head_major(keys, start, layer_keys[start:end])
+            write_head_major(values, start, layer_values[start:end])
         self.num_tokens = end
 
     def view(self, num_tokens: int) -> KVCache:

@@ -31,6 +31,19 @@ def aligned(num_slots: int, multiple: int = SLOT_ALIGNMENT) -> int:
     return -(-num_slots // multiple) * multiple
 
 
+def write_head_major(target: torch.Tensor, start: int, source: torch.Tensor) -> None:
+    """Writes source [n, H, D] into slots start..start+n of a head-major target [H, capacity, D],
+    on the same device or across devices."""
+    end = start + source.shape[0]
+    if source.device != target.device and source[:, 0].is_contiguous():
+        # Head by head (a head-major buffer on the other device): each head is one contiguous
+        # block on both sides, where a strided copy would stage through unpinned memory.
+        for head in range(source.shape[1]):
+            target[head, start:end].copy_(source[:, head])
+    else:
+        target[:, start:end] = source.to(target.device).transpose(0, 1)
+
+
 class LayerKV(Protocol):
     """One layer of one sequence's cache."""
 
@@ -120,17 +133,8 @@ class DenseLayerKV:
         """keys, values: [n, H, D], on any device."""
         start, end = self.num_slots, self.num_slots + keys.shape[0]
         self._ensure_capacity(end)
-        if keys.device != self._keys.device and keys[:, 0].is_contiguous():
-            # From a head-major buffer on another device (a load from host memory), head by
-            # head: each head is one contiguous block on both sides, where a strided copy would
-            # stage through unpinned memory.
-            for head in range(keys.shape[1]):
-                self._keys[head, start:end].copy_(keys[:, head])
-                self._values[head, start:end].copy_(values[:, head])
-        else:
-            keys, values = keys.to(self._keys.device), values.to(self._keys.device)
-            self._keys[:, start:end] = keys.transpose(0, 1)
-            self._values[:, start:end] = values.transpose(0, 1)
+        write_head_major(self._keys, start, keys)
+        write_head_major(self._values, start, values)
         positions = positions.to(self._positions.device)
         # [n] positions (the same for every head) broadcast over heads.
         self._positions[start:end] = positions if positions.dim() == 2 else positions.unsqueeze(1)
