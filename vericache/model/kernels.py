@@ -1,7 +1,8 @@
 """The math of one Llama-family forward, in two kernel sets.
 
-`invariant=False` (fast): library kernels as they come. Used for drafting and prefill, whose
-results only need to be deterministic for a given input shape.
+`invariant=False` (fast): library kernels as they come (the runner hands one-token steps on CPU to
+kernels/cpu_decode.py instead). Used for drafting and prefill, whose results only need to be
+deterministic for a given input shape.
 
 `invariant=True` (batch-invariant): the result for a token does not depend on how many other
 tokens or sequences share the forward. A one-token decode step and a 31-token verification then

@@ -2,7 +2,8 @@
 
 One forward serves many sequences with different cache lengths: their new tokens are concatenated
 into one [N, hidden] batch for the linear layers, and attention runs per sequence over its own
-cache. Caches are owned by the caller; the forward appends the new tokens' KV to them.
+cache (on CPU the one-token sequences of a draft step share one call: kernels/cpu_decode.py).
+Caches are owned by the caller; the forward appends the new tokens' KV to them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.kernels import cpu_decode
 from vericache.kv.cache import KVCache
 from vericache.model.config import ModelConfig
 from vericache.model.kernels import KEY_ALIGN, attention, rms_norm, silu
@@ -43,6 +45,7 @@ class ModelRunner:
             config.rope, config.head_dim, config.max_position_embeddings, self.device, self.dtype
         )
         c = config
+        self._cpu_decode_kernel = cpu_decode.accepts(self.device, self.dtype, config.head_dim)
         self._qkv_split = [
             c.num_heads * c.head_dim,
             c.num_kv_heads * c.head_dim,
@@ -92,8 +95,10 @@ class ModelRunner:
             q = rms_norm(q, layer.q_norm, c.rms_norm_eps, invariant)
             k = rms_norm(k, layer.k_norm, c.rms_norm_eps, invariant)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        outputs, start = [], 0
+        outputs: list[torch.Tensor | None] = []
+        one_token_rows, one_token_layers = [], []  # for the batched CPU decode kernel
         window = c.layer_windows[index]
+        start = 0
         for seq, n in zip(batch, counts):
             end = start + n
             layer_kv = seq.cache.layers[index]
@@ -104,12 +109,28 @@ class ModelRunner:
             # The window only hides keys once the newest token is `window` positions in.
             if window is not None and seq.cache.num_tokens + n > window:
                 window_mask = _window_mask(window, layer_kv.positions(), positions[start:end])
-            outputs.append(_attend(layer_kv, q[start:end], window_mask, invariant))
+            if n == 1 and window_mask is None and self._batches_decode(layer_kv, invariant):
+                one_token_rows.append(start)
+                one_token_layers.append(layer_kv)
+                outputs.append(None)
+            else:
+                outputs.append(_attend(layer_kv, q[start:end], window_mask, invariant))
             start = end
+        if one_token_rows:
+            _attend_one_token_batch(q, one_token_rows, one_token_layers, outputs)
         hidden = hidden + layer.o_proj(torch.cat(outputs), invariant)
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
         gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
         return hidden + layer.down(silu(gate) * up, invariant)
+
+    def _batches_decode(self, layer_kv, invariant: bool) -> bool:
+        """Whether a one-token sequence joins the batched CPU decode kernel: drafting only (the
+        batch-invariant set has its own attention) and over full-precision slots."""
+        return (
+            not invariant
+            and self._cpu_decode_kernel
+            and not getattr(layer_kv, "attends_packed", False)
+        )
 
     def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
         rows, start = [], 0
@@ -151,6 +172,15 @@ def _attend(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> torch.Te
         return layer_kv.attend(q, window_mask)
     keys, values = layer_kv.keys_values(pad_to=KEY_ALIGN if invariant else 1)
     return attention(q, keys, values, layer_kv.num_slots, invariant, window_mask)
+
+
+def _attend_one_token_batch(q, rows: list[int], layers: list, outputs: list) -> None:
+    """Fills outputs[i] (None so far) for the sequences at q rows `rows` with one new token each,
+    in one kernel call over all their caches. q: [N, Hq, D]."""
+    keys, values = zip(*(layer_kv.keys_values() for layer_kv in layers))
+    out = cpu_decode.decode_attention(q[rows], list(keys), list(values))  # [B, Hq, D]
+    for row_out, i in zip(out.flatten(1), (i for i, o in enumerate(outputs) if o is None)):
+        outputs[i] = row_out.unsqueeze(0)
 
 
 def _window_mask(window: int, key_positions: torch.Tensor, query_positions: torch.Tensor):
