@@ -73,8 +73,9 @@ def test_runner_step_by_step_equals_one_forward_bitwise(tiny_checkpoint, family,
     stepwise_cache, verify_cache = runner.new_cache(), runner.new_cache()
     runner.prefill(prompt, stepwise_cache, num_logits=0)
     runner.prefill(prompt, verify_cache, num_logits=0)
-    other_cache = runner.new_cache()
+    other_cache, draft_cache = runner.new_cache(), runner.new_cache()
     runner.prefill(torch.randint(3, 512, (70,)), other_cache, num_logits=0)
+    runner.prefill(torch.randint(3, 512, (40,)), draft_cache, num_logits=0)
 
     stepwise = torch.cat(
         [
@@ -82,11 +83,13 @@ def test_runner_step_by_step_equals_one_forward_bitwise(tiny_checkpoint, family,
             for t in continuation
         ]
     )
-    # The verification shares its forward with another sequence, as in a batched engine step.
-    verified, _ = runner.forward(
+    # The verification shares its forward with another sequence and a draft step (fast
+    # attention), as in a batched engine iteration.
+    verified, _, _ = runner.forward(
         [
             SequenceInput(continuation, verify_cache, 31),
             SequenceInput(continuation[:5], other_cache),
+            SequenceInput(continuation[:1], draft_cache, fast_attention=True),
         ],
         invariant=True,
     )

@@ -155,10 +155,14 @@ def test_lockstep_baseline_is_exact_and_loads_every_full_kv_together(
 
 class CheckedEngine(LongContextEngine):
     """Checks, before each verification, that every full KV has arrived whole (and that the
-    drafts stayed within the device memory held for them)."""
+    drafts stayed within the device memory held for them); counts the forwards that draft and
+    verify at once."""
 
-    def _run_full(self, batch):
-        for seq in batch:
+    num_shared_forwards = 0
+
+    def _run_forward(self, compressed_batch, full_batch):
+        self.num_shared_forwards += bool(compressed_batch and full_batch)
+        for seq in full_batch:
             assert seq.full_cache.num_tokens == len(seq.token_ids) - 1
             key = next(k for k, s in self._running.items() if s is seq)
             host, full = self._host[key], seq.full_cache
@@ -170,7 +174,7 @@ class CheckedEngine(LongContextEngine):
                 n = host.num_tokens
                 assert torch.equal(keys[: full.num_tokens], host_keys[:, :n].transpose(0, 1))
                 assert torch.equal(values[: full.num_tokens], host_values[:, :n].transpose(0, 1))
-        super()._run_full(batch)
+        super()._run_forward(compressed_batch, full_batch)
 
 
 def test_late_loads_are_waited_for(make_engine, sizes, full_outputs):
@@ -186,8 +190,10 @@ def test_loads_started_ahead_arrive_in_time(make_engine, sizes, full_outputs):
     engine = make_engine(budget_for(sizes, 4.5), cls=CheckedEngine)
     outputs = engine.generate(make_requests(DecodeMode.VERICACHE, StreamingLLM(ratio=4), 4))
     assert [out.token_ids for out in outputs] == full_outputs
-    # A fast link: (nearly) every load is complete before its verification.
+    # A fast link: (nearly) every load is complete before its verification, and the draft step
+    # of the others then shares the verification's forward.
     assert engine.stats.num_late_loads <= engine.stats.num_loads // 3
+    assert engine.num_shared_forwards > 0
 
 
 def test_requests_added_while_running(make_engine, sizes, full_outputs):

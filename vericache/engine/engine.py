@@ -142,38 +142,53 @@ class Engine:
         return best_draft_len(alpha, costs, 1, request.draft_len, shared)
 
     def _run_compressed(self, batch: list[Sequence]) -> None:
-        inputs = [_compressed_input(seq) for seq in batch]
+        self._run_forward(batch, [])
+
+    def _run_full(self, batch: list[Sequence]) -> None:
+        self._run_forward([], batch)
+
+    def _run_forward(self, compressed_batch: list[Sequence], full_batch: list[Sequence]) -> None:
+        """One forward: a step over the compressed caches of `compressed_batch` (draft or lossy
+        steps) and one over the full caches of `full_batch` (verifications or full decode steps).
+        Both in one forward read the weights once; the full-KV rows keep the batch-invariant
+        kernels and the compressed ones attend with the fast kernels."""
+        inputs = [_compressed_input(seq) for seq in compressed_batch]
+        inputs += [
+            SequenceInput(_ids(seq.full_input()), seq.full_cache, 1 + len(seq.draft_ids))
+            for seq in full_batch
+        ]
+        num_verified_before = [seq.full_cache.num_tokens for seq in full_batch]
+        invariant = bool(full_batch) and self.config.invariant_full_kv
         start = time.perf_counter()
-        tokens = greedy(self.runner.forward(inputs, invariant=False))
+        chosen = greedy(self.runner.forward(inputs, invariant=invariant))
         elapsed = time.perf_counter() - start
-        self.round_costs.observe_draft_step(elapsed, len(batch))
-        for seq, (token,) in zip(batch, tokens):
+        draft_s = self._observe_forward(elapsed, compressed_batch, inputs[len(compressed_batch) :])
+        for seq, (token,) in zip(compressed_batch, chosen):
             if seq.mode is DecodeMode.LOSSY:
-                self._decode_step(seq, token, elapsed)
+                self._decode_step(seq, token, draft_s)
                 if not seq.is_finished:
                     seq.request.compressor.update(seq.compressed_cache)
             else:
-                seq.stats.draft_s += elapsed
+                seq.stats.draft_s += draft_s
                 seq.draft_ids.append(token)
-
-    def _run_full(self, batch: list[Sequence]) -> None:
-        inputs = [
-            SequenceInput(_ids(seq.full_input()), seq.full_cache, 1 + len(seq.draft_ids))
-            for seq in batch
-        ]
-        num_verified_before = [seq.full_cache.num_tokens for seq in batch]
-        start = time.perf_counter()
-        # [1 + num_drafts] full-KV greedy choices per sequence
-        verified = greedy(self.runner.forward(inputs, invariant=self.config.invariant_full_kv))
-        elapsed = time.perf_counter() - start
-        num_tokens = sum(len(seq_input.token_ids) for seq_input in inputs)
-        self.round_costs.observe_verification(elapsed, len(batch), num_tokens)
-        for seq, seq_verified, verified_before in zip(batch, verified, num_verified_before):
+        verified = chosen[len(compressed_batch) :]  # [1 + num_drafts] greedy choices per sequence
+        for seq, seq_verified, verified_before in zip(full_batch, verified, num_verified_before):
             if seq.mode is DecodeMode.FULL:
-                self._decode_step(seq, seq_verified[0], elapsed)
+                self._decode_step(seq, seq_verified[0], elapsed - draft_s)
             else:
-                seq.stats.verify_s += elapsed
+                seq.stats.verify_s += elapsed - draft_s
                 self._finish_round(seq, seq_verified, verified_before)
+
+    def _observe_forward(self, elapsed: float, compressed_batch, full_inputs) -> float:
+        """Feeds a forward's time to the round costs; returns the part that is the compressed step
+        (in a shared forward, estimated from the draft steps timed alone)."""
+        if not full_inputs:
+            self.round_costs.observe_draft_step(elapsed, len(compressed_batch))
+            return elapsed
+        draft_s = min(elapsed, (self.round_costs.draft_step_s or 0.0) * len(compressed_batch))
+        num_tokens = sum(len(seq_input.token_ids) for seq_input in full_inputs)
+        self.round_costs.observe_verification(elapsed - draft_s, len(full_inputs), num_tokens)
+        return draft_s
 
     @staticmethod
     def _decode_step(seq: Sequence, token: int, elapsed: float) -> None:
@@ -303,7 +318,9 @@ def _planned_verify_steps(active: list[Sequence]) -> set[int]:
 def _compressed_input(seq: Sequence) -> SequenceInput:
     cache = seq.compressed_cache
     observe = cache.observe if cache.records_queries else None
-    return SequenceInput(_ids(seq.compressed_input()), cache, observe=observe)
+    return SequenceInput(
+        _ids(seq.compressed_input()), cache, observe=observe, fast_attention=True
+    )
 
 
 def _ids(token_ids) -> torch.Tensor:

@@ -12,9 +12,10 @@ floor((budget - weights) / full KV) run at once and the rest queue.
 One iteration of VeriCache requests:
     plan = scheduler.schedule()
     start plan.loads (host -> device, in the background)
-    one draft forward over plan.draft_ids (compressed KV, fast kernels)
-    wait for the loads of plan.verifies; one verification forward over their full KV with the
-        batch-invariant kernels, exactly as Engine verifies: greedy output equals full decoding
+    one forward: a draft step over plan.draft_ids (compressed KV, fast attention) and the
+        verification of plan.verifies over their full KV with the batch-invariant kernels,
+        exactly as Engine verifies: greedy output equals full decoding (where a load of
+        plan.verifies is late, the draft step runs alone first, then the verification waits)
     append the committed tokens' exact KV to the host copy (and, by default, the compressed KV);
         free the loaded full KV; report each verification; end the iteration with its time, less
         any wait for a late load
@@ -374,8 +375,16 @@ class LongContextEngine(Engine):
         num_resident = len(self._running) - len(self._parked)
         self.stats.max_running = max(self.stats.max_running, num_resident)
         start = time.perf_counter()
-        has_drafted = self._draft(plan.draft_ids)
-        stall_s, finished = self._verify(plan.verifies)
+        drafts = self._draft_batch(plan.draft_ids)
+        # The draft step shares the verification's forward (one read of the weights) unless a
+        # late load would hold it up; then it runs alone while the load ends.
+        shares_forward = bool(plan.verifies) and all(
+            self._loads[verify.request_id].done() for verify in plan.verifies
+        )
+        if drafts and not shares_forward:
+            self._run_compressed(drafts)  # Engine: appends one draft token to each
+        stall_s, finished = self._verify(plan.verifies, drafts if shares_forward else [])
+        has_drafted = bool(drafts)
         # A wait for a late load is link time, not compute, and an iteration whose requests all
         # wait for their verification says nothing of compute time either.
         elapsed = time.perf_counter() - start - stall_s
@@ -390,17 +399,14 @@ class LongContextEngine(Engine):
         self._loads[key] = self.loader.start(self._host[key])
         self.stats.num_loads += 1
 
-    def _draft(self, keys: tuple[str, ...]) -> bool:
-        """One batched draft step; returns whether any request drafted."""
+    def _draft_batch(self, keys: tuple[str, ...]) -> list[Sequence]:
+        """The requests that take a draft step this iteration (a round begins where none runs)."""
         drafting = [(key, self._running[key]) for key in keys]
         for key, seq in drafting:
             if seq.draft_target is None:  # a round begins
                 seq.draft_target = self._round_draft_target(key, seq)
                 self._hold_compressed(key, seq.compressed_cache, seq.draft_target)
-        batch = [seq for _, seq in drafting if seq.needs_compressed_forward]
-        if batch:
-            self._run_compressed(batch)  # Engine: appends one draft token to each
-        return bool(batch)
+        return [seq for _, seq in drafting if seq.needs_compressed_forward]
 
     def _round_draft_target(self, key: str, seq: Sequence) -> int:
         """Drafts this round: the scheduler's draft length, within the token budget and context."""
@@ -409,9 +415,11 @@ class LongContextEngine(Engine):
         room = self.model_config.max_position_embeddings - len(seq.token_ids)
         return max(0, min(reservation.num_draft_tokens, remaining - 1, room))
 
-    def _verify(self, verifies: tuple[Verify, ...]) -> tuple[float, dict[str, RequestOutput]]:
-        """One batched verification; returns the time spent waiting for loads, and the requests
-        that finished."""
+    def _verify(
+        self, verifies: tuple[Verify, ...], drafts: list[Sequence]
+    ) -> tuple[float, dict[str, RequestOutput]]:
+        """One batched verification, in one forward with the draft step of `drafts`; returns the
+        time spent waiting for loads, and the requests that finished."""
         if not verifies:
             return 0.0, {}
         batch, stall_s = [], 0.0
@@ -423,7 +431,8 @@ class LongContextEngine(Engine):
             stall_s += loaded.stall_s
             seq.full_cache = loaded.cache
             batch.append((key, seq, loaded.cache.num_tokens))
-        self._run_full([seq for _, seq, _ in batch])  # Engine: verify, then finish each round
+        # Engine: drafts get one token each; verifications finish their rounds.
+        self._run_forward(drafts, [seq for _, seq, _ in batch])
         finished = {}
         for key, seq, num_verified_before in batch:
             num_accepted = seq.stats.accepted_per_round[-1]

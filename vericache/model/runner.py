@@ -33,6 +33,9 @@ class SequenceInput:
     # Called per layer with (layer index, positions [n], rotated queries [n, Hq, D], layer KV):
     # how compressors score tokens by the attention they receive.
     observe: Callable | None = None
+    # Attention by the fast kernels even in a batch-invariant forward: a draft step shares a
+    # forward (and one read of the weights) with verifications, and needs no exactness.
+    fast_attention: bool = False
 
 
 class ModelRunner:
@@ -109,12 +112,13 @@ class ModelRunner:
             # The window only hides keys once the newest token is `window` positions in.
             if window is not None and seq.cache.num_tokens + n > window:
                 window_mask = _window_mask(window, layer_kv.positions(), positions[start:end])
-            if n == 1 and window_mask is None and self._batches_decode(layer_kv, invariant):
+            exact = invariant and not seq.fast_attention
+            if n == 1 and window_mask is None and self._batches_decode(layer_kv, exact):
                 one_token_rows.append(start)
                 one_token_layers.append(layer_kv)
                 outputs.append(None)
             else:
-                outputs.append(_attend(layer_kv, q[start:end], window_mask, invariant))
+                outputs.append(_attend(layer_kv, q[start:end], window_mask, exact))
             start = end
         if one_token_rows:
             _attend_one_token_batch(q, one_token_rows, one_token_layers, outputs)
@@ -123,11 +127,11 @@ class ModelRunner:
         gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
         return hidden + layer.down(silu(gate) * up, invariant)
 
-    def _batches_decode(self, layer_kv, invariant: bool) -> bool:
+    def _batches_decode(self, layer_kv, exact: bool) -> bool:
         """Whether a one-token sequence joins the batched CPU decode kernel: drafting only (the
         batch-invariant set has its own attention) and over full-precision slots."""
         return (
-            not invariant
+            not exact
             and self._cpu_decode_kernel
             and not getattr(layer_kv, "attends_packed", False)
         )
