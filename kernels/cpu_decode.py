@@ -24,7 +24,7 @@ _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
 }
-# The kernel holds a head row in 1, 2, 4, 8 or 16 vector registers of 8 or 16 floats.
+# The kernel holds a head row in 1 to 32 vectors of 4 (ARM), 8 or 16 floats.
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 

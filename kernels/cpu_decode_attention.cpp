@@ -150,7 +150,9 @@ at::Tensor decode_attention(const at::Tensor& queries, at::TensorList keys, at::
     case 4: attend_all<4>(q.data_ptr<float>(), out.data_ptr<float>(), heads, group, s); break;
     case 8: attend_all<8>(q.data_ptr<float>(), out.data_ptr<float>(), heads, group, s); break;
     case 16: attend_all<16>(q.data_ptr<float>(), out.data_ptr<float>(), heads, group, s); break;
-    default: TORCH_CHECK(false, "head_dim ", head_dim, " is not 1, 2, 4, 8 or 16 vectors");
+    // 128 floats in 4-float vectors (NEON on ARM, where torch reports no x86 capability).
+    case 32: attend_all<32>(q.data_ptr<float>(), out.data_ptr<float>(), heads, group, s); break;
+    default: TORCH_CHECK(false, "head_dim ", head_dim, " is not 1, 2, 4, 8, 16 or 32 vectors");
   }
   return out;
 }
