@@ -99,7 +99,8 @@ class ModelRunner:
             k = rms_norm(k, layer.k_norm, c.rms_norm_eps, invariant)
         q, k = self.rope(q, positions), self.rope(k, positions)
         outputs: list[torch.Tensor | None] = []
-        one_token_rows, one_token_layers = [], []  # for the batched CPU decode kernel
+        # Sequences left to the batched CPU decode kernel: their outputs index, q row and layer.
+        one_token_outputs, one_token_rows, one_token_layers = [], [], []
         window = c.layer_windows[index]
         start = 0
         for seq, n in zip(batch, counts):
@@ -114,6 +115,7 @@ class ModelRunner:
                 window_mask = _window_mask(window, layer_kv.positions(), positions[start:end])
             exact = invariant and not seq.fast_attention
             if n == 1 and window_mask is None and self._batches_decode(layer_kv, exact):
+                one_token_outputs.append(len(outputs))
                 one_token_rows.append(start)
                 one_token_layers.append(layer_kv)
                 outputs.append(None)
@@ -121,7 +123,9 @@ class ModelRunner:
                 outputs.append(_attend(layer_kv, q[start:end], window_mask, exact))
             start = end
         if one_token_rows:
-            _attend_one_token_batch(q, one_token_rows, one_token_layers, outputs)
+            attended = _attend_one_token_batch(q[one_token_rows], one_token_layers)
+            for i, row in zip(one_token_outputs, attended):
+                outputs[i] = row.unsqueeze(0)
         hidden = hidden + layer.o_proj(torch.cat(outputs), invariant)
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
         gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
@@ -131,9 +135,7 @@ class ModelRunner:
         """Whether a one-token sequence joins the batched CPU decode kernel: drafting only (the
         batch-invariant set has its own attention) and over full-precision slots."""
         return (
-            not exact
-            and self._cpu_decode_kernel
-            and not getattr(layer_kv, "attends_packed", False)
+            not exact and self._cpu_decode_kernel and not getattr(layer_kv, "attends_packed", False)
         )
 
     def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
@@ -178,13 +180,11 @@ def _attend(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> torch.Te
     return attention(q, keys, values, layer_kv.num_slots, invariant, window_mask)
 
 
-def _attend_one_token_batch(q, rows: list[int], layers: list, outputs: list) -> None:
-    """Fills outputs[i] (None so far) for the sequences at q rows `rows` with one new token each,
-    in one kernel call over all their caches. q: [N, Hq, D]."""
+def _attend_one_token_batch(q: torch.Tensor, layers: list) -> torch.Tensor:
+    """q [B, Hq, D], one new token per sequence, each over its layer in `layers`, in one kernel
+    call -> [B, Hq * D]."""
     keys, values = zip(*(layer_kv.keys_values() for layer_kv in layers))
-    out = cpu_decode.decode_attention(q[rows], list(keys), list(values))  # [B, Hq, D]
-    for row_out, i in zip(out.flatten(1), (i for i, o in enumerate(outputs) if o is None)):
-        outputs[i] = row_out.unsqueeze(0)
+    return cpu_decode.decode_attention(q, list(keys), list(values)).flatten(1)
 
 
 def _window_mask(window: int, key_positions: torch.Tensor, query_positions: torch.Tensor):
