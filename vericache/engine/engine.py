@@ -318,9 +318,7 @@ def _planned_verify_steps(active: list[Sequence]) -> set[int]:
 def _compressed_input(seq: Sequence) -> SequenceInput:
     cache = seq.compressed_cache
     observe = cache.observe if cache.records_queries else None
-    return SequenceInput(
-        _ids(seq.compressed_input()), cache, observe=observe, fast_attention=True
-    )
+    return SequenceInput(_ids(seq.compressed_input()), cache, observe=observe, fast_attention=True)
 
 
 def _ids(token_ids) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 One forward serves many sequences with different cache lengths: their new tokens are concatenated
 into one [N, hidden] batch for the linear layers, and attention runs per sequence over its own
-cache (on CPU the one-token sequences of a draft step share one call: kernels/cpu_decode.py).
+cache (on CPU the sequences of a layer share one call of kernels/cpu_attention.py: every exact
+sequence, and every one-token draft step).
 Caches are owned by the caller; the forward appends the new tokens' KV to them.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache.kernels import cpu_decode
+from vericache.kernels import cpu_attention
 from vericache.kv.cache import KVCache
 from vericache.model.config import ModelConfig
 from vericache.model.kernels import KEY_ALIGN, attention, rms_norm, silu
@@ -48,7 +49,7 @@ class ModelRunner:
             config.rope, config.head_dim, config.max_position_embeddings, self.device, self.dtype
         )
         c = config
-        self._cpu_decode_kernel = cpu_decode.accepts(self.device, self.dtype, config.head_dim)
+        self._cpu_kernel = cpu_attention.accepts(self.device, self.dtype, config.head_dim)
         self._qkv_split = [
             c.num_heads * c.head_dim,
             c.num_kv_heads * c.head_dim,
@@ -99,8 +100,8 @@ class ModelRunner:
             k = rms_norm(k, layer.k_norm, c.rms_norm_eps, invariant)
         q, k = self.rope(q, positions), self.rope(k, positions)
         outputs: list[torch.Tensor | None] = []
-        # Sequences left to the batched CPU decode kernel: their outputs index, q row and layer.
-        one_token_outputs, one_token_rows, one_token_layers = [], [], []
+        # Sequences left to the CPU attention kernel: their outputs index, q rows and layer.
+        kernel_outputs, kernel_spans, kernel_layers = [], [], []
         window = c.layer_windows[index]
         start = 0
         for seq, n in zip(batch, counts):
@@ -114,29 +115,32 @@ class ModelRunner:
             if window is not None and seq.cache.num_tokens + n > window:
                 window_mask = _window_mask(window, layer_kv.positions(), positions[start:end])
             exact = invariant and not seq.fast_attention
-            if n == 1 and window_mask is None and self._batches_decode(layer_kv, exact):
-                one_token_outputs.append(len(outputs))
-                one_token_rows.append(start)
-                one_token_layers.append(layer_kv)
+            if self._uses_cpu_kernel(layer_kv, window, window_mask, n, exact):
+                kernel_outputs.append(len(outputs))
+                kernel_spans.append((start, end))
+                kernel_layers.append(layer_kv)
                 outputs.append(None)
             else:
                 outputs.append(_attend(layer_kv, q[start:end], window_mask, exact))
             start = end
-        if one_token_rows:
-            attended = _attend_one_token_batch(q[one_token_rows], one_token_layers)
-            for i, row in zip(one_token_outputs, attended):
-                outputs[i] = row.unsqueeze(0)
+        if kernel_layers:
+            attended = _attend_by_cpu_kernel(q, kernel_spans, kernel_layers)
+            for i, rows in zip(kernel_outputs, attended):
+                outputs[i] = rows
         hidden = hidden + layer.o_proj(torch.cat(outputs), invariant)
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
         gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
         return hidden + layer.down(silu(gate) * up, invariant)
 
-    def _batches_decode(self, layer_kv, exact: bool) -> bool:
-        """Whether a one-token sequence joins the batched CPU decode kernel: drafting only (the
-        batch-invariant set has its own attention) and over full-precision slots."""
-        return (
-            not exact and self._cpu_decode_kernel and not getattr(layer_kv, "attends_packed", False)
-        )
+    def _uses_cpu_kernel(self, layer_kv, window, window_mask, n: int, exact: bool) -> bool:
+        """Whether a sequence's attention in this layer joins the CPU kernel's call (over
+        full-precision slots only). Exact rows: all of them on a layer without a sliding window,
+        whatever n, since a token must take the same kernel decoded alone as verified among
+        others (the kernel is batch-invariant by construction). Fast rows: one-token steps;
+        longer runs (prefill) go to library attention."""
+        if not self._cpu_kernel or getattr(layer_kv, "attends_packed", False):
+            return False
+        return window is None if exact else n == 1 and window_mask is None
 
     def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
         rows, start = [], 0
@@ -180,11 +184,19 @@ def _attend(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> torch.Te
     return attention(q, keys, values, layer_kv.num_slots, invariant, window_mask)
 
 
-def _attend_one_token_batch(q: torch.Tensor, layers: list) -> torch.Tensor:
-    """q [B, Hq, D], one new token per sequence, each over its layer in `layers`, in one kernel
-    call -> [B, Hq * D]."""
+def _attend_by_cpu_kernel(
+    q: torch.Tensor, spans: list[tuple[int, int]], layers: list
+) -> list[torch.Tensor]:
+    """The rows start:end of q [N, Hq, D] for each span, over the layer beside it (whose newest
+    slots they are), in one kernel call -> [end - start, Hq * D] per span."""
+    if all(prev[1] == span[0] for prev, span in zip(spans, spans[1:])):
+        queries = q[spans[0][0] : spans[-1][1]]  # adjacent spans: one slice, no copy
+    else:
+        queries = torch.cat([q[start:end] for start, end in spans])
     keys, values = zip(*(layer_kv.keys_values() for layer_kv in layers))
-    return cpu_decode.decode_attention(q, list(keys), list(values)).flatten(1)
+    counts = [end - start for start, end in spans]
+    out = cpu_attention.attention(queries, list(keys), list(values), counts)
+    return list(out.flatten(1).split(counts))
 
 
 def _window_mask(window: int, key_positions: torch.Tensor, query_positions: torch.Tensor):

@@ -1,10 +1,13 @@
-"""Batched one-token attention on CPU: every sequence of a draft step over its own KV cache, in one
-call that reads each cached KV head once (kernels/cpu_decode_attention.cpp).
+"""Causal attention on CPU for every sequence of a forward, each over its own KV cache, in one call
+per layer (kernels/cpu_attention.cpp). Each query row is computed on its own, in a fixed order over
+the slots it sees, so its result does not depend on what else shares the call: the runner uses it
+for draft steps (one token each) and, being batch-invariant by construction, for every exact
+forward on CPU (full decode steps and verifications alike).
 
 The C++ op is compiled on first use for this machine's vector width (torch's cpp_extension, cached
-under TORCH_EXTENSIONS_DIR) and registered as torch.ops.vericache_cpu.decode_attention. Where it
-cannot be built (no compiler or ninja), `accepts` says no once a warning has been logged, and
-callers use library attention per sequence.
+under TORCH_EXTENSIONS_DIR) and registered as torch.ops.vericache_cpu.attention. Where it cannot be
+built (no compiler or ninja), `accepts` says no once a warning has been logged, and callers use
+library attention per sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # Vector flags per capability torch reports (x86). The capability is part of the extension's name,
 # so a build cached for one CPU is never loaded on a machine with narrower vectors.
 _ISA_FLAGS = {
@@ -39,7 +42,7 @@ def _op():
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name=f"vericache_cpu_decode_{capability.lower()}",
+            name=f"vericache_cpu_attention_{capability.lower()}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-fopenmp", *flags],
             extra_ldflags=["-fopenmp"],
@@ -47,9 +50,9 @@ def _op():
             verbose=False,
         )
     except Exception as error:  # no compiler or ninja: library attention instead
-        logger.warning("CPU decode kernel unavailable (%s): SDPA per sequence instead", error)
+        logger.warning("CPU attention kernel unavailable (%s): library attention instead", error)
         return None
-    return torch.ops.vericache_cpu.decode_attention
+    return torch.ops.vericache_cpu.attention
 
 
 def accepts(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -62,12 +65,16 @@ def accepts(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     )
 
 
-def decode_attention(
-    queries: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+def attention(
+    queries: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    num_new: list[int],
 ) -> torch.Tensor:
-    """Softmax attention of one new token per sequence over that sequence's whole cache.
+    """Causal softmax attention of each sequence's new tokens over that sequence's cache.
 
-    queries: [B, Hq, D] float32; keys[b], values[b]: [T_b, Hkv, D] with D contiguous (slot and
-    head strides free), the token's own slot included. Returns [B, Hq, D]. Call only where
-    `accepts` said yes."""
-    return _op()(queries, keys, values, queries.shape[-1] ** -0.5)
+    queries: [N, Hq, D] float32, the new tokens of every sequence in order; keys[b], values[b]:
+    [T_b, Hkv, D] with D contiguous (slot and head strides free), whose last num_new[b] slots are
+    sequence b's new tokens: its token m sees slots 0 .. T_b - num_new[b] + m. Returns
+    [N, Hq, D]. Call only where `accepts` said yes."""
+    return _op()(queries, keys, values, num_new, queries.shape[-1] ** -0.5)

@@ -1,0 +1,265 @@
+// Causal attention on CPU for a batch of sequences, each over its own KV cache (no copy into a
+// padded batch): the new tokens of sequence b are the last num_new[b] slots of its cache. Loaded
+// by kernels/cpu_attention.py, which compiles it with CPU_CAPABILITY set to the vector width torch
+// uses on this machine.
+//
+// Every query row is computed on its own, in a fixed order over the slots it sees: its result
+// depends on its query and those slots alone, never on how many other rows, tokens or sequences
+// share the call. So a token verified among 31 gets the bits it gets decoded alone, which is what
+// makes VeriCache's output identical to full decoding (vericache/model/kernels.py).
+//
+// One work item is one (sequence, KV head, block of new tokens): the block's query rows (its
+// tokens times the GQA group) share each key and value read, so a one-token step reads each cached
+// byte once. Library attention on CPU reads a KV head once per query head.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kSlotChunk = 128;  // value rows folded per pass over the rows: stays in L1
+constexpr int64_t kTokenBlock = 8;   // new tokens per work item: keeps both cores busy on one verify
+
+struct HeadView {
+  const float* keys;  // slot t at keys + t * key_stride: D contiguous floats
+  const float* values;
+  int64_t key_stride;
+  int64_t value_stride;
+};
+
+// One work item: tokens first..first+count-1 of a sequence whose token m sees slots
+// [0, seen_before + m + 1), against one KV head. Query and output rows of token m: G rows of D
+// floats at queries + m * token_stride (and out + m * token_stride).
+struct WorkItem {
+  HeadView head;
+  const float* queries;
+  float* out;
+  int64_t token_stride;
+  int64_t first;
+  int64_t count;
+  int64_t seen_before;  // slots before the sequence's first new token
+  int64_t stride = 0;  // floats per row of the score scratch: the slots seen, in whole tiles
+
+  int64_t num_seen(int64_t m) const { return seen_before + m + 1; }
+};
+
+// Rows row0 .. row0 + kRows - 1 of the item against one transposed tile of slots: scores for the
+// tile's W slots. A row's dot products run in kChains partial sums (dimension d into sum d mod
+// kChains, in order), added pairwise at the end: the same arithmetic for every row and slot, and
+// enough independent multiply-adds in flight to hide their latency.
+constexpr int kChains = 4;
+
+template <int kVecs, int kRows>
+void score_tile(const WorkItem& item, int64_t group, const float* tile, int64_t row0, float scale,
+                float* scores) {
+  constexpr int64_t kDim = kVecs * Vec::size();
+  static_assert(kDim % kChains == 0, "head_dim must split into the partial sums");
+  const float* rows[kRows];
+  for (int b = 0; b < kRows; ++b) {
+    const int64_t r = row0 + b;
+    rows[b] = item.queries + (item.first + r / group) * item.token_stride + (r % group) * kDim;
+  }
+  Vec acc[kRows][kChains];
+  for (int c = 0; c < kChains; ++c) {
+    const Vec slots = Vec::loadu(tile + c * Vec::size());
+    for (int b = 0; b < kRows; ++b) acc[b][c] = Vec(rows[b][c]) * slots;
+  }
+  for (int64_t d = kChains; d < kDim; d += kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      const Vec slots = Vec::loadu(tile + (d + c) * Vec::size());
+      for (int b = 0; b < kRows; ++b) acc[b][c] = at::vec::fmadd(Vec(rows[b][d + c]), slots, acc[b][c]);
+    }
+  }
+  for (int b = 0; b < kRows; ++b) {
+    const Vec dot = (acc[b][0] + acc[b][1]) + (acc[b][2] + acc[b][3]);
+    (dot * Vec(scale)).store(scores + b * item.stride);
+  }
+}
+
+// scores[r * stride + t] = (q_r . key_t) * scale for every row r of the item and slot t it sees
+// (and a few slots past it, in its last tile). The keys go W = Vec::size() slots at a time into a
+// tile transposed to [D, W]: a vector then holds one dimension of W slots, and a row's W scores
+// take D fused multiply-adds, with no horizontal sums.
+template <int kVecs>
+void score_keys(const WorkItem& item, int64_t group, float scale, float* scores) {
+  constexpr int64_t kDim = kVecs * Vec::size();
+  constexpr int64_t kWidth = Vec::size();
+  constexpr int kRowBlock = 2;  // rows sharing each tile vector load
+  float tile[kDim * kWidth] = {};
+  const int64_t num_rows = item.count * group;
+  const int64_t num_slots = item.num_seen(item.first + item.count - 1);
+  for (int64_t t0 = 0; t0 < num_slots; t0 += kWidth) {
+    const int width = static_cast<int>(std::min(kWidth, num_slots - t0));
+    at::vec::transpose_mxn<float>(item.head.keys + t0 * item.head.key_stride, item.head.key_stride,
+                                  tile, kWidth, width, kDim);
+    // Token m sees slot t0 from m = t0 - seen_before on.
+    int64_t r = (std::max(item.first, t0 - item.seen_before) - item.first) * group;
+    for (; r + kRowBlock <= num_rows; r += kRowBlock) {
+      score_tile<kVecs, kRowBlock>(item, group, tile, r, scale, scores + r * item.stride + t0);
+    }
+    for (; r < num_rows; ++r) {
+      score_tile<kVecs, 1>(item, group, tile, r, scale, scores + r * item.stride + t0);
+    }
+  }
+}
+
+// In place: scores -> exp(scores - max); returns the row's sum.
+float exponentiate(float* scores, int64_t n) {
+  const float peak = at::vec::reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, scores, n);
+  at::vec::map([peak](Vec x) { return (x - Vec(peak)).exp_u20(); }, scores, scores, n);
+  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, scores, n);
+}
+
+// Rows row0 .. row0 + kRows - 1 fold slots first .. last-1 into their accumulators, slot by slot
+// in order: each value vector read once for the block.
+template <int kVecs, int kRows>
+void weigh_chunk(const WorkItem& item, const float* weights, int64_t row0, int64_t first,
+                 int64_t last, Vec* acc) {
+  Vec sums[kRows][kVecs];  // in registers while it folds the chunk
+  for (int b = 0; b < kRows; ++b) std::copy_n(acc + (row0 + b) * kVecs, kVecs, sums[b]);
+  for (int64_t t = first; t < last; ++t) {
+    const float* value = item.head.values + t * item.head.value_stride;
+    Vec value_vecs[kVecs];
+    for (int j = 0; j < kVecs; ++j) value_vecs[j] = Vec::loadu(value + j * Vec::size());
+    for (int b = 0; b < kRows; ++b) {
+      const Vec weight(weights[(row0 + b) * item.stride + t]);
+      for (int j = 0; j < kVecs; ++j) sums[b][j] = at::vec::fmadd(weight, value_vecs[j], sums[b][j]);
+    }
+  }
+  for (int b = 0; b < kRows; ++b) std::copy_n(sums[b], kVecs, acc + (row0 + b) * kVecs);
+}
+
+// out_r = sum_t weights[r * stride + t] * value_t / totals[r], the sum over t in order for every
+// row, chunk by chunk of slots that stay in L1 while every row seeing them folds them in.
+template <int kVecs>
+void weigh_values(const WorkItem& item, int64_t group, const float* weights, const float* totals) {
+  constexpr int64_t kDim = kVecs * Vec::size();
+  constexpr int kRowBlock = 2;
+  const int64_t num_rows = item.count * group;
+  const int64_t num_slots = item.num_seen(item.first + item.count - 1);
+  std::vector<Vec> acc(num_rows * kVecs, Vec(0.f));
+  for (int64_t first = 0; first < num_slots; first += kSlotChunk) {
+    const int64_t last = std::min(first + kSlotChunk, num_slots);
+    // Rows of one token see the same slots; blocks never straddle tokens.
+    for (int64_t m = item.first; m < item.first + item.count; ++m) {
+      const int64_t seen = std::min(last, item.num_seen(m));
+      if (seen <= first) continue;
+      int64_t r = (m - item.first) * group;
+      const int64_t end = r + group;
+      for (; r + kRowBlock <= end; r += kRowBlock) {
+        weigh_chunk<kVecs, kRowBlock>(item, weights, r, first, seen, acc.data());
+      }
+      for (; r < end; ++r) weigh_chunk<kVecs, 1>(item, weights, r, first, seen, acc.data());
+    }
+  }
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const Vec inverse(1.f / totals[r]);
+    float* out = item.out + (item.first + r / group) * item.token_stride + (r % group) * kDim;
+    for (int j = 0; j < kVecs; ++j) (acc[r * kVecs + j] * inverse).store(out + j * Vec::size());
+  }
+}
+
+template <int kVecs>
+void attend_item(WorkItem item, int64_t group, float scale, std::vector<float>& scratch) {
+  const int64_t num_slots = item.num_seen(item.first + item.count - 1);
+  item.stride = (num_slots + Vec::size() - 1) / Vec::size() * Vec::size();
+  const int64_t stride = item.stride;
+  const int64_t num_rows = item.count * group;
+  scratch.resize(num_rows * stride + num_rows);
+  float* scores = scratch.data();
+  float* totals = scores + num_rows * stride;
+  score_keys<kVecs>(item, group, scale, scores);
+  for (int64_t m = item.first; m < item.first + item.count; ++m) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = (m - item.first) * group + g;
+      totals[r] = exponentiate(scores + r * stride, item.num_seen(m));
+    }
+  }
+  weigh_values<kVecs>(item, group, scores, totals);
+}
+
+template <int kVecs>
+void attend_all(const std::vector<WorkItem>& items, int64_t group, float scale) {
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) attend_item<kVecs>(items[i], group, scale, scratch);
+  });
+}
+
+void check_layer(const at::Tensor& t, int64_t num_kv_heads, int64_t head_dim, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be CPU float32");
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == num_kv_heads && t.size(2) == head_dim,
+              name, " must be [T, Hkv, D]");
+  TORCH_CHECK(t.stride(2) == 1, name, " must have contiguous head rows");
+}
+
+// queries: [N, Hq, D], the new tokens of every sequence in order; keys[b], values[b]: [T_b, Hkv, D]
+// (any slot and head strides), whose last num_new[b] slots are sequence b's new tokens.
+// -> [N, Hq, D]
+at::Tensor attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
+                     at::IntArrayRef num_new, double scale) {
+  TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.device().is_cpu(),
+              "queries must be CPU float32 [N, Hq, D]");
+  const int64_t num_heads = queries.size(1), head_dim = queries.size(2);
+  const int64_t batch = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(batch > 0 && static_cast<int64_t>(values.size()) == batch &&
+                  static_cast<int64_t>(num_new.size()) == batch,
+              "one keys tensor, one values tensor and one num_new per sequence");
+  const int64_t num_kv_heads = keys[0].size(1);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv");
+  TORCH_CHECK(head_dim % Vec::size() == 0, "head_dim must be a multiple of the vector width");
+  const int64_t group = num_heads / num_kv_heads;
+  const at::Tensor q = queries.contiguous();
+  at::Tensor out = at::empty_like(q);
+  const int64_t token_stride = num_heads * head_dim;
+  std::vector<WorkItem> items;
+  int64_t offset = 0;  // the sequence's first query token
+  for (int64_t b = 0; b < batch; ++b) {
+    check_layer(keys[b], num_kv_heads, head_dim, "keys");
+    check_layer(values[b], num_kv_heads, head_dim, "values");
+    const int64_t num_slots = keys[b].size(0), count = num_new[b];
+    TORCH_CHECK(values[b].size(0) == num_slots, "keys and values need the same number of slots");
+    TORCH_CHECK(count >= 1 && count <= num_slots, "num_new[", b, "] must lie in [1, ", num_slots, "]");
+    TORCH_CHECK(offset + count <= q.size(0), "num_new adds up to more tokens than queries holds");
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const HeadView head{keys[b].data_ptr<float>() + h * keys[b].stride(1),
+                          values[b].data_ptr<float>() + h * values[b].stride(1), keys[b].stride(0),
+                          values[b].stride(0)};
+      // Query head j attends with KV head j / G: head h owns rows h*G .. h*G + G-1 of a token.
+      const int64_t rows = (offset * num_heads + h * group) * head_dim;
+      for (int64_t first = 0; first < count; first += kTokenBlock) {
+        items.push_back({head, q.data_ptr<float>() + rows, out.data_ptr<float>() + rows,
+                         token_stride, first, std::min(kTokenBlock, count - first), num_slots - count});
+      }
+    }
+    offset += count;
+  }
+  TORCH_CHECK(offset == q.size(0), "num_new must add up to the number of query tokens");
+  const float s = static_cast<float>(scale);
+  switch (head_dim / Vec::size()) {
+    case 1: attend_all<1>(items, group, s); break;
+    case 2: attend_all<2>(items, group, s); break;
+    case 4: attend_all<4>(items, group, s); break;
+    case 8: attend_all<8>(items, group, s); break;
+    case 16: attend_all<16>(items, group, s); break;
+    // 128 floats in 4-float vectors (NEON on ARM, where torch reports no x86 capability).
+    case 32: attend_all<32>(items, group, s); break;
+    default: TORCH_CHECK(false, "head_dim ", head_dim, " is not 1, 2, 4, 8, 16 or 32 vectors");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vericache_cpu, m) {
+  m.def("attention(Tensor queries, Tensor[] keys, Tensor[] values, int[] num_new, float scale) -> Tensor",
+        &attention);
+}
