@@ -50,63 +50,78 @@ struct WorkItem {
   int64_t num_seen(int64_t m) const { return seen_before + m + 1; }
 };
 
-// Rows row0 .. row0 + kRows - 1 of the item against one transposed tile of slots: scores for the
-// tile's W slots. A row's dot products run in kChains partial sums (dimension d into sum d mod
-// kChains, in order), added pairwise at the end: the same arithmetic for every row and slot, and
-// enough independent multiply-adds in flight to hide their latency.
-constexpr int kChains = 4;
+// Slots per transposed key tile: two vectors, so that each broadcast query element feeds two
+// multiply-adds.
+constexpr int64_t kTileVecs = 2;
+constexpr int64_t kTile = kTileVecs * Vec::size();
 
+// The query row r of the item: D floats.
+inline const float* query_row(const WorkItem& item, int64_t group, int64_t r, int64_t dim) {
+  return item.queries + (item.first + r / group) * item.token_stride + (r % group) * dim;
+}
+
+// Rows row0 .. row0 + kRows - 1 against one key tile transposed to [D, kTile]: the tile's scores,
+// each the sum over d = 0 .. D-1 in order of q[d] * key[d], one multiply-add at a time (the same
+// arithmetic for every row and slot, whatever the block).
 template <int kVecs, int kRows>
 void score_tile(const WorkItem& item, int64_t group, const float* tile, int64_t row0, float scale,
                 float* scores) {
   constexpr int64_t kDim = kVecs * Vec::size();
-  static_assert(kDim % kChains == 0, "head_dim must split into the partial sums");
   const float* rows[kRows];
-  for (int b = 0; b < kRows; ++b) {
-    const int64_t r = row0 + b;
-    rows[b] = item.queries + (item.first + r / group) * item.token_stride + (r % group) * kDim;
+  for (int b = 0; b < kRows; ++b) rows[b] = query_row(item, group, row0 + b, kDim);
+  Vec acc[kRows][kTileVecs];
+  for (int v = 0; v < kTileVecs; ++v) {
+    const Vec slots = Vec::loadu(tile + v * Vec::size());
+    for (int b = 0; b < kRows; ++b) acc[b][v] = Vec(rows[b][0]) * slots;
   }
-  Vec acc[kRows][kChains];
-  for (int c = 0; c < kChains; ++c) {
-    const Vec slots = Vec::loadu(tile + c * Vec::size());
-    for (int b = 0; b < kRows; ++b) acc[b][c] = Vec(rows[b][c]) * slots;
-  }
-  for (int64_t d = kChains; d < kDim; d += kChains) {
-    for (int c = 0; c < kChains; ++c) {
-      const Vec slots = Vec::loadu(tile + (d + c) * Vec::size());
-      for (int b = 0; b < kRows; ++b) acc[b][c] = at::vec::fmadd(Vec(rows[b][d + c]), slots, acc[b][c]);
+  for (int64_t d = 1; d < kDim; ++d) {
+    Vec slots[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) slots[v] = Vec::loadu(tile + d * kTile + v * Vec::size());
+    for (int b = 0; b < kRows; ++b) {
+      const Vec q(rows[b][d]);
+      for (int v = 0; v < kTileVecs; ++v) acc[b][v] = at::vec::fmadd(q, slots[v], acc[b][v]);
     }
   }
   for (int b = 0; b < kRows; ++b) {
-    const Vec dot = (acc[b][0] + acc[b][1]) + (acc[b][2] + acc[b][3]);
-    (dot * Vec(scale)).store(scores + b * item.stride);
+    for (int v = 0; v < kTileVecs; ++v) {
+      (acc[b][v] * Vec(scale)).store(scores + b * item.stride + v * Vec::size());
+    }
+  }
+}
+
+// Calls op.template operator()<kRows>(row) over rows begin .. end-1 in blocks of kMaxRows, then
+// one block of what is left: the register blocking, which changes no row's arithmetic.
+template <int kMaxRows, typename Op>
+void for_row_blocks(int64_t begin, int64_t end, const Op& op) {
+  int64_t r = begin;
+  for (; r + kMaxRows <= end; r += kMaxRows) op.template operator()<kMaxRows>(r);
+  switch (end - r) {
+    case 0: break;
+    case 1: op.template operator()<1>(r); break;
+    case 2: if constexpr (kMaxRows > 2) op.template operator()<2>(r); break;
+    case 3: if constexpr (kMaxRows > 3) op.template operator()<3>(r); break;
   }
 }
 
 // scores[r * stride + t] = (q_r . key_t) * scale for every row r of the item and slot t it sees
-// (and a few slots past it, in its last tile). The keys go W = Vec::size() slots at a time into a
-// tile transposed to [D, W]: a vector then holds one dimension of W slots, and a row's W scores
-// take D fused multiply-adds, with no horizontal sums.
+// (and a few slots past it, in its last tile). The keys go kTile slots at a time into a tile
+// transposed to [D, kTile]: a vector then holds one dimension of Vec::size() slots, and a row's
+// scores take D multiply-adds per vector, with no horizontal sums.
 template <int kVecs>
 void score_keys(const WorkItem& item, int64_t group, float scale, float* scores) {
   constexpr int64_t kDim = kVecs * Vec::size();
-  constexpr int64_t kWidth = Vec::size();
-  constexpr int kRowBlock = 2;  // rows sharing each tile vector load
-  float tile[kDim * kWidth] = {};
+  float tile[kDim * kTile] = {};
   const int64_t num_rows = item.count * group;
   const int64_t num_slots = item.num_seen(item.first + item.count - 1);
-  for (int64_t t0 = 0; t0 < num_slots; t0 += kWidth) {
-    const int width = static_cast<int>(std::min(kWidth, num_slots - t0));
+  for (int64_t t0 = 0; t0 < num_slots; t0 += kTile) {
+    const int width = static_cast<int>(std::min(kTile, num_slots - t0));
     at::vec::transpose_mxn<float>(item.head.keys + t0 * item.head.key_stride, item.head.key_stride,
-                                  tile, kWidth, width, kDim);
+                                  tile, kTile, width, kDim);
     // Token m sees slot t0 from m = t0 - seen_before on.
-    int64_t r = (std::max(item.first, t0 - item.seen_before) - item.first) * group;
-    for (; r + kRowBlock <= num_rows; r += kRowBlock) {
-      score_tile<kVecs, kRowBlock>(item, group, tile, r, scale, scores + r * item.stride + t0);
-    }
-    for (; r < num_rows; ++r) {
-      score_tile<kVecs, 1>(item, group, tile, r, scale, scores + r * item.stride + t0);
-    }
+    const int64_t first_row = (std::max(item.first, t0 - item.seen_before) - item.first) * group;
+    for_row_blocks<4>(first_row, num_rows, [&]<int kRows>(int64_t r) {
+      score_tile<kVecs, kRows>(item, group, tile, r, scale, scores + r * item.stride + t0);
+    });
   }
 }
 
@@ -142,23 +157,25 @@ void weigh_chunk(const WorkItem& item, const float* weights, int64_t row0, int64
 template <int kVecs>
 void weigh_values(const WorkItem& item, int64_t group, const float* weights, const float* totals) {
   constexpr int64_t kDim = kVecs * Vec::size();
-  constexpr int kRowBlock = 2;
+  constexpr int kMaxRows = kVecs >= 8 ? 2 : 4;  // accumulators that fit the vector registers
   const int64_t num_rows = item.count * group;
-  const int64_t num_slots = item.num_seen(item.first + item.count - 1);
+  const int64_t last_token = item.first + item.count - 1;
+  const int64_t num_slots = item.num_seen(last_token);
   std::vector<Vec> acc(num_rows * kVecs, Vec(0.f));
   for (int64_t first = 0; first < num_slots; first += kSlotChunk) {
     const int64_t last = std::min(first + kSlotChunk, num_slots);
-    // Rows of one token see the same slots; blocks never straddle tokens.
-    for (int64_t m = item.first; m < item.first + item.count; ++m) {
-      const int64_t seen = std::min(last, item.num_seen(m));
-      if (seen <= first) continue;
-      int64_t r = (m - item.first) * group;
-      const int64_t end = r + group;
-      for (; r + kRowBlock <= end; r += kRowBlock) {
-        weigh_chunk<kVecs, kRowBlock>(item, weights, r, first, seen, acc.data());
-      }
-      for (; r < end; ++r) weigh_chunk<kVecs, 1>(item, weights, r, first, seen, acc.data());
+    // Tokens from m = last - 1 - seen_before on see the whole chunk: their rows go in blocks.
+    // The tokens before them that see part of it go row group by row group.
+    const int64_t whole = std::max(item.first, last - 1 - item.seen_before);
+    for (int64_t m = std::max(item.first, first - item.seen_before); m < whole; ++m) {
+      const int64_t r = (m - item.first) * group;
+      for_row_blocks<kMaxRows>(r, r + group, [&]<int kRows>(int64_t row) {
+        weigh_chunk<kVecs, kRows>(item, weights, row, first, item.num_seen(m), acc.data());
+      });
     }
+    for_row_blocks<kMaxRows>((whole - item.first) * group, num_rows, [&]<int kRows>(int64_t row) {
+      weigh_chunk<kVecs, kRows>(item, weights, row, first, last, acc.data());
+    });
   }
   for (int64_t r = 0; r < num_rows; ++r) {
     const Vec inverse(1.f / totals[r]);
@@ -170,7 +187,7 @@ void weigh_values(const WorkItem& item, int64_t group, const float* weights, con
 template <int kVecs>
 void attend_item(WorkItem item, int64_t group, float scale, std::vector<float>& scratch) {
   const int64_t num_slots = item.num_seen(item.first + item.count - 1);
-  item.stride = (num_slots + Vec::size() - 1) / Vec::size() * Vec::size();
+  item.stride = (num_slots + kTile - 1) / kTile * kTile;
   const int64_t stride = item.stride;
   const int64_t num_rows = item.count * group;
   scratch.resize(num_rows * stride + num_rows);

@@ -44,7 +44,7 @@ def _op():
         cpp_extension.load(
             name=f"vericache_cpu_attention_{capability.lower()}",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *flags],
+            extra_cflags=["-O3", "-std=c++20", "-fopenmp", *flags],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
