@@ -42,6 +42,19 @@ def test_linear_rows_do_not_depend_on_the_row_count(shape, onednn, monkeypatch, 
             assert torch.equal(out, reference[start : start + rows]), (rows, start)
 
 
+def test_packed_onednn_weights_give_the_plain_product_bits():
+    # Packing only spares each call the reorder: the same products, the same bits.
+    torch.manual_seed(0)
+    layer = Linear(torch.randn(960, 576), torch.randn(960))
+    if not layer.uses_onednn:
+        pytest.skip("oneDNN does not run here")
+    assert layer._onednn_weight.is_mkldnn
+    for rows in (2, 10, 31, 100):
+        x = torch.randn(rows, 576)
+        plain = torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+        assert torch.equal(layer(x, invariant=True), plain), rows
+
+
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4), (8, 2)], ids=["gqa3", "mha", "gqa4"])
 @pytest.mark.parametrize("num_cached", [10, KEY_ALIGN - 20, 3 * KEY_ALIGN - 1])
 def test_attention_decode_equals_verification_rows(num_cached, heads, kv_heads, row_blocks):
