@@ -55,9 +55,10 @@ struct WorkItem {
 constexpr int64_t kTileVecs = 2;
 constexpr int64_t kTile = kTileVecs * Vec::size();
 
-// The query row r of the item: D floats.
-inline const float* query_row(const WorkItem& item, int64_t group, int64_t r, int64_t dim) {
-  return item.queries + (item.first + r / group) * item.token_stride + (r % group) * dim;
+// Where row r of the item starts in queries and in out (floats): token first + r / G, group
+// member r % G.
+inline int64_t row_offset(const WorkItem& item, int64_t group, int64_t r, int64_t dim) {
+  return (item.first + r / group) * item.token_stride + (r % group) * dim;
 }
 
 // Rows row0 .. row0 + kRows - 1 against one key tile transposed to [D, kTile]: the tile's scores,
@@ -68,7 +69,7 @@ void score_tile(const WorkItem& item, int64_t group, const float* tile, int64_t 
                 float* scores) {
   constexpr int64_t kDim = kVecs * Vec::size();
   const float* rows[kRows];
-  for (int b = 0; b < kRows; ++b) rows[b] = query_row(item, group, row0 + b, kDim);
+  for (int b = 0; b < kRows; ++b) rows[b] = item.queries + row_offset(item, group, row0 + b, kDim);
   Vec acc[kRows][kTileVecs];
   for (int v = 0; v < kTileVecs; ++v) {
     const Vec slots = Vec::loadu(tile + v * Vec::size());
@@ -179,7 +180,7 @@ void weigh_values(const WorkItem& item, int64_t group, const float* weights, con
   }
   for (int64_t r = 0; r < num_rows; ++r) {
     const Vec inverse(1.f / totals[r]);
-    float* out = item.out + (item.first + r / group) * item.token_stride + (r % group) * kDim;
+    float* out = item.out + row_offset(item, group, r, kDim);
     for (int j = 0; j < kVecs; ++j) (acc[r * kVecs + j] * inverse).store(out + j * Vec::size());
   }
 }
