@@ -12,19 +12,27 @@ import time
 import torch
 
 from vericache.compress import COMPRESSORS, CompressionKind, Compressor, build_compressor
+from vericache.compress.base import STORAGE_DTYPES
 from vericache.errors import InvalidRequestError
 
-_LABEL = re.compile(r"^(?P<name>[a-z0-9_]+)-(?P<value>[0-9.]+)(?P<unit>x|bit)$")
+_LABEL = re.compile(
+    r"^(?P<name>[a-z0-9_]+)-(?P<value>[0-9.]+)(?P<unit>x|bit)(-(?P<storage>[a-z0-9]+))?$"
+)
+_STORAGE = {short: name for name, (short, _) in STORAGE_DTYPES.items()}
 
 
 def compressor_from_label(label: str) -> Compressor:
-    """`streamingllm-4x` -> StreamingLLM(ratio=4); `kivi-2bit` -> KIVI(bits=2)."""
+    """`streamingllm-4x` -> StreamingLLM(ratio=4); `snapkv-4x-bf16` -> SnapKV(ratio=4,
+    dtype="bfloat16"); `kivi-2bit` -> KIVI(bits=2)."""
     match = _LABEL.match(label)
-    if match is None:
-        raise InvalidRequestError(f"compressor label {label!r} is not NAME-Nx or NAME-Nbit")
+    if match is None or (match["storage"] and match["storage"] not in _STORAGE):
+        raise InvalidRequestError(
+            f"compressor label {label!r} is not NAME-Nx, NAME-Nx-bf16, NAME-Nx-fp16 or NAME-Nbit"
+        )
+    dtype = _STORAGE.get(match["storage"])
     if match["unit"] == "x":
-        return build_compressor(match["name"], ratio=float(match["value"]))
-    return build_compressor(match["name"], bits=int(match["value"]))
+        return build_compressor(match["name"], ratio=float(match["value"]), dtype=dtype)
+    return build_compressor(match["name"], bits=int(match["value"]), dtype=dtype)
 
 
 # Strengths compared across methods: ratio for token dropping, bits for quantization (16-bit KV

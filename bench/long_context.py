@@ -45,11 +45,11 @@ from vericache.model.runner import ModelRunner
 TARGET = 1.8
 
 
-def add_model_arguments(parser) -> None:
+def add_model_arguments(parser, compressor: str = "snapkv-4x") -> None:
     """Model, device and compressor: the options `bench stagger` shares."""
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if present)")
-    parser.add_argument("--compressor", default="snapkv-4x")
+    parser.add_argument("--compressor", default=compressor)
 
 
 def load_runner(model: str, device: str) -> tuple[LoadedModel, ModelRunner]:
@@ -61,11 +61,13 @@ def load_runner(model: str, device: str) -> tuple[LoadedModel, ModelRunner]:
 
 
 def add_arguments(parser) -> None:
-    add_model_arguments(parser)
+    # The compressed KV lives on the device, where the budget counts its bytes, and drafts need
+    # no exactness: its kept tokens are stored in bfloat16, half the float32 full KV's bytes.
+    add_model_arguments(parser, compressor="snapkv-4x-bf16")
     parser.add_argument(
         "--requests",
         type=int,
-        help="requests in the run (20: twice as many as VERICACHE decodes at once in the default "
+        help="requests in the run (20: more than VERICACHE decodes at once in the default "
         "budget, so that its batch stays full past the first; quick 6)",
     )
     parser.add_argument("--context-tokens", type=int, help="per request (7000; quick 1500)")

@@ -11,6 +11,10 @@
 // One work item is one (sequence, KV head, block of new tokens): the block's query rows (its
 // tokens times the GQA group) share each key and value read, so a one-token step reads each cached
 // byte once. Library attention on CPU reads a KV head once per query head.
+//
+// A cache holds float32 slots, or 16-bit ones (a draft cache stored in bfloat16 or float16, which
+// halves the bytes a draft step reads): they are widened to float32 as they are read, exactly, so
+// the arithmetic is the float32 kernel's on the widened slots.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +23,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -28,11 +33,24 @@ constexpr int64_t kSlotChunk = 128;  // value rows folded per pass over the rows
 constexpr int64_t kTokenBlock = 8;   // new tokens per work item: keeps both cores busy on one verify
 
 struct HeadView {
-  const float* keys;  // slot t at keys + t * key_stride: D contiguous floats
-  const float* values;
+  const void* keys;  // slot t at keys + t * key_stride elements: D contiguous ones
+  const void* values;
   int64_t key_stride;
   int64_t value_stride;
+  at::ScalarType type;  // of keys and values: float, bfloat16 or half
 };
+
+// Vec::size() elements of a slot from p, widened to float32 (exact).
+template <typename T>
+inline Vec load_floats(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
 
 // One work item: tokens first..first+count-1 of a sequence whose token m sees slots
 // [0, seen_before + m + 1), against one KV head. Query and output rows of token m: G rows of D
@@ -108,16 +126,31 @@ void for_row_blocks(int64_t begin, int64_t end, const Op& op) {
 // (and a few slots past it, in its last tile). The keys go kTile slots at a time into a tile
 // transposed to [D, kTile]: a vector then holds one dimension of Vec::size() slots, and a row's
 // scores take D multiply-adds per vector, with no horizontal sums.
-template <int kVecs>
+template <int kVecs, typename T>
 void score_keys(const WorkItem& item, int64_t group, float scale, float* scores) {
   constexpr int64_t kDim = kVecs * Vec::size();
   float tile[kDim * kTile] = {};
+  float widened[std::is_same_v<T, float> ? 1 : kTile * kDim];  // 16-bit slots, as float32
+  const T* keys = static_cast<const T*>(item.head.keys);
   const int64_t num_rows = item.count * group;
   const int64_t num_slots = item.num_seen(item.first + item.count - 1);
   for (int64_t t0 = 0; t0 < num_slots; t0 += kTile) {
     const int width = static_cast<int>(std::min(kTile, num_slots - t0));
-    at::vec::transpose_mxn<float>(item.head.keys + t0 * item.head.key_stride, item.head.key_stride,
-                                  tile, kTile, width, kDim);
+    const float* slots = nullptr;
+    int64_t slot_stride = kDim;
+    if constexpr (std::is_same_v<T, float>) {
+      slots = keys + t0 * item.head.key_stride;
+      slot_stride = item.head.key_stride;
+    } else {
+      for (int s = 0; s < width; ++s) {
+        const T* key = keys + (t0 + s) * item.head.key_stride;
+        for (int j = 0; j < kVecs; ++j) {
+          load_floats(key + j * Vec::size()).store(widened + s * kDim + j * Vec::size());
+        }
+      }
+      slots = widened;
+    }
+    at::vec::transpose_mxn<float>(slots, slot_stride, tile, kTile, width, kDim);
     // Token m sees slot t0 from m = t0 - seen_before on.
     const int64_t first_row = (std::max(item.first, t0 - item.seen_before) - item.first) * group;
     for_row_blocks<4>(first_row, num_rows, [&]<int kRows>(int64_t r) {
@@ -136,15 +169,15 @@ float exponentiate(float* scores, int64_t n) {
 
 // Rows row0 .. row0 + kRows - 1 fold slots first .. last-1 into their accumulators, slot by slot
 // in order: each value vector read once for the block.
-template <int kVecs, int kRows>
+template <int kVecs, int kRows, typename T>
 void weigh_chunk(const WorkItem& item, const float* weights, int64_t row0, int64_t first,
                  int64_t last, Vec* acc) {
   Vec sums[kRows][kVecs];  // in registers while it folds the chunk
   for (int b = 0; b < kRows; ++b) std::copy_n(acc + (row0 + b) * kVecs, kVecs, sums[b]);
   for (int64_t t = first; t < last; ++t) {
-    const float* value = item.head.values + t * item.head.value_stride;
+    const T* value = static_cast<const T*>(item.head.values) + t * item.head.value_stride;
     Vec value_vecs[kVecs];
-    for (int j = 0; j < kVecs; ++j) value_vecs[j] = Vec::loadu(value + j * Vec::size());
+    for (int j = 0; j < kVecs; ++j) value_vecs[j] = load_floats(value + j * Vec::size());
     for (int b = 0; b < kRows; ++b) {
       const Vec weight(weights[(row0 + b) * item.stride + t]);
       for (int j = 0; j < kVecs; ++j) sums[b][j] = at::vec::fmadd(weight, value_vecs[j], sums[b][j]);
@@ -155,7 +188,7 @@ void weigh_chunk(const WorkItem& item, const float* weights, int64_t row0, int64
 
 // out_r = sum_t weights[r * stride + t] * value_t / totals[r], the sum over t in order for every
 // row, chunk by chunk of slots that stay in L1 while every row seeing them folds them in.
-template <int kVecs>
+template <int kVecs, typename T>
 void weigh_values(const WorkItem& item, int64_t group, const float* weights, const float* totals) {
   constexpr int64_t kDim = kVecs * Vec::size();
   constexpr int kMaxRows = kVecs >= 8 ? 2 : 4;  // accumulators that fit the vector registers
@@ -171,11 +204,11 @@ void weigh_values(const WorkItem& item, int64_t group, const float* weights, con
     for (int64_t m = std::max(item.first, first - item.seen_before); m < whole; ++m) {
       const int64_t r = (m - item.first) * group;
       for_row_blocks<kMaxRows>(r, r + group, [&]<int kRows>(int64_t row) {
-        weigh_chunk<kVecs, kRows>(item, weights, row, first, item.num_seen(m), acc.data());
+        weigh_chunk<kVecs, kRows, T>(item, weights, row, first, item.num_seen(m), acc.data());
       });
     }
     for_row_blocks<kMaxRows>((whole - item.first) * group, num_rows, [&]<int kRows>(int64_t row) {
-      weigh_chunk<kVecs, kRows>(item, weights, row, first, last, acc.data());
+      weigh_chunk<kVecs, kRows, T>(item, weights, row, first, last, acc.data());
     });
   }
   for (int64_t r = 0; r < num_rows; ++r) {
@@ -185,8 +218,8 @@ void weigh_values(const WorkItem& item, int64_t group, const float* weights, con
   }
 }
 
-template <int kVecs>
-void attend_item(WorkItem item, int64_t group, float scale, std::vector<float>& scratch) {
+template <int kVecs, typename T>
+void attend_typed(WorkItem item, int64_t group, float scale, std::vector<float>& scratch) {
   const int64_t num_slots = item.num_seen(item.first + item.count - 1);
   item.stride = (num_slots + kTile - 1) / kTile * kTile;
   const int64_t stride = item.stride;
@@ -194,14 +227,23 @@ void attend_item(WorkItem item, int64_t group, float scale, std::vector<float>& 
   scratch.resize(num_rows * stride + num_rows);
   float* scores = scratch.data();
   float* totals = scores + num_rows * stride;
-  score_keys<kVecs>(item, group, scale, scores);
+  score_keys<kVecs, T>(item, group, scale, scores);
   for (int64_t m = item.first; m < item.first + item.count; ++m) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = (m - item.first) * group + g;
       totals[r] = exponentiate(scores + r * stride, item.num_seen(m));
     }
   }
-  weigh_values<kVecs>(item, group, scores, totals);
+  weigh_values<kVecs, T>(item, group, scores, totals);
+}
+
+template <int kVecs>
+void attend_item(const WorkItem& item, int64_t group, float scale, std::vector<float>& scratch) {
+  switch (item.head.type) {
+    case at::kBFloat16: attend_typed<kVecs, at::BFloat16>(item, group, scale, scratch); break;
+    case at::kHalf: attend_typed<kVecs, at::Half>(item, group, scale, scratch); break;
+    default: attend_typed<kVecs, float>(item, group, scale, scratch); break;
+  }
 }
 
 template <int kVecs>
@@ -213,14 +255,21 @@ void attend_all(const std::vector<WorkItem>& items, int64_t group, float scale) 
 }
 
 void check_layer(const at::Tensor& t, int64_t num_kv_heads, int64_t head_dim, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be CPU float32");
+  const auto type = t.scalar_type();
+  TORCH_CHECK(t.device().is_cpu() && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
+              name, " must be CPU float32, bfloat16 or float16");
   TORCH_CHECK(t.dim() == 3 && t.size(1) == num_kv_heads && t.size(2) == head_dim,
               name, " must be [T, Hkv, D]");
   TORCH_CHECK(t.stride(2) == 1, name, " must have contiguous head rows");
 }
 
+// Where KV head h of a [T, Hkv, D] layer starts.
+const void* head_start(const at::Tensor& t, int64_t h) {
+  return static_cast<const char*>(t.data_ptr()) + h * t.stride(1) * t.element_size();
+}
+
 // queries: [N, Hq, D], the new tokens of every sequence in order; keys[b], values[b]: [T_b, Hkv, D]
-// (any slot and head strides), whose last num_new[b] slots are sequence b's new tokens.
+// (any slot and head strides; float32, bfloat16 or float16 per sequence), whose last num_new[b] slots are sequence b's new tokens.
 // -> [N, Hq, D]
 at::Tensor attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
                      at::IntArrayRef num_new, double scale) {
@@ -245,12 +294,12 @@ at::Tensor attention(const at::Tensor& queries, at::TensorList keys, at::TensorL
     check_layer(values[b], num_kv_heads, head_dim, "values");
     const int64_t num_slots = keys[b].size(0), count = num_new[b];
     TORCH_CHECK(values[b].size(0) == num_slots, "keys and values need the same number of slots");
+    TORCH_CHECK(values[b].scalar_type() == keys[b].scalar_type(), "keys and values need one dtype");
     TORCH_CHECK(count >= 1 && count <= num_slots, "num_new[", b, "] must lie in [1, ", num_slots, "]");
     TORCH_CHECK(offset + count <= q.size(0), "num_new adds up to more tokens than queries holds");
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const HeadView head{keys[b].data_ptr<float>() + h * keys[b].stride(1),
-                          values[b].data_ptr<float>() + h * values[b].stride(1), keys[b].stride(0),
-                          values[b].stride(0)};
+      const HeadView head{head_start(keys[b], h), head_start(values[b], h), keys[b].stride(0),
+                          values[b].stride(0), keys[b].scalar_type()};
       // Query head j attends with KV head j / G: head h owns rows h*G .. h*G + G-1 of a token.
       const int64_t rows = (offset * num_heads + h * group) * head_dim;
       for (int64_t first = 0; first < count; first += kTokenBlock) {

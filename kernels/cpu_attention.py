@@ -75,6 +75,7 @@ def attention(
 
     queries: [N, Hq, D] float32, the new tokens of every sequence in order; keys[b], values[b]:
     [T_b, Hkv, D] with D contiguous (slot and head strides free), whose last num_new[b] slots are
-    sequence b's new tokens: its token m sees slots 0 .. T_b - num_new[b] + m. Returns
-    [N, Hq, D]. Call only where `accepts` said yes."""
+    sequence b's new tokens: its token m sees slots 0 .. T_b - num_new[b] + m. A sequence's slots
+    are float32, bfloat16 or float16 (a draft cache stored in 16 bits, widened exactly as read).
+    Returns [N, Hq, D]. Call only where `accepts` said yes."""
     return _op()(queries, keys, values, num_new, queries.shape[-1] ** -0.5)

@@ -18,10 +18,12 @@ from vericache.model.runner import ModelRunner
 def test_compressor_labels_round_trip():
     assert compressor_from_label("streamingllm-4x") == StreamingLLM(ratio=4)
     assert compressor_from_label("kivi-2bit") == KIVI(bits=2)
-    for label in ("streamingllm-4x", "streamingllm-2.5x", "kivi-8bit"):
+    assert compressor_from_label("streamingllm-4x-bf16") == StreamingLLM(ratio=4, dtype="bfloat16")
+    for label in ("streamingllm-4x", "streamingllm-2.5x", "kivi-8bit", "snapkv-4x-fp16"):
         assert compressor_from_label(label).label == label
-    with pytest.raises(InvalidRequestError):
-        compressor_from_label("kivi4")
+    for bad in ("kivi4", "snapkv-4x-int8", "kivi-4bit-bf16"):
+        with pytest.raises(InvalidRequestError):
+            compressor_from_label(bad)
 
 
 def _record(kind, label, draft_len, drafted, accepted, source="verifier"):

@@ -179,6 +179,7 @@ BAD_REQUESTS = [
     ("kivi", {"bits": 1}), ("kivi", {"bits": 3}), ("kivi", {"bits": 16}),
     ("kivi", {"group_size": 32, "residual_length": 48}), ("snapkv", {"kernel_size": 4}),
     ("h2o", {"recent_fraction": 1.0}), ("kvquant", {"outlier_fraction": 0.5}),
+    ("streamingllm", {"dtype": "int8"}), ("kivi", {"dtype": "bfloat16"}),
 ]  # fmt: skip
 
 
@@ -186,6 +187,29 @@ BAD_REQUESTS = [
 def test_registry_rejects_bad_requests(name, params):
     with pytest.raises(InvalidRequestError):
         build_compressor(name, **params)
+
+
+@pytest.mark.parametrize("dtype, short", [(torch.bfloat16, "bf16"), (torch.float16, "fp16")])
+def test_token_dropping_stores_its_slots_in_the_dtype_it_names(dtype, short):
+    name = str(dtype).removeprefix("torch.")
+    compressor = build_compressor("streamingllm", ratio=4, sliding=True, dtype=name)
+    assert compressor.label == f"streamingllm-4x-{short}"
+    assert build_compressor(**compressor.spec()["params"], name="streamingllm") == compressor
+    full = _full_cache()
+    cache = compressor.compress(full)
+    reference = StreamingLLM(ratio=4, sliding=True).compress(full)
+    assert 2 * cache.nbytes == reference.nbytes
+    for layer, expected in zip(cache.layers, reference.layers, strict=True):
+        keys, values = (t[: layer.num_slots] for t in layer.keys_values())
+        expected_keys, expected_values = (t[: layer.num_slots] for t in expected.keys_values())
+        assert keys.dtype == values.dtype == dtype
+        assert torch.equal(keys, expected_keys.to(dtype))
+        assert torch.equal(values, expected_values.to(dtype))
+        assert torch.equal(layer.positions(), expected.positions())
+    # Tokens committed later arrive in float32: stored in 16 bits too, through online eviction.
+    _append(cache, 40, seed=3)
+    compressor.update(cache)
+    assert all(layer.keys_values()[0].dtype == dtype for layer in cache.layers)
 
 
 # StreamingLLM

@@ -84,6 +84,8 @@ def budget_for(sizes, num_full: float) -> int:
         (StreamingLLM(ratio=4), 1),
         (StreamingLLM(ratio=4), 30),
         (StreamingLLM(ratio=2, sliding=True), 4),
+        (StreamingLLM(ratio=4, dtype="bfloat16"), 30),
+        (StreamingLLM(ratio=2, sliding=True, dtype="float16"), 4),
         (KIVI(bits=4, group_size=8, residual_length=8), 4),
         (KIVI(bits=4, group_size=8, residual_length=8), 30),
     ],
@@ -291,6 +293,19 @@ def test_prefill_compressed_kv_within_its_bound(make_engine, name):
         element_size = engine.runner.dtype.itemsize
         bound = compressed_prefill_bound(request, engine.model_config, element_size)
         assert seq.compressed_cache.resident_bytes <= bound
+
+
+def test_compressed_kv_in_16_bits_is_bounded_at_2_bytes_an_element(make_engine):
+    engine = make_engine()
+    element_size = engine.runner.dtype.itemsize
+    for request in make_requests(DecodeMode.VERICACHE, StreamingLLM(ratio=3, dtype="bfloat16")):
+        if not request.num_prefix_tokens:
+            continue
+        seq = engine._start(request)
+        bound = compressed_prefill_bound(request, engine.model_config, element_size)
+        as_float32 = dataclasses.replace(request, compressor=StreamingLLM(ratio=3))
+        assert seq.compressed_cache.resident_bytes <= bound
+        assert bound < compressed_prefill_bound(as_float32, engine.model_config, element_size)
 
 
 def test_device_memory_accountant():

@@ -13,6 +13,7 @@ import torch
 
 from vericache.cli.prefix import add_connection_arguments, connection_options
 from vericache.compress import COMPRESSORS, build_compressor
+from vericache.compress.base import STORAGE_DTYPES
 from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
 from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
@@ -38,6 +39,11 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("--ratio", type=float, help="compression ratio (token dropping)")
     parser.add_argument("--bits", type=int, help="bits per value (quantization)")
+    parser.add_argument(
+        "--compressed-dtype",
+        choices=sorted(STORAGE_DTYPES),
+        help="16-bit storage of the kept tokens (token dropping; default: the model's dtype)",
+    )
     parser.add_argument(
         "--draft-len",
         type=parse_draft_len,
@@ -108,12 +114,18 @@ IN_PROCESS_MODES = [m.value for m in DecodeMode]
 SERVER_MODES = ["full_local", "full_remote"]  # and lossy, vericache
 
 
+def build_request_compressor(args):
+    return build_compressor(
+        args.compressor, ratio=args.ratio, bits=args.bits, dtype=args.compressed_dtype
+    )
+
+
 def build_request(args, tokenizer) -> Request:
     context = args.context_file.read_text() if args.context_file is not None else None
     mode = DecodeMode(args.mode)
     compressor = None
     if mode is not DecodeMode.FULL:
-        compressor = build_compressor(args.compressor, ratio=args.ratio, bits=args.bits)
+        compressor = build_request_compressor(args)
     if tokenizer is None:
         raise InvalidRequestError(f"model {args.model} has no tokenizer; text prompts need one")
     prompt = build_chat_prompt(tokenizer, context, args.prompt)
@@ -170,7 +182,7 @@ def run(args) -> int:
     # Check the cheap things before loading the model.
     check_device(args.device)
     if args.mode != DecodeMode.FULL.value:
-        build_compressor(args.compressor, ratio=args.ratio, bits=args.bits)
+        build_request_compressor(args)
     SamplingParams(max_new_tokens=args.max_tokens, stop=tuple(args.stop))
     if args.context_file is not None and not args.context_file.is_file():
         raise InvalidRequestError(f"context file {args.context_file} does not exist")

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
+
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
@@ -76,6 +78,10 @@ class Compressor(abc.ABC):
         return context
 
 
+# 16-bit storage a token-dropping compressor may keep its slots in, by the name a label carries.
+STORAGE_DTYPES = {"bfloat16": ("bf16", torch.bfloat16), "float16": ("fp16", torch.float16)}
+
+
 @dataclass(frozen=True)
 class TokenDropping(Compressor):
     """A compressor that keeps `ratio` times fewer tokens than the prefix holds."""
@@ -83,14 +89,28 @@ class TokenDropping(Compressor):
     kind: ClassVar[CompressionKind] = CompressionKind.TOKEN_DROPPING
 
     ratio: float = 4.0
+    # The kept slots' storage: None keeps the full cache's dtype; "bfloat16" or "float16" halves
+    # a float32 cache's bytes, and the bytes a draft step reads (drafts need no exactness: the
+    # verification reads the full KV).
+    dtype: str | None = None
 
     def __post_init__(self):
         if not self.ratio >= 1:  # also rejects NaN
             raise InvalidRequestError(f"{self.name} ratio must be >= 1, got {self.ratio}")
+        if self.dtype is not None and self.dtype not in STORAGE_DTYPES:
+            raise InvalidRequestError(
+                f"{self.name} dtype must be one of {', '.join(STORAGE_DTYPES)}, got {self.dtype!r}"
+            )
 
     @property
     def label(self) -> str:
-        return f"{self.name}-{self.ratio:g}x"
+        suffix = f"-{STORAGE_DTYPES[self.dtype][0]}" if self.dtype else ""
+        return f"{self.name}-{self.ratio:g}x{suffix}"
+
+    @property
+    def storage_dtype(self) -> torch.dtype | None:
+        """The torch dtype of the kept slots; None: the full cache's."""
+        return STORAGE_DTYPES[self.dtype][1] if self.dtype else None
 
     def grow_budgets(self, cache: CompressedKV) -> list[int]:
         """Online eviction keeps the cache `ratio` times smaller than the tokens seen so far: the

@@ -40,7 +40,7 @@ class KVzip(TokenDropping):
         context = self.require_context(context)
         budget = token_budget(full.num_tokens, self.ratio)
         layers = [
-            keep_slots(layer, select_slots(scores, budget))
+            keep_slots(layer, select_slots(scores, budget), self.storage_dtype)
             for layer, scores in zip(full.layers, self._reconstruction_scores(full, context))
         ]
         return CompressedKV(layers, full.num_tokens, self)

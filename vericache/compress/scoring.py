@@ -90,12 +90,17 @@ def select_slots(scores: torch.Tensor, budget: int, forced: torch.Tensor | None 
     return top.sort(dim=0).values
 
 
-def keep_slots(layer: LayerKV, slot_index: torch.Tensor) -> DenseLayerKV:
-    """A new dense layer of the given slots of `layer`, slot_index [k, H] ascending per head."""
+def keep_slots(
+    layer: LayerKV, slot_index: torch.Tensor, dtype: torch.dtype | None = None
+) -> DenseLayerKV:
+    """A new dense layer of the given slots of `layer`, slot_index [k, H] ascending per head,
+    stored in `dtype` (None: the layer's own)."""
     keys, values = layer.keys_values()
     kept_keys, kept_values, kept_positions = gather_slots(
         keys[: layer.num_slots], values[: layer.num_slots], layer.positions(), slot_index
     )
+    if dtype is not None:
+        kept_keys, kept_values = kept_keys.to(dtype), kept_values.to(dtype)
     return DenseLayerKV.from_tensors(kept_keys, kept_values, kept_positions)
 
 

@@ -59,5 +59,9 @@ class SnapKV(TokenDropping):
             # The window is kept whole while it fills at most half the budget; on a prefix too
             # short for that, scores choose (the first token, the attention sink, scores high).
             in_window = positions >= num_tokens - min(window, budget // 2)
-            layers.append(keep_slots(layer, select_slots(pooled, budget, forced=in_window)))
+            layers.append(
+                keep_slots(
+                    layer, select_slots(pooled, budget, forced=in_window), self.storage_dtype
+                )
+            )
         return CompressedKV(layers, num_tokens, self)

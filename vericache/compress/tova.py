@@ -38,7 +38,7 @@ class TOVA(TokenDropping):
         budget = token_budget(full.num_tokens, self.ratio)
         scores = window_scores(full, context, window=1)
         layers = [
-            keep_slots(layer, _head_shared(layer_scores, budget))
+            keep_slots(layer, _head_shared(layer_scores, budget), self.storage_dtype)
             for layer, layer_scores in zip(full.layers, scores)
         ]
         return CompressedKV(layers, full.num_tokens, self, [budget] * len(layers))
@@ -55,7 +55,9 @@ class TOVA(TokenDropping):
             scores = accumulate_attention(
                 queries[newest : newest + 1], positions[newest : newest + 1], layer, layer.num_slots
             )
-            cache.layers[index] = keep_slots(layer, _head_shared(scores, budgets[index]))
+            cache.layers[index] = keep_slots(
+                layer, _head_shared(scores, budgets[index]), self.storage_dtype
+            )
 
 
 def _head_shared(scores: torch.Tensor, budget: int) -> torch.Tensor:

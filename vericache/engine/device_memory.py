@@ -98,6 +98,13 @@ def full_kv_bytes(request: Request, config: ModelConfig, element_size: int) -> i
     return full_kv_capacity(request, config) * slot_bytes(config, element_size)
 
 
+def compressed_element_size(request: Request, element_size: int) -> int:
+    """Bytes per key or value element of a request's compressed KV: its compressor's storage
+    dtype (a token-dropping compressor may keep 16-bit slots), else the model's `element_size`."""
+    storage = getattr(request.compressor, "storage_dtype", None)
+    return storage.itemsize if storage is not None else element_size
+
+
 def compressed_token_bytes(config: ModelConfig, element_size: int) -> int:
     """The most one appended token adds to a compressed KV: its keys and values at full
     precision, its position and one float32 of online-compressor state per KV head (H2O's
@@ -109,22 +116,25 @@ def compressed_kv_bound(
     resident_bytes: int, request: Request, config: ModelConfig, element_size: int
 ) -> int:
     """The most a compressed KV holding `resident_bytes` after the prefill holds over the
-    request's life, every output token appended."""
+    request's life, every output token appended (`element_size`: the model's)."""
     num_tokens = request.params.max_new_tokens + 1
-    return resident_bytes + num_tokens * compressed_token_bytes(config, element_size)
+    token_bytes = compressed_token_bytes(config, compressed_element_size(request, element_size))
+    return resident_bytes + num_tokens * token_bytes
 
 
 def compressed_prefill_bound(request: Request, config: ModelConfig, element_size: int) -> int:
     """The most the compressed KV made at a request's prefill takes: its prefix compressed, then
     the rest of the prompt appended. Token dropping keeps ceil(prefix / ratio) tokens summed over
     layers (PyramidKV moves budget between layers; rounding may add one); quantization is bounded
-    by the prompt at full precision."""
+    by the prompt at full precision (`element_size`: the model's)."""
     num_tokens = len(request.prompt_ids)
     compressor = request.compressor
     if isinstance(compressor, TokenDropping):
         split = min(request.num_prefix_tokens, num_tokens - 1)
         num_tokens = math.ceil(split / compressor.ratio) + 1 + num_tokens - split
-    return num_tokens * compressed_token_bytes(config, element_size)
+    return num_tokens * compressed_token_bytes(
+        config, compressed_element_size(request, element_size)
+    )
 
 
 def device_memory_bytes(device: torch.device | str) -> int:

@@ -42,6 +42,7 @@ import torch
 from vericache.engine.calibration import calibrated_costs
 from vericache.engine.device_memory import (
     DeviceMemory,
+    compressed_element_size,
     compressed_kv_bound,
     compressed_prefill_bound,
     compressed_token_bytes,
@@ -338,7 +339,9 @@ class LongContextEngine(Engine):
     def _hold_compressed(self, key: str, cache: CompressedKV, num_tentative: int = 0) -> None:
         """Holds a compressed KV's bytes, and room for `num_tentative` draft tokens to come (so
         that drafting needs no accounting per token)."""
-        element_size = self.runner.dtype.itemsize
+        element_size = compressed_element_size(
+            self._running[key].request, self.runner.dtype.itemsize
+        )
         tentative = num_tentative * compressed_token_bytes(self.model_config, element_size)
         self.memory.hold(("compressed", key), cache.resident_bytes + tentative)
 
