@@ -122,35 +122,41 @@ void for_row_blocks(int64_t begin, int64_t end, const Op& op) {
   }
 }
 
+// `width` 16-bit key slots (slot stride `key_stride` elements) into tile [D, kTile], as float32.
+// Out of line: inlined into score_keys, its buffer changed the code of the float32 path too, which
+// then ran 20-60% slower (verifications and full decode steps, measured).
+template <int kVecs, typename T>
+[[gnu::noinline]] void transpose_widened(const T* keys, int64_t key_stride, int width, float* tile) {
+  constexpr int64_t kDim = kVecs * Vec::size();
+  alignas(64) float rows[kTile * kDim];
+  for (int s = 0; s < width; ++s) {
+    for (int j = 0; j < kVecs; ++j) {
+      load_floats(keys + s * key_stride + j * Vec::size()).store(rows + s * kDim + j * Vec::size());
+    }
+  }
+  at::vec::transpose_mxn<float>(rows, kDim, tile, kTile, width, kDim);
+}
+
 // scores[r * stride + t] = (q_r . key_t) * scale for every row r of the item and slot t it sees
 // (and a few slots past it, in its last tile). The keys go kTile slots at a time into a tile
 // transposed to [D, kTile]: a vector then holds one dimension of Vec::size() slots, and a row's
-// scores take D multiply-adds per vector, with no horizontal sums.
+// scores take D multiply-adds per vector, with no horizontal sums. 16-bit keys are widened to
+// float32 (exactly) a tile at a time on the way.
 template <int kVecs, typename T>
 void score_keys(const WorkItem& item, int64_t group, float scale, float* scores) {
   constexpr int64_t kDim = kVecs * Vec::size();
   float tile[kDim * kTile] = {};
-  float widened[std::is_same_v<T, float> ? 1 : kTile * kDim];  // 16-bit slots, as float32
-  const T* keys = static_cast<const T*>(item.head.keys);
   const int64_t num_rows = item.count * group;
   const int64_t num_slots = item.num_seen(item.first + item.count - 1);
+  const T* keys = static_cast<const T*>(item.head.keys);
   for (int64_t t0 = 0; t0 < num_slots; t0 += kTile) {
     const int width = static_cast<int>(std::min(kTile, num_slots - t0));
-    const float* slots = nullptr;
-    int64_t slot_stride = kDim;
     if constexpr (std::is_same_v<T, float>) {
-      slots = keys + t0 * item.head.key_stride;
-      slot_stride = item.head.key_stride;
+      at::vec::transpose_mxn<float>(keys + t0 * item.head.key_stride, item.head.key_stride, tile,
+                                    kTile, width, kDim);
     } else {
-      for (int s = 0; s < width; ++s) {
-        const T* key = keys + (t0 + s) * item.head.key_stride;
-        for (int j = 0; j < kVecs; ++j) {
-          load_floats(key + j * Vec::size()).store(widened + s * kDim + j * Vec::size());
-        }
-      }
-      slots = widened;
+      transpose_widened<kVecs>(keys + t0 * item.head.key_stride, item.head.key_stride, width, tile);
     }
-    at::vec::transpose_mxn<float>(slots, slot_stride, tile, kTile, width, kDim);
     // Token m sees slot t0 from m = t0 - seen_before on.
     const int64_t first_row = (std::max(item.first, t0 - item.seen_before) - item.first) * group;
     for_row_blocks<4>(first_row, num_rows, [&]<int kRows>(int64_t r) {
