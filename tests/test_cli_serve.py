@@ -20,16 +20,16 @@ def test_prefix_put_list_get_delete(server, tmp_path, capsys):
     context = tmp_path / "context.py"
     context.write_text(CONTEXT)
     target = ["--server", server.target]
-    code, out, err = run_cli(
-        ["prefix", "put", str(context), "--compressor", "snapkv", "--ratio", "4", *target], capsys
-    )
+    put = ["prefix", "put", str(context), "--compressor", "snapkv", "--ratio", "4"]
+    code, out, err = run_cli([*put, "--compressed-dtype", "bfloat16", *target], capsys)
     assert code == 0 and "prefill" in err
     prefix_id = out.strip()
     assert prefix_id.startswith("pfx-")
     code, out, _ = run_cli(["prefix", "list", *target], capsys)
     assert prefix_id in {p["prefix_id"] for p in json.loads(out)}
     code, out, _ = run_cli(["prefix", "get", prefix_id, *target], capsys)
-    assert json.loads(out)["compressor"] == {"name": "snapkv", "ratio": 4.0, "bits": None}
+    expected = {"name": "snapkv", "ratio": 4.0, "bits": None, "dtype": "bfloat16"}
+    assert json.loads(out)["compressor"] == expected
     code, out, _ = run_cli(["prefix", "delete", prefix_id, *target], capsys)
     assert json.loads(out) == {"deleted": True}
     code, _, err = run_cli(["prefix", "get", prefix_id, *target], capsys)

@@ -67,6 +67,8 @@ def test_put_prefix_sends_token_ids_and_compressor_and_get_prefix_mirrors_them(f
     assert info == PrefixInfo(prefix_id, 3, Compressor("kivi", None, 2), 3000, 300)
     snapkv = client.get_prefix(client.put_prefix("x", ratio=8.0))
     assert snapkv.compressor == Compressor("snapkv", 8.0, None)
+    stored = client.get_prefix(client.put_prefix("y", ratio=4.0, dtype="bfloat16"))
+    assert stored.compressor == Compressor("snapkv", 4.0, None, "bfloat16")
 
 
 def test_list_and_delete_prefixes(fake):

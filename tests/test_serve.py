@@ -13,7 +13,12 @@ from vericache.client import Client
 from vericache.client.errors import PrefixNotFoundError
 
 PROMPT = "Which function multiplies by three?"
-COMPRESSORS = [("streamingllm", {"ratio": 4}), ("kivi", {"bits": 2}), ("h2o", {"ratio": 4})]
+# H2O keeps its tokens in bfloat16: 16-bit draft KV streamed to the drafter, evicted online.
+COMPRESSORS = [
+    ("streamingllm", {"ratio": 4}),
+    ("kivi", {"bits": 2}),
+    ("h2o", {"ratio": 4, "dtype": "bfloat16"}),
+]
 
 
 @pytest.fixture(scope="module")

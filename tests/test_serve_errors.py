@@ -81,6 +81,10 @@ def test_bad_prefixes_are_invalid_arguments(stub):
     assert _code(_put(stub, text="x", compressor=pb.Compressor(name="nope"))) == invalid
     assert _code(_put(stub, text="x", compressor=pb.Compressor(name="kivi", bits=3))) == invalid
     assert _code(_put(stub, text="x", compressor=pb.Compressor(name="kivi", ratio=4))) == invalid
+    int8 = pb.Compressor(name="streamingllm", ratio=4, dtype="int8")
+    assert _code(_put(stub, text="x", compressor=int8)) == invalid
+    quantized = pb.Compressor(name="kivi", bits=4, dtype="bfloat16")
+    assert _code(_put(stub, text="x", compressor=quantized)) == invalid
     assert _code(_put(stub, text="", compressor=ok)) == invalid
     assert _code(_put(stub, compressor=ok)) == invalid
     too_big = pb.TokenIds(ids=[1 << 30])

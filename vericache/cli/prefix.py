@@ -23,6 +23,11 @@ def add_parser(commands) -> None:
     put.add_argument("--compressor", default="snapkv", help="`vericache compressors` lists them")
     put.add_argument("--ratio", type=float, help="compression ratio (token dropping)")
     put.add_argument("--bits", type=int, help="bits per value (quantization)")
+    put.add_argument(
+        "--compressed-dtype",
+        choices=("bfloat16", "float16"),  # the server checks them: no torch import in a client
+        help="16-bit storage of the kept tokens (token dropping; default: the model's dtype)",
+    )
     put.add_argument("--quiet", action="store_true", help="no progress on stderr")
     actions.add_parser("list", help="every registered prefix")
     get = actions.add_parser("get", help="one prefix")
@@ -78,5 +83,10 @@ def _put(client, args) -> str:
 
     text = args.file.read_text()
     return client.put_prefix(
-        text, compressor=args.compressor, ratio=args.ratio, bits=args.bits, on_progress=report
+        text,
+        compressor=args.compressor,
+        ratio=args.ratio,
+        bits=args.bits,
+        dtype=args.compressed_dtype,
+        on_progress=report,
     )

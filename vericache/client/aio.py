@@ -165,11 +165,12 @@ class AsyncClient:
         compressor: str = "snapkv",
         ratio: float | None = None,
         bits: int | None = None,
+        dtype: str | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         timeout: float | None = None,
     ) -> str:
         """Registers a prefix and returns its id; see `Client.put_prefix`."""
-        request = put_prefix_request(text, token_ids, compressor, ratio, bits)
+        request = put_prefix_request(text, token_ids, compressor, ratio, bits, dtype)
         messages = self._messages(self._stub.PutPrefix, request, timeout)
         last = None
         try:

@@ -29,6 +29,7 @@ def put_prefix_request(
     compressor: str,
     ratio: float | None,
     bits: int | None,
+    dtype: str | None = None,
 ) -> vericache_pb2.PutPrefixRequest:
     if (text is None) == (token_ids is None):
         raise InvalidRequestError("put_prefix needs exactly one of text= and token_ids=")
@@ -38,7 +39,9 @@ def put_prefix_request(
         raise InvalidRequestError(f"ratio must be > 0, got {ratio!r}")
     if bits is not None:
         _check_count("bits", bits)
-    spec = vericache_pb2.Compressor(name=compressor, ratio=ratio, bits=bits)
+    if dtype is not None and not isinstance(dtype, str):
+        raise InvalidRequestError(f"dtype must be a str such as 'bfloat16', got {dtype!r}")
+    spec = vericache_pb2.Compressor(name=compressor, ratio=ratio, bits=bits, dtype=dtype)
     if text is not None:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")

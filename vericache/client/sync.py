@@ -179,15 +179,18 @@ class Client:
         compressor: str = "snapkv",
         ratio: float | None = None,
         bits: int | None = None,
+        dtype: str | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         timeout: float | None = None,
     ) -> str:
         """Registers a prefix (exactly one of `text` and `token_ids`) and returns its id.
 
-        Idempotent: the same content and compressor give the same id. `on_progress` is called
-        with each `Progress` the server reports ("queued", "prefill", ..., "done").
+        Idempotent: the same content and compressor give the same id. `dtype` ("bfloat16" or
+        "float16") keeps a token-dropping compressor's tokens in 16 bits (half the bytes to
+        stream and hold). `on_progress` is called with each `Progress` the server reports
+        ("queued", "prefill", ..., "done").
         """
-        request = put_prefix_request(text, token_ids, compressor, ratio, bits)
+        request = put_prefix_request(text, token_ids, compressor, ratio, bits, dtype)
         messages = self._messages(self._stub.PutPrefix, request, timeout)
         last = None
         try:

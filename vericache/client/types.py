@@ -16,6 +16,7 @@ class Compressor:
     name: str  # a registry name, e.g. "snapkv"
     ratio: float | None = None  # token dropping; None: the compressor's default
     bits: int | None = None  # quantization; None: the compressor's default
+    dtype: str | None = None  # token dropping's storage ("bfloat16", "float16"); None: the model's
 
     @classmethod
     def from_proto(cls, message: vericache_pb2.Compressor) -> Compressor:
@@ -23,6 +24,7 @@ class Compressor:
             name=message.name,
             ratio=message.ratio if message.HasField("ratio") else None,
             bits=message.bits if message.HasField("bits") else None,
+            dtype=message.dtype if message.HasField("dtype") else None,
         )
 
 

@@ -429,13 +429,17 @@ def _compressor_spec(message: pb.Compressor) -> dict:
         raise InvalidRequestError("PutPrefix needs a compressor name (`vericache compressors`)")
     ratio = message.ratio if message.HasField("ratio") else None
     bits = message.bits if message.HasField("bits") else None
-    return build_compressor(message.name, ratio=ratio, bits=bits).spec()
+    dtype = message.dtype if message.HasField("dtype") else None
+    return build_compressor(message.name, ratio=ratio, bits=bits, dtype=dtype).spec()
 
 
 def _prefix_info(record: PrefixRecord) -> pb.PrefixInfo:
     params = record.compressor["params"]
     compressor = pb.Compressor(
-        name=record.compressor["name"], ratio=params.get("ratio"), bits=params.get("bits")
+        name=record.compressor["name"],
+        ratio=params.get("ratio"),
+        bits=params.get("bits"),
+        dtype=params.get("dtype"),
     )
     return pb.PrefixInfo(
         prefix_id=record.prefix_id,

@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cvericache/v1/vericache.proto\x12\x0cvericache.v1\"T\n\nCompressor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05ratio\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04\x62its\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06_ratioB\x07\n\x05_bits\"\x88\x01\n\x10PutPrefixRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.vericache.v1.TokenIdsH\x00\x12,\n\ncompressor\x18\x03 \x01(\x0b\x32\x18.vericache.v1.CompressorB\t\n\x07\x63ontent\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"h\n\x11PutPrefixProgress\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x0f\n\x07\x65xisted\x18\x05 \x01(\x08\"%\n\x10GetPrefixRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\x95\x01\n\nPrefixInfo\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12,\n\ncompressor\x18\x03 \x01(\x0b\x32\x18.vericache.v1.Compressor\x12\x15\n\rfull_kv_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13\x63ompressed_kv_bytes\x18\x05 \x01(\x03\"\x15\n\x13ListPrefixesRequest\"B\n\x14ListPrefixesResponse\x12*\n\x08prefixes\x18\x01 \x03(\x0b\x32\x18.vericache.v1.PrefixInfo\"(\n\x13\x44\x65letePrefixRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\'\n\x14\x44\x65letePrefixResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x9e\x01\n\x0fGenerateRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12 \n\x04mode\x18\x05 \x01(\x0e\x32\x12.vericache.v1.Mode\x12\x16\n\tdraft_len\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x0c\n\n_draft_len\"t\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.vericache.v1.TokenChunkH\x00\x12,\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.vericache.v1.GenerateStatsH\x00\x42\x07\n\x05\x65vent\"-\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x92\x02\n\rGenerateStats\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x1f\n\x17mean_accepted_per_round\x18\x04 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65pted_per_round\x18\x05 \x03(\x05\x12\x12\n\nlink_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bstore_bytes\x18\x07 \x01(\x03\x12\x13\n\x0blink_wait_s\x18\x08 \x01(\x01\x12\x14\n\x0cstore_wait_s\x18\t \x01(\x01\x12\x0e\n\x06ttft_s\x18\n \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x0f\n\x07total_s\x18\x0c \x01(\x01*W\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tVERICACHE\x10\x01\x12\x0e\n\nFULL_LOCAL\x10\x02\x12\x0f\n\x0b\x46ULL_REMOTE\x10\x03\x12\t\n\x05LOSSY\x10\x04\x32\x9d\x03\n\tVeriCache\x12N\n\tPutPrefix\x12\x1e.vericache.v1.PutPrefixRequest\x1a\x1f.vericache.v1.PutPrefixProgress0\x01\x12\x45\n\tGetPrefix\x12\x1e.vericache.v1.GetPrefixRequest\x1a\x18.vericache.v1.PrefixInfo\x12U\n\x0cListPrefixes\x12!.vericache.v1.ListPrefixesRequest\x1a\".vericache.v1.ListPrefixesResponse\x12U\n\x0c\x44\x65letePrefix\x12!.vericache.v1.DeletePrefixRequest\x1a\".vericache.v1.DeletePrefixResponse\x12K\n\x08Generate\x12\x1d.vericache.v1.GenerateRequest\x1a\x1e.vericache.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cvericache/v1/vericache.proto\x12\x0cvericache.v1\"r\n\nCompressor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05ratio\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04\x62its\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05\x64type\x18\x04 \x01(\tH\x02\x88\x01\x01\x42\x08\n\x06_ratioB\x07\n\x05_bitsB\x08\n\x06_dtype\"\x88\x01\n\x10PutPrefixRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.vericache.v1.TokenIdsH\x00\x12,\n\ncompressor\x18\x03 \x01(\x0b\x32\x18.vericache.v1.CompressorB\t\n\x07\x63ontent\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"h\n\x11PutPrefixProgress\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x0f\n\x07\x65xisted\x18\x05 \x01(\x08\"%\n\x10GetPrefixRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\x95\x01\n\nPrefixInfo\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12,\n\ncompressor\x18\x03 \x01(\x0b\x32\x18.vericache.v1.Compressor\x12\x15\n\rfull_kv_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13\x63ompressed_kv_bytes\x18\x05 \x01(\x03\"\x15\n\x13ListPrefixesRequest\"B\n\x14ListPrefixesResponse\x12*\n\x08prefixes\x18\x01 \x03(\x0b\x32\x18.vericache.v1.PrefixInfo\"(\n\x13\x44\x65letePrefixRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\'\n\x14\x44\x65letePrefixResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x9e\x01\n\x0fGenerateRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12 \n\x04mode\x18\x05 \x01(\x0e\x32\x12.vericache.v1.Mode\x12\x16\n\tdraft_len\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x0c\n\n_draft_len\"t\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.vericache.v1.TokenChunkH\x00\x12,\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.vericache.v1.GenerateStatsH\x00\x42\x07\n\x05\x65vent\"-\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x92\x02\n\rGenerateStats\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x1f\n\x17mean_accepted_per_round\x18\x04 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65pted_per_round\x18\x05 \x03(\x05\x12\x12\n\nlink_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bstore_bytes\x18\x07 \x01(\x03\x12\x13\n\x0blink_wait_s\x18\x08 \x01(\x01\x12\x14\n\x0cstore_wait_s\x18\t \x01(\x01\x12\x0e\n\x06ttft_s\x18\n \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x0f\n\x07total_s\x18\x0c \x01(\x01*W\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tVERICACHE\x10\x01\x12\x0e\n\nFULL_LOCAL\x10\x02\x12\x0f\n\x0b\x46ULL_REMOTE\x10\x03\x12\t\n\x05LOSSY\x10\x04\x32\x9d\x03\n\tVeriCache\x12N\n\tPutPrefix\x12\x1e.vericache.v1.PutPrefixRequest\x1a\x1f.vericache.v1.PutPrefixProgress0\x01\x12\x45\n\tGetPrefix\x12\x1e.vericache.v1.GetPrefixRequest\x1a\x18.vericache.v1.PrefixInfo\x12U\n\x0cListPrefixes\x12!.vericache.v1.ListPrefixesRequest\x1a\".vericache.v1.ListPrefixesResponse\x12U\n\x0c\x44\x65letePrefix\x12!.vericache.v1.DeletePrefixRequest\x1a\".vericache.v1.DeletePrefixResponse\x12K\n\x08Generate\x12\x1d.vericache.v1.GenerateRequest\x1a\x1e.vericache.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vericache.v1.vericache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1370
-  _globals['_MODE']._serialized_end=1457
+  _globals['_MODE']._serialized_start=1400
+  _globals['_MODE']._serialized_end=1487
   _globals['_COMPRESSOR']._serialized_start=46
-  _globals['_COMPRESSOR']._serialized_end=130
-  _globals['_PUTPREFIXREQUEST']._serialized_start=133
-  _globals['_PUTPREFIXREQUEST']._serialized_end=269
-  _globals['_TOKENIDS']._serialized_start=271
-  _globals['_TOKENIDS']._serialized_end=294
-  _globals['_PUTPREFIXPROGRESS']._serialized_start=296
-  _globals['_PUTPREFIXPROGRESS']._serialized_end=400
-  _globals['_GETPREFIXREQUEST']._serialized_start=402
-  _globals['_GETPREFIXREQUEST']._serialized_end=439
-  _globals['_PREFIXINFO']._serialized_start=442
-  _globals['_PREFIXINFO']._serialized_end=591
-  _globals['_LISTPREFIXESREQUEST']._serialized_start=593
-  _globals['_LISTPREFIXESREQUEST']._serialized_end=614
-  _globals['_LISTPREFIXESRESPONSE']._serialized_start=616
-  _globals['_LISTPREFIXESRESPONSE']._serialized_end=682
-  _globals['_DELETEPREFIXREQUEST']._serialized_start=684
-  _globals['_DELETEPREFIXREQUEST']._serialized_end=724
-  _globals['_DELETEPREFIXRESPONSE']._serialized_start=726
-  _globals['_DELETEPREFIXRESPONSE']._serialized_end=765
-  _globals['_GENERATEREQUEST']._serialized_start=768
-  _globals['_GENERATEREQUEST']._serialized_end=926
-  _globals['_GENERATERESPONSE']._serialized_start=928
-  _globals['_GENERATERESPONSE']._serialized_end=1044
-  _globals['_TOKENCHUNK']._serialized_start=1046
-  _globals['_TOKENCHUNK']._serialized_end=1091
-  _globals['_GENERATESTATS']._serialized_start=1094
-  _globals['_GENERATESTATS']._serialized_end=1368
-  _globals['_VERICACHE']._serialized_start=1460
-  _globals['_VERICACHE']._serialized_end=1873
+  _globals['_COMPRESSOR']._serialized_end=160
+  _globals['_PUTPREFIXREQUEST']._serialized_start=163
+  _globals['_PUTPREFIXREQUEST']._serialized_end=299
+  _globals['_TOKENIDS']._serialized_start=301
+  _globals['_TOKENIDS']._serialized_end=324
+  _globals['_PUTPREFIXPROGRESS']._serialized_start=326
+  _globals['_PUTPREFIXPROGRESS']._serialized_end=430
+  _globals['_GETPREFIXREQUEST']._serialized_start=432
+  _globals['_GETPREFIXREQUEST']._serialized_end=469
+  _globals['_PREFIXINFO']._serialized_start=472
+  _globals['_PREFIXINFO']._serialized_end=621
+  _globals['_LISTPREFIXESREQUEST']._serialized_start=623
+  _globals['_LISTPREFIXESREQUEST']._serialized_end=644
+  _globals['_LISTPREFIXESRESPONSE']._serialized_start=646
+  _globals['_LISTPREFIXESRESPONSE']._serialized_end=712
+  _globals['_DELETEPREFIXREQUEST']._serialized_start=714
+  _globals['_DELETEPREFIXREQUEST']._serialized_end=754
+  _globals['_DELETEPREFIXRESPONSE']._serialized_start=756
+  _globals['_DELETEPREFIXRESPONSE']._serialized_end=795
+  _globals['_GENERATEREQUEST']._serialized_start=798
+  _globals['_GENERATEREQUEST']._serialized_end=956
+  _globals['_GENERATERESPONSE']._serialized_start=958
+  _globals['_GENERATERESPONSE']._serialized_end=1074
+  _globals['_TOKENCHUNK']._serialized_start=1076
+  _globals['_TOKENCHUNK']._serialized_end=1121
+  _globals['_GENERATESTATS']._serialized_start=1124
+  _globals['_GENERATESTATS']._serialized_end=1398
+  _globals['_VERICACHE']._serialized_start=1490
+  _globals['_VERICACHE']._serialized_end=1903
 # @@protoc_insertion_point(module_scope)

@@ -21,14 +21,16 @@ FULL_REMOTE: Mode
 LOSSY: Mode
 
 class Compressor(_message.Message):
-    __slots__ = ("name", "ratio", "bits")
+    __slots__ = ("name", "ratio", "bits", "dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     RATIO_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     ratio: float
     bits: int
-    def __init__(self, name: _Optional[str] = ..., ratio: _Optional[float] = ..., bits: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., ratio: _Optional[float] = ..., bits: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PutPrefixRequest(_message.Message):
     __slots__ = ("text", "token_ids", "compressor")
