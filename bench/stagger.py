@@ -57,6 +57,12 @@ def add_arguments(parser) -> None:
         help="draft steps (of all B together) one full-KV load takes: sets the link bandwidth",
     )
     parser.add_argument("--window", type=int, default=160, help="scheduler window, iterations")
+    parser.add_argument(
+        "--load-slack",
+        type=int,
+        default=SchedulerConfig.load_slack,
+        help="iterations a load may span beyond S (SchedulerConfig.load_slack)",
+    )
 
 
 def run(args) -> dict:
@@ -80,7 +86,7 @@ def run(args) -> dict:
     common = {
         "link_bytes_per_s": bandwidth,
         "iteration_s": draft_step_s,  # the start-up estimate; both refine it as they run
-        "scheduler": SchedulerConfig(window=args.window),
+        "scheduler": SchedulerConfig(window=args.window, load_slack=args.load_slack),
         "max_parked": num_requests,
     }
     configs = {
@@ -116,6 +122,7 @@ def run(args) -> dict:
             "load_draft_steps": args.load_draft_steps,
             "link_bytes_per_s": bandwidth,
             "window": args.window,
+            "load_slack": args.load_slack,
             "quick": args.quick,
         },
         "runs": {name: without_tokens(r) for name, r in runs.items()},
