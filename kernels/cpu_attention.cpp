@@ -274,8 +274,8 @@ void attend_all(const std::vector<WorkItem>& items, int64_t group, float scale) 
 
 void check_layer(const at::Tensor& t, int64_t num_kv_heads, int64_t head_dim, const char* name) {
   const auto type = t.scalar_type();
-  TORCH_CHECK(t.device().is_cpu() && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
-              name, " must be CPU float32, bfloat16 or float16");
+  const bool is_served = type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+  TORCH_CHECK(t.device().is_cpu() && is_served, name, " must be CPU float32, bfloat16 or float16");
   TORCH_CHECK(t.dim() == 3 && t.size(1) == num_kv_heads && t.size(2) == head_dim,
               name, " must be [T, Hkv, D]");
   TORCH_CHECK(t.stride(2) == 1, name, " must have contiguous head rows");
@@ -287,7 +287,8 @@ const void* head_start(const at::Tensor& t, int64_t h) {
 }
 
 // queries: [N, Hq, D], the new tokens of every sequence in order; keys[b], values[b]: [T_b, Hkv, D]
-// (any slot and head strides; float32, bfloat16 or float16 per sequence), whose last num_new[b] slots are sequence b's new tokens.
+// (any slot and head strides; float32, bfloat16 or float16 per sequence), whose last num_new[b]
+// slots are sequence b's new tokens.
 // -> [N, Hq, D]
 at::Tensor attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
                      at::IntArrayRef num_new, double scale) {

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from vericache.compress.scoring import keep_slots
 from vericache.errors import InvalidRequestError
-from vericache.kv.cache import KVCache
+from vericache.kv.cache import DenseLayerKV, KVCache, LayerKV
 from vericache.kv.compressed import CompressedKV
 
 if TYPE_CHECKING:
@@ -111,6 +112,11 @@ class TokenDropping(Compressor):
     def storage_dtype(self) -> torch.dtype | None:
         """The torch dtype of the kept slots; None: the full cache's."""
         return STORAGE_DTYPES[self.dtype][1] if self.dtype else None
+
+    def keep_slots(self, layer: LayerKV, slot_index: torch.Tensor) -> DenseLayerKV:
+        """A new dense layer of the given slots of `layer` (slot_index [k, H], ascending per
+        head), stored in this compressor's dtype: every token-dropping method keeps tokens here."""
+        return keep_slots(layer, slot_index, self.storage_dtype)
 
     def grow_budgets(self, cache: CompressedKV) -> list[int]:
         """Online eviction keeps the cache `ratio` times smaller than the tokens seen so far: the

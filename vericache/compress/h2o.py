@@ -12,7 +12,6 @@ from vericache.compress.scoring import (
     accumulate_attention,
     all_prefix_scores,
     committed_queries,
-    keep_slots,
     select_slots,
     token_budget,
 )
@@ -51,7 +50,7 @@ class H2O(TokenDropping):
         layers, kept_scores = [], []
         for layer, scores in zip(full.layers, all_prefix_scores(full, context)):
             slot_index = self._kept_slots(scores, budget)
-            layers.append(keep_slots(layer, slot_index, self.storage_dtype))
+            layers.append(self.keep_slots(layer, slot_index))
             kept_scores.append(torch.gather(scores, 0, slot_index))
         budgets = [budget] * len(layers)
         return CompressedKV(layers, full.num_tokens, self, budgets, {"scores": kept_scores})
@@ -66,7 +65,7 @@ class H2O(TokenDropping):
                 scores = scores + accumulate_attention(*observed, layer, layer.num_slots)
             if layer.num_slots > budgets[index]:
                 slot_index = self._kept_slots(scores, budgets[index])
-                cache.layers[index] = keep_slots(layer, slot_index, self.storage_dtype)
+                cache.layers[index] = self.keep_slots(layer, slot_index)
                 scores = torch.gather(scores, 0, slot_index)
             cache.extras["scores"][index] = scores
 

@@ -6,7 +6,7 @@ from typing import ClassVar
 import torch
 
 from vericache.compress.base import CompressionMode, TokenDropping
-from vericache.compress.scoring import keep_slots, replay_scores, select_slots, token_budget
+from vericache.compress.scoring import replay_scores, select_slots, token_budget
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
@@ -40,7 +40,7 @@ class KVzip(TokenDropping):
         context = self.require_context(context)
         budget = token_budget(full.num_tokens, self.ratio)
         layers = [
-            keep_slots(layer, select_slots(scores, budget), self.storage_dtype)
+            self.keep_slots(layer, select_slots(scores, budget))
             for layer, scores in zip(full.layers, self._reconstruction_scores(full, context))
         ]
         return CompressedKV(layers, full.num_tokens, self)

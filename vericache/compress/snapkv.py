@@ -7,7 +7,6 @@ import torch
 
 from vericache.compress.base import CompressionMode, TokenDropping
 from vericache.compress.scoring import (
-    keep_slots,
     pool_scores,
     select_slots,
     token_budget,
@@ -59,9 +58,5 @@ class SnapKV(TokenDropping):
             # The window is kept whole while it fills at most half the budget; on a prefix too
             # short for that, scores choose (the first token, the attention sink, scores high).
             in_window = positions >= num_tokens - min(window, budget // 2)
-            layers.append(
-                keep_slots(
-                    layer, select_slots(pooled, budget, forced=in_window), self.storage_dtype
-                )
-            )
+            layers.append(self.keep_slots(layer, select_slots(pooled, budget, forced=in_window)))
         return CompressedKV(layers, num_tokens, self)

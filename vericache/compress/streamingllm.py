@@ -7,7 +7,6 @@ from typing import ClassVar
 import torch
 
 from vericache.compress.base import CompressionMode, TokenDropping
-from vericache.compress.scoring import keep_slots
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
@@ -42,10 +41,7 @@ class StreamingLLM(TokenDropping):
 
     def compress(self, full: KVCache, context=None) -> CompressedKV:
         budget = self.slot_budget(full.num_tokens)
-        layers = [
-            keep_slots(layer, self._kept_slots(layer, budget), self.storage_dtype)
-            for layer in full.layers
-        ]
+        layers = [self.keep_slots(layer, self._kept_slots(layer, budget)) for layer in full.layers]
         return CompressedKV(layers, full.num_tokens, self, budgets=[budget] * len(layers))
 
     def update(self, cache: CompressedKV) -> None:
@@ -53,9 +49,7 @@ class StreamingLLM(TokenDropping):
             return
         for index, (layer, budget) in enumerate(zip(cache.layers, cache.budgets)):
             if layer.num_slots > budget:
-                cache.layers[index] = keep_slots(
-                    layer, self._kept_slots(layer, budget), self.storage_dtype
-                )
+                cache.layers[index] = self.keep_slots(layer, self._kept_slots(layer, budget))
 
     def _kept_slots(self, layer, budget: int) -> torch.Tensor:
         """[k, H] slot indices: the sinks and the newest `budget - num_sinks` slots."""

@@ -9,7 +9,6 @@ from vericache.compress.base import CompressionMode, TokenDropping
 from vericache.compress.scoring import (
     accumulate_attention,
     committed_queries,
-    keep_slots,
     select_slots,
     token_budget,
     window_scores,
@@ -38,7 +37,7 @@ class TOVA(TokenDropping):
         budget = token_budget(full.num_tokens, self.ratio)
         scores = window_scores(full, context, window=1)
         layers = [
-            keep_slots(layer, _head_shared(layer_scores, budget), self.storage_dtype)
+            self.keep_slots(layer, _head_shared(layer_scores, budget))
             for layer, layer_scores in zip(full.layers, scores)
         ]
         return CompressedKV(layers, full.num_tokens, self, [budget] * len(layers))
@@ -55,9 +54,7 @@ class TOVA(TokenDropping):
             scores = accumulate_attention(
                 queries[newest : newest + 1], positions[newest : newest + 1], layer, layer.num_slots
             )
-            cache.layers[index] = keep_slots(
-                layer, _head_shared(scores, budgets[index]), self.storage_dtype
-            )
+            cache.layers[index] = self.keep_slots(layer, _head_shared(scores, budgets[index]))
 
 
 def _head_shared(scores: torch.Tensor, budget: int) -> torch.Tensor:
