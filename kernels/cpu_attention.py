@@ -1,13 +1,14 @@
 """Causal attention on CPU for every sequence of a forward, each over its own KV cache, in one call
-per layer (kernels/cpu_attention.cpp). Each query row is computed on its own, in a fixed order over
-the slots it sees, so its result does not depend on what else shares the call: the runner uses it
-for draft steps (one token each) and, being batch-invariant by construction, for every exact
-forward on CPU (full decode steps and verifications alike).
+per layer (kernels/cpu_attention.cpp), and the store of their new tokens' KV into those caches
+(kernels/cpu_store.cpp). Each query row is computed on its own, in a fixed order over the slots it
+sees, so its result does not depend on what else shares the call: the runner uses it for draft
+steps (one token each) and, being batch-invariant by construction, for every exact forward on CPU
+(full decode steps and verifications alike).
 
-The C++ op is compiled on first use for this machine's vector width (torch's cpp_extension, cached
-under TORCH_EXTENSIONS_DIR) and registered as torch.ops.vericache_cpu.attention. Where it cannot be
-built (no compiler or ninja), `accepts` says no once a warning has been logged, and callers use
-library attention per sequence.
+The C++ ops are compiled on first use for this machine's vector width (torch's cpp_extension,
+cached under TORCH_EXTENSIONS_DIR) and registered as torch.ops.vericache_cpu.attention and
+.store_kv. Where they cannot be built (no compiler or ninja), `accepts` says no once a warning has
+been logged, and callers use library attention and append sequence by sequence.
 """
 
 from __future__ import annotations
@@ -20,19 +21,20 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_store.cpp")]
 # Vector flags per capability torch reports (x86). The capability is part of the extension's name,
 # so a build cached for one CPU is never loaded on a machine with narrower vectors.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    # F16C widens float16 caches (every AVX2 CPU has it; without it the AVX2 build fails).
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 # The kernel holds a head row in 1 to 32 vectors of 4 (ARM), 8 or 16 floats.
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @functools.cache
-def _op():
+def _ops():
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _ISA_FLAGS:
         capability = "DEFAULT"  # ATen's portable vectors: 8 floats, whatever the compiler makes
@@ -43,7 +45,7 @@ def _op():
 
         cpp_extension.load(
             name=f"vericache_cpu_attention_{capability.lower()}",
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=["-O3", "-std=c++20", "-fopenmp", *flags],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -52,7 +54,7 @@ def _op():
     except Exception as error:  # no compiler or ninja: library attention instead
         logger.warning("CPU attention kernel unavailable (%s): library attention instead", error)
         return None
-    return torch.ops.vericache_cpu.attention
+    return torch.ops.vericache_cpu
 
 
 def accepts(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -61,7 +63,7 @@ def accepts(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         device.type == "cpu"
         and dtype == torch.float32
         and head_dim in SUPPORTED_HEAD_DIMS
-        and _op() is not None
+        and _ops() is not None
     )
 
 
@@ -78,4 +80,21 @@ def attention(
     sequence b's new tokens: its token m sees slots 0 .. T_b - num_new[b] + m. A sequence's slots
     are float32, bfloat16 or float16 (a draft cache stored in 16 bits, widened exactly as read).
     Returns [N, Hq, D]. Call only where `accepts` said yes."""
-    return _op()(queries, keys, values, num_new, queries.shape[-1] ** -0.5)
+    return _ops().attention(queries, keys, values, num_new, queries.shape[-1] ** -0.5)
+
+
+def store_kv(
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    new_positions: torch.Tensor,
+    stores: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]],
+) -> None:
+    """Writes rows of new_keys, new_values [N, Hkv, D] float32 and new_positions [N] int64 into
+    head-major cache buffers, one call for a whole forward's sequences. Each store is (key buffer
+    [Hkv, capacity, D], value buffer, position buffer [capacity, Hkv] int32, first slot, first
+    row, num_new): rows first_row.. go to slots first_slot.. (16-bit buffers round to nearest
+    even, as a copy does). Call only where `accepts` said yes."""
+    keys, values, positions, starts, first_rows, counts = zip(*stores)
+    _ops().store_kv(
+        new_keys, new_values, new_positions, keys, values, positions, first_rows, starts, counts
+    )

@@ -86,18 +86,19 @@ def test_a_token_gets_the_same_bits_decoded_alone_and_verified_among_others(num_
         assert torch.equal(decoded[0], verified[m]), m
 
 
+@pytest.mark.parametrize("head_dim", cpu_attention.SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_reads_16_bit_slots_as_their_float32_widening(dtype):
+def test_reads_16_bit_slots_as_their_float32_widening(dtype, head_dim):
     # A draft cache stored in 16 bits shares a call with float32 caches (a draft step riding a
     # verification's forward): each sequence gets the bits of its slots widened to float32.
     torch.manual_seed(5)
     shapes = [(700, 1), (131, 31), (45, 1)]
-    keys = [head_major_layer(t, 3, 64, t + 9) for t, _ in shapes]
-    values = [head_major_layer(t, 3, 64, t + 2) for t, _ in shapes]
+    keys = [head_major_layer(t, 3, head_dim, t + 9) for t, _ in shapes]
+    values = [head_major_layer(t, 3, head_dim, t + 2) for t, _ in shapes]
     for b in (0, 2):
         keys[b], values[b] = keys[b].to(dtype), values[b].to(dtype)
     counts = [n for _, n in shapes]
-    queries = torch.randn(sum(counts), 9, 64)
+    queries = torch.randn(sum(counts), 9, head_dim)
     out = cpu_attention.attention(queries, keys, values, counts)
     widened = cpu_attention.attention(
         queries, [k.float() for k in keys], [v.float() for v in values], counts

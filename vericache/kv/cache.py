@@ -129,17 +129,26 @@ class DenseLayerKV:
         self._positions = positions
         self._num_finite = n
 
+    def reserve(self, num_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Counts num_new slots past the resident ones as resident, for the caller to fill at once
+        (the runner's batched store). Returns the key and value buffers [H, capacity, D], the
+        position buffer [capacity, H] int32 and the first new slot."""
+        start = self.num_slots
+        self._ensure_capacity(start + num_new)
+        self.num_slots = start + num_new
+        self._num_finite = max(self._num_finite, self.num_slots)
+        return self._keys, self._values, self._positions, start
+
     def _write(self, keys, values, positions) -> None:
         """keys, values: [n, H, D], on any device."""
-        start, end = self.num_slots, self.num_slots + keys.shape[0]
-        self._ensure_capacity(end)
-        write_head_major(self._keys, start, keys)
-        write_head_major(self._values, start, values)
-        positions = positions.to(self._positions.device)
+        key_buffer, value_buffer, position_buffer, start = self.reserve(keys.shape[0])
+        write_head_major(key_buffer, start, keys)
+        write_head_major(value_buffer, start, values)
+        positions = positions.to(position_buffer.device)
         # [n] positions (the same for every head) broadcast over heads.
-        self._positions[start:end] = positions if positions.dim() == 2 else positions.unsqueeze(1)
-        self.num_slots = end
-        self._num_finite = max(self._num_finite, end)
+        position_buffer[start : self.num_slots] = (
+            positions if positions.dim() == 2 else positions.unsqueeze(1)
+        )
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         self._write(keys, values, positions)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from vericache.kernels import cpu_attention
-from vericache.kv.cache import KVCache
+from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.model.config import ModelConfig
 from vericache.model.kernels import KEY_ALIGN, attention, rms_norm, silu
 from vericache.model.rope import RotaryEmbedding
@@ -103,11 +103,11 @@ class ModelRunner:
         # Sequences left to the CPU attention kernel: their outputs index, q rows and layer.
         kernel_outputs, kernel_spans, kernel_layers = [], [], []
         window = c.layer_windows[index]
+        self._append(index, batch, counts, k, v, positions)
         start = 0
         for seq, n in zip(batch, counts):
             end = start + n
             layer_kv = seq.cache.layers[index]
-            layer_kv.append(k[start:end], v[start:end], positions[start:end])
             if seq.observe is not None:
                 seq.observe(index, positions[start:end], q[start:end], layer_kv)
             window_mask = None
@@ -131,6 +131,23 @@ class ModelRunner:
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
         gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
         return hidden + layer.down(silu(gate) * up, invariant)
+
+    def _append(self, index, batch, counts, k, v, positions) -> None:
+        """Appends each sequence's new tokens (k, v: [N, Hkv, D]; positions: [N]) to its cache's
+        layer `index`. With the CPU kernel, every dense layer takes them in one store call: a
+        draft step of 14 caches spent 257 us per layer appending them one by one, 27 in one call
+        (measured), some 7% of the step."""
+        stores, start = [], 0
+        for seq, n in zip(batch, counts):
+            layer_kv = seq.cache.layers[index]
+            if self._cpu_kernel and isinstance(layer_kv, DenseLayerKV):
+                stores.append((*layer_kv.reserve(n), start, n))
+            else:
+                end = start + n
+                layer_kv.append(k[start:end], v[start:end], positions[start:end])
+            start += n
+        if stores:
+            cpu_attention.store_kv(k, v, positions, stores)
 
     def _uses_cpu_kernel(self, layer_kv, window, window_mask, n: int, exact: bool) -> bool:
         """Whether a sequence's attention in this layer joins the CPU kernel's call (over
