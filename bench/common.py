@@ -72,11 +72,31 @@ def environment() -> dict:
         "git_commit": commit,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        # The ratios depend on the CPU's balance of compute and memory bandwidth, not only on
+        # its architecture: the model name tells two x86_64 machines apart.
+        "cpu": _cpu_model() or platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name, family and model numbers as Linux reports them (None elsewhere): a
+    virtual machine may name only the vendor's line ("AMD EPYC")."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return None
+    if "model name" not in fields:
+        return None
+    family, model = fields.get("cpu family"), fields.get("model")
+    return f"{fields['model name']} (family {family}, model {model})"
 
 
 def pyplot():
