@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from vericache.kernels.triton_ops import jit, pow2_at_least, tl, triton
+from vericache.kernels.triton_ops import jit, pow2_at_least, tl, triton, with_shared_strides
 
 # ---------------------------------------------------------------------------------------------
 # Fused packed attention (split-KV "flash decoding"). Program (kv_head, split, row_tile) runs an
@@ -95,11 +95,12 @@ def _residual_block(
     kv_head,
     dims,
     dim_ok,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    stride_slot,
+    stride_head,
 ):
-    # Returns keys transposed [D, N] and values [N, D], in the cache dtype.
-    offsets = (residual_slots.to(tl.int64) * NUM_KV_HEADS + kv_head) * HEAD_DIM  # [N]
+    # Returns keys transposed [D, N] and values [N, D], in the cache dtype. Keys and values share
+    # their strides (head-major cache buffers: slot stride D, head stride capacity * D).
+    offsets = residual_slots.to(tl.int64) * stride_slot + kv_head.to(tl.int64) * stride_head
     mask_t = dim_ok[:, None] & slot_ok[None, :]
     keys_t = tl.load(keys_ptr + offsets[None, :] + dims[:, None], mask=mask_t, other=0.0)
     mask = slot_ok[:, None] & dim_ok[None, :]
@@ -145,7 +146,7 @@ def _packed_attention_kernel(
     value_codes_ptr,  # [Tq, H, D*bits/8] uint8
     value_scale_ptr,  # [Tq, H, 1]
     value_zero_ptr,
-    residual_keys_ptr,  # [R, H, D]
+    residual_keys_ptr,  # [R, H, D], strided as residual_values
     residual_values_ptr,
     window_ptr,  # [H, n, T] uint8 (unused without HAS_WINDOW)
     max_out_ptr,  # [splits, H, rows_padded] float32
@@ -155,6 +156,8 @@ def _packed_attention_kernel(
     num_quantized,
     num_slots,
     slots_per_split,
+    residual_stride_slot,
+    residual_stride_head,
     sm_scale,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -231,8 +234,8 @@ def _packed_attention_kernel(
             kv_head,
             dims,
             dim_ok,
-            NUM_KV_HEADS,
-            HEAD_DIM,
+            residual_stride_slot,
+            residual_stride_head,
         )
         visible = _visible_tile(
             slots, split_end, tokens, num_new, num_slots, window_ptr, HAS_WINDOW
@@ -266,6 +269,7 @@ def packed_attention(q, packed, residual_keys, residual_values, window_mask=None
     acc_out = q.new_empty(num_splits, num_kv_heads, rows_padded, block_d, dtype=torch.float32)
     has_window = window_mask is not None
     window = window_mask.to(torch.uint8).contiguous() if has_window else max_out
+    residual_keys, residual_values = with_shared_strides(residual_keys, residual_values)
     grid = (num_kv_heads, num_splits, num_row_tiles)
     _packed_attention_kernel[grid](
         q.contiguous(),
@@ -275,8 +279,8 @@ def packed_attention(q, packed, residual_keys, residual_values, window_mask=None
         packed.value_codes.contiguous(),
         packed.value_scale.contiguous(),
         packed.value_zero.contiguous(),
-        residual_keys.contiguous(),
-        residual_values.contiguous(),
+        residual_keys,
+        residual_values,
         window,
         max_out,
         sum_out,
@@ -285,6 +289,8 @@ def packed_attention(q, packed, residual_keys, residual_values, window_mask=None
         num_quantized,
         num_slots,
         slots_per_split,
+        residual_keys.stride(0),
+        residual_keys.stride(1),
         head_dim**-0.5,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,

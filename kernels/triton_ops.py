@@ -13,6 +13,7 @@ than 2**31 elements. Checked without a GPU: Triton's interpreter (TRITON_INTERPR
 references, and an ahead-of-time compile for sm_90.
 """
 
+import contextlib
 import types
 
 import torch
@@ -27,17 +28,43 @@ except ImportError:  # CPU-only installs: the kernels below stay plain, never-ca
     tl = types.SimpleNamespace(constexpr=None)  # only evaluated in the kernels' annotations
 
 
+_switched_off = False
+
+
 def available() -> bool:
-    """True when Triton is installed and a CUDA device is present."""
-    return triton is not None and torch.cuda.is_available()
+    """True when Triton is installed, a CUDA device is present and `switched_off` is not active."""
+    return triton is not None and not _switched_off and torch.cuda.is_available()
 
 
-def jit(fn):
-    return triton.jit(fn) if triton is not None else fn
+@contextlib.contextmanager
+def switched_off():
+    """Inside the block the dispatching entries run their torch paths: the baseline a benchmark
+    compares the kernels with, in the same process."""
+    global _switched_off
+    previous, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = previous
+
+
+def jit(fn=None, **options):
+    """triton.jit, usable bare (`@jit`) or with options (`@jit(do_not_specialize=[...])`)."""
+    if fn is None:
+        return lambda inner: jit(inner, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
 
 
 def pow2_at_least(value: int, floor: int) -> int:
     return max(floor, 1 << max(value - 1, 0).bit_length())
+
+
+def with_shared_strides(keys: torch.Tensor, values: torch.Tensor):
+    """keys and values [S, H, D] as they are when they share strides and their last axis is
+    contiguous (a cache's head-major buffers: no copy), else both made contiguous."""
+    if keys.stride() == values.stride() and keys.stride(-1) == 1:
+        return keys, values
+    return keys.contiguous(), values.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,31 +149,38 @@ def dequantize_packed(
 
 
 # ---------------------------------------------------------------------------------------------
-# Gather of kept slots: program (kept slot i, head h) copies one head's key and value rows.
+# Gather of kept slots: program (kept slot i, head h) copies one head's key and value rows. The
+# inputs are read through their strides: a cache's head-major buffers need no copy.
 
 
 @jit
 def _gather_kernel(
-    keys_ptr,  # [S, H, D]
+    keys_ptr,  # [S, H, D], strided as values
     values_ptr,
-    positions_ptr,  # [S, H]
-    index_ptr,  # [k, H]
-    out_keys_ptr,  # [k, H, D]
+    positions_ptr,  # [S, H], strided
+    index_ptr,  # [k, H], strided
+    out_keys_ptr,  # [k, H, D], contiguous
     out_values_ptr,
-    out_positions_ptr,  # [k, H]
+    out_positions_ptr,  # [k, H], contiguous
     num_heads,
     head_dim,
+    kv_stride_slot,
+    kv_stride_head,
+    positions_stride_slot,
+    positions_stride_head,
+    index_stride_kept,
+    index_stride_head,
     BLOCK_D: tl.constexpr,
 ):
-    kept, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    slot = tl.load(index_ptr + kept * num_heads + head).to(tl.int64)
+    kept, head = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    slot = tl.load(index_ptr + kept * index_stride_kept + head * index_stride_head).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < head_dim
-    source = (slot * num_heads + head) * head_dim + dims
+    source = slot * kv_stride_slot + head * kv_stride_head + dims
     target = (kept * num_heads + head) * head_dim + dims
     tl.store(out_keys_ptr + target, tl.load(keys_ptr + source, mask=dim_ok), mask=dim_ok)
     tl.store(out_values_ptr + target, tl.load(values_ptr + source, mask=dim_ok), mask=dim_ok)
-    position = tl.load(positions_ptr + slot * num_heads + head)
+    position = tl.load(positions_ptr + slot * positions_stride_slot + head * positions_stride_head)
     tl.store(out_positions_ptr + kept * num_heads + head, position)
 
 
@@ -162,17 +196,22 @@ def gather_slots(
     out_keys = keys.new_empty(num_kept, num_heads, head_dim)
     out_values = values.new_empty(num_kept, num_heads, head_dim)
     out_positions = positions.new_empty(num_kept, num_heads)
-    if num_kept and num_heads:
-        _gather_kernel[(num_kept, num_heads)](
-            keys.contiguous(),
-            values.contiguous(),
-            positions.contiguous(),
-            slot_index.contiguous(),
-            out_keys,
-            out_values,
-            out_positions,
-            num_heads,
-            head_dim,
-            BLOCK_D=pow2_at_least(head_dim, 16),
-        )
+    if not (num_kept and num_heads):
+        return out_keys, out_values, out_positions
+    keys, values = with_shared_strides(keys, values)
+    _gather_kernel[(num_kept, num_heads)](
+        keys,
+        values,
+        positions,
+        slot_index,
+        out_keys,
+        out_values,
+        out_positions,
+        num_heads,
+        head_dim,
+        *keys.stride()[:2],
+        *positions.stride(),
+        *slot_index.stride(),
+        BLOCK_D=pow2_at_least(head_dim, 16),
+    )
     return out_keys, out_values, out_positions

@@ -88,7 +88,7 @@ def test_cuda_vericache_equals_full(tiny_checkpoint, dtype):
 needs_triton = pytest.mark.skipif(not triton_ops.available(), reason="needs triton")
 
 
-def _to_cuda(q, packed, residual_keys, residual_values, window_mask):
+def inputs_to_cuda(q, packed, residual_keys, residual_values, window_mask):
     tensors = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed)}
     packed = PackedKV(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in tensors.items()})
     rest = (residual_keys, residual_values, window_mask)
@@ -107,7 +107,7 @@ def _tolerance(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_packed_attention_matches_reference(name, dtype):
-    inputs = _to_cuda(*random_inputs(CASES[name], dtype=dtype))
+    inputs = inputs_to_cuda(*random_inputs(CASES[name], dtype=dtype))
     actual = triton_attention.packed_attention(*inputs)
     reference = packed_attention_reference(*inputs)
     assert actual.shape == reference.shape and actual.dtype == dtype
@@ -123,7 +123,9 @@ def test_triton_packed_attention_long_decode(bits, head_dim):
     """8192 quantized slots: many splits per KV head; n = 1 and a 16-token verify-sized step."""
     for num_new in (1, 16):
         shape = case(bits=bits, kv_heads=3, group=3, new=num_new, quantized=8192, residual=100)
-        inputs = _to_cuda(*random_inputs({**shape, "head_dim": head_dim}, dtype=torch.bfloat16))
+        inputs = inputs_to_cuda(
+            *random_inputs({**shape, "head_dim": head_dim}, dtype=torch.bfloat16)
+        )
         expected = expected_attention(*inputs)
         actual = packed_attention(*inputs)  # the dispatcher picks the Triton kernel on CUDA
         assert torch.equal(actual, triton_attention.packed_attention(*inputs))

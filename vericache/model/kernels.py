@@ -14,7 +14,9 @@ batched products with fewer than four rows take other code paths than larger one
 are padded to a multiple of QUERY_ROW_ALIGN; keys are padded to KEY_ALIGN slots and summed block
 by block so that a row's reductions do not depend on how many masked keys trail it. On CUDA, whose
 kernels pick their algorithm by shape, every product and reduction of the set runs on fixed blocks
-of rows (linear.py's CUDA_ROW_BLOCK) and attention combines its key blocks with an online softmax.
+of rows (linear.py's CUDA_ROW_BLOCK) and attention combines its key blocks with an online softmax:
+in one Triton kernel where Triton is installed (kernels/triton_invariant_attention.py), else in
+torch below.
 tests/test_batch_invariance.py checks each property on the machine it runs on, and the CUDA
 algorithm on the CPU too.
 """
@@ -26,6 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from vericache.kernels import triton_invariant_attention, triton_ops
 from vericache.kv.cache import aligned
 from vericache.model import linear
 from vericache.model.linear import CUDA_ROW_BLOCK, map_row_blocks, pad_rows
@@ -61,10 +64,17 @@ def attention(
 ) -> torch.Tensor:
     """Causal attention of n new tokens over a cache whose last n slots are those tokens.
 
-    q: [n, Hq, D]; keys, values: [T', Hkv, D] with T' >= num_slots (extra slots are masked);
+    q: [n, Hq, D]; keys, values: [T', Hkv, D] with T' >= num_slots (extra slots are masked), in
+    q's dtype or another (a 16-bit draft cache);
     window_mask: optional [Hkv, n, num_slots] bool, False where a sliding window hides a key.
     Returns [n, Hq * D].
     """
+    if q.is_cuda and triton_ops.available() and (invariant or keys.dtype != q.dtype):
+        return triton_invariant_attention.invariant_attention(
+            q, keys, values, num_slots, window_mask
+        )
+    if keys.dtype != q.dtype:  # a draft cache stored in 16 bits: library attention takes one dtype
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     num_new, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads

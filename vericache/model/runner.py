@@ -198,8 +198,6 @@ def _attend(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> torch.Te
         # A quantized layer dequantizes block by block inside attention (fused on CUDA).
         return layer_kv.attend(q, window_mask)
     keys, values = layer_kv.keys_values(pad_to=KEY_ALIGN if invariant else 1)
-    if keys.dtype != q.dtype:  # a draft cache stored in 16 bits: library attention takes one dtype
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
     return attention(q, keys, values, layer_kv.num_slots, invariant, window_mask)
 
 

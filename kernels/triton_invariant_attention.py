@@ -1,0 +1,159 @@
+"""Triton batch-invariant attention for CUDA: the exact forwards' attention (verification and
+full-KV decoding), where the torch version (model/kernels.py `_blocked_invariant_attention`) runs
+a loop of small products and took 575 ms for a 31-token verification of the embedded model at 8k
+on an H200 (bench/results/decode_speed_cuda.json).
+
+Program (kv_head, row_tile) runs an online softmax for BLOCK_R query rows of one KV head over
+every slot, in blocks of BLOCK_N slots starting at slot 0. The tile sizes depend only on the
+dtypes and head size, never on how many tokens are new, so a one-token step and a verification
+run the same compiled kernel, and each row's arithmetic is the same in both: a row's own products
+do not read its neighbours in the tile, and blocks past its last visible slot change nothing bit
+for bit (their probabilities are exactly 0 and the running scale exactly 1). No split over slots:
+merging splits would make a row's sum depend on how many there are.
+
+Keys and values are read through their strides (head-major cache buffers viewed [T, H, D] need no
+copy) and in their own dtype, converted in registers to q's: a float32 model attends over a
+16-bit draft cache without converting it first.
+"""
+
+import torch
+
+from vericache.kernels.triton_ops import jit, pow2_at_least, tl
+
+# Rows per program: fixed, so the kernel compiled for a step of one token is the verification's.
+BLOCK_R = 16
+
+
+@jit(do_not_specialize=["num_new", "num_slots"])
+def _invariant_attention_kernel(
+    q_ptr,  # [n, Hq, D]
+    keys_ptr,  # [T, H, D], strided
+    values_ptr,
+    window_ptr,  # [H, n, T] uint8 (unused without HAS_WINDOW)
+    out_ptr,  # [n, Hq, D], contiguous
+    num_new,
+    num_slots,
+    q_stride_token,
+    q_stride_head,
+    key_stride_slot,
+    key_stride_head,
+    value_stride_slot,
+    value_stride_head,
+    sm_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    kv_head, row_tile = tl.program_id(0), tl.program_id(1)
+    compute_dtype = q_ptr.dtype.element_ty
+    rows = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)  # ordered (group member, token)
+    row_ok = rows < GROUP * num_new
+    tokens, q_heads = rows % num_new, kv_head * GROUP + rows // num_new
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q_offsets = tokens.to(tl.int64) * q_stride_token + q_heads * q_stride_head
+    row_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_mask, other=0.0)
+    last_visible = num_slots - num_new + tokens  # [R]
+    key_base = keys_ptr + kv_head.to(tl.int64) * key_stride_head
+    value_base = values_ptr + kv_head.to(tl.int64) * value_stride_head
+    window_row = (kv_head.to(tl.int64) * num_new + tokens) * num_slots  # [R]
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for start in range(0, num_slots, BLOCK_N):
+        slots = start + tl.arange(0, BLOCK_N)
+        slot_ok = slots < num_slots
+        slots64 = slots.to(tl.int64)
+        key_offsets = slots64[None, :] * key_stride_slot + dims[:, None]
+        # Slots past the end load as 0: their probabilities are 0, and 0 * 0 adds nothing.
+        keys_t = tl.load(key_base + key_offsets, mask=dim_ok[:, None] & slot_ok[None, :], other=0)
+        value_offsets = slots64[:, None] * value_stride_slot + dims[None, :]
+        values = tl.load(
+            value_base + value_offsets, mask=slot_ok[:, None] & dim_ok[None, :], other=0
+        )
+        visible = slot_ok[None, :] & (slots[None, :] <= last_visible[:, None])
+        if HAS_WINDOW:
+            window = tl.load(window_ptr + window_row[:, None] + slots[None, :], mask=visible)
+            visible = visible & (window != 0)
+        scores = tl.dot(q, keys_t.to(compute_dtype), input_precision=PRECISION) * sm_scale
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # Rows that have seen no visible slot keep max -inf; shifting by 0 keeps exp finite.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        correction = tl.exp(m_i - shift)
+        probs = tl.exp(scores - shift[:, None])
+        l_i = l_i * correction + tl.sum(probs, 1)
+        acc = acc * correction[:, None]
+        acc += tl.dot(probs.to(compute_dtype), values.to(compute_dtype), input_precision=PRECISION)
+        m_i = m_new
+    # Padding rows saw nothing (l_i 0); they are not stored.
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    out_offsets = (tokens.to(tl.int64) * GROUP * tl.num_programs(0) + q_heads) * HEAD_DIM
+    tl.store(
+        out_ptr + out_offsets[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask,
+    )
+
+
+def invariant_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    num_slots: int,
+    window_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of n new tokens over a cache whose last n slots are those tokens.
+
+    q: [n, Hq, D]; keys, values: [T', H, D] with T' >= num_slots, any dtype and slot/head strides
+    (the last axis contiguous); window_mask: optional [H, n, num_slots] bool, False where a
+    sliding window hides a slot. Returns [n, Hq * D] in q's dtype."""
+    num_new, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    out = q.new_empty(num_new, num_heads, head_dim)
+    if num_new == 0:
+        return out.view(0, num_heads * head_dim)
+    q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
+    has_window = window_mask is not None
+    window = window_mask.to(torch.uint8).contiguous() if has_window else out
+    block_n, num_warps = _tile_sizes(head_dim, q.dtype)
+    grid = (num_kv_heads, -(-group * num_new // BLOCK_R))
+    _invariant_attention_kernel[grid](
+        q,
+        keys,
+        values,
+        window,
+        out,
+        num_new,
+        num_slots,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(1),
+        head_dim**-0.5,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HAS_WINDOW=has_window,
+        # Full fp32 products for fp32 models (TF32 would lose the CPU path's precision).
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_R=BLOCK_R,
+        BLOCK_N=block_n,
+        BLOCK_D=pow2_at_least(head_dim, 16),
+        num_warps=num_warps,
+    )
+    return out.view(num_new, num_heads * head_dim)
+
+
+def _tile_sizes(head_dim: int, dtype) -> tuple[int, int]:
+    """BLOCK_N and num_warps, from the dtype and head size alone (see the module docstring)."""
+    block_n = 32 if dtype == torch.float32 or head_dim > 128 else 64
+    return block_n, 4

@@ -1,0 +1,144 @@
+"""The batch-invariant Triton attention and the strided Triton callers on CUDA (skipped without
+it): results against float64 references, and a token's bits the same decoded alone as verified
+among others, over caches of any capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_cuda import inputs_to_cuda
+from tests.test_kernels import CASES, random_inputs
+from vericache.compress import StreamingLLM
+from vericache.engine.engine import Engine
+from vericache.engine.request import DecodeMode, Request, SamplingParams
+from vericache.kernels import triton_attention, triton_ops
+from vericache.kernels.gather import gather_slots
+from vericache.kernels.packed_attention import packed_attention_reference
+from vericache.kernels.triton_invariant_attention import invariant_attention
+from vericache.model.kernels import visibility_mask
+from vericache.model.loader import load_model
+from vericache.model.runner import ModelRunner, SequenceInput
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not triton_ops.available(), reason="needs CUDA and Triton"),
+]
+
+DTYPES = {  # (model dtype, cache dtype) -> tolerance against float64
+    (torch.float32, torch.float32): 1e-5,
+    (torch.float32, torch.bfloat16): 1e-5,  # keys widened in registers: float32 products
+    (torch.bfloat16, torch.bfloat16): 2e-2,
+    (torch.float16, torch.float16): 4e-3,
+}
+
+
+def _head_major(num_slots: int, num_kv_heads: int, head_dim: int, capacity: int, dtype):
+    """Keys and values [num_slots, H, D] viewed from [H, capacity, D] buffers, as caches hold
+    them (strides depend on the capacity)."""
+    buffers = torch.randn(2, num_kv_heads, capacity, head_dim, device="cuda").to(dtype)
+    return buffers[0].transpose(0, 1)[:num_slots], buffers[1].transpose(0, 1)[:num_slots]
+
+
+def _reference(q, keys, values, num_slots, window_mask):
+    num_new, num_heads, head_dim = q.shape
+    group = num_heads // keys.shape[1]
+    keys, values = (t[:num_slots].double().transpose(0, 1) for t in (keys, values))
+    mask = visibility_mask(num_new, num_slots, window_mask, q.device)
+    if window_mask is not None:
+        mask = mask.repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1),
+        keys.repeat_interleave(group, dim=0),
+        values.repeat_interleave(group, dim=0),
+        attn_mask=mask,
+    )
+    return out.transpose(0, 1).reshape(num_new, num_heads * head_dim)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("dtypes", list(DTYPES), ids=lambda d: f"{d[0]}-{d[1]}")
+def test_invariant_attention_matches_reference_and_single_steps(dtypes, window):
+    model_dtype, cache_dtype = dtypes
+    torch.manual_seed(0)
+    num_kv_heads, group, head_dim, prefix, num_new = 3, 3, 64, 1000, 31
+    num_slots = prefix + num_new
+    keys, values = _head_major(num_slots, num_kv_heads, head_dim, 2048, cache_dtype)
+    q = torch.randn(num_new, num_kv_heads * group, head_dim, device="cuda").to(model_dtype)
+    window_mask = None
+    if window is not None:
+        slots = torch.arange(num_slots, device="cuda")
+        queries = slots[prefix:].view(1, -1, 1)
+        window_mask = (slots.view(1, 1, -1) > queries - window).expand(num_kv_heads, -1, -1)
+    verified = invariant_attention(q, keys, values, num_slots, window_mask)
+    assert verified.dtype == model_dtype
+    expected = _reference(q, keys, values, num_slots, window_mask)
+    tolerance = DTYPES[dtypes]
+    torch.testing.assert_close(verified.double(), expected, atol=tolerance, rtol=tolerance)
+    for m in range(num_new):
+        alone_mask = None if window_mask is None else window_mask[:, m : m + 1, : prefix + m + 1]
+        alone = invariant_attention(q[m : m + 1], keys, values, prefix + m + 1, alone_mask)
+        assert torch.equal(alone, verified[m : m + 1]), f"token {m}"
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "float32")]
+)
+def test_verification_equals_steps_over_caches_of_other_capacities(tiny_checkpoint, family, dtype):
+    """Caches of other capacities view their buffers with other strides: a verification over one
+    still gives each token the bits of one-token steps over the other."""
+    loaded = load_model(str(tiny_checkpoint(family)), dtype=dtype, device="cuda")
+    runner = ModelRunner(loaded.config, loaded.weights, "cuda")
+    generator = torch.Generator().manual_seed(2)
+    prompt, continuation = torch.randint(3, 512, (300,), generator=generator).split([269, 31])
+    stepwise, verify = runner.new_cache(capacity=2048), runner.new_cache(capacity=400)
+    runner.prefill(prompt, stepwise, num_logits=0)
+    runner.prefill(prompt, verify, num_logits=0)
+    steps = [
+        runner.forward([SequenceInput(t.view(1), stepwise)], invariant=True)[0]
+        for t in continuation
+    ]
+    (verified,) = runner.forward([SequenceInput(continuation, verify, 31)], invariant=True)
+    assert torch.equal(torch.cat(steps), verified)
+
+
+def test_float32_model_drafts_over_a_bfloat16_cache(tiny_checkpoint):
+    """The draft steps attend over 16-bit keys without converting them first; the output is
+    still full decoding's."""
+    engine = Engine.from_pretrained(str(tiny_checkpoint("llama")), device="cuda")
+    ids = tuple(torch.randint(3, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist())
+    params = SamplingParams(max_new_tokens=40)
+    (full,) = engine.generate([Request(ids, 180, params, DecodeMode.FULL)])
+    compressor = StreamingLLM(ratio=4, dtype="bfloat16")
+    (out,) = engine.generate([Request(ids, 180, params, DecodeMode.VERICACHE, compressor, 8)])
+    assert out.token_ids == full.token_ids
+    assert out.stats.accepted_per_round  # it drafted
+
+
+@pytest.mark.parametrize("name", ["decode-4bit", "verify-8-tokens", "verify-32-tokens"])
+def test_packed_attention_reads_strided_residual_kv(name):
+    """Head-major residual buffers are read through their strides, with the same result as
+    contiguous copies."""
+    q, packed, keys, values, mask = inputs_to_cuda(*random_inputs(CASES[name], torch.bfloat16))
+    num_residual, num_kv_heads, head_dim = keys.shape
+    buffers = keys.new_zeros(2, num_kv_heads, num_residual + 50, head_dim)
+    buffers[0, :, :num_residual] = keys.transpose(0, 1)
+    buffers[1, :, :num_residual] = values.transpose(0, 1)
+    strided = [buffer.transpose(0, 1)[:num_residual] for buffer in buffers]
+    actual = triton_attention.packed_attention(q, packed, *strided, mask)
+    assert torch.equal(actual, triton_attention.packed_attention(q, packed, keys, values, mask))
+    reference = packed_attention_reference(q, packed, keys, values, mask)
+    torch.testing.assert_close(actual, reference, atol=2e-2, rtol=2e-2)
+
+
+def test_gather_slots_reads_strided_inputs():
+    generator = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 4, 600, 96, generator=generator).bfloat16().cuda()
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [600, 4, 96], head-major
+    positions = torch.randint(0, 10**6, (4, 600), generator=generator).cuda().T
+    slot_index = torch.randint(0, 600, (150, 4), generator=generator).cuda()
+    expected = gather_slots(*(t.cpu() for t in (keys, values, positions, slot_index)))
+    actual = triton_ops.gather_slots(keys, values, positions, slot_index)
+    for got, want in zip(actual, expected):
+        assert torch.equal(got.cpu(), want)
