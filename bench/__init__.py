@@ -6,6 +6,7 @@ BENCHMARKS = {
     "acceptance": "vericache.bench.acceptance",
     "codec": "vericache.bench.codec",
     "decode-speed": "vericache.bench.decode_speed",
+    "exact-attention": "vericache.bench.exact_attention",
     "long-context": "vericache.bench.long_context",
     "lossy-quality": "vericache.bench.lossy_quality",
     "remote-prefix": "vericache.bench.remote_prefix",
