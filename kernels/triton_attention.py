@@ -6,7 +6,14 @@ import functools
 
 import torch
 
-from vericache.kernels.triton_ops import jit, pow2_at_least, tl, triton, with_shared_strides
+from vericache.kernels.triton_ops import (
+    jit,
+    online_softmax_step,
+    pow2_at_least,
+    tl,
+    triton,
+    with_shared_strides,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Fused packed attention (split-KV "flash decoding"). Program (kv_head, split, row_tile) runs an
@@ -122,22 +129,6 @@ def _visible_tile(
 
 
 @jit
-def _softmax_step(q, keys_t, values, visible, m_i, l_i, acc, sm_scale, PRECISION: tl.constexpr):
-    # q [R, D], keys_t [D, N], values [N, D] in the cache dtype; visible [R, N].
-    scores = tl.dot(q, keys_t, input_precision=PRECISION) * sm_scale
-    scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    # Rows that have seen no visible slot keep max -inf; shifting by 0 keeps exp finite.
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    correction = tl.exp(m_i - shift)
-    probs = tl.exp(scores - shift[:, None])
-    l_i = l_i * correction + tl.sum(probs, 1)
-    acc = acc * correction[:, None]
-    acc += tl.dot(probs.to(values.dtype), values, input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
-@jit
 def _packed_attention_kernel(
     q_ptr,  # [n, Hq, D]
     key_codes_ptr,  # [Tq, H, D*bits/8] uint8
@@ -212,7 +203,7 @@ def _packed_attention_kernel(
         visible = _visible_tile(
             slots, quantized_end, tokens, num_new, num_slots, window_ptr, HAS_WINDOW
         )
-        m_i, l_i, acc = _softmax_step(
+        m_i, l_i, acc = online_softmax_step(
             q,
             keys_t.to(cache_dtype),
             values.to(cache_dtype),
@@ -240,7 +231,7 @@ def _packed_attention_kernel(
         visible = _visible_tile(
             slots, split_end, tokens, num_new, num_slots, window_ptr, HAS_WINDOW
         )
-        m_i, l_i, acc = _softmax_step(
+        m_i, l_i, acc = online_softmax_step(
             q, keys_t, values, visible, m_i, l_i, acc, sm_scale, PRECISION
         )
 

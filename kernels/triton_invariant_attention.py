@@ -18,7 +18,7 @@ copy) and in their own dtype, converted in registers to q's: a float32 model att
 
 import torch
 
-from vericache.kernels.triton_ops import jit, pow2_at_least, tl
+from vericache.kernels.triton_ops import jit, online_softmax_step, pow2_at_least, tl
 
 # Rows per program: fixed, so the kernel compiled for a step of one token is the verification's.
 BLOCK_R = 16
@@ -81,17 +81,17 @@ def _invariant_attention_kernel(
         if HAS_WINDOW:
             window = tl.load(window_ptr + window_row[:, None] + slots[None, :], mask=visible)
             visible = visible & (window != 0)
-        scores = tl.dot(q, keys_t.to(compute_dtype), input_precision=PRECISION) * sm_scale
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # Rows that have seen no visible slot keep max -inf; shifting by 0 keeps exp finite.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        correction = tl.exp(m_i - shift)
-        probs = tl.exp(scores - shift[:, None])
-        l_i = l_i * correction + tl.sum(probs, 1)
-        acc = acc * correction[:, None]
-        acc += tl.dot(probs.to(compute_dtype), values.to(compute_dtype), input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(
+            q,
+            keys_t.to(compute_dtype),
+            values.to(compute_dtype),
+            visible,
+            m_i,
+            l_i,
+            acc,
+            sm_scale,
+            PRECISION,
+        )
     # Padding rows saw nothing (l_i 0); they are not stored.
     out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
     out_offsets = (tokens.to(tl.int64) * GROUP * tl.num_programs(0) + q_heads) * HEAD_DIM

@@ -1,10 +1,14 @@
 """Triton versions of the kernels/ ops, for CUDA tensors. Each has its torch reference's signature
-and semantics, and tests/test_cuda.py checks it against that reference:
+and semantics, and tests/test_cuda.py and tests/test_cuda_invariant.py check it against that
+reference:
 
 - `dequantize_packed`  == kernels.quant.dequantize_packed
 - `packed_attention`   == kernels.packed_attention.packed_attention_reference (decode: n small),
   in kernels/triton_attention.py
 - `gather_slots`       == kernels.gather.gather_slots
+- `invariant_attention`: the batch-invariant attention of vericache/model/kernels.py (same
+  semantics; a token's bits do not depend on how many are new), in
+  kernels/triton_invariant_attention.py
 
 Triton is optional: without it this module still imports and `available()` is False (the
 dispatching entries, e.g. kernels.packed_attention.packed_attention, then run the references).
@@ -65,6 +69,25 @@ def with_shared_strides(keys: torch.Tensor, values: torch.Tensor):
     if keys.stride() == values.stride() and keys.stride(-1) == 1:
         return keys, values
     return keys.contiguous(), values.contiguous()
+
+
+@jit
+def online_softmax_step(
+    q, keys_t, values, visible, m_i, l_i, acc, sm_scale, PRECISION: tl.constexpr
+):
+    # One block of an online softmax over slots (flash attention). q [R, D], keys_t [D, N],
+    # values [N, D] in one dtype; visible [R, N]; running max m_i and sum l_i [R], acc [R, D].
+    scores = tl.dot(q, keys_t, input_precision=PRECISION) * sm_scale
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # Rows that have seen no visible slot keep max -inf; shifting by 0 keeps exp finite.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    correction = tl.exp(m_i - shift)
+    probs = tl.exp(scores - shift[:, None])
+    l_i = l_i * correction + tl.sum(probs, 1)
+    acc = acc * correction[:, None]
+    acc += tl.dot(probs.to(values.dtype), values, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 # ---------------------------------------------------------------------------------------------
