@@ -8,7 +8,8 @@ and interleaved over `--rounds`: a one-token exact step and a 31-token verificat
 `--context-tokens` cache, a fast (drafting) step over the same cache, and a fast step over a
 StreamingLLM-4x cache stored in bfloat16 under a float32 model (the kernel reads 16-bit keys
 without converting them first). Each round also checks that the verification's logits equal
-one-token steps', bit for bit, over caches of different capacities.
+one-token steps', bit for bit, over caches of different capacities. `fast_step_ms` runs the same
+code both ways (library attention): its ratio is the noise floor of the others.
 
 Headline `verify_torch_over_triton`: median verification time with the torch path over the
 kernel's, float32 model. Needs CUDA and Triton.
@@ -83,8 +84,9 @@ def _measure_dtype(model: str, dtype: str, context_tokens: int, rounds: int) -> 
     draft = engine.compressed_prefix_kv(prefix, StreamingLLM(ratio=4, dtype="bfloat16")).clone()
     timings = {"triton": [], "torch": []}
     identical = True
-    for _ in range(rounds):
-        for name in timings:
+    for round_index in range(rounds):
+        # Each round reverses the order: the second of a pair runs on a GPU the first warmed.
+        for name in list(timings)[:: 1 if round_index % 2 == 0 else -1]:
             if name == "torch":
                 with triton_ops.switched_off():
                     timings[name].append(_time_steps(runner, cache, draft, continuation))
@@ -133,7 +135,8 @@ def _verify_equals_steps(runner, cache, continuation) -> bool:
     """A verification over a copy of the cache at another capacity (other strides) against
     one-token steps over another copy."""
     steps_cache = cache.clone()
-    verify_cache = cache.clone(capacity=cache.num_tokens + 2 * NUM_VERIFIED)
+    # Capacities are rounded up: 4096 slots more is surely another one, hence other strides.
+    verify_cache = cache.clone(capacity=cache.num_tokens + 4096)
     steps = [
         runner.forward([SequenceInput(token.view(1), steps_cache)], invariant=True)[0]
         for token in continuation

@@ -69,7 +69,7 @@ def attention(
     window_mask: optional [Hkv, n, num_slots] bool, False where a sliding window hides a key.
     Returns [n, Hq * D].
     """
-    if q.is_cuda and triton_ops.available() and (invariant or keys.dtype != q.dtype):
+    if _triton_runs(q, invariant, keys.dtype):
         return triton_invariant_attention.invariant_attention(
             q, keys, values, num_slots, window_mask
         )
@@ -85,6 +85,18 @@ def attention(
     else:
         out = _sdpa_attention(q, keys[:num_slots], values[:num_slots], window_mask, group)
     return out.reshape(num_new, num_heads * head_dim)
+
+
+def key_alignment(q: torch.Tensor, invariant: bool) -> int:
+    """Slots to pad the keys handed to `attention` to: the torch batch-invariant paths sum fixed
+    blocks of KEY_ALIGN keys; the fast path and the Triton kernel read only the live slots."""
+    return KEY_ALIGN if invariant and not _triton_runs(q, invariant, q.dtype) else 1
+
+
+def _triton_runs(q: torch.Tensor, invariant: bool, keys_dtype: torch.dtype) -> bool:
+    """Whether `attention` runs the Triton kernel: exact attention on CUDA, and fast attention over
+    keys stored in another dtype, which library attention would have to convert first."""
+    return q.is_cuda and triton_ops.available() and (invariant or keys_dtype != q.dtype)
 
 
 def visibility_mask(num_new: int, num_slots: int, window_mask, device) -> torch.Tensor:

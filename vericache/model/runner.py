@@ -17,7 +17,7 @@ import torch
 from vericache.kernels import cpu_attention
 from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.model.config import ModelConfig
-from vericache.model.kernels import KEY_ALIGN, attention, rms_norm, silu
+from vericache.model.kernels import attention, key_alignment, rms_norm, silu
 from vericache.model.rope import RotaryEmbedding
 from vericache.model.weights import ModelWeights
 
@@ -197,7 +197,7 @@ def _attend(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> torch.Te
     if not invariant and getattr(layer_kv, "attends_packed", False):
         # A quantized layer dequantizes block by block inside attention (fused on CUDA).
         return layer_kv.attend(q, window_mask)
-    keys, values = layer_kv.keys_values(pad_to=KEY_ALIGN if invariant else 1)
+    keys, values = layer_kv.keys_values(pad_to=key_alignment(q, invariant))
     return attention(q, keys, values, layer_kv.num_slots, invariant, window_mask)
 
 
