@@ -83,16 +83,9 @@ def _invariant_attention_kernel(
         if HAS_WINDOW:
             window = tl.load(window_ptr + window_row[:, None] + slots[None, :], mask=visible)
             visible = visible & (window != 0)
+        keys_t, values = keys_t.to(compute_dtype), values.to(compute_dtype)
         m_i, l_i, acc = online_softmax_step(
-            q,
-            keys_t.to(compute_dtype),
-            values.to(compute_dtype),
-            visible,
-            m_i,
-            l_i,
-            acc,
-            sm_scale,
-            PRECISION,
+            q, keys_t, values, visible, m_i, l_i, acc, sm_scale, PRECISION
         )
     # Every row sees at least its own token (a padding row repeats a real row's token), so
     # l_i > 0; padding rows are not stored.
@@ -136,12 +129,9 @@ def invariant_attention(
         out,
         num_new,
         num_slots,
-        q.stride(0),
-        q.stride(1),
-        keys.stride(0),
-        keys.stride(1),
-        values.stride(0),
-        values.stride(1),
+        *q.stride()[:2],  # token, head
+        *keys.stride()[:2],  # slot, head
+        *values.stride()[:2],
         head_dim**-0.5,
         GROUP=group,
         HEAD_DIM=head_dim,
