@@ -20,7 +20,7 @@ copy) and in their own dtype, converted in registers to q's: a float32 model att
 
 import torch
 
-from vericache.kernels.triton_ops import jit, online_softmax_step, pow2_at_least, tl
+from vericache.kernels.triton_ops import jit, online_softmax_step, pow2_at_least, tl, triton
 
 # Rows per program: fixed, so the kernel compiled for a step of one token is the verification's.
 BLOCK_R = 16
@@ -119,8 +119,7 @@ def invariant_attention(
     q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
     has_window = window_mask is not None
     window = window_mask.to(torch.uint8).contiguous() if has_window else out
-    block_n, num_warps = _tile_sizes(head_dim, q.dtype)
-    grid = (num_kv_heads, -(-group * num_new // BLOCK_R))
+    grid = (num_kv_heads, triton.cdiv(group * num_new, BLOCK_R))
     _invariant_attention_kernel[grid](
         q,
         keys,
@@ -139,14 +138,14 @@ def invariant_attention(
         # Full fp32 products for fp32 models (TF32 would lose the CPU path's precision).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_R=BLOCK_R,
-        BLOCK_N=block_n,
+        BLOCK_N=_block_n(head_dim, q.dtype),
         BLOCK_D=pow2_at_least(head_dim, 16),
-        num_warps=num_warps,
+        num_warps=4,
     )
     return out.view(num_new, num_heads * head_dim)
 
 
-def _tile_sizes(head_dim: int, dtype) -> tuple[int, int]:
-    """BLOCK_N and num_warps, from the dtype and head size alone (see the module docstring)."""
-    block_n = 32 if dtype == torch.float32 or head_dim > 128 else 64
-    return block_n, 4
+def _block_n(head_dim: int, dtype) -> int:
+    """Slots per block, from the dtype and head size alone (see the module docstring): fp32
+    products ("ieee") and wide heads take more registers."""
+    return 32 if dtype == torch.float32 or head_dim > 128 else 64

@@ -56,10 +56,17 @@ def _loaded(path):
     return loaded.config, loaded.weights
 
 
-def test_cuda_verification_equals_one_token_steps_bitwise(tiny_checkpoint):
-    runner = _runner(tiny_checkpoint("llama"))
+@pytest.mark.parametrize("capacities", [(0, 0), (2048, 400)], ids=["same", "other-capacities"])
+@pytest.mark.parametrize(
+    ("family", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "float32")]
+)
+def test_cuda_verification_equals_one_token_steps_bitwise(
+    tiny_checkpoint, family, dtype, capacities
+):
+    """Also over caches of other capacities, which view their buffers with other strides."""
+    runner = _runner(tiny_checkpoint(family), dtype)
     prompt, continuation = torch.randint(3, 512, (300,)), torch.randint(3, 512, (31,))
-    stepwise, verify = runner.new_cache(), runner.new_cache()
+    stepwise, verify = (runner.new_cache(capacity) for capacity in capacities)
     runner.prefill(prompt, stepwise, num_logits=0)
     runner.prefill(prompt, verify, num_logits=0)
     steps = torch.cat(

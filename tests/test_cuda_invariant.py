@@ -1,6 +1,6 @@
 """The batch-invariant Triton attention and the strided Triton callers on CUDA (skipped without
 it): results against float64 references, and a token's bits the same decoded alone as verified
-among others, over caches of any capacity."""
+among others (over a whole model and caches of other capacities: tests/test_cuda.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from vericache.kernels import triton_attention, triton_invariant_attention, trit
 from vericache.kernels.gather import gather_slots
 from vericache.kernels.packed_attention import packed_attention_reference
 from vericache.model.kernels import attention, visibility_mask
-from vericache.model.loader import load_model
-from vericache.model.runner import ModelRunner, SequenceInput
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,27 +81,6 @@ def test_invariant_attention_matches_reference_and_single_steps(dtypes, window):
             q[m : m + 1], keys, values, prefix + m + 1, alone_mask
         )
         assert torch.equal(alone, verified[m : m + 1]), f"token {m}"
-
-
-@pytest.mark.parametrize(
-    ("family", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("mistral", "float32")]
-)
-def test_verification_equals_steps_over_caches_of_other_capacities(tiny_checkpoint, family, dtype):
-    """Caches of other capacities view their buffers with other strides: a verification over one
-    still gives each token the bits of one-token steps over the other."""
-    loaded = load_model(str(tiny_checkpoint(family)), dtype=dtype, device="cuda")
-    runner = ModelRunner(loaded.config, loaded.weights, "cuda")
-    generator = torch.Generator().manual_seed(2)
-    prompt, continuation = torch.randint(3, 512, (300,), generator=generator).split([269, 31])
-    stepwise, verify = runner.new_cache(capacity=2048), runner.new_cache(capacity=400)
-    runner.prefill(prompt, stepwise, num_logits=0)
-    runner.prefill(prompt, verify, num_logits=0)
-    steps = [
-        runner.forward([SequenceInput(t.view(1), stepwise)], invariant=True)[0]
-        for t in continuation
-    ]
-    (verified,) = runner.forward([SequenceInput(continuation, verify, 31)], invariant=True)
-    assert torch.equal(torch.cat(steps), verified)
 
 
 def test_fast_attention_over_16_bit_keys_runs_the_kernel_unconverted():
