@@ -15,6 +15,7 @@ from vericache.compress import KIVI, CompressionKind, StreamingLLM, build_compre
 from vericache.errors import CacheStateError, InvalidRequestError
 from vericache.kernels.quant import dequantize, pack, quantize, unpack
 from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.exact import ExactKV
 from vericache.kv.quantized import QuantizedLayerKV
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 32
@@ -237,7 +238,7 @@ def test_streamingllm_update_after_committed_tokens(sliding):
     cache = compressor.compress(_full_cache())  # budget 25: positions 0..3 and 79..99
     appended = _full_cache(NUM_TOKENS + 33, seed=5)  # source of the tokens committed later
     for num_new in (1, 2, 30):  # the last chunk is longer than the recent window
-        cache.append_from(appended, cache.num_tokens, cache.num_tokens + num_new)
+        cache.append_exact(ExactKV.of(appended, cache.num_tokens, cache.num_tokens + num_new))
         compressor.update(cache)
     total = NUM_TOKENS + 33
     if sliding:
@@ -337,7 +338,7 @@ def test_flush_quantizes_only_whole_groups():
     cache = compressor.compress(_full_cache(30, seed=2))
     earlier = cache.layers[0].keys_values()[0].clone()
     for num_new in (1, 2, 20):
-        cache.append_from(source, cache.num_tokens, cache.num_tokens + num_new)
+        cache.append_exact(ExactKV.of(source, cache.num_tokens, cache.num_tokens + num_new))
         compressor.update(cache)
         num_tokens = cache.num_tokens
         num_quantized = num_tokens // RESIDUAL_LENGTH * RESIDUAL_LENGTH

@@ -14,6 +14,7 @@ import transformers
 from vericache.compress import KIVI, StreamingLLM
 from vericache.errors import CacheStateError
 from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.exact import ExactKV
 from vericache.model.loader import load_model
 from vericache.model.runner import ModelRunner, SequenceInput
 
@@ -182,10 +183,10 @@ def _prefix(full: KVCache, num_tokens: int) -> KVCache:
     return KVCache(layers, num_tokens=num_tokens)
 
 
-def test_append_from_copies_exact_kv_of_a_token_range():
+def test_append_exact_takes_exact_kv_of_a_token_range():
     full = _full_cache(20, seed=3)
     draft = StreamingLLM(ratio=4, num_sinks=1).compress(_prefix(full, 12))  # keeps 0, 10, 11
-    draft.append_from(full, 12, 20)
+    draft.append_exact(ExactKV.of(full, 12, 20))
     assert draft.num_tokens == 20
     kept = [0, 10, 11, *range(12, 20)]
     for layer, source in zip(draft.layers, full.layers, strict=True):
@@ -195,28 +196,27 @@ def test_append_from_copies_exact_kv_of_a_token_range():
         assert torch.equal(keys, source_keys[kept]) and torch.equal(values, source_values[kept])
 
     catching_up = _prefix(full, 12)
-    catching_up.append_from(full, 12, 20)
+    catching_up.append_exact(ExactKV.of(full, 12, 20, copy=False))
     assert catching_up.is_full
     _assert_unchanged(catching_up, _snapshot(full))
 
 
-def test_append_from_refuses_compressed_source_and_wrong_range():
+def test_exact_kv_needs_an_uncompressed_source_holding_the_range():
+    full = _full_cache(20, seed=3)
+    compressed = StreamingLLM(ratio=4).compress(full)
+    for source, start, end in [(full, 12, 21), (full, 12, 10), (full, -1, 4), (compressed, 12, 20)]:
+        with pytest.raises(CacheStateError):
+            ExactKV.of(source, start, end)
+
+
+def test_append_exact_refuses_tokens_that_do_not_follow_the_cache():
     full = _full_cache(20, seed=3)
     target = _prefix(full, 12)
     before = _snapshot(target)
-    compressed = StreamingLLM(ratio=4).compress(full)
-    wrong = [(full, 11, 20), (full, 13, 20), (full, 12, 21), (compressed, 12, 20)]
-    for source, start, end in wrong:
+    for start, end in [(11, 20), (13, 20)]:
         with pytest.raises(CacheStateError):
-            target.append_from(source, start, end)
+            target.append_exact(ExactKV.of(full, start, end))
         _assert_unchanged(target, before)
-
-
-def test_append_from_refuses_a_reversed_range():
-    full = _full_cache(20, seed=3)
-    target = _prefix(full, 12)
-    with pytest.raises(CacheStateError):
-        target.append_from(full, 12, 10)
 
 
 def test_is_full():

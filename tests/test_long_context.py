@@ -23,6 +23,7 @@ from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.errors import InvalidRequestError
+from vericache.kv.exact import ExactKV
 from vericache.model.runner import SequenceInput
 from vericache.scheduler import LockstepScheduler
 
@@ -370,7 +371,7 @@ def test_cpu_load_hands_over_the_host_buffers(tiny_engine):
     runner.forward([SequenceInput(new_tokens, loaded, 3)], invariant=True)
     runner.forward([SequenceInput(new_tokens, cache, 3)], invariant=True)
     loaded.truncate(702)  # two of the three kept, as after a verification
-    host.append_from(loaded, 700, 702)
+    host.append(ExactKV.of(loaded, 700, 702, copy=False))
     assert host.num_tokens == 702
     for layer, keys, values in zip(cache.layers, host.keys, host.values):  # host: [H, T, D]
         expected_keys, expected_values = layer.keys_values()

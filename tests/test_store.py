@@ -12,6 +12,7 @@ import torch
 
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.exact import ExactKV
 from vericache.model.config import ModelConfig, RopeConfig
 from vericache.serve.store import (
     FullKVStore,
@@ -126,7 +127,7 @@ def extended(cache: KVCache, num_kept: int, num_new: int, seed: int) -> KVCache:
     dtype = cache.layers[0].keys_values()[0].dtype
     fresh = random_full_cache(num_new, dtype, seed)
     result = KVCache.empty(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, dtype, "cpu")
-    result.append_from(cache, 0, num_kept)
+    result.append_exact(ExactKV.of(cache, 0, num_kept))
     positions = torch.arange(num_kept, num_kept + num_new, dtype=torch.int32)
     for layer, fresh_layer in zip(result.layers, fresh.layers, strict=True):
         layer.append(*fresh_layer.keys_values(), positions)

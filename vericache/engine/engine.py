@@ -24,6 +24,7 @@ from vericache.engine.stops import StopChecker
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache, aligned
 from vericache.kv.compressed import CompressedKV
+from vericache.kv.exact import ExactKV
 from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import DEFAULT_MODEL, load_model
 from vericache.model.runner import DEFAULT_PREFILL_CHUNK, ModelRunner, SequenceInput
@@ -213,7 +214,7 @@ class Engine:
         compressed = seq.compressed_cache
         if self.config.draft_kv_source is DraftKVSource.VERIFIER:
             compressed.truncate(verified_before)
-            compressed.append_from(seq.full_cache, verified_before, num_kept)
+            compressed.append_exact(ExactKV.of(seq.full_cache, verified_before, num_kept, False))
         else:
             compressed.truncate(min(compressed.num_tokens, num_kept))
         seq.request.compressor.update(compressed)
@@ -261,7 +262,8 @@ class Engine:
             seq.full_cache = prefix_kv.clone(capacity)
             logits = self._prefill_tokens(suffix, seq.full_cache)
             if self.config.draft_kv_source is DraftKVSource.VERIFIER:
-                compressed.append_from(seq.full_cache, split, len(request.prompt_ids))
+                prompt_kv = ExactKV.of(seq.full_cache, split, len(request.prompt_ids), copy=False)
+                compressed.append_exact(prompt_kv)
             else:
                 self._prefill_tokens(suffix, compressed, num_logits=0)
         compressor.update(compressed)

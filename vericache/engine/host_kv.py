@@ -27,6 +27,7 @@ import torch
 from vericache.errors import CacheStateError
 from vericache.kv.cache import DenseLayerKV, KVCache, write_head_major
 from vericache.kv.compressed import CompressedKV, layer_from_state
+from vericache.kv.exact import ExactKV
 from vericache.kv.outlier_quantized import OutlierQuantizedLayerKV
 from vericache.kv.state import LayerState
 from vericache.serve.link import LinkSpec, ThrottledLink
@@ -57,7 +58,7 @@ class HostKV:
             keys.append(new(shape, dtype=layer_keys.dtype, pin_memory=pin))
             values.append(new(shape, dtype=layer_keys.dtype, pin_memory=pin))
         host = cls(keys, values, 0)
-        host.append_from(cache, 0, cache.num_tokens)
+        host.append(ExactKV.of(cache, 0, cache.num_tokens, copy=False))
         return host
 
     @property
@@ -70,24 +71,26 @@ class HostKV:
         per_token = sum(k[:, 0].nbytes + v[:, 0].nbytes for k, v in zip(self.keys, self.values))
         return self.num_tokens * per_token
 
-    def append_from(self, cache: KVCache, start: int, end: int) -> None:
-        """Copies the KV of tokens [start, end) from a full cache (on any device)."""
-        if start != self.num_tokens or not start <= end <= min(cache.num_tokens, self.capacity):
+    def append(self, exact: ExactKV) -> None:
+        """Takes the exact KV of the tokens right after the ones held (from any device)."""
+        start, end = exact.start, exact.end
+        if start != self.num_tokens or end > self.capacity:
             raise CacheStateError(
                 f"host KV holds {self.num_tokens} of {self.capacity} tokens: cannot take tokens "
-                f"[{start}, {end}) of a cache of {cache.num_tokens}"
+                f"[{start}, {end})"
             )
-        for layer, keys, values in zip(cache.layers, self.keys, self.values):
-            layer_keys, layer_values = layer.keys_values()  # [T, H, D]
-            if layer_keys.data_ptr() == keys.data_ptr():
+        for keys, values, new_keys, new_values in zip(
+            self.keys, self.values, exact.keys, exact.values
+        ):
+            if new_keys.data_ptr() == keys[:, start].data_ptr():
                 continue  # a view of these buffers (`view`): its tokens are written here already
-            write_head_major(keys, start, layer_keys[start:end])
-            write_head_major(values, start, layer_values[start:end])
+            write_head_major(keys, start, new_keys)
+            write_head_major(values, start, new_values)
         self.num_tokens = end
 
     def view(self, num_tokens: int) -> KVCache:
         """The first num_tokens tokens as a full cache over these host buffers, without a copy:
-        tokens it appends are written here (and `append_from` it then copies nothing). The
+        tokens it appends are written here (and `append` of them then copies nothing). The
         buffers must hold finite values throughout, as `from_cache`'s zero-filled ones do."""
         if self.keys[0].is_pinned():
             raise CacheStateError("pinned host KV is copied to the device, not viewed")

@@ -63,6 +63,7 @@ from vericache.engine.request import DecodeMode, Request, RequestOutput
 from vericache.engine.sequence import Sequence
 from vericache.errors import InvalidRequestError
 from vericache.kv.compressed import CompressedKV
+from vericache.kv.exact import ExactKV
 from vericache.model.loader import DEFAULT_MODEL, load_model
 from vericache.model.runner import ModelRunner
 from vericache.scheduler import (
@@ -319,7 +320,7 @@ class LongContextEngine(Engine):
         seq.compressed_cache = compressed
         logits = self._prefill_tokens(suffix, full)
         if self.config.draft_kv_source is DraftKVSource.VERIFIER:
-            compressed.append_from(full, split, len(request.prompt_ids))
+            compressed.append_exact(ExactKV.of(full, split, len(request.prompt_ids), copy=False))
         else:
             self._prefill_tokens(suffix, compressed, num_logits=0)
         compressor.update(compressed)
@@ -444,7 +445,7 @@ class LongContextEngine(Engine):
                 finished[key] = self._finish(key, seq)
                 continue
             full = seq.full_cache
-            self._host[key].append_from(full, num_verified_before, full.num_tokens)
+            self._host[key].append(ExactKV.of(full, num_verified_before, full.num_tokens, False))
             seq.full_cache = None
             self.memory.release(("full", key))
             self._hold_compressed(key, seq.compressed_cache)

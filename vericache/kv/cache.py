@@ -16,12 +16,15 @@ and compressors only evict or quantize tokens after they are committed.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from vericache.errors import CacheStateError
 from vericache.kv.state import CacheState, LayerState
+
+if TYPE_CHECKING:
+    from vericache.kv.exact import ExactKV
 
 # Buffers grow in multiples of this many slots.
 SLOT_ALIGNMENT = 256
@@ -269,19 +272,18 @@ class KVCache:
             layer.drop_last(removed)
         self.num_tokens = num_tokens
 
-    def append_from(self, source: KVCache, start: int, end: int) -> None:
-        """Append the exact KV of tokens [start, end) from an uncompressed cache."""
-        if start != self.num_tokens:
+    def append_exact(self, exact: ExactKV) -> None:
+        """Appends the exact KV of the tokens right after the ones this cache holds (on any
+        device): the one way committed tokens' exact KV enters a cache."""
+        if exact.start != self.num_tokens:
             raise CacheStateError(
-                f"cache holds {self.num_tokens} tokens, cannot append from {start}"
+                f"cache holds {self.num_tokens} tokens, cannot append exact KV from {exact.start}"
             )
-        if not source.is_full or not start <= end <= source.num_tokens:
-            raise CacheStateError("append_from needs an uncompressed source holding the tokens")
-        positions = torch.arange(start, end, dtype=torch.int32, device=self.device)
-        for target, full in zip(self.layers, source.layers):
-            keys, values = full.keys_values()
-            target.append(keys[start:end], values[start:end], positions)
-        self.num_tokens = end
+        device = self.device
+        positions = exact.positions(device)
+        for layer, keys, values in zip(self.layers, exact.keys, exact.values):
+            layer.append(keys.to(device), values.to(device), positions)
+        self.num_tokens = exact.end
 
     @property
     def device(self) -> torch.device:

@@ -133,7 +133,7 @@ class Drafter:
         cache = session.cache
         if exact is not None:
             cache.truncate(exact.start)  # drops the drafts: uncommitted, never compressed
-            exact.append_to(cache)
+            cache.append_exact(exact)
             self._update(cache)
         return DecodeJob(
             cache,

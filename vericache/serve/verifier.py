@@ -218,7 +218,7 @@ class Verifier:
                 logits = self.runner.prefill(suffix, session.cache, chunk_size=chunk)
                 result.tokens = [first_token(logits)]
                 if exact_for_drafter:
-                    exact = ExactKV.slice(session.cache, len(prefix), len(prompt_ids))
+                    exact = ExactKV.of(session.cache, len(prefix), len(prompt_ids))
                     self._hand_over(result, exact)
         except BaseException:
             self.close(session_id)
@@ -270,7 +270,7 @@ class Verifier:
                 kept = before + len(pending) + result.num_accepted
                 session.cache.truncate(kept)
                 session.pinned = False
-                self._hand_over(result, ExactKV.slice(session.cache, before, kept))
+                self._hand_over(result, ExactKV.of(session.cache, before, kept))
         return results
 
     def decode(
@@ -359,7 +359,7 @@ class Verifier:
         else:
             cache = self.runner.new_cache(capacity=session.capacity)
         if session.tail is not None:
-            session.tail.append_to(cache)
+            cache.append_exact(session.tail)
         session.cache, session.tail = cache, None
 
     def _prefill(self, token_ids: list[int]) -> KVCache:
@@ -385,7 +385,7 @@ class Verifier:
             if victim.cache is None or victim.in_use or victim.pinned:
                 continue
             num_prefix = len(victim.prefix_tokens)
-            victim.tail = ExactKV.slice(victim.cache, num_prefix, victim.cache.num_tokens)
+            victim.tail = ExactKV.of(victim.cache, num_prefix, victim.cache.num_tokens)
             victim.cache = None
 
     def _hand_over(self, result: WorkResult, exact: ExactKV) -> None:

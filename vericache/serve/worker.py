@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vericache.errors import InvalidRequestError, VeriCacheError
-from vericache.kv.cache import KVCache, aligned
+from vericache.errors import VeriCacheError
+from vericache.kv.cache import aligned
 from vericache.kv.codec import model_fingerprint
+from vericache.kv.exact import ExactKV
 from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import LoadedModel, load_model
 from vericache.model.runner import ModelRunner
@@ -57,47 +58,6 @@ def cache_capacity(num_tokens: int, max_positions: int) -> int:
     """Slots to reserve for a sequence that may reach `num_tokens` tokens: batch-invariant
     attention reads keys in whole blocks, so reserve them now, not on growth."""
     return aligned(min(num_tokens, max_positions), KEY_ALIGN)
-
-
-@dataclass
-class ExactKV:
-    """The exact (full-KV) keys and values of tokens [start, start + n), per layer [n, H, D]:
-    what the verifier computed for committed tokens, handed to the drafter's compressed cache."""
-
-    start: int
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    @classmethod
-    def slice(cls, cache: KVCache, start: int, end: int) -> ExactKV:
-        """Copies tokens [start, end) out of an uncompressed cache (slot i holds token i)."""
-        keys, values = [], []
-        for layer in cache.layers:
-            layer_keys, layer_values = layer.keys_values()
-            keys.append(layer_keys[start:end].clone())
-            values.append(layer_values[start:end].clone())
-        return cls(start, keys, values)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.keys[0].shape[0] if self.keys else 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def append_to(self, cache: KVCache) -> None:
-        """Appends these tokens to a cache that holds exactly the tokens before them."""
-        if cache.num_tokens != self.start:
-            raise InvalidRequestError(
-                f"exact KV starts at token {self.start}, the cache holds {cache.num_tokens}"
-            )
-        positions = torch.arange(
-            self.start, self.start + self.num_tokens, dtype=torch.int32, device=cache.device
-        )
-        for layer, keys, values in zip(cache.layers, self.keys, self.values):
-            layer.append(keys.to(cache.device), values.to(cache.device), positions)
-        cache.num_tokens = self.start + self.num_tokens
 
 
 @dataclass
