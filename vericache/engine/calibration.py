@@ -9,7 +9,7 @@ import time
 import torch
 
 from vericache.engine.device_memory import DeviceMemory
-from vericache.engine.engine import greedy
+from vericache.engine.forward_loop import greedy
 from vericache.engine.long_context_config import LongContextConfig
 from vericache.model.runner import ModelRunner, SequenceInput
 from vericache.scheduler import CostModel

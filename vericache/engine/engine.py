@@ -1,10 +1,12 @@
 """The decoding engine: full, lossy and vericache modes over one model runner.
 
-Each iteration runs at most two batched forwards: one over compressed caches (draft steps of
-vericache requests and lossy decode steps, fast kernels) and one over full caches (verifications
-and full decode steps, batch-invariant kernels). A vericache request drafts for up to `draft_len`
-iterations (or a length chosen each round, with `adaptive_draft_len`), then verifies in the same
-iteration as its last draft step.
+Each iteration is one batched forward through the forward loop (forward_loop.py): draft steps of
+vericache requests and lossy decode steps over their compressed caches (fast kernels), and
+verifications and full decode steps over their full caches (batch-invariant kernels), sharing one
+read of the weights. A vericache request drafts for up to `draft_len` iterations (or a length
+chosen each round, with `adaptive_draft_len`), then verifies in the next: a round of d drafts takes
+d + 1 iterations, as in the long-context engine and the schedulers. Rounds begin and end in
+`Sequence` (sequence.py), the one implementation every driver shares.
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ from dataclasses import dataclass
 import torch
 
 from vericache.compress.context import ModelContext
+from vericache.engine.forward_loop import ForwardLoop, Job, greedy
 from vericache.engine.prefix_store import PrefixStore
 from vericache.engine.request import DecodeMode, Request, RequestOutput
 from vericache.engine.sequence import Sequence
-from vericache.engine.stops import StopChecker
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache, aligned
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.exact import ExactKV
 from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import DEFAULT_MODEL, load_model
-from vericache.model.runner import DEFAULT_PREFILL_CHUNK, ModelRunner, SequenceInput
+from vericache.model.runner import DEFAULT_PREFILL_CHUNK, ModelRunner
 from vericache.scheduler.adaptive import MeasuredRoundCosts, acceptance_rate, best_draft_len
 
 
@@ -59,26 +61,6 @@ class EngineConfig:
             raise InvalidRequestError("prefill_chunk must be >= 1 and prefix_cache_bytes >= 0")
 
 
-def num_accepted(draft_ids: list[int], verified_ids: list[int]) -> int:
-    """Length of the longest draft prefix the verifier agrees with."""
-    for index, (draft, verified) in enumerate(zip(draft_ids, verified_ids)):
-        if draft != verified:
-            return index
-    return len(draft_ids)
-
-
-def greedy(logits: list[torch.Tensor]) -> list[list[int]]:
-    """Greedy tokens per sequence from its logits [n_i, vocab], with one device sync.
-
-    argmax returns the first maximum: ties go to the lowest token id."""
-    chosen = torch.cat(logits).argmax(dim=-1).tolist()
-    out, start = [], 0
-    for rows in logits:
-        out.append(chosen[start : start + rows.shape[0]])
-        start += rows.shape[0]
-    return out
-
-
 class Engine:
     def __init__(
         self,
@@ -95,6 +77,7 @@ class Engine:
         self.prefix_store = prefix_store or PrefixStore(config.prefix_cache_bytes)
         # Timed forwards, for requests with an adaptive draft length.
         self.round_costs = MeasuredRoundCosts()
+        self.loop = ForwardLoop(runner, config.invariant_full_kv)
 
     @classmethod
     def from_pretrained(
@@ -112,23 +95,16 @@ class Engine:
         return [self._output(seq) for seq in sequences]
 
     def step(self, active: list[Sequence]) -> None:
+        """One iteration: one forward over every sequence's next step (a draft step or a
+        verification of a vericache round, a full or lossy decode step)."""
         planned = _planned_verify_steps(active)
         for seq in active:
             if seq.mode is DecodeMode.VERICACHE and seq.draft_target is None:
-                seq.draft_target = self._draft_target(seq, planned)
-                planned.add(max(seq.draft_target - 1, 0))
+                num_drafts = seq.begin_round(self._draft_len(seq, planned))
+                planned.add(num_drafts)  # this round verifies that many steps from now
         compressed_batch = [seq for seq in active if seq.needs_compressed_forward]
-        if compressed_batch:
-            self._run_compressed(compressed_batch)
         full_batch = [seq for seq in active if seq.needs_full_forward]
-        if full_batch:
-            self._run_full(full_batch)
-
-    def _draft_target(self, seq: Sequence, planned: set[int]) -> int:
-        remaining = seq.request.params.max_new_tokens - len(seq.output_ids)
-        room = self.model_config.max_position_embeddings - len(seq.token_ids)
-        # A verification emits one token beyond the drafts; drafting past the budget is waste.
-        return max(0, min(self._draft_len(seq, planned), remaining - 1, room))
+        self._run_forward(compressed_batch, full_batch)
 
     def _draft_len(self, seq: Sequence, planned: set[int]) -> int:
         """planned: steps from now (0: this one) that already run a full-KV forward."""
@@ -137,34 +113,26 @@ class Engine:
             return request.draft_len
         stats = seq.stats
         alpha = acceptance_rate(stats.drafted_per_round, stats.accepted_per_round)
-        # A round of d draft tokens verifies d - 1 steps from now.
-        shared = {step + 1 for step in planned}
         costs = self.round_costs.round_costs()
-        return best_draft_len(alpha, costs, 1, request.draft_len, shared)
-
-    def _run_compressed(self, batch: list[Sequence]) -> None:
-        self._run_forward(batch, [])
-
-    def _run_full(self, batch: list[Sequence]) -> None:
-        self._run_forward([], batch)
+        # A round of d drafts verifies d steps from now.
+        return best_draft_len(alpha, costs, 1, request.draft_len, planned)
 
     def _run_forward(self, compressed_batch: list[Sequence], full_batch: list[Sequence]) -> None:
         """One forward: a step over the compressed caches of `compressed_batch` (draft or lossy
-        steps) and one over the full caches of `full_batch` (verifications or full decode steps).
-        Both in one forward read the weights once; the full-KV rows keep the batch-invariant
-        kernels and the compressed ones attend with the fast kernels."""
-        inputs = [_compressed_input(seq) for seq in compressed_batch]
-        inputs += [
-            SequenceInput(_ids(seq.full_input()), seq.full_cache, 1 + len(seq.draft_ids))
+        steps) and one over the full caches of `full_batch` (verifications or full decode steps),
+        through the forward loop."""
+        compressed_jobs = [
+            Job(seq.compressed_cache, seq.compressed_input()) for seq in compressed_batch
+        ]
+        full_jobs = [
+            Job(seq.full_cache, seq.full_input(), num_logits=1 + len(seq.draft_ids), exact=True)
             for seq in full_batch
         ]
         num_verified_before = [seq.full_cache.num_tokens for seq in full_batch]
-        invariant = bool(full_batch) and self.config.invariant_full_kv
-        start = time.perf_counter()
-        chosen = greedy(self.runner.forward(inputs, invariant=invariant))
-        elapsed = time.perf_counter() - start
-        draft_s = self._observe_forward(elapsed, compressed_batch, inputs[len(compressed_batch) :])
-        for seq, (token,) in zip(compressed_batch, chosen):
+        elapsed = self.loop.step(compressed_jobs + full_jobs)
+        draft_s = self._observe_forward(elapsed, compressed_jobs, full_jobs)
+        for seq, job in zip(compressed_batch, compressed_jobs):
+            (token,) = job.choices
             if seq.mode is DecodeMode.LOSSY:
                 self._decode_step(seq, token, draft_s)
                 if not seq.is_finished:
@@ -172,40 +140,32 @@ class Engine:
             else:
                 seq.stats.draft_s += draft_s
                 seq.draft_ids.append(token)
-        verified = chosen[len(compressed_batch) :]  # [1 + num_drafts] greedy choices per sequence
-        for seq, seq_verified, verified_before in zip(full_batch, verified, num_verified_before):
+        for seq, job, verified_before in zip(full_batch, full_jobs, num_verified_before):
             if seq.mode is DecodeMode.FULL:
-                self._decode_step(seq, seq_verified[0], elapsed - draft_s)
+                self._decode_step(seq, job.choices[0], elapsed - draft_s)
             else:
                 seq.stats.verify_s += elapsed - draft_s
-                self._finish_round(seq, seq_verified, verified_before)
+                self._finish_round(seq, job.choices, verified_before)
 
-    def _observe_forward(self, elapsed: float, compressed_batch, full_inputs) -> float:
+    def _observe_forward(self, elapsed: float, compressed_jobs, full_jobs) -> float:
         """Feeds a forward's time to the round costs; returns the part that is the compressed step
         (in a shared forward, estimated from the draft steps timed alone)."""
-        if not full_inputs:
-            self.round_costs.observe_draft_step(elapsed, len(compressed_batch))
+        if not full_jobs:
+            self.round_costs.observe_draft_step(elapsed, len(compressed_jobs))
             return elapsed
-        draft_s = min(elapsed, (self.round_costs.draft_step_s or 0.0) * len(compressed_batch))
-        num_tokens = sum(len(seq_input.token_ids) for seq_input in full_inputs)
-        self.round_costs.observe_verification(elapsed - draft_s, len(full_inputs), num_tokens)
+        draft_s = min(elapsed, (self.round_costs.draft_step_s or 0.0) * len(compressed_jobs))
+        num_tokens = sum(job.num_logits for job in full_jobs)
+        self.round_costs.observe_verification(elapsed - draft_s, len(full_jobs), num_tokens)
         return draft_s
 
     @staticmethod
     def _decode_step(seq: Sequence, token: int, elapsed: float) -> None:
         """A single-token step of the full or lossy mode."""
         seq.stats.decode_s += elapsed
-        seq.stats.rounds += 1
-        seq.commit([token])
+        seq.commit_decoded([token])
 
     def _finish_round(self, seq: Sequence, verified: list[int], verified_before: int) -> None:
-        accepted = num_accepted(seq.draft_ids, verified)
-        num_appended = seq.commit(seq.draft_ids[:accepted] + [verified[accepted]])
-        seq.stats.rounds += 1
-        seq.stats.drafted_per_round.append(len(seq.draft_ids))
-        # A stop inside the accepted drafts ends the sequence before the rest is emitted.
-        seq.stats.accepted_per_round.append(min(accepted, num_appended))
-        seq.draft_ids, seq.draft_target = [], None
+        seq.finish_round(verified)
         if seq.is_finished:
             return
         # Keep the KV of the accepted tokens; the newest token is fed in the next round.
@@ -229,10 +189,9 @@ class Engine:
         vocab_size = self.model_config.vocab_size
         if not all(0 <= token < vocab_size for token in request.prompt_ids):
             raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab_size})")
-        checker = StopChecker(
-            request.params, self.model_config.eos_token_ids, max_positions, self.tokenizer
+        seq = Sequence.start(
+            request, self.model_config.eos_token_ids, max_positions, self.tokenizer
         )
-        seq = Sequence(request=request, stop_checker=checker, token_ids=list(request.prompt_ids))
         (first,) = greedy([self._prefill(seq)[-1:]])
         seq.stats.prefill_s = time.perf_counter() - seq.started_at
         seq.commit(first)
@@ -311,16 +270,10 @@ def _planned_verify_steps(active: list[Sequence]) -> set[int]:
     if any(seq.mode is DecodeMode.FULL for seq in active):
         return set(range(max(seq.request.draft_len for seq in active) + 1))
     return {
-        max(seq.draft_target - len(seq.draft_ids) - 1, 0)
+        seq.draft_target - len(seq.draft_ids)
         for seq in active
         if seq.mode is DecodeMode.VERICACHE and seq.draft_target is not None
     }
-
-
-def _compressed_input(seq: Sequence) -> SequenceInput:
-    cache = seq.compressed_cache
-    observe = cache.observe if cache.records_queries else None
-    return SequenceInput(_ids(seq.compressed_input()), cache, observe=observe, fast_attention=True)
 
 
 def _ids(token_ids) -> torch.Tensor:

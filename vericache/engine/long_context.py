@@ -20,10 +20,10 @@ One iteration of VeriCache requests:
         free the loaded full KV; report each verification; end the iteration with its time, less
         any wait for a late load
 
-Rounds follow the scheduler's convention: a round of d draft tokens takes d + 1 iterations, the
-verification in its own iteration (Engine verifies in the iteration of its last draft step; it
-has no loads to overlap). The scheduler picks d: the request's draft_len first, never under S. A
-round drafts fewer when the token budget or an end token says so, and verifies when planned.
+Rounds follow the scheduler's convention, as Engine's do: a round of d draft tokens takes d + 1
+iterations, the verification in its own iteration. The scheduler picks d: the request's draft_len
+first, never under S. A round drafts fewer when the token budget, the context or an end token says
+so (`Sequence.begin_round`), and verifies when planned.
 
 A request is prefilled on the device when its full KV fits (for VeriCache, with the compressed KV
 made from it, at its bound `compressed_prefill_bound`); the full KV then moves to host memory and
@@ -346,10 +346,9 @@ class LongContextEngine(Engine):
         tentative = num_tentative * compressed_token_bytes(self.model_config, element_size)
         self.memory.hold(("compressed", key), cache.resident_bytes + tentative)
 
-    def _preferred_draft_len(self, seq: Sequence) -> int:
-        remaining = seq.request.params.max_new_tokens - len(seq.output_ids)
-        # A verification emits one token beyond the drafts.
-        return max(1, min(seq.request.draft_len, remaining - 1))
+    @staticmethod
+    def _preferred_draft_len(seq: Sequence) -> int:
+        return max(1, seq.drafts_wanted(seq.request.draft_len))
 
     def _choose_draft_len(self, state: RequestState) -> int:
         """The scheduler's draft-length policy: the request's own length, or for an adaptive
@@ -386,7 +385,7 @@ class LongContextEngine(Engine):
             self._loads[verify.request_id].done() for verify in plan.verifies
         )
         if drafts and not shares_forward:
-            self._run_compressed(drafts)  # Engine: appends one draft token to each
+            self._run_forward(drafts, [])  # Engine: appends one draft token to each
         stall_s, finished = self._verify(plan.verifies, drafts if shares_forward else [])
         has_drafted = bool(drafts)
         # A wait for a late load is link time, not compute, and an iteration whose requests all
@@ -407,17 +406,11 @@ class LongContextEngine(Engine):
         """The requests that take a draft step this iteration (a round begins where none runs)."""
         drafting = [(key, self._running[key]) for key in keys]
         for key, seq in drafting:
-            if seq.draft_target is None:  # a round begins
-                seq.draft_target = self._round_draft_target(key, seq)
-                self._hold_compressed(key, seq.compressed_cache, seq.draft_target)
+            if seq.draft_target is None:  # a round begins, of the scheduler's draft length
+                reservation = self.scheduler.request_state(key).reservation
+                num_drafts = seq.begin_round(reservation.num_draft_tokens)
+                self._hold_compressed(key, seq.compressed_cache, num_drafts)
         return [seq for _, seq in drafting if seq.needs_compressed_forward]
-
-    def _round_draft_target(self, key: str, seq: Sequence) -> int:
-        """Drafts this round: the scheduler's draft length, within the token budget and context."""
-        reservation = self.scheduler.request_state(key).reservation
-        remaining = seq.request.params.max_new_tokens - len(seq.output_ids)
-        room = self.model_config.max_position_embeddings - len(seq.token_ids)
-        return max(0, min(reservation.num_draft_tokens, remaining - 1, room))
 
     def _verify(
         self, verifies: tuple[Verify, ...], drafts: list[Sequence]

@@ -1,8 +1,18 @@
-"""Per-request decoding state.
+"""Per-request decoding state, and the one implementation of a round.
+
+A `Sequence` is a request's committed tokens, when they stop, the round in progress and its
+statistics, wherever the request decodes: the engine and the long-context engine hold its caches
+too; a coordinator, whose workers hold the caches, holds it alone. Every driver of a round (the
+engine, the long-context engine, the coordinator's per-request and scheduled rounds) begins,
+accepts and commits it here, so all of them stop at the same token for the same reason:
+- `begin_round(x)`: the drafts wanted, x within the token budget and the model's context;
+- `finish_round(verified)`: the accepted drafts and the verifier's own token, committed one at a
+  time through the stop checks;
+- `decode_target(n)` and `commit_decoded(tokens)`: the same for full and lossy decoding.
 
 A cache is owed every token of the sequence past its `num_tokens` (vLLM v1's "no phases, only
 debts"): prefill, a decode step, a draft step and a verification all feed `token_ids[cache.
-num_tokens:]`, plus the current draft for a verification.
+num_tokens:]`, plus the current drafts for a verification.
 """
 
 from __future__ import annotations
@@ -16,11 +26,27 @@ from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 
 
+def num_accepted(draft_ids: list[int], verified_ids: list[int]) -> int:
+    """Length of the longest draft prefix the verifier agrees with."""
+    for index, (draft, verified) in enumerate(zip(draft_ids, verified_ids)):
+        if draft != verified:
+            return index
+    return len(draft_ids)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    committed: tuple[int, ...]  # accepted drafts + the correction or bonus token, cut at a stop
+    num_drafted: int
+    num_accepted: int  # drafts the verifier agreed with (the cache keeps their KV)
+
+
 @dataclass
 class Sequence:
     request: Request
     stop_checker: StopChecker
     token_ids: list[int]  # prompt + committed output
+    # Where the request decodes in this process; None where workers hold its caches.
     full_cache: KVCache | None = None
     compressed_cache: CompressedKV | None = None
     draft_ids: list[int] = field(default_factory=list)  # this round's drafts, not yet verified
@@ -28,6 +54,13 @@ class Sequence:
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     started_at: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(
+        cls, request: Request, eos_token_ids: tuple[int, ...], max_positions: int, tokenizer=None
+    ) -> Sequence:
+        checker = StopChecker(request.params, eos_token_ids, max_positions, tokenizer)
+        return cls(request=request, stop_checker=checker, token_ids=list(request.prompt_ids))
 
     @property
     def mode(self) -> DecodeMode:
@@ -46,14 +79,91 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def num_remaining(self) -> int:
+        """Output tokens the token budget still allows."""
+        return self.request.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def room(self) -> int:
+        """Tokens the model's context still has room for."""
+        return self.stop_checker.max_total_tokens - len(self.token_ids)
+
+    # -- rounds (vericache) ---------------------------------------------------------------------
+
+    def drafts_wanted(self, draft_len: int) -> int:
+        """Drafts worth making in a round of up to `draft_len`: a verification emits one token
+        beyond them, and it feeds every draft at a position the context must hold."""
+        return max(0, min(draft_len, self.num_remaining - 1, self.room))
+
+    def begin_round(self, draft_len: int) -> int:
+        """Starts a round of up to `draft_len` drafts; returns how many it wants (0: the budget
+        leaves one token, which the verification alone chooses)."""
+        self.draft_ids = []
+        self.draft_target = self.drafts_wanted(draft_len)
+        return self.draft_target
+
+    @property
+    def wants_draft_step(self) -> bool:
+        """The round in progress drafts on: fewer drafts than wanted, and no end token yet."""
+        ended = bool(self.draft_ids) and self.draft_ids[-1] in self.stop_checker.end_ids
+        return len(self.draft_ids) < self.draft_target and not ended
+
+    def finish_round(self, verified: list[int]) -> RoundOutcome:
+        """Commits a verified round. verified: the verifier's greedy choice after each of the
+        round's fed tokens, [1 + num drafts]; the accepted drafts and the choice after them (the
+        correction, or the bonus after all) are committed one at a time through the stop checks."""
+        drafts = self.draft_ids
+        accepted = num_accepted(drafts, verified)
+        committed = self.commit([*drafts[:accepted], verified[accepted]])
+        self.stats.rounds += 1
+        self.stats.drafted_per_round.append(len(drafts))
+        # A stop inside the accepted drafts ends the sequence before the rest is emitted.
+        self.stats.accepted_per_round.append(min(accepted, len(committed)))
+        self.draft_ids, self.draft_target = [], None
+        return RoundOutcome(tuple(committed), len(drafts), accepted)
+
+    # -- decoding (full, lossy) -----------------------------------------------------------------
+
+    def decode_target(self, max_tokens: int) -> int:
+        """Tokens a decode call may choose: up to `max_tokens`, within the token budget and the
+        context (a finished sequence makes no call)."""
+        return max(1, min(max_tokens, self.num_remaining, self.room))
+
+    def commit_decoded(self, tokens: list[int]) -> list[int]:
+        """Commits decoded tokens (one decode step each); returns those the stop checks let in."""
+        self.stats.rounds += len(tokens)
+        return self.commit(tokens)
+
+    # -- both -----------------------------------------------------------------------------------
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        """Appends output tokens one at a time until a stop condition fires; returns those
+        appended."""
+        appended = []
+        for token in tokens:
+            if self.is_finished:
+                break
+            self.token_ids.append(token)
+            appended.append(token)
+            self.stats.num_output_tokens += 1
+            reason = self.stop_checker.finish_reason(self.output_ids, len(self.token_ids))
+            if reason is not None:
+                self.finish(reason)
+        return appended
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.stats.total_s = time.perf_counter() - self.started_at
+        self.full_cache = self.compressed_cache = None  # release memory now
+
+    # -- what the caches are fed ----------------------------------------------------------------
+
+    @property
     def needs_compressed_forward(self) -> bool:
         """A draft step (vericache) or a decode step (lossy) this iteration."""
         if self.mode is DecodeMode.LOSSY:
             return True
-        if self.mode is not DecodeMode.VERICACHE:
-            return False
-        ended = bool(self.draft_ids) and self.draft_ids[-1] in self.stop_checker.end_ids
-        return len(self.draft_ids) < self.draft_target and not ended
+        return self.mode is DecodeMode.VERICACHE and self.wants_draft_step
 
     @property
     def needs_full_forward(self) -> bool:
@@ -69,19 +179,3 @@ class Sequence:
 
     def full_input(self) -> list[int]:
         return self.token_ids[self.full_cache.num_tokens :] + self.draft_ids
-
-    def commit(self, tokens: list[int]) -> int:
-        """Appends output tokens one at a time until a stop condition fires; returns how many."""
-        for count, token in enumerate(tokens, start=1):
-            self.token_ids.append(token)
-            self.stats.num_output_tokens += 1
-            reason = self.stop_checker.finish_reason(self.output_ids, len(self.token_ids))
-            if reason is not None:
-                self.finish(reason)
-                return count
-        return len(tokens)
-
-    def finish(self, reason: str) -> None:
-        self.finish_reason = reason
-        self.stats.total_s = time.perf_counter() - self.started_at
-        self.full_cache = self.compressed_cache = None  # release memory now

@@ -1,15 +1,12 @@
-"""Continuous batching inside a worker: one forward per step for every request it is serving.
+"""A worker's batch thread: the calls it holds share the engine's forward loop, step by step.
 
 Worker methods run on many threads at once (a threaded Ray actor, or the in-process pool). Each
 call prepares its request's cache on its own thread (a store load, the verifier's exact KV), then
-hands a `DecodeJob` to the worker's `BatchLoop` and waits. The loop runs on one thread: every step
-it takes in the jobs that arrived, runs one batched forward over all of them (one per kernel kind:
-fast for drafts and lossy steps, batch-invariant for full-KV work), and returns the jobs that are
-done. Requests join and leave between steps, as in vLLM's continuous batching.
-
-A job is one call's worth of work on one cache: up to `max_steps` greedy tokens (a draft, a chunk
-of full or lossy decoding), or a single step choosing `num_logits` tokens (a verification).
-Batch-invariant kernels give every sequence the same bits whatever else shares its batch, so
+hands a `Job` (the engine's, forward_loop.py) to the worker's `BatchLoop` and waits. The loop runs
+on one thread: every step it takes in the jobs that arrived, steps every job it holds through the
+engine's `ForwardLoop` (one forward, fast rows and batch-invariant rows together) and returns the
+jobs that are done. Requests join and leave between steps, as in vLLM's continuous batching.
+Batch-invariant kernels give every full-KV row the same bits whatever else shares its batch, so
 batched verification and full decoding stay exactly equal to decoding alone.
 """
 
@@ -17,63 +14,33 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
-import torch
-
-from vericache.engine.engine import greedy
-from vericache.kv.cache import KVCache
-from vericache.model.runner import ModelRunner, SequenceInput
-
-
-@dataclass
-class DecodeJob:
-    cache: KVCache
-    feed: list[int]  # tokens the cache does not hold yet, fed at the next step
-    max_steps: int = 1
-    num_logits: int = 1  # choices wanted from the first step (a verification wants 1 + drafts)
-    end_ids: frozenset[int] = frozenset()  # stop after choosing one of these
-    invariant: bool = False  # batch-invariant kernels (every full-KV forward)
-    after_step: Callable[[], None] | None = None  # e.g. an online compressor's update
-    choices: list[int] = field(default_factory=list)
-    steps: int = 0
-
-    @property
-    def done(self) -> bool:
-        ended = bool(self.choices) and self.choices[-1] in self.end_ids
-        return self.steps >= self.max_steps or ended
-
-    def sequence_input(self) -> SequenceInput:
-        observe = self.cache.observe if getattr(self.cache, "records_queries", False) else None
-        ids = torch.tensor(self.feed, dtype=torch.long)
-        num_logits = self.num_logits if self.steps == 0 else 1
-        return SequenceInput(ids, self.cache, num_logits, observe)
-
-    def advance(self, chosen: list[int]) -> None:
-        """Records one step's greedy choices; the last one is fed next."""
-        self.choices.extend(chosen)
-        self.feed = chosen[-1:]
-        self.steps += 1
-        if self.after_step is not None:
-            self.after_step()
+from vericache.engine.forward_loop import ForwardLoop, Job
+from vericache.model.runner import ModelRunner
 
 
 class BatchLoop:
     def __init__(self, runner: ModelRunner, name: str):
-        self.runner = runner
+        self.forward_loop = ForwardLoop(runner)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        self.num_steps = 0
-        self.max_batch = 0  # the largest batch a step has run
 
-    def run(self, job: DecodeJob) -> list[int]:
+    @property
+    def num_steps(self) -> int:
+        return self.forward_loop.num_steps
+
+    @property
+    def max_batch(self) -> int:
+        """The largest batch a step has run."""
+        return self.forward_loop.max_batch
+
+    def run(self, job: Job) -> list[int]:
         """Runs `job` to completion among the others; returns its greedy choices."""
         return self.run_many([job])[0]
 
-    def run_many(self, jobs: list[DecodeJob]) -> list[list[int]]:
+    def run_many(self, jobs: list[Job]) -> list[list[int]]:
         """Runs `jobs` to completion among the others, all joining at the same step (a scheduled
         iteration's batch must not be split between two forwards); returns their choices."""
         arrivals = [(job, Future()) for job in jobs if not job.done]
@@ -88,7 +55,7 @@ class BatchLoop:
         self._thread.join(30)
 
     def _run(self) -> None:
-        active: list[tuple[DecodeJob, Future]] = []
+        active: list[tuple[Job, Future]] = []
         while True:
             groups = [self._inbox.get()] if not active else []
             while True:  # take in everything that is waiting
@@ -104,21 +71,14 @@ class BatchLoop:
             active += arrivals
             active = self._step(active)
 
-    def _step(self, active: list[tuple[DecodeJob, Future]]) -> list[tuple[DecodeJob, Future]]:
-        """One forward per kernel kind over the active jobs; returns those still running."""
+    def _step(self, active: list[tuple[Job, Future]]) -> list[tuple[Job, Future]]:
+        """One step of the forward loop over the active jobs; returns those still running."""
         try:
-            for invariant in (False, True):
-                jobs = [job for job, _ in active if job.invariant is invariant]
-                if jobs:
-                    logits = self.runner.forward([j.sequence_input() for j in jobs], invariant)
-                    for job, chosen in zip(jobs, greedy(logits)):
-                        job.advance(chosen)
+            self.forward_loop.step([job for job, _ in active])
         except Exception as exc:  # noqa: BLE001 - the callers get the error, the loop goes on
             for _, finished in active:
                 finished.set_exception(exc)
             return []
-        self.num_steps += 1
-        self.max_batch = max(self.max_batch, len(active))
         running = []
         for job, finished in active:
             if job.done:

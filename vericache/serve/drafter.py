@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from vericache.engine.calibration import time_draft_step
+from vericache.engine.forward_loop import Job
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
-from vericache.serve.batching import BatchLoop, DecodeJob
+from vericache.serve.batching import BatchLoop
 from vericache.serve.config import DrafterConfig
 from vericache.serve.kv_transfer import KVFetcher, KVKind
 from vericache.serve.worker import (
@@ -110,7 +111,7 @@ class Drafter:
         """`step` for several sessions at once, in one batch from their first forward on: a
         scheduled iteration's draft step (scheduled.py). A session closed meanwhile (its request
         cancelled) gets None; the others step."""
-        jobs: list[DecodeJob | None] = []
+        jobs: list[Job | None] = []
         for step in steps:
             try:
                 jobs.append(self._job(*step))
@@ -126,7 +127,7 @@ class Drafter:
         max_tokens: int,
         end_ids: list[int],
         exact: ExactKV | None,
-    ) -> DecodeJob:
+    ) -> Job:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFoundError(f"the drafter holds no session {session_id!r}")
@@ -135,12 +136,12 @@ class Drafter:
             cache.truncate(exact.start)  # drops the drafts: uncommitted, never compressed
             cache.append_exact(exact)
             self._update(cache)
-        return DecodeJob(
+        return Job(
             cache,
             list(pending),
             max_steps=max_tokens,
             end_ids=frozenset(end_ids),
-            invariant=session.role is DraftRole.FULL,
+            exact=session.role is DraftRole.FULL,
             after_step=(lambda: self._update(cache)) if session.role is DraftRole.LOSSY else None,
         )
 

@@ -28,11 +28,12 @@ from vericache.compress import build_compressor
 from vericache.compress.context import ModelContext
 from vericache.engine.calibration import measure_link_bandwidth
 from vericache.engine.device_memory import slot_bytes
-from vericache.engine.engine import num_accepted
+from vericache.engine.forward_loop import Job
+from vericache.engine.sequence import num_accepted
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.model.loader import DTYPES
-from vericache.serve.batching import BatchLoop, DecodeJob
+from vericache.serve.batching import BatchLoop
 from vericache.serve.catalog import PrefixCatalog, PrefixRecord, prefix_id_for
 from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVKind, KVTransferService, TransferServer
@@ -258,9 +259,7 @@ class Verifier:
                 results.append(result)
                 batch.append((session, verification, result, session.cache.num_tokens))
             jobs = [
-                DecodeJob(
-                    session.cache, pending + drafts, num_logits=1 + len(drafts), invariant=True
-                )
+                Job(session.cache, pending + drafts, num_logits=1 + len(drafts), exact=True)
                 for session, (_, pending, drafts), _, _ in batch
             ]
             choices = self._loop.run_many(jobs)  # each [1 + len(drafts)] greedy choices
@@ -279,7 +278,7 @@ class Verifier:
         """FULL_LOCAL: up to `max_tokens` greedy tokens over the full KV."""
         result = WorkResult()
         with self._using(session_id, result) as session:
-            job = DecodeJob(session.cache, list(pending), max_tokens, 1, frozenset(end_ids), True)
+            job = Job(session.cache, list(pending), max_tokens, 1, frozenset(end_ids), True)
             result.tokens = self._loop.run(job)
         return result
 

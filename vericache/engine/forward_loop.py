@@ -1,0 +1,94 @@
+"""The forward loop: every batched forward of a draft, a verification or a decode step runs here.
+
+A `Job` is one piece of work on one cache: up to `max_steps` greedy tokens (a draft, a run of
+full-KV or lossy decoding), or a single forward that chooses `num_logits` tokens (a verification of
+[pending + drafts]). `ForwardLoop.step(jobs)` runs one forward over the next tokens of every job
+and records each one's greedy choices. Rows over compressed KV attend with the fast kernels; rows
+over full KV (`Job.exact`) with the batch-invariant kernels, so a verification's choices do not
+depend on what shares its forward; both kinds share the forward's one read of the weights.
+
+The engine and the long-context engine build each iteration's jobs from their sequences and step
+them once; a worker's batch thread (serve/batching.py) keeps the jobs of the calls it holds and
+steps them until each is done, letting jobs join and leave between steps (continuous batching, as
+in vLLM).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from vericache.kv.cache import KVCache
+from vericache.model.runner import ModelRunner, SequenceInput
+
+
+@dataclass(eq=False)  # compared by identity: two equal jobs are two pieces of work
+class Job:
+    cache: KVCache
+    feed: list[int]  # tokens the cache does not hold yet, fed at the next step
+    max_steps: int = 1
+    num_logits: int = 1  # choices wanted from the first step (a verification: 1 + drafts)
+    end_ids: frozenset[int] = frozenset()  # stop after choosing one of these
+    exact: bool = False  # full-KV work: batch-invariant kernels
+    after_step: Callable[[], None] | None = None  # e.g. an online compressor's update
+    choices: list[int] = field(default_factory=list)
+    steps: int = 0
+
+    @property
+    def done(self) -> bool:
+        ended = bool(self.choices) and self.choices[-1] in self.end_ids
+        return self.steps >= self.max_steps or ended
+
+    def sequence_input(self) -> SequenceInput:
+        cache = self.cache
+        observe = cache.observe if getattr(cache, "records_queries", False) else None
+        ids = torch.tensor(self.feed, dtype=torch.long)
+        num_logits = self.num_logits if self.steps == 0 else 1
+        return SequenceInput(ids, cache, num_logits, observe, fast_attention=not self.exact)
+
+    def advance(self, chosen: list[int]) -> None:
+        """Records one step's greedy choices; the last one is fed next."""
+        self.choices.extend(chosen)
+        self.feed = chosen[-1:]
+        self.steps += 1
+        if self.after_step is not None:
+            self.after_step()
+
+
+def greedy(logits: list[torch.Tensor]) -> list[list[int]]:
+    """Greedy tokens per sequence from its logits [n_i, vocab], with one device sync.
+
+    argmax returns the first maximum: ties go to the lowest token id."""
+    chosen = torch.cat(logits).argmax(dim=-1).tolist()
+    out, start = [], 0
+    for rows in logits:
+        out.append(chosen[start : start + rows.shape[0]])
+        start += rows.shape[0]
+    return out
+
+
+class ForwardLoop:
+    """Steps jobs over one model runner. `invariant_full_kv=False` lets full-KV rows take the
+    fast kernels too, which gives up bit-exact verification for speed."""
+
+    def __init__(self, runner: ModelRunner, invariant_full_kv: bool = True):
+        self.runner = runner
+        self.invariant_full_kv = invariant_full_kv
+        self.num_steps = 0
+        self.max_batch = 0  # the most jobs one step has run
+
+    def step(self, jobs: list[Job]) -> float:
+        """One forward over every job's next tokens; advances each. Returns its seconds."""
+        invariant = self.invariant_full_kv and any(job.exact for job in jobs)
+        inputs = [job.sequence_input() for job in jobs]
+        start = time.perf_counter()
+        chosen = greedy(self.runner.forward(inputs, invariant=invariant))
+        elapsed = time.perf_counter() - start
+        for job, job_chosen in zip(jobs, chosen):
+            job.advance(job_chosen)
+        self.num_steps += 1
+        self.max_batch = max(self.max_batch, len(jobs))
+        return elapsed
