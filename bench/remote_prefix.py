@@ -189,7 +189,7 @@ def ray_server(
 ):
     """Fresh Ray workers, one thread each (a worker stands for a GPU), and a server over them."""
     from vericache.serve.launch import ray_workers
-    from vericache.serve.server import BackgroundServer
+    from vericache.serve.server import distributed_server
 
     verifier = replace(verifier, num_threads=1, transfer_host="127.0.0.1")
     drafter = replace(drafter, num_threads=1)
@@ -197,7 +197,7 @@ def ray_server(
     def workers():
         return ray_workers(verifier, drafter, 1, num_drafters, placement_timeout_s=300)
 
-    return BackgroundServer(workers, verifier.model, config=config)
+    return distributed_server(workers, verifier.model, config=config)
 
 
 def _register(client: Client, contexts, label: str) -> list[dict]:

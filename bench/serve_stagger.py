@@ -190,9 +190,9 @@ def _serve(spec: Setup, verifier: VerifierConfig, scheduling: str, stream, mode:
             server.target, stream, mode, spec.max_tokens, spec.draft_len, spec.num_requests
         )
         record = stream_record(wall_s, results, cpu_s)
-        residency = server.run(server.coordinator.verifiers[0].call("residency"))
-        record["peak_resident_bytes"] = residency["peak_bytes"]
-        schedules = list(server.coordinator.schedules.values())
+        residency = server.run(server.coordinator.backend.verifiers[0].residency())
+        record["peak_resident_bytes"] = residency.peak_bytes
+        schedules = list(server.coordinator.backend.schedules.values())
         record["iteration_s"] = schedules[0].scheduler.costs.iteration_s if schedules else None
     shown = (
         "open" if verifier.load_bandwidth is None else f"{verifier.load_bandwidth / 1e6:.0f} MB/s"

@@ -9,7 +9,7 @@ from pathlib import Path
 from vericache.serve.auth import Access
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 from vericache.serve.launch import in_process_workers
-from vericache.serve.server import BackgroundServer
+from vericache.serve.server import BackgroundServer, distributed_server
 
 # About 300 tokens of code in the system turn: long enough that 4x compression drops most of it.
 CONTEXT = "".join(
@@ -31,7 +31,7 @@ def start_server(
     if verifier_options:
         verifier = dataclasses.replace(verifier, **verifier_options)
     drafter = DrafterConfig(model=str(model))
-    return BackgroundServer(
+    return distributed_server(
         lambda: in_process_workers(verifier, drafter, num_drafters),
         str(model),
         config=config,
@@ -50,6 +50,6 @@ def wait_for(condition, timeout_s: float = 10.0) -> bool:
 
 def open_sessions(server: BackgroundServer) -> int:
     """Sessions the server's in-process workers still hold."""
-    coordinator = server.coordinator
-    workers = [*coordinator.verifiers, *coordinator.drafters]
-    return sum(len(handle.worker._sessions) for handle in workers)
+    backend = server.coordinator.backend
+    workers = [*backend.verifiers, *backend.drafters]
+    return sum(handle.worker.num_sessions for handle in workers)

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.serve_fixtures import CONTEXT, open_sessions, start_server, wait_for
 from vericache.client import Client
 from vericache.client.errors import PrefixNotFoundError
+from vericache.serve.worker_api import Residency
 
 PROMPT = "Which function multiplies by three?"
 # H2O keeps its tokens in bfloat16: 16-bit draft KV streamed to the drafter, evicted online.
@@ -152,9 +153,9 @@ def test_concurrent_requests_on_one_and_several_prefixes(client, server):
     alone = [run(job, "full_local") for job in jobs]
     assert together == alone
     # Requests running at once shared forwards on the drafters and on the verifier.
-    coordinator = server.coordinator
-    for workers in (coordinator.drafters, coordinator.verifiers):
-        assert max(w.worker.batching()["max_batch"] for w in workers) > 1
+    backend = server.coordinator.backend
+    for workers in (backend.drafters, backend.verifiers):
+        assert max(w.worker.batching().max_batch for w in workers) > 1
 
 
 def test_health_and_reflection(server):
@@ -184,11 +185,11 @@ def test_bounded_residency_reloads_from_the_store_and_stays_exact(tiny_chat_chec
         assert exact.stats["store_bytes"] == full_kv * (exact.stats["rounds"] + 1)
         residency = server.run(_residency(server))
         # Nothing stays resident, and no more than one request's full KV ever was.
-        assert residency["bytes"] == 0 and 0 < residency["peak_bytes"] < 2 * full_kv
+        assert residency.bytes == 0 and 0 < residency.peak_bytes < 2 * full_kv
 
 
-async def _residency(server) -> dict:
-    return await server.coordinator.verifiers[0].call("residency")
+async def _residency(server) -> Residency:
+    return await server.coordinator.backend.verifiers[0].residency()
 
 
 def test_prefixes_survive_a_restart(tiny_chat_checkpoint, tmp_path):

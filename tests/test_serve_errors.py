@@ -17,7 +17,8 @@ from vericache.client.errors import (
     ServerUnavailableError,
 )
 from vericache.compress import build_compressor
-from vericache.serve.coordinator import CoordinatorConfig
+from vericache.serve.config import CoordinatorConfig
+from vericache.serve.worker_api import CompressPrefix
 from vericache.v1 import vericache_pb2 as pb
 from vericache.v1 import vericache_pb2_grpc
 
@@ -155,7 +156,7 @@ def staging_server(tiny_chat_checkpoint, tmp_path):
 
 def test_a_registration_abandoned_after_prefill_leaves_no_staged_kv(staging_server, monkeypatch):
     server = staging_server
-    verifier = server.coordinator.verifiers[0].worker
+    verifier = server.coordinator.backend.verifiers[0].worker
     # Hold the store stage until the client has cancelled: the compress stage never comes.
     entered, release, stored = threading.Event(), threading.Event(), threading.Event()
     real_store = verifier.store_prefix
@@ -176,34 +177,34 @@ def test_a_registration_abandoned_after_prefill_leaves_no_staged_kv(staging_serv
         )
         prefix_id = next(stream).prefix_id
         assert entered.wait(30)
-        assert verifier.staged_bytes > 0  # the prefill's full KV, staged for the store
+        assert verifier.prefixes.staged_bytes > 0  # the prefill's full KV, staged for the store
         stream.cancel()
     # The coordinator discards it at once, while the store stage still runs on its thread.
-    assert wait_for(lambda: verifier.staged_bytes == 0, timeout_s=10)
+    assert wait_for(lambda: verifier.prefixes.staged_bytes == 0, timeout_s=10)
     release.set()
     assert stored.wait(30)
-    assert verifier.staged_bytes > 0  # abandoned between its calls
+    assert verifier.prefixes.staged_bytes > 0  # abandoned between its calls
     monkeypatch.undo()
 
     time.sleep(STAGED_TTL_S)
     with Client(server.target, timeout=60) as client:
         with pytest.raises(PrefixNotFoundError):
             client.get_prefix(prefix_id)  # any request sweeps the expired entries
-        assert verifier.staged_bytes == 0
+        assert verifier.prefixes.staged_bytes == 0
         # Registering again finds the full KV in the store and completes.
         assert client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4) == prefix_id
-        assert verifier.staged_bytes == 0
+        assert verifier.prefixes.staged_bytes == 0
         assert len(client.generate("hi", prefix_id=prefix_id, max_tokens=4).token_ids) == 4
 
 
 def test_a_store_stage_whose_staged_kv_was_dropped_prefills_again(staging_server):
-    verifier = staging_server.coordinator.verifiers[0].worker
-    token_ids = list(range(5, 45))
+    verifier = staging_server.coordinator.backend.verifiers[0].worker
+    token_ids = tuple(range(5, 45))
     spec = build_compressor("streamingllm", ratio=4).spec()
     verifier.prefill_prefix(token_ids)
     assert verifier.discard_staged(token_ids)  # what a coordinator does for a cancelled put
-    assert not verifier.discard_staged(token_ids) and verifier.staged_bytes == 0
+    assert not verifier.discard_staged(token_ids) and verifier.prefixes.staged_bytes == 0
     assert verifier.store_prefix(token_ids).store_bytes > 0
-    assert verifier.store.contains(token_ids)
-    record = verifier.compress_prefix(token_ids, False, spec)
-    assert record.token_ids == tuple(token_ids) and verifier.staged_bytes == 0
+    assert verifier.prefixes.store.contains(token_ids)
+    record = verifier.compress_prefix(CompressPrefix(token_ids, False, spec))
+    assert record.token_ids == token_ids and verifier.prefixes.staged_bytes == 0

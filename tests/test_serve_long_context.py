@@ -22,7 +22,8 @@ from vericache.engine.long_context_config import LongContextConfig
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import load_model
 from vericache.serve.config import CoordinatorConfig, WorkerConfig
-from vericache.serve.long_context import LongContextServer
+from vericache.serve.long_context import long_context_server
+from vericache.serve.server import BackgroundServer
 from vericache.v1 import vericache_pb2 as pb
 from vericache.v1 import vericache_pb2_grpc
 
@@ -30,9 +31,9 @@ PROMPT = "Which function multiplies by three?"
 FAST_LINK = LongContextConfig(link_bytes_per_s=1e10, iteration_s=1e-3)
 
 
-def start(model, config: CoordinatorConfig | None = None, **long_context) -> LongContextServer:
+def start(model, config: CoordinatorConfig | None = None, **long_context) -> BackgroundServer:
     settings = LongContextConfig(**{**vars(FAST_LINK), **long_context})
-    return LongContextServer(WorkerConfig(model=str(model)), settings, config=config)
+    return long_context_server(WorkerConfig(model=str(model)), settings, config=config)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,8 @@ def client(server):
         yield connected
 
 
-def engine_requests(server: LongContextServer) -> int:
-    return server.coordinator.engine_loop.num_requests
+def engine_requests(server: BackgroundServer) -> int:
+    return server.coordinator.backend.engine_loop.num_requests
 
 
 @pytest.mark.parametrize(

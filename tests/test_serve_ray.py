@@ -9,7 +9,7 @@ from tests.serve_fixtures import CONTEXT, wait_for
 from vericache.client import Client
 from vericache.errors import WorkerUnavailableError
 from vericache.serve.config import DrafterConfig, VerifierConfig
-from vericache.serve.server import BackgroundServer
+from vericache.serve.server import distributed_server
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -48,14 +48,14 @@ def server(cluster, configs):
 
     verifier, drafter = configs
     workers = lambda: ray_workers(verifier, drafter, 1, 1, placement_timeout_s=120)  # noqa: E731
-    with BackgroundServer(workers, verifier.model) as running:
+    with distributed_server(workers, verifier.model) as running:
         yield running
 
 
 def _actors(server) -> list:
     """The server's verifier and drafter actors."""
     coordinator = server.coordinator
-    return [coordinator.verifiers[0].actor, coordinator.drafters[0].actor]
+    return [coordinator.backend.verifiers[0].worker, coordinator.backend.drafters[0].worker]
 
 
 def _on_actor(actor, function):

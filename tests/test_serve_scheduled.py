@@ -15,7 +15,8 @@ from vericache.engine.device_memory import slot_bytes
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import load_model
 from vericache.serve.config import CoordinatorConfig
-from vericache.serve.handles import LocalWorker
+from vericache.serve.handles import VerifierHandle
+from vericache.serve.worker_api import DraftCall, DraftRole, OpenDrafter, OpenVerifier, VerifyCall
 
 PROMPTS = [
     "Which function multiplies by three?",
@@ -27,19 +28,20 @@ MAX_TOKENS = 40
 LOAD_BANDWIDTH = 50e6  # bytes/s: the store's loads onto the verifier's device, emulated
 
 
-class RecordingWorker(LocalWorker):
-    """The verifier's handle, recording each (method, session) the coordinator calls."""
+class RecordingVerifier(VerifierHandle):
+    """The verifier's handle, recording each load and verification the coordinator asks for."""
 
-    def __init__(self, handle: LocalWorker):
-        super().__init__(handle.worker, handle.name)
+    def __init__(self, handle: VerifierHandle):
+        super().__init__(handle.worker, handle.transport, handle.name)
         self.calls: list[tuple[str, str]] = []
 
-    async def call(self, method, *args):
-        if method == "load":
-            self.calls.append(("load", args[0]))
-        elif method == "verify_many":
-            self.calls += [("verify", session_id) for session_id, _, _ in args[0]]
-        return await super().call(method, *args)
+    async def load(self, session_id):
+        self.calls.append(("load", session_id))
+        return await super().load(session_id)
+
+    async def verify_batch(self, calls):
+        self.calls += [("verify", call.session_id) for call in calls]
+        return await super().verify_batch(calls)
 
 
 def _all_at_once(client, prefix_id: str, max_tokens: int) -> list:
@@ -67,10 +69,10 @@ def scheduled(request, tiny_chat_checkpoint, tmp_path_factory):
         resident_bytes=2 * full_kv_bytes,
         load_bandwidth=LOAD_BANDWIDTH,
     ) as server:
-        coordinator = server.coordinator
-        recording = RecordingWorker(coordinator.verifiers[0])
-        coordinator.verifiers[0] = recording
-        coordinator.schedules[recording.name].verifier = recording
+        backend = server.coordinator.backend
+        recording = RecordingVerifier(backend.verifiers[0])
+        backend.verifiers[0] = recording
+        backend.schedules[recording.name].verifier = recording
         with Client(server.target, timeout=120) as client:
             prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
             yield server, client, prefix_id, recording
@@ -92,7 +94,7 @@ def test_scheduled_rounds_equal_full_decoding(scheduled):
     store_bytes = sum(r.stats["store_bytes"] for r in results)
     assert store_bytes > 0
     assert sum(r.stats["store_wait_s"] for r in results) >= store_bytes / LOAD_BANDWIDTH
-    schedule = server.coordinator.schedules[recording.name]
+    schedule = server.coordinator.backend.schedules[recording.name]
     assert wait_for(lambda: not schedule.scheduler.has_requests)
     costs = schedule.scheduler.costs
     peak = schedule.scheduler.metrics.peak_memory_bytes
@@ -105,8 +107,8 @@ def test_scheduled_rounds_equal_full_decoding(scheduled):
     assert sample("vericache:scheduler_draft_batch_size_count", labels) > MAX_TOKENS / 6
     assert sample("vericache:scheduler_memory_peak_bytes", labels) == peak
     # The verifier itself never held more full KV than its budget, openings included.
-    residency = server.run(recording.call("residency"))
-    assert 0 < residency["peak_bytes"] <= recording.worker.config.resident_bytes
+    residency = server.run(recording.residency())
+    assert 0 < residency.peak_bytes <= recording.worker.config.resident_bytes
     assert wait_for(lambda: open_sessions(server) == 0)
 
 
@@ -131,7 +133,7 @@ def test_a_cancelled_request_leaves_the_schedule(scheduled):
     stream = client.stream("Go on.", prefix_id=prefix_id, max_tokens=300, draft_len=2)
     next(iter(stream))
     stream.close()
-    schedule = server.coordinator.schedules[recording.name]
+    schedule = server.coordinator.backend.schedules[recording.name]
     assert wait_for(lambda: not schedule.scheduler.has_requests)
     assert wait_for(lambda: open_sessions(server) == 0)
     # The server schedules the next request as before.
@@ -164,33 +166,37 @@ def test_a_batch_goes_on_without_a_session_closed_meanwhile(scheduled):
     """A cancelled request's session may close while its batch is on the way to a worker: the
     batch's other requests still step and verify."""
     server, client, prefix_id, _ = scheduled
-    verifier = server.coordinator.verifiers[0].worker
-    drafter = server.coordinator.drafters[0].worker
+    verifier = server.coordinator.backend.verifiers[0].worker
+    drafter = server.coordinator.backend.drafters[0].worker
     record = verifier.get_prefix(prefix_id)
-    prompt = [*record.token_ids, 11, 12]
+    prompt = (*record.token_ids, 11, 12)
     address = verifier.transfer_address
     for session_id in ("first", "second"):
-        opened = verifier.open(session_id, prefix_id, prompt, 512, True)
-        drafter.open(session_id, "draft", address, prefix_id, prompt, record.num_tokens, 512)
-        drafter.step(session_id, [], 0, [], opened.exact)  # takes in the prompt's exact KV
+        opened = verifier.open(OpenVerifier(session_id, prompt, prefix_id, 512, True))
+        drafter.open(
+            OpenDrafter(session_id, DraftRole.DRAFT, address, prefix_id, prompt,
+                        record.num_tokens, 512)
+        )  # fmt: skip
+        drafted = drafter.draft(
+            DraftCall(session_id, (opened.first_token,), 2, frozenset(), opened.exact)
+        )
+        assert len(drafted.tokens) == 2
     try:
-        steps = [(sid, [opened.tokens[0]], 2, [], None) for sid in ("first", "gone", "second")]
-        stepped = drafter.step_many(steps)
-        assert stepped[1] is None and len(stepped[0].tokens) == len(stepped[2].tokens) == 2
-        verifications = [(sid, [opened.tokens[0]], [5, 6]) for sid in ("first", "gone", "second")]
-        verified = verifier.verify_many(verifications)
+        pending = (opened.first_token,)
+        calls = tuple(VerifyCall(sid, pending, (5, 6)) for sid in ("first", "gone", "second"))
+        verified = verifier.verify_batch(calls)
         assert verified[1] is None and len(verified[0].tokens) == len(verified[2].tokens) == 3
     finally:
         for session_id in ("first", "second"):
-            verifier.close(session_id)
-            drafter.close(session_id)
+            verifier.close_session(session_id)
+            drafter.close_session(session_id)
 
 
 def test_verifications_that_span_iterations_stay_exact(scheduled):
     """A verifier slower than a draft step: each verification runs over several iterations while
     the other requests draft, and is reported when its reservation ends."""
     server, client, prefix_id, recording = scheduled
-    costs = server.coordinator.schedules[recording.name].scheduler.costs
+    costs = server.coordinator.backend.schedules[recording.name].scheduler.costs
     costs.verify_s = 6 * costs.iteration_s  # as measured on a slow verifier (refined as it runs)
     assert costs.num_verify_iterations() >= 6
     references = [

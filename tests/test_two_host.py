@@ -156,7 +156,7 @@ def _drive(args: dict) -> None:
     from vericache.serve.config import DrafterConfig, VerifierConfig
     from vericache.serve.launch import ray_workers
     from vericache.serve.link import LinkSpec
-    from vericache.serve.server import BackgroundServer
+    from vericache.serve.server import distributed_server
 
     model = args["model"]
     # The application throttle off; transfer_host None: KVTransfer listens on A's veth address.
@@ -171,7 +171,7 @@ def _drive(args: dict) -> None:
     try:
         factory = lambda: ray_workers(verifier, drafter, 1, 1, placement_timeout_s=90)  # noqa: E731
         with (
-            BackgroundServer(factory, model) as server,
+            distributed_server(factory, model) as server,
             Client(server.target, timeout=60) as client,
         ):
             prefix_id = client.put_prefix(token_ids=prefix, compressor="kivi", bits=4)
@@ -182,8 +182,8 @@ def _drive(args: dict) -> None:
                     PROMPT, prefix_id=prefix_id, mode=mode, max_tokens=24, draft_len=4
                 )
                 results[mode] = {"token_ids": result.token_ids, "stats": result.stats}
-            verifier_actor = server.coordinator.verifiers[0].actor
-            transfer_address = ray.get(verifier_actor.describe.remote())["transfer_address"]
+            verifier_actor = server.coordinator.backend.verifiers[0].worker
+            transfer_address = ray.get(verifier_actor.describe.remote()).transfer_address
         node_addresses = [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]]
     finally:
         ray.shutdown()

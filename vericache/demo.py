@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from vericache.serve.auth import Access
     from vericache.serve.launch import ray_workers
-    from vericache.serve.server import BackgroundServer
+    from vericache.serve.server import distributed_server
 
     tokenizer = load_tokenizer(resolve_model_dir(DEFAULT_MODEL))
     context = code_contexts(tokenizer, 3000, 4000, count=1)[0]
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             return ray_workers(verifier, drafter, 1, 2)
 
         # Loopback only, for this process's own client: no API keys (--insecure-no-auth).
-        with BackgroundServer(workers, DEFAULT_MODEL, access=Access()) as server:
+        with distributed_server(workers, DEFAULT_MODEL, access=Access()) as server:
             print(f"Serving on {server.target}; slow link {args.link_bandwidth}, "
                   f"{args.link_latency}\n")  # fmt: skip
             with Client(server.target, timeout=600) as client:

@@ -222,7 +222,7 @@ def _describe(access: Access, server) -> str:
 
 def start_on_ray(args, config: CoordinatorConfig, access: Access):
     from vericache.serve.launch import ray_workers
-    from vericache.serve.server import BackgroundServer
+    from vericache.serve.server import distributed_server
 
     verifier, drafter = worker_configs(args)
     start_ray(args)
@@ -232,13 +232,13 @@ def start_on_ray(args, config: CoordinatorConfig, access: Access):
 
     print(f"Starting {args.verifiers} verifier(s) and {args.drafters} drafter(s)...", flush=True)
     address = f"{args.host}:{args.port}"
-    return BackgroundServer(workers, args.model, address, config, access=access)
+    return distributed_server(workers, args.model, address, config, access=access)
 
 
 def start_long_context(args, long_context, config: CoordinatorConfig, access: Access):
-    from vericache.serve.long_context import LongContextServer
+    from vericache.serve.long_context import long_context_server
 
     worker = WorkerConfig(**worker_options(args))
     print("Starting the long-context engine...", flush=True)
     address = f"{args.host}:{args.port}"
-    return LongContextServer(worker, long_context, address, config, access=access)
+    return long_context_server(worker, long_context, address, config, access=access)

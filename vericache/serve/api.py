@@ -1,5 +1,8 @@
 """The vericache.v1 gRPC API over a `Coordinator`, with health checking and server reflection.
 
+Messages become the coordinator's records and back through wire.py; the coordinator never sees a
+message.
+
 Each typed error becomes its status code; anything else is logged and reported as INTERNAL. A bad
 request never takes the server down. A cancelled RPC (the client went away, or its deadline
 passed) cancels the handler, and the coordinator closes the request's sessions on the workers.
@@ -26,6 +29,7 @@ from vericache.errors import (
     UnsupportedModelError,
     WorkerUnavailableError,
 )
+from vericache.serve import wire
 from vericache.serve.auth import Access, Tenant, UnauthenticatedError
 from vericache.serve.coordinator import Coordinator
 from vericache.v1 import vericache_pb2, vericache_pb2_grpc
@@ -68,25 +72,30 @@ class VeriCacheService(vericache_pb2_grpc.VeriCacheServicer):
 
     async def PutPrefix(self, request, context):  # noqa: N802 - gRPC method names
         async with _statuses(context, "PutPrefix"):
-            async for progress in self.coordinator.put_prefix(request, self._tenant(context)):
-                yield progress
+            call = wire.put_prefix_call(request)
+            async for progress in self.coordinator.put_prefix(call, self._tenant(context)):
+                yield wire.progress_message(progress)
 
     async def GetPrefix(self, request, context):  # noqa: N802
         async with _statuses(context, "GetPrefix"):
-            return await self.coordinator.get_prefix(request.prefix_id, self._tenant(context))
+            record = await self.coordinator.get_prefix(request.prefix_id, self._tenant(context))
+            return wire.prefix_info(record)
 
     async def ListPrefixes(self, request, context):  # noqa: N802
         async with _statuses(context, "ListPrefixes"):
-            return await self.coordinator.list_prefixes(self._tenant(context))
+            return wire.prefix_list(await self.coordinator.list_prefixes(self._tenant(context)))
 
     async def DeletePrefix(self, request, context):  # noqa: N802
         async with _statuses(context, "DeletePrefix"):
-            return await self.coordinator.delete_prefix(request.prefix_id, self._tenant(context))
+            tenant = self._tenant(context)
+            deleted = await self.coordinator.delete_prefix(request.prefix_id, tenant)
+            return vericache_pb2.DeletePrefixResponse(deleted=deleted)
 
     async def Generate(self, request, context):  # noqa: N802
         async with _statuses(context, "Generate"):
-            async for message in self.coordinator.generate(request, self._tenant(context)):
-                yield message
+            call = wire.generate_call(request)
+            async for event in self.coordinator.generate(call, self._tenant(context)):
+                yield wire.generate_response(event)
 
 
 @dataclass(frozen=True)

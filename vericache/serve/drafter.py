@@ -1,16 +1,19 @@
 """The drafter: the worker on a remote GPU, across the slow link from the store.
 
 It fetches a prefix's KV from a verifier's KVTransfer service (kept in an LRU bounded by bytes, so
-later requests on the prefix pay no transfer) and decodes greedily over it, in one of three roles:
-- draft (VERICACHE): drafts over the compressed KV; before each round the exact KV the verifier
-  computed for the tokens committed since replaces the drafts' own, as in the core engine.
-- lossy (LOSSY): decodes alone over the compressed KV, which online compressors update each step.
-- full (FULL_REMOTE): decodes alone over the full KV it fetched, with the verifier's kernels.
+later requests on the prefix pay no transfer) and decodes greedily over it, in one of three roles
+(`DraftRole`):
+- DRAFT (VERICACHE): each round is one `draft` call for the whole draft; before it drafts, the
+  exact KV the verifier computed for the tokens committed since replaces the drafts' own, as in
+  the in-process engine;
+- LOSSY: decodes alone over the compressed KV, which online compressors update each step;
+- FULL (FULL_REMOTE): decodes alone over the full KV it fetched, with the verifier's kernels.
+Its forwards go through the engine's forward loop, batched across sessions.
 """
 
 from __future__ import annotations
 
-import enum
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,23 +26,19 @@ from vericache.kv.compressed import CompressedKV
 from vericache.serve.batching import BatchLoop
 from vericache.serve.config import DrafterConfig
 from vericache.serve.kv_transfer import KVFetcher, KVKind
-from vericache.serve.worker import (
-    ExactKV,
-    SessionNotFoundError,
-    WorkResult,
-    first_token,
-    load_worker_model,
+from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model
+from vericache.serve.worker_api import (
+    BatchingStats,
+    DecodeCall,
+    Decoded,
+    DraftCall,
+    Drafted,
+    DrafterInfo,
+    DrafterOpened,
+    DraftRole,
+    OpenDrafter,
+    Traffic,
 )
-
-
-class DraftRole(str, enum.Enum):
-    DRAFT = "draft"
-    LOSSY = "lossy"
-    FULL = "full"
-
-
-# step()'s arguments: session_id, pending, max_tokens, end_ids, exact.
-DraftStep = tuple[str, list[int], int, list[int], "ExactKV | None"]
 
 
 @dataclass
@@ -56,101 +55,74 @@ class Drafter:
         self._sessions: dict[str, _Session] = {}
         self._loop = BatchLoop(self.runner, "drafter-batch")
 
-    def describe(self) -> dict:
-        return {"info": self.info}
+    def describe(self) -> DrafterInfo:
+        return DrafterInfo(self.info)
 
     def time_draft_step(self) -> float:
         """Seconds of one draft step: a first estimate for a scheduler, which refines it."""
         return time_draft_step(self.runner)
 
-    def open(
-        self,
-        session_id: str,
-        role: str,
-        transfer_address: str,
-        prefix_id: str,
-        prompt_ids: list[int],
-        num_prefix_tokens: int,
-        capacity: int,
-    ) -> WorkResult:
+    def open(self, call: OpenDrafter) -> DrafterOpened:
         """Fetches the prefix's KV (an LRU hit costs nothing). Alone (lossy, full), prefills the
         rest of the prompt and returns the first token; drafting waits for the verifier's KV."""
-        role = DraftRole(role)
-        kind = KVKind.FULL if role is DraftRole.FULL else KVKind.COMPRESSED
-        fetched = self._fetcher(transfer_address).fetch(prefix_id, kind)
-        if fetched.cache.num_tokens != num_prefix_tokens:
+        kind = KVKind.FULL if call.role is DraftRole.FULL else KVKind.COMPRESSED
+        fetched = self._fetcher(call.transfer_address).fetch(call.prefix_id, kind)
+        if fetched.cache.num_tokens != call.num_prefix_tokens:
             raise InvalidRequestError(
-                f"prefix {prefix_id} holds {fetched.cache.num_tokens} tokens, "
-                f"the request says {num_prefix_tokens}"
+                f"prefix {call.prefix_id} holds {fetched.cache.num_tokens} tokens, "
+                f"the request says {call.num_prefix_tokens}"
             )
-        cache = fetched.cache.clone(capacity)
-        result = WorkResult(link_bytes=fetched.link_bytes, link_s=fetched.seconds)
-        if role is not DraftRole.DRAFT:
-            suffix = torch.tensor(prompt_ids[num_prefix_tokens:], dtype=torch.long)
-            chunk = self.config.prefill_chunk
-            result.tokens = [first_token(self.runner.prefill(suffix, cache, chunk_size=chunk))]
-            self._update(cache)
-        self._sessions[session_id] = _Session(role, cache)
-        return result
+        cache = fetched.cache.clone(call.capacity)
+        first = None
+        if call.role is not DraftRole.DRAFT:
+            suffix = torch.tensor(call.prompt_ids[call.num_prefix_tokens :], dtype=torch.long)
+            logits = self.runner.prefill(suffix, cache, chunk_size=self.config.prefill_chunk)
+            first = first_token(logits)
+            _update(cache)
+        self._sessions[call.session_id] = _Session(call.role, cache)
+        return DrafterOpened(first, Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds))
 
-    def step(
-        self,
-        session_id: str,
-        pending: list[int],
-        max_tokens: int,
-        end_ids: list[int],
-        exact: ExactKV | None = None,
-    ) -> WorkResult:
-        """Up to `max_tokens` greedy tokens after `pending`, batched with the drafter's other
-        requests. `exact`: the verifier's KV of the tokens committed since the last round, which
-        replaces what this cache drafted for them."""
-        job = self._job(session_id, pending, max_tokens, end_ids, exact)
-        return WorkResult(tokens=self._loop.run(job))
-
-    def step_many(self, steps: list[DraftStep]) -> list[WorkResult | None]:
-        """`step` for several sessions at once, in one batch from their first forward on: a
-        scheduled iteration's draft step (scheduled.py). A session closed meanwhile (its request
-        cancelled) gets None; the others step."""
-        jobs: list[Job | None] = []
-        for step in steps:
-            try:
-                jobs.append(self._job(*step))
-            except SessionNotFoundError:
-                jobs.append(None)
-        choices = iter(self._loop.run_many([job for job in jobs if job is not None]))
-        return [None if job is None else WorkResult(tokens=next(choices)) for job in jobs]
-
-    def _job(
-        self,
-        session_id: str,
-        pending: list[int],
-        max_tokens: int,
-        end_ids: list[int],
-        exact: ExactKV | None,
-    ) -> Job:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise SessionNotFoundError(f"the drafter holds no session {session_id!r}")
+    def draft(self, call: DraftCall) -> Drafted:
+        """A round's whole draft: up to `num_drafts` greedy tokens after `pending`, batched with
+        the drafter's other sessions step by step. `exact`: the verifier's KV of the tokens
+        committed since the last round, which replaces what this cache drafted for them."""
+        session = self._session(call.session_id)
         cache = session.cache
-        if exact is not None:
-            cache.truncate(exact.start)  # drops the drafts: uncommitted, never compressed
-            cache.append_exact(exact)
-            self._update(cache)
-        return Job(
+        if call.exact is not None:
+            cache.truncate(call.exact.start)  # drops the drafts: uncommitted, never compressed
+            cache.append_exact(call.exact)
+            _update(cache)
+        if call.num_drafts == 0:
+            return Drafted((), 0.0)
+        job = Job(cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids)
+        started = time.perf_counter()
+        tokens = self._loop.run(job)
+        return Drafted(tuple(tokens), (time.perf_counter() - started) / job.steps)
+
+    def decode(self, call: DecodeCall) -> Decoded:
+        """LOSSY or FULL: up to `max_tokens` greedy tokens after `pending`, alone."""
+        session = self._session(call.session_id)
+        cache = session.cache
+        is_full = session.role is DraftRole.FULL
+        job = Job(
             cache,
-            list(pending),
-            max_steps=max_tokens,
-            end_ids=frozenset(end_ids),
-            exact=session.role is DraftRole.FULL,
-            after_step=(lambda: self._update(cache)) if session.role is DraftRole.LOSSY else None,
+            list(call.pending),
+            max_steps=call.max_tokens,
+            end_ids=call.end_ids,
+            exact=is_full,
+            after_step=None if is_full else (lambda: _update(cache)),
         )
+        return Decoded(tuple(self._loop.run(job)), Traffic())
 
-    def batching(self) -> dict:
-        """Steps the batch loop ran, and the largest batch one of them held."""
-        return {"steps": self._loop.num_steps, "max_batch": self._loop.max_batch}
-
-    def close(self, session_id: str) -> None:
+    def close_session(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def batching(self) -> BatchingStats:
+        return BatchingStats(self._loop.num_steps, self._loop.max_batch)
 
     def shutdown(self) -> None:
         self._loop.stop()
@@ -159,6 +131,12 @@ class Drafter:
             fetcher.close()
         self._fetchers.clear()
 
+    def _session(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(f"the drafter holds no session {session_id!r}")
+        return session
+
     def _fetcher(self, address: str) -> KVFetcher:
         if address not in self._fetchers:
             self._fetchers[address] = KVFetcher(
@@ -166,7 +144,9 @@ class Drafter:
             )
         return self._fetchers[address]
 
-    @staticmethod
-    def _update(cache: KVCache) -> None:
-        if isinstance(cache, CompressedKV):
-            cache.compressor.update(cache)
+
+def _update(cache: KVCache) -> None:
+    """An online compressor's update after its cache took new tokens (token dropping's eviction,
+    quantization of a full residual group)."""
+    if isinstance(cache, CompressedKV):
+        cache.compressor.update(cache)

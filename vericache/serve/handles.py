@@ -1,66 +1,87 @@
-"""How the coordinator calls workers: one interface over in-process objects and Ray actors.
+"""How the coordinator calls workers: the typed handles of worker_api.py, over a transport.
 
-Either way a worker takes up to `MAX_CONCURRENT_CALLS` calls at once (an in-process thread pool, a
-threaded Ray actor): each prepares its request on its own thread and joins the worker's batch loop
-(batching.py), so requests that draft or verify at the same time share forwards. While some
-requests verify on the verifier, others draft on the drafters.
+`VerifierHandle` and `DrafterHandle` implement `VerifierAPI` and `DrafterAPI` once, each method
+calling its namesake on the worker; a `Transport` says where that worker runs:
+- `InProcess`: a `Verifier` or `Drafter` object in this process, called on a thread pool (tests,
+  benchmarks);
+- `OverRay`: a Ray actor of one (`vericache serve`), whose errors of our own types keep their
+  type across the process boundary.
+Either way a worker takes up to `MAX_CONCURRENT_CALLS` calls at once (the pool, a threaded actor):
+each prepares its request on its own thread and joins the worker's batch loop, so requests that
+draft or verify at the same time share forwards.
+
+A drafter sits across the slow link: `DrafterHandle` makes every call pay the link's one-way
+latency out and back (`latency_s`, emulated; 0 where the network is real).
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from vericache.errors import VeriCacheError, WorkerUnavailableError
+from vericache.serve.catalog import PrefixRecord
+from vericache.serve.worker_api import (
+    BatchingStats,
+    CompressPrefix,
+    DecodeCall,
+    Decoded,
+    DraftCall,
+    Drafted,
+    DrafterInfo,
+    DrafterOpened,
+    Loaded,
+    OpenDrafter,
+    OpenVerifier,
+    Residency,
+    Traffic,
+    Verified,
+    VerifierInfo,
+    VerifierOpened,
+    VerifyCall,
+)
+
+if TYPE_CHECKING:
+    from vericache.serve.drafter import Drafter
+    from vericache.serve.verifier import Verifier
 
 MAX_CONCURRENT_CALLS = 64
+T = TypeVar("T")
 
 
-class WorkerHandle(abc.ABC):
-    """A worker the coordinator may place requests on; `active` counts its open sessions."""
+class Transport(Protocol):
+    async def invoke(self, method: Callable[..., T], *args: Any) -> T:
+        """Runs a worker method (a bound method, or a Ray actor's method) with `args`; raises
+        what the worker raised."""
 
+    async def release(self, worker: Any) -> None:
+        """Frees what runs the worker once it has shut down."""
+
+
+class InProcess:
     def __init__(self, name: str):
-        self.name = name
-        self.active = 0
-
-    @abc.abstractmethod
-    async def call(self, method: str, *args) -> Any:
-        """Runs `method` of the worker with `args`; raises what the worker raised."""
-
-    @abc.abstractmethod
-    async def close(self) -> None:
-        """Shuts the worker down (its sessions, servers and store)."""
-
-
-class LocalWorker(WorkerHandle):
-    def __init__(self, worker, name: str):
-        super().__init__(name)
-        self.worker = worker
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_CALLS, thread_name_prefix=name)
 
-    async def call(self, method: str, *args) -> Any:
+    async def invoke(self, method: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
-        bound = functools.partial(getattr(self.worker, method), *args)
-        return await loop.run_in_executor(self._executor, bound)
+        return await loop.run_in_executor(self._executor, functools.partial(method, *args))
 
-    async def close(self) -> None:
-        await self.call("shutdown")
+    async def release(self, worker: Any) -> None:
         self._executor.shutdown(wait=True)
 
 
-class RayWorker(WorkerHandle):
-    def __init__(self, actor, name: str):
-        super().__init__(name)
-        self.actor = actor
+class OverRay:
+    def __init__(self, name: str):
+        self.name = name
 
-    async def call(self, method: str, *args) -> Any:
+    async def invoke(self, method, *args: Any):
         import ray
 
         try:
-            return await getattr(self.actor, method).remote(*args)
+            return await method.remote(*args)
         except ray.exceptions.RayActorError as exc:
             raise WorkerUnavailableError(f"worker {self.name} is gone: {exc}") from None
         except ray.exceptions.RayTaskError as exc:
@@ -69,11 +90,119 @@ class RayWorker(WorkerHandle):
                 raise exc.cause from None
             raise
 
-    async def close(self) -> None:
+    async def release(self, worker: Any) -> None:
         import ray
 
+        ray.kill(worker)
+
+
+class _Handle:
+    def __init__(self, worker: Any, transport: Transport, name: str):
+        # A Verifier or Drafter object, or a Ray actor of one (whose methods run remotely).
+        self.worker = worker
+        self.transport = transport
+        self.name = name
+        self.active = 0  # sessions the coordinator has placed on it
+
+    async def _call(self, method: Callable[..., T], *args: Any) -> T:
+        return await self.transport.invoke(method, *args)
+
+    async def shutdown(self) -> None:
+        """Shuts the worker down (its sessions, servers and store), then what runs it."""
         try:
-            await self.call("shutdown")
+            await self._call(self.worker.shutdown)
         except WorkerUnavailableError:
             pass
-        ray.kill(self.actor)
+        await self.transport.release(self.worker)
+
+
+class VerifierHandle(_Handle):
+    worker: Verifier
+
+    async def describe(self) -> VerifierInfo:
+        return await self._call(self.worker.describe)
+
+    async def measure_load_bandwidth(self) -> float:
+        return await self._call(self.worker.measure_load_bandwidth)
+
+    async def prefill_prefix(self, token_ids: tuple[int, ...]) -> None:
+        return await self._call(self.worker.prefill_prefix, token_ids)
+
+    async def store_prefix(self, token_ids: tuple[int, ...]) -> Traffic:
+        return await self._call(self.worker.store_prefix, token_ids)
+
+    async def compress_prefix(self, call: CompressPrefix) -> PrefixRecord:
+        return await self._call(self.worker.compress_prefix, call)
+
+    async def discard_staged(self, token_ids: tuple[int, ...]) -> bool:
+        return await self._call(self.worker.discard_staged, token_ids)
+
+    async def get_prefix(self, prefix_id: str) -> PrefixRecord:
+        return await self._call(self.worker.get_prefix, prefix_id)
+
+    async def list_prefixes(self) -> list[PrefixRecord]:
+        return await self._call(self.worker.list_prefixes)
+
+    async def delete_prefix(self, prefix_id: str) -> PrefixRecord:
+        return await self._call(self.worker.delete_prefix, prefix_id)
+
+    async def open(self, call: OpenVerifier) -> VerifierOpened:
+        return await self._call(self.worker.open, call)
+
+    async def load(self, session_id: str) -> Loaded:
+        return await self._call(self.worker.load, session_id)
+
+    async def verify(self, call: VerifyCall) -> Verified:
+        return await self._call(self.worker.verify, call)
+
+    async def verify_batch(self, calls: tuple[VerifyCall, ...]) -> list[Verified | None]:
+        return await self._call(self.worker.verify_batch, calls)
+
+    async def decode(self, call: DecodeCall) -> Decoded:
+        return await self._call(self.worker.decode, call)
+
+    async def close_session(self, session_id: str) -> None:
+        return await self._call(self.worker.close_session, session_id)
+
+    async def batching(self) -> BatchingStats:
+        return await self._call(self.worker.batching)
+
+    async def residency(self) -> Residency:
+        return await self._call(self.worker.residency)
+
+
+class DrafterHandle(_Handle):
+    worker: Drafter
+
+    def __init__(self, worker: Any, transport: Transport, name: str, latency_s: float = 0.0):
+        super().__init__(worker, transport, name)
+        self.latency_s = latency_s  # one way, across the slow link
+
+    async def _call(self, method: Callable[..., T], *args: Any) -> T:
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s)  # the call goes out...
+        result = await self.transport.invoke(method, *args)
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s)  # ...and its answer comes back
+        return result
+
+    async def describe(self) -> DrafterInfo:
+        return await self._call(self.worker.describe)
+
+    async def time_draft_step(self) -> float:
+        return await self._call(self.worker.time_draft_step)
+
+    async def open(self, call: OpenDrafter) -> DrafterOpened:
+        return await self._call(self.worker.open, call)
+
+    async def draft(self, call: DraftCall) -> Drafted:
+        return await self._call(self.worker.draft, call)
+
+    async def decode(self, call: DecodeCall) -> Decoded:
+        return await self._call(self.worker.decode, call)
+
+    async def close_session(self, session_id: str) -> None:
+        return await self._call(self.worker.close_session, session_id)
+
+    async def batching(self) -> BatchingStats:
+        return await self._call(self.worker.batching)

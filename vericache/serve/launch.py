@@ -2,7 +2,8 @@
 
 Verifier actors need the custom resource `verifier` (nodes beside the store), drafter actors the
 resource `drafter` (remote GPUs). An actor whose resource no node offers waits forever, so
-placement waits at most `placement_timeout_s` and then says which resource is missing.
+placement waits at most `placement_timeout_s` and then says which resource is missing. Drafter
+handles pay the verifier link's emulated latency on every call (`LinkSpec.latency`).
 """
 
 from __future__ import annotations
@@ -14,36 +15,49 @@ import uuid
 
 from vericache.errors import WorkerUnavailableError
 from vericache.model.loader import load_tokenizer, resolve_model_dir
-from vericache.serve.coordinator import Coordinator, CoordinatorConfig
-from vericache.serve.drafter import Drafter, DrafterConfig
-from vericache.serve.handles import MAX_CONCURRENT_CALLS, LocalWorker, RayWorker, WorkerHandle
-from vericache.serve.verifier import Verifier, VerifierConfig
+from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
+from vericache.serve.coordinator import Coordinator
+from vericache.serve.distributed import DistributedBackend
+from vericache.serve.drafter import Drafter
+from vericache.serve.handles import (
+    MAX_CONCURRENT_CALLS,
+    DrafterHandle,
+    InProcess,
+    OverRay,
+    VerifierHandle,
+)
+from vericache.serve.verifier import Verifier
 
 VERIFIER_RESOURCE = "verifier"
 DRAFTER_RESOURCE = "drafter"
 
 
 async def start_coordinator(
-    verifiers: list[WorkerHandle],
-    drafters: list[WorkerHandle],
+    verifiers: list[VerifierHandle],
+    drafters: list[DrafterHandle],
     model: str,
     config: CoordinatorConfig | None = None,
 ) -> Coordinator:
     tokenizer = load_tokenizer(resolve_model_dir(model))
     config = config or CoordinatorConfig()
+    backend = DistributedBackend(verifiers, drafters, config)
     try:
-        return await Coordinator(verifiers, drafters, tokenizer, config).start()
+        return await Coordinator(backend, tokenizer, model, config).start()
     except BaseException:
-        await asyncio.gather(*(w.close() for w in [*verifiers, *drafters]))
+        await asyncio.gather(*(w.shutdown() for w in [*verifiers, *drafters]))
         raise
 
 
 def in_process_workers(
     verifier: VerifierConfig, drafter: DrafterConfig, num_drafters: int
-) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
-    """One verifier and `num_drafters` drafters, each on a thread of its own in this process."""
-    verifiers = [LocalWorker(Verifier(verifier), "verifier-0")]
-    drafters = [LocalWorker(Drafter(drafter), f"drafter-{i}") for i in range(num_drafters)]
+) -> tuple[list[VerifierHandle], list[DrafterHandle]]:
+    """One verifier and `num_drafters` drafters, each on a thread pool of its own here."""
+    verifiers = [VerifierHandle(Verifier(verifier), InProcess("verifier-0"), "verifier-0")]
+    latency = verifier.link.latency
+    drafters = [
+        DrafterHandle(Drafter(drafter), InProcess(f"drafter-{i}"), f"drafter-{i}", latency)
+        for i in range(num_drafters)
+    ]
     return verifiers, drafters
 
 
@@ -54,7 +68,7 @@ def ray_workers(
     num_drafters: int,
     placement_timeout_s: float = 120.0,
     num_cpus_per_worker: float = 0.0,
-) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+) -> tuple[list[VerifierHandle], list[DrafterHandle]]:
     """Ray actors placed by resource. The KVTransfer service of each verifier listens on
     `verifier.transfer_host`, or on the address of the node it lands on when that is None.
     Call after `ray.init`."""
@@ -78,9 +92,16 @@ def ray_workers(
         for i in range(num_drafters)
     ]
     _wait_placed(verifiers, drafters, placement_timeout_s)
+    latency = verifier.link.latency
     return (
-        [RayWorker(a, f"verifier-{i}") for i, a in enumerate(verifiers)],
-        [RayWorker(a, f"drafter-{i}") for i, a in enumerate(drafters)],
+        [
+            VerifierHandle(actor, OverRay(f"verifier-{i}"), f"verifier-{i}")
+            for i, actor in enumerate(verifiers)
+        ],
+        [
+            DrafterHandle(actor, OverRay(f"drafter-{i}"), f"drafter-{i}", latency)
+            for i, actor in enumerate(drafters)
+        ],
     )
 
 

@@ -1,10 +1,9 @@
 """Serving in long-context mode (the paper's Pipeline 1) from one process, without Ray.
 
-The same vericache.v1 API as the distributed server, over one `LongContextEngine` that keeps each
-request's compressed KV on the device and its full KV in host memory, reloaded for each
-verification, within a device-memory budget (`vericache serve --long-context`).
-
-What differs from the distributed coordinator, which this one extends:
+The same vericache.v1 API and serving front (coordinator.py) as the distributed server, over a
+`LongContextBackend`: one `LongContextEngine` that keeps each request's compressed KV on the device
+and its full KV in host memory, reloaded for each verification, within a device-memory budget
+(`vericache serve --long-context`). What the backend does its own way:
 - Prefixes are records (token ids, whether they are a chat system turn, the compressor), kept in
   this process's memory: registering one makes no KV. A request naming a prefix gets the prefix as
   its context and the prefix's compressor; the engine prefills every request itself and keeps its
@@ -15,8 +14,6 @@ What differs from the distributed coordinator, which this one extends:
 - A request the engine refuses (its KV does not fit the budget beside the weights, or its full-KV
   load spans the scheduler's window) fails with INVALID_ARGUMENT and the engine's message.
 - Statistics: link_bytes and store_bytes are 0; the engine's loads over PCIe are engine-wide.
-Request checks, admission (RESOURCE_EXHAUSTED past max_running + max_waiting) and the streamed
-text deltas, stop strings held back, are the distributed coordinator's own.
 """
 
 from __future__ import annotations
@@ -25,17 +22,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from vericache.compress import build_compressor
 from vericache.engine.device_memory import slot_bytes
 from vericache.engine.engine import EngineConfig
 from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
-from vericache.engine.request import DecodeMode, Request
 from vericache.errors import InvalidRequestError, PrefixNotFoundError
+from vericache.serve.api_types import ServeMode
 from vericache.serve.auth import Access
-from vericache.serve.catalog import PrefixRecord, check_prefix_id, compressor_only
+from vericache.serve.catalog import PrefixRecord, compressor_only
 from vericache.serve.config import CoordinatorConfig, WorkerConfig
-from vericache.serve.coordinator import Coordinator, stream_responses
+from vericache.serve.coordinator import Coordinator
 from vericache.serve.engine_loop import (
     EngineEvent,
     EngineLoop,
@@ -43,78 +39,68 @@ from vericache.serve.engine_loop import (
     RequestFinished,
     TokensCommitted,
 )
-from vericache.serve.metrics import ServeMetrics, metered
-from vericache.serve.rounds import Mode, RequestPlan, ServedRequest
+from vericache.serve.metrics import ServeMetrics
+from vericache.serve.rounds import ServedRequest
 from vericache.serve.server import BackgroundServer
-from vericache.serve.worker import ModelInfo, load_worker_model
-from vericache.v1 import vericache_pb2 as pb
+from vericache.serve.worker import load_worker_model
+from vericache.serve.worker_api import ModelInfo
 
-_ENGINE_MODES = {Mode.VERICACHE: DecodeMode.VERICACHE, Mode.FULL_LOCAL: DecodeMode.FULL}
+_ENGINE_MODES = (ServeMode.VERICACHE, ServeMode.FULL_LOCAL)
 
 
-class LongContextCoordinator(Coordinator):
-    def __init__(
-        self,
-        engine_loop: EngineLoop,
-        info: ModelInfo,
-        tokenizer,
-        slot_bytes: int,
-        config: CoordinatorConfig | None = None,
-    ):
-        super().__init__([], [], tokenizer, config)
+class LongContextBackend:
+    def __init__(self, engine_loop: EngineLoop, info: ModelInfo, slot_bytes: int):
         self.engine_loop = engine_loop
         self.info = info
-        self.metrics = ServeMetrics(info.model)
         self._slot_bytes = slot_bytes  # one token of full KV, as the engine holds it
         self._prefixes: dict[str, PrefixRecord] = {}
+        self._metrics: ServeMetrics | None = None
         self._last_metered = None  # the engine's last iteration in the metrics
-        engine_loop.on_iteration = self._meter_iteration
 
-    async def start(self) -> LongContextCoordinator:
-        return self
+    async def start(self, metrics: ServeMetrics) -> ModelInfo:
+        self._metrics = metrics
+        self.engine_loop.on_iteration = self._meter_iteration
+        return self.info
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine_loop.close)
 
     # --- Prefixes: records in memory --------------------------------------------------------------
 
-    async def _register(
-        self, prefix_id: str, token_ids: list[int], chat: bool, spec: dict
+    async def register(
+        self, prefix_id: str, token_ids: tuple[int, ...], chat: bool, compressor_spec: dict
     ) -> AsyncIterator[str]:
         full_kv_bytes = len(token_ids) * self._slot_bytes
-        record = PrefixRecord(
-            prefix_id, tuple(token_ids), chat, compressor_only(spec), full_kv_bytes,
+        self._prefixes[prefix_id] = PrefixRecord(
+            prefix_id, tuple(token_ids), chat, compressor_only(compressor_spec), full_kv_bytes,
             compressed_kv_bytes=0,
         )  # fmt: skip
-        self._prefixes[prefix_id] = record
         return
         yield  # no stage: the engine prefills and compresses each request itself
 
-    async def _record(self, prefix_id: str) -> PrefixRecord:
-        check_prefix_id(prefix_id)
+    async def record(self, prefix_id: str) -> PrefixRecord:
         record = self._prefixes.get(prefix_id)
         if record is None:
             raise PrefixNotFoundError(f"no prefix {prefix_id!r} is registered")
         return record
 
-    async def _records(self) -> list[PrefixRecord]:
+    async def records(self) -> list[PrefixRecord]:
         return sorted(self._prefixes.values(), key=lambda record: record.prefix_id)
 
-    async def _remove(self, prefix_id: str) -> None:
+    async def remove(self, prefix_id: str) -> None:
         if self._prefixes.pop(prefix_id, None) is None:
             raise PrefixNotFoundError(f"no prefix {prefix_id!r} is registered")
 
-    # --- Generation: through the engine's loop ----------------------------------------------------
+    # --- Requests: through the engine's loop ------------------------------------------------------
 
-    def _check_can_serve(self, mode: int) -> None:
+    def check_can_serve(self, mode: ServeMode) -> None:
         if mode not in _ENGINE_MODES:
             raise InvalidRequestError(
-                f"mode {Mode.Name(mode)} needs drafters: a long-context server runs VERICACHE "
-                "and FULL_LOCAL"
+                f"mode {mode.name} needs drafters: a long-context server runs VERICACHE and "
+                "FULL_LOCAL"
             )
 
-    async def _serve(self, plan: RequestPlan) -> AsyncIterator[pb.GenerateResponse]:
-        served = self._served(plan)
+    async def serve(self, served: ServedRequest) -> AsyncIterator[list[int]]:
         events: asyncio.Queue[EngineEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -122,33 +108,21 @@ class LongContextCoordinator(Coordinator):
             with contextlib.suppress(RuntimeError):  # the server's loop has stopped
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        submission = self.engine_loop.submit(await self._engine_request(plan), deliver)
+        submission = self.engine_loop.submit(served.plan.request, deliver)
         try:
-            responses = stream_responses(served, _committed(served, events))
-            async for message in metered(self.metrics, served, responses):
-                yield message
+            async for tokens in _committed(served, events):
+                yield tokens
         finally:
             self.engine_loop.cancel(submission)  # a no-op once it finished
 
     def _meter_iteration(self, engine) -> None:
         """After each engine iteration (on its thread): device memory in use, and the iteration
         the scheduler planned (batch sizes, link utilisation, planned memory high-water mark)."""
-        self.metrics.set_device_memory(engine.memory.in_use_bytes)
+        self._metrics.set_device_memory(engine.memory.in_use_bytes)
         scheduled = engine.scheduler.metrics
         if scheduled.iterations and scheduled.iterations[-1] is not self._last_metered:
             self._last_metered = scheduled.iterations[-1]
-            self.metrics.iteration_planned(self._last_metered, scheduled.peak_memory_bytes)
-
-    async def _engine_request(self, plan: RequestPlan) -> Request:
-        mode = _ENGINE_MODES[plan.mode]
-        compressor = None
-        if mode is DecodeMode.VERICACHE:
-            spec = (await self._record(plan.prefix_id)).compressor
-            compressor = build_compressor(spec["name"], **spec["params"])
-        return Request(
-            plan.prompt_ids, plan.num_prefix_tokens, plan.params, mode, compressor,
-            plan.draft_len, plan.session_id,
-        )  # fmt: skip
+            self._metrics.iteration_planned(self._last_metered, scheduled.peak_memory_bytes)
 
 
 async def _committed(
@@ -164,12 +138,13 @@ async def _committed(
             yield served.commit(event.token_ids)
             continue
         assert isinstance(event, RequestFinished)
-        output = event.output
-        yield served.commit(output.token_ids[len(served.output_ids) :])
-        served.finish_reason = output.finish_reason
-        served.rounds = output.stats.rounds
-        served.accepted_per_round = list(output.stats.accepted_per_round)
-        served.drafted_per_round = list(output.stats.drafted_per_round)
+        output, seq = event.output, served.seq
+        yield served.commit(output.token_ids[len(seq.output_ids) :])
+        if not seq.is_finished:
+            seq.finish(output.finish_reason)
+        seq.stats.rounds = output.stats.rounds
+        seq.stats.accepted_per_round = list(output.stats.accepted_per_round)
+        seq.stats.drafted_per_round = list(output.stats.drafted_per_round)
         return
 
 
@@ -177,7 +152,7 @@ async def start_long_context_coordinator(
     worker: WorkerConfig,
     long_context: LongContextConfig,
     config: CoordinatorConfig | None = None,
-) -> LongContextCoordinator:
+) -> Coordinator:
     """Loads the model once; a failed engine iteration restarts the engine over the same one."""
     loaded, runner, info = await asyncio.to_thread(load_worker_model, worker)
 
@@ -186,23 +161,21 @@ async def start_long_context_coordinator(
 
     engine_loop = await asyncio.to_thread(EngineLoop, make_engine)
     token_bytes = slot_bytes(runner.config, runner.dtype.itemsize)
-    return LongContextCoordinator(engine_loop, info, loaded.tokenizer, token_bytes, config)
+    backend = LongContextBackend(engine_loop, info, token_bytes)
+    return await Coordinator(backend, loaded.tokenizer, worker.model, config).start()
 
 
-class LongContextServer(BackgroundServer):
+def long_context_server(
+    worker: WorkerConfig,
+    long_context: LongContextConfig,
+    address: str = "127.0.0.1:0",
+    config: CoordinatorConfig | None = None,
+    start_timeout_s: float = 600.0,
+    access: Access | None = None,
+) -> BackgroundServer:
     """A long-context server (one engine, no workers) on an event loop of its own thread."""
 
-    def __init__(
-        self,
-        worker: WorkerConfig,
-        long_context: LongContextConfig,
-        address: str = "127.0.0.1:0",
-        config: CoordinatorConfig | None = None,
-        start_timeout_s: float = 600.0,
-        access: Access | None = None,
-    ):
-        self._long_context = long_context
-        super().__init__(worker, worker.model, address, config, start_timeout_s, access)
+    async def start() -> Coordinator:
+        return await start_long_context_coordinator(worker, long_context, config)
 
-    async def _start_coordinator(self, worker: WorkerConfig, model: str, config) -> Coordinator:
-        return await start_long_context_coordinator(worker, self._long_context, config)
+    return BackgroundServer(start, address, start_timeout_s, access)

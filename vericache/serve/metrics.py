@@ -26,7 +26,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from vericache.v1.vericache_pb2 import Mode
+from vericache.serve.api_types import OutputChunk
 
 log = logging.getLogger(__name__)
 NAMESPACE = "vericache"
@@ -223,46 +223,48 @@ def _name(name: str) -> str:
     return f"{NAMESPACE}:{name}"
 
 
-async def metered(metrics: ServeMetrics, served, responses: AsyncIterator) -> AsyncIterator:
-    """Passes a served request's Generate stream through (`vericache.serve.rounds.ServedRequest`,
-    its `GenerateResponse` messages), recording it: the streamed tokens as they go (latencies
-    from the request's admission), then its rounds, link and store traffic, and how it ended
-    ("abort" when the stream was closed early), in the metrics and as one log line."""
-    metrics.request_admitted(len(served.plan.prompt_ids))
+async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> AsyncIterator:
+    """Passes a served request's Generate events through (`vericache.serve.rounds.ServedRequest`),
+    recording it: the streamed tokens as they go (latencies from the request's admission), then
+    its rounds, link and store traffic, and how it ended ("abort" when the stream was closed
+    early), in the metrics and as one log line."""
+    metrics.request_admitted(len(served.seq.request.prompt_ids))
     last, is_first = served.started_at, True
     try:
-        async for message in responses:
-            if message.HasField("chunk") and message.chunk.token_ids:
+        async for event in events:
+            if isinstance(event, OutputChunk) and event.token_ids:
                 now = time.perf_counter()
-                metrics.tokens_streamed(len(message.chunk.token_ids), now - last, is_first)
+                metrics.tokens_streamed(len(event.token_ids), now - last, is_first)
                 last, is_first = now, False
-            yield message
+            yield event
     finally:
-        for drafted, accepted in zip(served.drafted_per_round, served.accepted_per_round):
+        stats = served.seq.stats
+        for drafted, accepted in zip(stats.drafted_per_round, stats.accepted_per_round):
             metrics.round_verified(drafted, accepted)
         traffic = served.traffic
-        metrics.link_used(traffic.link_bytes, traffic.link_wait_s)
+        metrics.link_used(traffic.link_bytes, traffic.link_s)
         if traffic.store_bytes:
             metrics.store_lookup(hit=True, num_bytes=traffic.store_bytes)
         elapsed = time.perf_counter() - served.started_at
-        finish_reason = served.finish_reason or "abort"
+        finish_reason = served.seq.finish_reason or "abort"
         metrics.request_finished(finish_reason, elapsed)
         _log_finished(served, finish_reason, elapsed)
 
 
 def _log_finished(served, finish_reason: str, elapsed_s: float) -> None:
-    plan, accepted = served.plan, served.accepted_per_round
+    stats, plan = served.seq.stats, served.plan
+    accepted = stats.accepted_per_round
     mean_accepted = round(sum(accepted) / len(accepted), 2) if accepted else None
     log.info(
         "request finished",
         extra={
             "request_id": plan.session_id,
-            "mode": Mode.Name(plan.mode).lower(),
+            "mode": plan.mode.value,
             "prefix_id": plan.prefix_id,
-            "prompt_tokens": len(plan.prompt_ids),
-            "output_tokens": len(served.output_ids),
+            "prompt_tokens": len(served.seq.request.prompt_ids),
+            "output_tokens": len(served.seq.output_ids),
             "finish_reason": finish_reason,
-            "rounds": served.rounds,
+            "rounds": stats.rounds,
             "mean_accepted_per_round": mean_accepted,
             "link_bytes": served.traffic.link_bytes,
             "elapsed_s": round(elapsed_s, 4),

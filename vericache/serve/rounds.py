@@ -1,9 +1,12 @@
 """One served request: its state on the coordinator, and how each mode drives the workers.
 
-The coordinator owns the request's tokens and decides when it ends (the engine's `StopChecker`, one
-token at a time, so every mode stops at the same token); workers hold only its caches.
-- VERICACHE: a round drafts up to x tokens on the drafter, then verifies them on the verifier,
-  which returns the exact KV of the committed tokens; the next draft call carries it over.
+The coordinator owns the request's tokens and decides when it ends: its `Sequence` (the engine's,
+engine/sequence.py) begins, accepts and commits every round exactly as the in-process engines do;
+workers hold only its caches.
+- VERICACHE: a round is one drafter call (a whole draft of up to x tokens, carrying the exact KV of
+  the previous round's committed tokens) and one verifier call, which returns the exact KV of the
+  tokens it commits. Alone, each request runs its rounds back to back; on a schedule
+  (scheduled.py), the scheduler places them across requests.
 - FULL_LOCAL: the verifier decodes alone over the full KV; FULL_REMOTE: a drafter that fetched the
   full KV over the slow link does; LOSSY: a drafter decodes over the compressed KV only.
 """
@@ -17,125 +20,103 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from vericache.engine.request import SamplingParams
-from vericache.engine.stops import StopChecker
-from vericache.serve.handles import WorkerHandle
-from vericache.serve.worker import ExactKV, WorkResult, cache_capacity
-from vericache.v1 import vericache_pb2
+from vericache.engine.request import Request
+from vericache.engine.sequence import Sequence
+from vericache.serve.api_types import GenerateSummary, ServeMode
+from vericache.serve.worker import cache_capacity
+from vericache.serve.worker_api import (
+    DecodeCall,
+    DraftCall,
+    DrafterAPI,
+    DraftRole,
+    OpenDrafter,
+    OpenVerifier,
+    Traffic,
+    Verified,
+    VerifierAPI,
+    VerifierOpened,
+    VerifyCall,
+)
 
-Mode = vericache_pb2.Mode
 
-
-@dataclass
+@dataclass(frozen=True)
 class RequestPlan:
     """A checked Generate request, ready to run."""
 
     session_id: str
-    mode: int  # vericache_pb2.Mode, never MODE_UNSPECIFIED
-    prompt_ids: list[int]
-    num_prefix_tokens: int
+    mode: ServeMode
     prefix_id: str | None
-    params: SamplingParams
-    draft_len: int
+    # The engine's request: prompt, prefix length, sampling, decode mode, compressor, draft length.
+    request: Request
     decode_chunk: int  # tokens per worker call when one worker decodes alone
-
-
-@dataclass
-class Traffic:
-    link_bytes: int = 0
-    link_wait_s: float = 0.0
-    store_bytes: int = 0
-    store_wait_s: float = 0.0
-
-    def add(self, result: WorkResult) -> None:
-        self.link_bytes += result.link_bytes
-        self.link_wait_s += result.link_s
-        self.store_bytes += result.store_bytes
-        self.store_wait_s += result.store_s
 
 
 @dataclass
 class ServedRequest:
     plan: RequestPlan
-    checker: StopChecker
+    seq: Sequence
+    traffic: Traffic = Traffic()
     started_at: float = field(default_factory=time.perf_counter)
-    token_ids: list[int] = field(default_factory=list)  # prompt + committed output
-    finish_reason: str | None = None
-    rounds: int = 0
-    accepted_per_round: list[int] = field(default_factory=list)
-    drafted_per_round: list[int] = field(default_factory=list)
-    traffic: Traffic = field(default_factory=Traffic)
     first_token_at: float | None = None
 
-    def __post_init__(self):
-        self.token_ids = list(self.plan.prompt_ids)
+    @property
+    def session_id(self) -> str:
+        return self.plan.session_id
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.plan.prompt_ids) :]
+    def pending(self) -> tuple[int, ...]:
+        """The newest committed token: the one no cache has been fed yet."""
+        return tuple(self.seq.token_ids[-1:])
+
+    @property
+    def end_ids(self) -> frozenset[int]:
+        return frozenset(self.seq.stop_checker.end_ids)
 
     @property
     def capacity(self) -> int:
-        wanted = len(self.plan.prompt_ids) + self.plan.params.max_new_tokens + self.plan.draft_len
-        return cache_capacity(wanted + 1, self.checker.max_total_tokens)
+        """Cache slots for the whole request: prompt, output and one round's drafts."""
+        request = self.plan.request
+        wanted = len(request.prompt_ids) + request.params.max_new_tokens + request.draft_len + 1
+        return cache_capacity(wanted, self.seq.stop_checker.max_total_tokens)
+
+    def add(self, traffic: Traffic) -> None:
+        self.traffic = self.traffic + traffic
 
     def commit(self, tokens: list[int]) -> list[int]:
-        """Appends tokens one at a time until a stop condition fires; returns those appended."""
-        appended = []
-        for token in tokens:
-            if self.finish_reason is not None:
-                break
-            self.token_ids.append(token)
-            appended.append(token)
-            self.finish_reason = self.checker.finish_reason(self.output_ids, len(self.token_ids))
-        if appended and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        return appended
+        """Tokens committed outside a round or decode step (the prefill's first token)."""
+        return self._first_token_seen(self.seq.commit(tokens))
 
-    def finish_round(self, drafts: list[int], verified: WorkResult) -> list[int]:
-        """Commits a verified round: the accepted drafts and the verifier's own next token."""
-        self.traffic.add(verified)
-        accepted = verified.num_accepted
-        committed = self.commit(drafts[:accepted] + [verified.tokens[accepted]])
-        self.rounds += 1
-        # A stop inside the accepted drafts ends the request before the rest is emitted.
-        self.accepted_per_round.append(min(accepted, len(committed)))
-        self.drafted_per_round.append(len(drafts))
+    def commit_decoded(self, tokens: list[int]) -> list[int]:
+        return self._first_token_seen(self.seq.commit_decoded(tokens))
+
+    def finish_round(self, verified: Verified) -> list[int]:
+        """Commits a verified round (`Sequence.finish_round`)."""
+        self.add(verified.traffic)
+        return self._first_token_seen(list(self.seq.finish_round(list(verified.tokens)).committed))
+
+    def _first_token_seen(self, committed: list[int]) -> list[int]:
+        if committed and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         return committed
 
-    def draft_target(self, draft_len: int | None = None) -> int:
-        """Drafts for the next round: `draft_len` (the request's own by default) within the
-        token budget and the context."""
-        remaining = self.plan.params.max_new_tokens - len(self.output_ids)
-        room = self.checker.max_total_tokens - len(self.token_ids)
-        draft_len = self.plan.draft_len if draft_len is None else draft_len
-        # A verification emits one token beyond the drafts; drafting past the budget is waste.
-        return max(0, min(draft_len, remaining - 1, room))
-
-    def decode_target(self) -> int:
-        remaining = self.plan.params.max_new_tokens - len(self.output_ids)
-        return max(1, min(self.plan.decode_chunk, remaining))
-
-    def stats(self) -> vericache_pb2.GenerateStats:
+    def summary(self) -> GenerateSummary:
         now = time.perf_counter()
-        total = now - self.started_at
         first = self.first_token_at or now
+        num_tokens = len(self.seq.output_ids)
+        stats = self.seq.stats
         decode_time = now - first
-        num_tokens = len(self.output_ids)
-        accepted = self.accepted_per_round
-        return vericache_pb2.GenerateStats(
-            finish_reason=self.finish_reason or "cancelled",
+        return GenerateSummary(
+            finish_reason=self.seq.finish_reason or "cancelled",
             num_tokens=num_tokens,
-            rounds=self.rounds,
-            mean_accepted_per_round=sum(accepted) / len(accepted) if accepted else 0.0,
-            accepted_per_round=accepted,
+            rounds=stats.rounds,
+            accepted_per_round=tuple(stats.accepted_per_round),
             link_bytes=self.traffic.link_bytes,
             store_bytes=self.traffic.store_bytes,
-            link_wait_s=self.traffic.link_wait_s,
-            store_wait_s=self.traffic.store_wait_s,
+            link_wait_s=self.traffic.link_s,
+            store_wait_s=self.traffic.store_s,
             ttft_s=first - self.started_at,
             tokens_per_s=(num_tokens - 1) / decode_time if decode_time > 0 else 0.0,
-            total_s=total,
+            total_s=now - self.started_at,
         )
 
 
@@ -143,119 +124,105 @@ class Schedule(Protocol):
     """Runs VERICACHE rounds across requests (scheduled.py) instead of one request alone."""
 
     def rounds(
-        self, request: ServedRequest, drafter: WorkerHandle, opened: WorkResult
+        self, served: ServedRequest, drafter: DrafterAPI, opened: VerifierOpened
     ) -> AsyncIterator[list[int]]: ...
 
 
 async def run_request(
-    request: ServedRequest,
-    verifier: WorkerHandle | None,
-    drafter: WorkerHandle | None,
+    served: ServedRequest,
+    verifier: VerifierAPI,
+    drafter: DrafterAPI | None,
     transfer_address: str,
     schedule: Schedule | None = None,
 ) -> AsyncIterator[list[int]]:
     """Drives the workers for one request; yields each batch of committed tokens. VERICACHE
     rounds run on `schedule` when given, else on their own."""
-    plan = request.plan
-    if plan.mode == Mode.VERICACHE:
-        rounds = _vericache(request, verifier, drafter, transfer_address, schedule)
-    elif plan.mode == Mode.FULL_LOCAL:
-        opening = _open_verifier(request, verifier, False)
-        rounds = _alone(request, verifier, "decode", opening)
+    mode = served.plan.mode
+    if mode is ServeMode.VERICACHE:
+        rounds = _vericache(served, verifier, drafter, transfer_address, schedule)
+    elif mode is ServeMode.FULL_LOCAL:
+        rounds = _alone(served, verifier, _open_verifier(served, verifier, False))
     else:
-        role = "full" if plan.mode == Mode.FULL_REMOTE else "lossy"
-        opening = _open_drafter(request, drafter, role, transfer_address)
-        rounds = _alone(request, drafter, "step", opening)
+        role = DraftRole.FULL if mode is ServeMode.FULL_REMOTE else DraftRole.LOSSY
+        rounds = _alone(served, drafter, _open_drafter(served, drafter, role, transfer_address))
     async for tokens in rounds:
         yield tokens
 
 
-async def _open_verifier(request: ServedRequest, verifier, exact_for_drafter: bool) -> WorkResult:
-    plan = request.plan
-    return await verifier.call(
-        "open",
-        plan.session_id,
-        plan.prefix_id,
-        plan.prompt_ids,
-        request.capacity,
-        exact_for_drafter,
+async def _open_verifier(
+    served: ServedRequest, verifier: VerifierAPI, for_drafter: bool
+) -> VerifierOpened:
+    request = served.plan.request
+    call = OpenVerifier(
+        served.session_id, request.prompt_ids, served.plan.prefix_id, served.capacity, for_drafter
     )
+    opened = await verifier.open(call)
+    served.add(opened.traffic)
+    return opened
 
 
-async def _open_drafter(request: ServedRequest, drafter, role: str, address: str) -> WorkResult:
-    plan = request.plan
-    return await drafter.call(
-        "open",
-        plan.session_id,
-        role,
-        address,
-        plan.prefix_id,
-        plan.prompt_ids,
-        plan.num_prefix_tokens,
-        request.capacity,
-    )
+async def _open_drafter(served: ServedRequest, drafter: DrafterAPI, role: DraftRole, address: str):
+    request = served.plan.request
+    call = OpenDrafter(
+        served.session_id, role, address, served.plan.prefix_id, request.prompt_ids,
+        request.num_prefix_tokens, served.capacity,
+    )  # fmt: skip
+    opened = await drafter.open(call)
+    served.add(opened.traffic)
+    return opened
 
 
-async def _alone(
-    request: ServedRequest, worker: WorkerHandle, method: str, opening
-) -> AsyncIterator[list[int]]:
-    """One worker decodes: the first token from its prefill, then `method` calls that each
-    decode `decode_chunk` tokens."""
+async def _alone(served: ServedRequest, worker, opening) -> AsyncIterator[list[int]]:
+    """One worker decodes: the first token from its prefill, then calls that each decode up to
+    `decode_chunk` tokens, within the budget and the context."""
     opened = await opening
-    request.traffic.add(opened)
-    request.rounds += 1
-    yield request.commit(opened.tokens)
-    end_ids = sorted(request.checker.end_ids)
-    while request.finish_reason is None:
-        target = request.decode_target()
-        result = await worker.call(
-            method, request.plan.session_id, request.output_ids[-1:], target, end_ids
-        )
-        request.traffic.add(result)
-        request.rounds += len(result.tokens)
-        yield request.commit(result.tokens)
+    yield served.commit_decoded([opened.first_token])
+    seq = served.seq
+    while not seq.is_finished:
+        num_tokens = seq.decode_target(served.plan.decode_chunk)
+        call = DecodeCall(served.session_id, served.pending, num_tokens, served.end_ids)
+        decoded = await worker.decode(call)
+        served.add(decoded.traffic)
+        yield served.commit_decoded(list(decoded.tokens))
 
 
 async def _vericache(
-    request: ServedRequest,
-    verifier: WorkerHandle,
-    drafter: WorkerHandle,
+    served: ServedRequest,
+    verifier: VerifierAPI,
+    drafter: DrafterAPI,
     address: str,
     schedule: Schedule | None,
 ) -> AsyncIterator[list[int]]:
-    plan = request.plan
     # The verifier prefills the prompt while the drafter fetches the compressed prefix.
-    opened, fetched = await asyncio.gather(
-        _open_verifier(request, verifier, True), _open_drafter(request, drafter, "draft", address)
+    opened, _ = await asyncio.gather(
+        _open_verifier(served, verifier, True),
+        _open_drafter(served, drafter, DraftRole.DRAFT, address),
     )
-    request.traffic.add(opened)
-    request.traffic.add(fetched)
-    yield request.commit(opened.tokens)
+    yield served.commit([opened.first_token])
     if schedule is not None:
-        if request.finish_reason is None:
-            async with contextlib.aclosing(schedule.rounds(request, drafter, opened)) as rounds:
+        if not served.seq.is_finished:
+            async with contextlib.aclosing(schedule.rounds(served, drafter, opened)) as rounds:
                 async for tokens in rounds:
                     yield tokens
         return
-    end_ids = sorted(request.checker.end_ids)
-    exact: ExactKV | None = opened.exact
-    link_delay = opened.link_delay_s
-    while request.finish_reason is None:
-        target = request.draft_target()
-        drafts: list[int] = []
-        if target > 0:
-            await _cross_link(request, link_delay)
-            stepped = await drafter.call(
-                "step", plan.session_id, request.output_ids[-1:], target, end_ids, exact
-            )
-            drafts = stepped.tokens
-        verified = await verifier.call("verify", plan.session_id, request.output_ids[-1:], drafts)
+    exact, link_delay = opened.exact, opened.link_delay_s
+    seq = served.seq
+    while not seq.is_finished:
+        num_drafts = seq.begin_round(seq.request.draft_len)
+        if num_drafts > 0:
+            await cross_link(served, link_delay)
+            call = DraftCall(served.session_id, served.pending, num_drafts, served.end_ids, exact)
+            seq.draft_ids = list((await drafter.draft(call)).tokens)
+        verified = await verifier.verify(
+            VerifyCall(served.session_id, served.pending, tuple(seq.draft_ids))
+        )
         exact, link_delay = verified.exact, verified.link_delay_s
-        yield request.finish_round(drafts, verified)
+        yield served.finish_round(verified)
 
 
-async def _cross_link(request: ServedRequest, delay: float) -> None:
-    """Waits until the verifier's exact KV has crossed the link to the drafter."""
-    if delay > 0:
-        await asyncio.sleep(delay)
-        request.traffic.link_wait_s += delay
+async def cross_link(served: ServedRequest, delay_s: float) -> None:
+    """Waits until the verifier's exact KV has crossed the link's bandwidth to the drafter (the
+    call that carries it pays the latency)."""
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+        served.add(Traffic(link_s=delay_s))

@@ -1,28 +1,33 @@
-"""Scheduled VERICACHE rounds: one scheduler per verifier plans every draft step, verification and
-full-KV load of the requests verified there (CoordinatorConfig.scheduling "staggered" or
-"lockstep"), the same scheduler objects that drive the long-context engine and the simulator.
+"""Scheduled VERICACHE rounds: one scheduler per verifier plans the verifications and full-KV loads
+of the requests verified there (CoordinatorConfig.scheduling "staggered" or "lockstep"), with the
+same scheduler objects that drive the long-context engine and the simulator.
 
-What the scheduler's words stand for here:
-- an iteration is one batched draft step on each drafter (one token for every drafting request)
-  running beside one batched verification on the verifier;
+Each round still makes one drafter call and one verifier call: the drafters draft whole rounds on
+their own, batching whatever they hold step by step, while the scheduler places the verifier's
+side of every round. What the scheduler's words stand for here:
+- an iteration is a tick of the coordinator's clock, one draft step long (the time drafters report
+  per step, refined by every draft); a round of d drafts is one draft call made in its first draft
+  iteration, and its verification starts in iteration d + 1 after it, with every other
+  verification starting then, as one batched verifier call;
 - a load is the verifier bringing a session's full KV from its store onto its device
-  (`Verifier.load`), started in the iteration the plan says and awaited before the verification;
+  (`VerifierAPI.load`), started in the iteration the plan says, so that it overlaps other
+  requests' verifications and drafts, and awaited before the verification;
 - the memory ring is the verifier's device memory: its weights and the full KV kept for
   verification (`VerifierConfig.resident_bytes`); compressed KV lives on the drafters;
 - the link ring is the store-to-device bandwidth, first measured by the verifier, then by every
   load.
-Each verification hands the drafter the exact KV of the committed tokens; it crosses the slow link
-before the request's next draft step, as in per-request rounds.
+A verification hands back the exact KV of the committed tokens; the next draft call carries it
+across the slow link.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from vericache.kv.exact import ExactKV
 from vericache.scheduler import (
     BaseScheduler,
     CostModel,
@@ -32,35 +37,44 @@ from vericache.scheduler import (
     Verify,
 )
 from vericache.serve.config import CoordinatorConfig
-from vericache.serve.handles import WorkerHandle
 from vericache.serve.metrics import ServeMetrics
-from vericache.serve.rounds import ServedRequest
-from vericache.serve.worker import ExactKV, WorkResult
+from vericache.serve.rounds import ServedRequest, cross_link
+from vericache.serve.worker_api import (
+    DraftCall,
+    Drafted,
+    DrafterAPI,
+    Loaded,
+    Traffic,
+    Verified,
+    VerifierAPI,
+    VerifierInfo,
+    VerifierOpened,
+    VerifyCall,
+)
 
 _END = object()  # the outbox's last item
+Outcome = Verified | BaseException | None  # None: its session closed meanwhile (cancelled)
 
 
 @dataclass
 class _Entry:
-    """A request on the schedule: what its next draft step and verification need."""
+    """A request on the schedule: what its next draft and verification need."""
 
     served: ServedRequest
-    drafter: WorkerHandle
+    drafter: DrafterAPI
     exact: ExactKV | None  # the verifier's KV of the tokens committed since the last draft
-    link_delay_s: float  # until `exact` has crossed the link
+    link_delay_s: float  # until `exact` has crossed the link's bandwidth
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # token lists, an error, _END
-    round_target: int | None = None  # drafts this round; None until its first draft step
-    drafts: list[int] = field(default_factory=list)
+    draft: asyncio.Task | None = None  # this round's draft call, once its round has begun
     load: asyncio.Task | None = None
     verification: asyncio.Task | None = None  # its batch's, shared with the batch's others
 
     @property
     def session_id(self) -> str:
-        return self.served.plan.session_id
+        return self.served.session_id
 
-    def wants_draft_step(self) -> bool:
-        ended = bool(self.drafts) and self.drafts[-1] in self.served.checker.end_ids
-        return len(self.drafts) < self.round_target and not ended
+    def tasks(self) -> list[asyncio.Task]:
+        return [t for t in (self.draft, self.load, self.verification) if t and not t.done()]
 
 
 class ScheduledRounds:
@@ -68,7 +82,7 @@ class ScheduledRounds:
 
     def __init__(
         self,
-        verifier: WorkerHandle,
+        verifier: VerifierAPI,
         new_scheduler: Callable[[CostModel], BaseScheduler],
         costs: CostModel,
         slot_bytes: int,
@@ -83,14 +97,13 @@ class ScheduledRounds:
         self._loop: asyncio.Task | None = None
 
     async def rounds(
-        self, served: ServedRequest, drafter: WorkerHandle, opened: WorkResult
+        self, served: ServedRequest, drafter: DrafterAPI, opened: VerifierOpened
     ) -> AsyncIterator[list[int]]:
         """Puts an opened request on the schedule; yields each round's committed tokens."""
-        session_id = served.plan.session_id
+        session_id = served.session_id
         full_kv_bytes = served.capacity * self.slot_bytes
-        self.scheduler.add_request(
-            SchedulerRequest(session_id, full_kv_bytes, 0, served.plan.draft_len)
-        )
+        draft_len = served.seq.request.draft_len
+        self.scheduler.add_request(SchedulerRequest(session_id, full_kv_bytes, 0, draft_len))
         entry = _Entry(served, drafter, opened.exact, opened.link_delay_s)
         self._entries[session_id] = entry
         if self._loop is None or self._loop.done():
@@ -103,6 +116,7 @@ class ScheduledRounds:
         finally:  # finished, failed or cancelled: off the schedule, its reservations freed
             if self._entries.pop(session_id, None) is not None:
                 self.scheduler.abort(session_id)
+            _drop(entry.draft)
             _drop(entry.load)
 
     async def _run(self) -> None:
@@ -116,107 +130,78 @@ class ScheduledRounds:
                 self.scheduler = self._new_scheduler(self.scheduler.costs)
 
     async def _iteration(self) -> None:
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         if self.metrics is not None:
             scheduled = self.scheduler.metrics
             self.metrics.iteration_planned(scheduled.iterations[-1], scheduled.peak_memory_bytes)
         for load in plan.loads:
-            self._start_load(self._entries[load.request_id])
-        if plan.verify_starts:
-            self._start_verification([self._entries[v.request_id] for v in plan.verify_starts])
-        started = time.perf_counter()
-        drafted = await self._draft_step(plan.draft_ids)
-        # The iteration's own work is the draft step: waiting for a verification to end (or a
-        # late load) is the verifier's time, which V, the iterations a verification spans, counts.
-        elapsed = time.perf_counter() - started
-        await self._report(plan.verifies)
-        self.scheduler.end_iteration(elapsed if drafted and elapsed > 0 else None)
-        if not drafted:
-            await self._idle(plan.is_idle)
-
-    async def _idle(self, is_idle: bool) -> None:
-        """An iteration without a draft step lasts until a verification or load in flight ends,
-        or an iteration's time: the plan's clock keeps pace with the workers."""
-        in_flight = {
-            task
-            for entry in self._entries.values()
-            for task in (entry.verification, entry.load)
-            if task is not None and not task.done()
-        }
-        if in_flight:
-            timeout = self.scheduler.costs.iteration_s
-            await asyncio.wait(in_flight, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        elif is_idle:
-            await asyncio.sleep(0.001)  # requests wait for room: let the running ones finish
-
-    def _start_load(self, entry: _Entry) -> None:
-        entry.load = asyncio.create_task(self.verifier.call("load", entry.session_id))
-
-    async def _draft_step(self, request_ids: tuple[str, ...]) -> bool:
-        """One draft token for each request drafting now, a batched call per drafter; returns
-        whether any drafted."""
-        batches: dict[WorkerHandle, list[_Entry]] = defaultdict(list)
-        for request_id in request_ids:
+            entry = self._entries[load.request_id]
+            entry.load = asyncio.create_task(self.verifier.load(entry.session_id))
+        for request_id in plan.draft_ids:
             entry = self._entries[request_id]
-            if entry.round_target is None:  # a round begins
-                reserved = self.scheduler.request_state(request_id).reservation.num_draft_tokens
-                entry.round_target = entry.served.draft_target(reserved)
-                entry.drafts = []
-            if entry.wants_draft_step():
-                batches[entry.drafter].append(entry)
-        await asyncio.gather(*(self._draft_batch(d, batch) for d, batch in batches.items()))
-        return bool(batches)
+            if entry.draft is None:  # the round's first draft iteration: it begins
+                self._begin_round(entry)
+        if plan.verify_starts:
+            entries = [self._entries[v.request_id] for v in plan.verify_starts]
+            batch = asyncio.create_task(self._verify_batch(entries))
+            for entry in entries:
+                entry.verification = batch
+        await self._report(plan.verifies)
+        await self._pace(started)
+        self.scheduler.end_iteration(None)  # ticks time nothing: the drafters time the steps
 
-    async def _draft_batch(self, drafter: WorkerHandle, batch: list[_Entry]) -> None:
-        steps = []
-        delay = 0.0
-        for entry in batch:
-            exact, entry.exact = entry.exact, None
-            pending = entry.drafts[-1:] or entry.served.output_ids[-1:]
-            end_ids = sorted(entry.served.checker.end_ids)
-            steps.append((entry.session_id, pending, 1, end_ids, exact))
-            if exact is not None:  # the round's first step waits for its exact KV
-                delay = max(delay, entry.link_delay_s)
-                entry.served.traffic.link_wait_s += entry.link_delay_s
-        if delay > 0:
-            await asyncio.sleep(delay)
-        try:
-            results = await drafter.call("step_many", steps)
-        except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the others go on
-            for entry in batch:
-                self._fail(entry.session_id, exc)
-            return
-        for entry, result in zip(batch, results):
-            if result is not None:  # None: its session closed meanwhile (cancelled)
-                entry.drafts += result.tokens
+    async def _pace(self, started: float) -> None:
+        """An iteration lasts a draft step while work is in flight (the plan's clock keeps pace
+        with the drafters); with none, the next one follows at once."""
+        in_flight = [task for entry in self._entries.values() for task in entry.tasks()]
+        left = self.scheduler.costs.iteration_s - (time.perf_counter() - started)
+        await asyncio.sleep(left if in_flight and left > 0 else 0)
 
-    def _start_verification(self, entries: list[_Entry]) -> None:
-        """Verifies the requests whose drafts are done, as one batch that runs on while the
-        others draft; each is reported in the iteration its reservation ends (`_report`)."""
-        batch = asyncio.create_task(self._verify_batch(entries))
-        for entry in entries:
-            entry.verification = batch
+    def _begin_round(self, entry: _Entry) -> None:
+        """Starts a round of the reserved draft length (within the budget and the context) as
+        one draft call, which carries the exact KV of the last round's committed tokens."""
+        reserved = self.scheduler.request_state(entry.session_id).reservation.num_draft_tokens
+        num_drafts = entry.served.seq.begin_round(reserved)
+        exact, entry.exact = entry.exact, None
+        entry.draft = asyncio.create_task(self._draft(entry, num_drafts, exact))
 
-    async def _verify_batch(
-        self, entries: list[_Entry]
-    ) -> dict[str, WorkResult | Exception | None]:
-        """Waits for the batch's loads, then verifies it in one call; a session's outcome is its
-        result or its error (None: closed meanwhile)."""
-        outcomes: dict[str, WorkResult | Exception | None] = {}
-        loads = await asyncio.gather(*(_loaded(e) for e in entries), return_exceptions=True)
+    async def _draft(self, entry: _Entry, num_drafts: int, exact: ExactKV | None) -> Drafted:
+        served = entry.served
+        if num_drafts == 0:
+            return Drafted((), 0.0)  # the budget leaves one token: the verification chooses it
+        await cross_link(served, entry.link_delay_s)
+        call = DraftCall(served.session_id, served.pending, num_drafts, served.end_ids, exact)
+        drafted = await entry.drafter.draft(call)
+        if drafted.step_s > 0:
+            self.scheduler.costs.observe_iteration(drafted.step_s)
+        return drafted
+
+    async def _verify_batch(self, entries: list[_Entry]) -> dict[str, Outcome]:
+        """Waits for the batch's drafts and loads, then verifies it in one call; a session's
+        outcome is its result or its error."""
+        outcomes: dict[str, Outcome] = {}
         ready = []
-        for entry, loaded in zip(entries, loads):
-            entry.load = None
-            if isinstance(loaded, Exception):
-                outcomes[entry.session_id] = loaded
-            else:
-                self._record_load(entry, loaded)
-                ready.append(entry)
+        for entry in entries:
+            try:
+                drafted, loaded = await asyncio.gather(entry.draft, _loaded(entry))
+            except asyncio.CancelledError:
+                if entry.session_id in self._entries:
+                    raise  # this batch itself is cancelled
+                continue  # its request was cancelled, and its draft and load with it
+            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                outcomes[entry.session_id] = exc
+                continue
+            entry.served.seq.draft_ids = list(drafted.tokens)
+            self._record_load(entry, loaded)
+            ready.append(entry)
         ready = [e for e in ready if e.session_id in self._entries]  # not cancelled meanwhile
-        calls = [(e.session_id, e.served.output_ids[-1:], e.drafts) for e in ready]
+        calls = tuple(
+            VerifyCall(e.session_id, e.served.pending, tuple(e.served.seq.draft_ids)) for e in ready
+        )
         started = time.perf_counter()
         try:
-            results = await self.verifier.call("verify_many", calls) if calls else []
+            results = await self.verifier.verify_batch(calls) if calls else []
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the others go on
             results = [exc] * len(ready)
         else:
@@ -233,27 +218,26 @@ class ScheduledRounds:
                 continue
             outcomes = await entry.verification
             outcome = outcomes.get(entry.session_id)
-            entry.verification = None
+            entry.verification = entry.draft = entry.load = None
             if entry.session_id not in self._entries or outcome is None:
                 continue  # cancelled while it verified (its session closed)
-            if isinstance(outcome, Exception):
+            if isinstance(outcome, BaseException):
                 self._fail(entry.session_id, outcome)
             else:
                 self._finish_round(entry, outcome)
 
-    def _record_load(self, entry: _Entry, loaded: WorkResult) -> None:
-        entry.served.traffic.add(loaded)
-        if loaded.store_bytes and loaded.store_s > 0:
-            self.scheduler.costs.observe_load(loaded.store_bytes, loaded.store_s)
+    def _record_load(self, entry: _Entry, loaded: Loaded) -> None:
+        entry.served.add(loaded.traffic)
+        if loaded.traffic.store_bytes and loaded.traffic.store_s > 0:
+            self.scheduler.costs.observe_load(loaded.traffic.store_bytes, loaded.traffic.store_s)
 
-    def _finish_round(self, entry: _Entry, verified: WorkResult) -> None:
+    def _finish_round(self, entry: _Entry, verified: Verified) -> None:
         served = entry.served
-        committed = served.finish_round(entry.drafts, verified)
+        num_accepted = verified.num_accepted
+        committed = served.finish_round(verified)
         entry.exact, entry.link_delay_s = verified.exact, verified.link_delay_s
-        entry.round_target, entry.drafts = None, []
-        is_finished = served.finish_reason is not None
-        accepted = verified.num_accepted
-        self.scheduler.on_verified(entry.session_id, accepted, is_finished=is_finished)
+        is_finished = served.seq.is_finished
+        self.scheduler.on_verified(entry.session_id, num_accepted, is_finished=is_finished)
         entry.outbox.put_nowait(committed)
         if is_finished:
             del self._entries[entry.session_id]
@@ -263,25 +247,26 @@ class ScheduledRounds:
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             self.scheduler.abort(session_id)
+            _drop(entry.draft)
             _drop(entry.load)
             entry.outbox.put_nowait(error)
 
 
 def new_scheduled_rounds(
-    verifier: WorkerHandle,
-    about: dict,
+    verifier: VerifierAPI,
+    about: VerifierInfo,
     load_bytes_per_s: float,
     draft_step_s: float,
     config: CoordinatorConfig,
     metrics: ServeMetrics | None = None,
 ) -> ScheduledRounds:
-    """The schedule of one verifier, from what it described of itself (`Verifier.describe`), its
-    load bandwidth and the time of a draft step; both estimates are refined as it runs."""
+    """The schedule of one verifier, from what it described of itself, its load bandwidth and the
+    time of a draft step; both estimates are refined as it runs."""
     costs = CostModel(
         iteration_s=draft_step_s,
         link_bytes_per_s=load_bytes_per_s,
-        memory_budget_bytes=about["weights_bytes"] + about["resident_bytes"],
-        weights_bytes=about["weights_bytes"],
+        memory_budget_bytes=about.weights_bytes + about.resident_bytes,
+        weights_bytes=about.weights_bytes,
     )
 
     def new_scheduler(costs: CostModel) -> BaseScheduler:
@@ -290,16 +275,16 @@ def new_scheduled_rounds(
             return LockstepScheduler(costs, draft_len, config.scheduler)
         return StaggeredScheduler(costs, config.scheduler)
 
-    return ScheduledRounds(verifier, new_scheduler, costs, about["slot_bytes"], metrics)
+    return ScheduledRounds(verifier, new_scheduler, costs, about.slot_bytes, metrics)
 
 
-async def _loaded(entry: _Entry) -> WorkResult:
+async def _loaded(entry: _Entry) -> Loaded:
     # Every round books a load before its verification; none would mean the KV is resident.
-    return WorkResult() if entry.load is None else await entry.load
+    return Loaded(Traffic()) if entry.load is None else await entry.load
 
 
 def _drop(task: asyncio.Task | None) -> None:
-    """Forgets a load no one will wait for (its error, if any, included)."""
+    """Forgets a task no one will wait for (its error, if any, included)."""
     if task is not None:
         task.cancel()
         task.add_done_callback(lambda t: t.cancelled() or t.exception())

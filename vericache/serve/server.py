@@ -1,32 +1,33 @@
-"""A whole VeriCache server (workers, coordinator, gRPC API) on an event loop of its own thread.
+"""A whole VeriCache server (its coordinator and the gRPC API) on an event loop of its own thread.
 
 `vericache serve` runs one until interrupted; `make demo`, the benchmarks and the tests start one,
-talk to it through the client SDK like any user, and stop it.
+talk to it through the client SDK like any user, and stop it. `distributed_server` serves over
+verifier and drafter workers; `long_context_server` (long_context.py) over one engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from vericache.serve.api import start_server
 from vericache.serve.auth import Access
-from vericache.serve.coordinator import Coordinator, CoordinatorConfig
-from vericache.serve.handles import WorkerHandle
-from vericache.serve.launch import start_coordinator
+from vericache.serve.config import CoordinatorConfig
+from vericache.serve.coordinator import Coordinator
+from vericache.serve.handles import DrafterHandle, VerifierHandle
 
-# () -> (verifiers, drafters); runs on the server's thread.
-WorkerFactory = Callable[[], tuple[list[WorkerHandle], list[WorkerHandle]]]
+# Starts the coordinator; runs on the server's event loop.
+CoordinatorFactory = Callable[[], Awaitable[Coordinator]]
+# () -> (verifiers, drafters); runs on a thread of the server's.
+WorkerFactory = Callable[[], tuple[list[VerifierHandle], list[DrafterHandle]]]
 
 
 class BackgroundServer:
     def __init__(
         self,
-        workers: WorkerFactory,
-        model: str,
+        start_coordinator: CoordinatorFactory,
         address: str = "127.0.0.1:0",
-        config: CoordinatorConfig | None = None,
         start_timeout_s: float = 600.0,
         access: Access | None = None,
     ):
@@ -40,7 +41,7 @@ class BackgroundServer:
         self._thread.start()
         self.coordinator: Coordinator | None = None
         started = asyncio.run_coroutine_threadsafe(
-            self._start(workers, model, address, config), self._loop
+            self._start(start_coordinator, address), self._loop
         )
         try:
             self.port = started.result(start_timeout_s)
@@ -50,16 +51,11 @@ class BackgroundServer:
             raise
         self.host = address.rsplit(":", 1)[0]
 
-    async def _start(self, workers, model, address, config) -> int:
-        self.coordinator = await self._start_coordinator(workers, model, config)
+    async def _start(self, start_coordinator: CoordinatorFactory, address: str) -> int:
+        self.coordinator = await start_coordinator()
         started = await start_server(self.coordinator, address, self.access)
         self._servers, self.health_port = started.servers, started.health_port
         return started.port
-
-    async def _start_coordinator(self, workers, model: str, config) -> Coordinator:
-        """The coordinator over what `workers` makes (a subclass may take another maker)."""
-        verifiers, drafters = await asyncio.to_thread(workers)
-        return await start_coordinator(verifiers, drafters, model, config)
 
     @property
     def target(self) -> str:
@@ -85,3 +81,21 @@ class BackgroundServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def distributed_server(
+    workers: WorkerFactory,
+    model: str,
+    address: str = "127.0.0.1:0",
+    config: CoordinatorConfig | None = None,
+    start_timeout_s: float = 600.0,
+    access: Access | None = None,
+) -> BackgroundServer:
+    """A server over the workers `workers` makes (in this process, or Ray actors)."""
+    from vericache.serve.launch import start_coordinator
+
+    async def start() -> Coordinator:
+        verifiers, drafters = await asyncio.to_thread(workers)
+        return await start_coordinator(verifiers, drafters, model, config)
+
+    return BackgroundServer(start, address, start_timeout_s, access)

@@ -1,39 +1,28 @@
-"""What drafters and verifiers share: how they load the model, decode greedily and hand over KV.
+"""What drafters and verifiers share: how they load the model and choose a prefill's first token.
 
 Workers are plain classes (`Verifier`, `Drafter`) that tests run in-process and Ray runs as actors.
 Their state is per session: one session is one request's caches on that worker, opened by the
-coordinator, fed by it round after round, and closed when the request ends or is cancelled.
+coordinator, fed by it round after round, and closed when the request ends or is cancelled. Their
+forwards go through the engine's forward loop (serve/batching.py); what crosses with each call is
+in worker_api.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
 from vericache.errors import VeriCacheError
 from vericache.kv.cache import aligned
 from vericache.kv.codec import model_fingerprint
-from vericache.kv.exact import ExactKV
 from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import LoadedModel, load_model
 from vericache.model.runner import ModelRunner
 from vericache.serve.config import WorkerConfig
+from vericache.serve.worker_api import ModelInfo
 
 
 class SessionNotFoundError(VeriCacheError):
     """A worker was asked about a session it does not hold (never opened, or closed)."""
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the coordinator needs to know about the model the workers serve."""
-
-    model: str
-    fingerprint: str
-    max_positions: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
 
 
 def load_worker_model(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner, ModelInfo]:
@@ -58,20 +47,6 @@ def cache_capacity(num_tokens: int, max_positions: int) -> int:
     """Slots to reserve for a sequence that may reach `num_tokens` tokens: batch-invariant
     attention reads keys in whole blocks, so reserve them now, not on growth."""
     return aligned(min(num_tokens, max_positions), KEY_ALIGN)
-
-
-@dataclass
-class WorkResult:
-    """What a worker call returns to the coordinator."""
-
-    tokens: list[int] = field(default_factory=list)
-    num_accepted: int = 0
-    exact: ExactKV | None = None  # for the drafter
-    link_delay_s: float = 0.0  # until `exact` has crossed the link
-    link_bytes: int = 0
-    link_s: float = 0.0
-    store_bytes: int = 0
-    store_s: float = 0.0
 
 
 def first_token(logits: torch.Tensor) -> int:

@@ -105,20 +105,22 @@ class DeletePrefixResponse(_message.Message):
     def __init__(self, deleted: bool = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prefix_id", "prompt", "max_tokens", "stop", "mode", "draft_len")
+    __slots__ = ("prefix_id", "prompt", "max_tokens", "stop", "mode", "draft_len", "stop_token_ids")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prefix_id: str
     prompt: str
     max_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     mode: Mode
     draft_len: int
-    def __init__(self, prefix_id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., draft_len: _Optional[int] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefix_id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., draft_len: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "stats")

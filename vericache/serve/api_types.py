@@ -1,0 +1,110 @@
+"""The records the serving front speaks: what an API call becomes, and what its answer is made of.
+
+The gRPC servicer converts vericache.v1 messages to and from these (wire.py, the one module that
+does); the coordinator, the rounds, the metrics and the backends see only these records.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from vericache.engine.request import DecodeMode
+
+
+class ServeMode(str, enum.Enum):
+    """Where and how a served request decodes."""
+
+    VERICACHE = "vericache"  # a remote drafter drafts over compressed KV, the verifier verifies
+    FULL_LOCAL = "full_local"  # the verifier decodes over the full KV (the reference)
+    FULL_REMOTE = "full_remote"  # a drafter fetches the full KV over the slow link and decodes
+    LOSSY = "lossy"  # a drafter decodes over the compressed KV only
+
+    @property
+    def decode_mode(self) -> DecodeMode:
+        return _DECODE_MODES[self]
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self is not ServeMode.FULL_LOCAL
+
+
+_DECODE_MODES = {
+    ServeMode.VERICACHE: DecodeMode.VERICACHE,
+    ServeMode.FULL_LOCAL: DecodeMode.FULL,
+    ServeMode.FULL_REMOTE: DecodeMode.FULL,
+    ServeMode.LOSSY: DecodeMode.LOSSY,
+}
+
+
+@dataclass(frozen=True)
+class CompressorChoice:
+    """A compressor as a caller names it; unset strengths take the compressor's defaults."""
+
+    name: str  # a registry name: `vericache compressors`
+    ratio: float | None = None  # token dropping
+    bits: int | None = None  # quantization
+    dtype: str | None = None  # token dropping's storage: "bfloat16" or "float16"
+
+
+@dataclass(frozen=True)
+class PutPrefixCall:
+    """A prefix to register: text (a chat system turn) or token ids (used as they are)."""
+
+    compressor: CompressorChoice
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None  # [num_tokens]
+
+
+@dataclass(frozen=True)
+class RegistrationProgress:
+    prefix_id: str
+    stage: str  # "queued", "prefill", "store", "compress", "done"
+    num_tokens: int
+    existed: bool = False  # the prefix was registered already: nothing was recomputed
+
+    @property
+    def is_done(self) -> bool:
+        return self.stage == "done"
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    prompt: str  # the user turn
+    prefix_id: str | None = None  # None: no prefix
+    max_tokens: int | None = None  # None: the server's default
+    stop: tuple[str, ...] = ()  # stop strings
+    stop_token_ids: tuple[int, ...] = ()  # end tokens besides the model's EOS
+    mode: ServeMode | None = None  # None: VERICACHE with a prefix, FULL_LOCAL without
+    draft_len: int | None = None  # None: the server's default
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    text: str  # the text these tokens add (held back while it may still change)
+    token_ids: tuple[int, ...]  # [num_new_tokens]
+
+
+@dataclass(frozen=True)
+class GenerateSummary:
+    """The last event of a Generate stream."""
+
+    finish_reason: str  # "stop", "length"; "cancelled" if the stream was cut
+    num_tokens: int
+    rounds: int  # verifications (vericache) or decode steps
+    accepted_per_round: tuple[int, ...]  # [rounds] for vericache
+    link_bytes: int  # sent over the slow link for this request
+    store_bytes: int  # loaded from the full-KV store
+    link_wait_s: float
+    store_wait_s: float
+    ttft_s: float
+    tokens_per_s: float  # output tokens after the first over the time after it
+    total_s: float
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        accepted = self.accepted_per_round
+        return sum(accepted) / len(accepted) if accepted else 0.0
+
+
+GenerateEvent = OutputChunk | GenerateSummary

@@ -1,0 +1,48 @@
+"""The one small interface between the serving front and what serves: `ServingBackend`.
+
+The front (coordinator.py) owns everything a caller sees the same way whichever backend serves:
+tenants and their limits, admission, request checks, prompts, streamed text deltas and metrics.
+A backend owns prefixes and decoding:
+- the distributed server (distributed.py): verifier and drafter workers, in this process or on
+  Ray, with prefixes in the verifiers' store and catalog;
+- the long-context server (long_context.py): one long-context engine in this process, with
+  prefixes kept as records in its memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
+
+from vericache.serve.api_types import ServeMode
+from vericache.serve.catalog import PrefixRecord
+from vericache.serve.metrics import ServeMetrics
+from vericache.serve.rounds import ServedRequest
+from vericache.serve.worker_api import ModelInfo
+
+
+@runtime_checkable
+class ServingBackend(Protocol):
+    async def start(self, metrics: ServeMetrics) -> ModelInfo:
+        """Starts serving; metrics records what only the backend sees (iterations, memory)."""
+
+    async def close(self) -> None: ...
+
+    def check_can_serve(self, mode: ServeMode) -> None:
+        """Raises a typed error when this backend cannot serve `mode` (now, or ever)."""
+
+    def register(
+        self, prefix_id: str, token_ids: tuple[int, ...], chat: bool, compressor_spec: dict
+    ) -> AsyncIterator[str]:
+        """Makes what a new prefix needs; yields each stage's name as it begins."""
+
+    async def record(self, prefix_id: str) -> PrefixRecord:
+        """The registered prefix of that id; PrefixNotFoundError if none."""
+
+    async def records(self) -> list[PrefixRecord]: ...
+
+    async def remove(self, prefix_id: str) -> None: ...
+
+    def serve(self, served: ServedRequest) -> AsyncIterator[list[int]]:
+        """Decodes a checked request, committing through `served`; yields each batch of tokens
+        committed. Closing the iterator early frees what the request holds."""

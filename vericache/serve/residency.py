@@ -1,0 +1,131 @@
+"""Which sessions' full KV a verifier keeps on its device, within a budget of bytes.
+
+The verifier holds at most `budget_bytes` of full KV across its sessions (a session larger than
+that alone). Past it, the least recently used sessions not in use drop their prefix's KV and keep
+only the exact KV of the tokens after it; their next call reloads the prefix (`load_prefix`, from
+the store), waiting for room while the full KV of calls in progress, or loaded ahead of a
+verification (`Session.pinned`), fills the budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from vericache.kv.cache import KVCache
+from vericache.kv.exact import ExactKV
+from vericache.serve.worker import SessionNotFoundError
+from vericache.serve.worker_api import Residency, Traffic
+
+
+@dataclass
+class Session:
+    prefix_tokens: tuple[int, ...]
+    capacity: int  # cache slots
+    cache: KVCache | None = None  # None: evicted; `tail` holds the tokens after the prefix
+    tail: ExactKV | None = None
+    in_use: bool = False  # a call is working on it: not to be evicted
+    pinned: bool = False  # loaded ahead of its verification: not to be evicted either
+
+
+# A session's prefix KV made resident: the cache (with room for its capacity) and what it cost.
+PrefixLoader = Callable[[Session], tuple[KVCache, Traffic]]
+
+
+class ResidentSessions:
+    def __init__(self, budget_bytes: int, slot_bytes: int, load_prefix: PrefixLoader):
+        self.budget_bytes = budget_bytes
+        self.slot_bytes = slot_bytes  # one token of full KV in a cache slot
+        self._load_prefix = load_prefix
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.Lock()  # calls run on many threads
+        self._room = threading.Condition(self._lock)  # signalled when full KV may have freed
+        self._loading_bytes = 0  # full KV of the loads in progress, not resident yet
+        self._peak_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def add(self, session_id: str, session: Session) -> None:
+        with self._lock:
+            self._sessions[session_id] = session
+
+    def remove(self, session_id: str) -> None:
+        with self._lock:
+            self._sessions.pop(session_id, None)
+            self._room.notify_all()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._sessions.clear()
+
+    def residency(self) -> Residency:
+        with self._lock:
+            return Residency(self._resident_bytes(), self._peak_bytes)
+
+    @contextlib.contextmanager
+    def using(self, session_id: str) -> Iterator[tuple[Session, Traffic]]:
+        """The session with its full KV resident, safe from eviction while in use, and what
+        making it resident cost. One call per session at a time (a request's rounds are
+        sequential); sessions run concurrently."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise SessionNotFoundError(f"the verifier holds no session {session_id!r}")
+            self._sessions.move_to_end(session_id)
+            session.in_use = True
+            incoming = 0 if session.cache is not None else session.capacity * self.slot_bytes
+            self._wait_for_room(incoming)
+            self._loading_bytes += incoming
+        try:
+            try:
+                loaded = self._make_resident(session)  # outside the lock: others go on
+            finally:
+                with self._lock:
+                    self._loading_bytes -= incoming
+                    self._peak_bytes = max(self._peak_bytes, self._resident_bytes())
+            yield session, loaded
+        finally:
+            with self._lock:
+                session.in_use = False
+                self._evict_beyond_budget()
+                self._room.notify_all()
+
+    def _make_resident(self, session: Session) -> Traffic:
+        if session.cache is not None:
+            return Traffic()
+        cache, traffic = self._load_prefix(session)
+        if session.tail is not None:
+            cache.append_exact(session.tail)
+        session.cache, session.tail = cache, None
+        return traffic
+
+    def _wait_for_room(self, incoming: int) -> None:
+        """Evicts idle sessions until a load of `incoming` bytes fits the budget, waiting while
+        the full KV in use, pinned or loading does not leave room; a session larger than the
+        budget loads once no other full KV is held. Called with the lock held."""
+        while incoming:
+            self._evict_beyond_budget(incoming)
+            held = self._resident_bytes() + self._loading_bytes
+            if held + incoming <= self.budget_bytes or held == 0:
+                return
+            self._room.wait()
+
+    def _evict_beyond_budget(self, incoming: int = 0) -> None:
+        """Least recently used sessions not in use drop their prefix's KV (keeping the tokens
+        after it) until residency, with `incoming` bytes about to load, fits the budget. Called
+        with the lock held."""
+        for victim in list(self._sessions.values()):
+            if self._resident_bytes() + self._loading_bytes + incoming <= self.budget_bytes:
+                return
+            if victim.cache is None or victim.in_use or victim.pinned:
+                continue
+            num_prefix = len(victim.prefix_tokens)
+            victim.tail = ExactKV.of(victim.cache, num_prefix, victim.cache.num_tokens)
+            victim.cache = None
+
+    def _resident_bytes(self) -> int:
+        return sum(s.cache.nbytes for s in self._sessions.values() if s.cache is not None)

@@ -1,0 +1,234 @@
+"""The typed worker interface: what the coordinator may ask a verifier or a drafter, and the records
+that cross with each call.
+
+`VerifierAPI` and `DrafterAPI` are the protocols the coordinator calls (handles.py implements both,
+in this process or over Ray); each method has a namesake on the worker class (`Verifier`,
+`Drafter`) taking the same records, so a call can be followed from the gRPC handler to the forward
+that serves it. A round makes at most two calls: one `DrafterAPI.draft` (a whole draft, carrying
+the exact KV of the previous round's committed tokens) and one `VerifierAPI.verify`.
+
+Token lists cross as tuples; KV as `ExactKV` (per layer [n, Hkv, D]).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from vericache.kv.exact import ExactKV
+from vericache.serve.catalog import PrefixRecord
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the coordinator needs to know about the model the workers serve."""
+
+    model: str
+    fingerprint: str
+    max_positions: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    model: ModelInfo
+    transfer_address: str  # the KVTransfer service drafters fetch prefixes' KV from
+    weights_bytes: int
+    slot_bytes: int  # one token of full KV in a cache slot, positions included
+    resident_bytes: int  # the budget of full KV kept on the device across sessions
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    model: ModelInfo
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes a call moved over the slow link and from the full-KV store, and the time taken."""
+
+    link_bytes: int = 0
+    link_s: float = 0.0
+    store_bytes: int = 0
+    store_s: float = 0.0
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(
+            self.link_bytes + other.link_bytes,
+            self.link_s + other.link_s,
+            self.store_bytes + other.store_bytes,
+            self.store_s + other.store_s,
+        )
+
+
+class DraftRole(str, enum.Enum):
+    """What a drafter session does with the KV it fetched."""
+
+    DRAFT = "draft"  # VERICACHE: drafts over the compressed KV
+    LOSSY = "lossy"  # LOSSY: decodes alone over the compressed KV
+    FULL = "full"  # FULL_REMOTE: decodes alone over the full KV, with the verifier's kernels
+
+
+# -- sessions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenVerifier:
+    session_id: str
+    prompt_ids: tuple[int, ...]  # [num_prompt_tokens]
+    prefix_id: str | None  # None: no prefix
+    capacity: int  # cache slots to reserve
+    for_drafter: bool  # hand the prompt's exact KV after the prefix to a drafter
+
+
+@dataclass(frozen=True)
+class VerifierOpened:
+    first_token: int  # the greedy choice after the prompt
+    exact: ExactKV | None  # the prompt's exact KV after the prefix, when for a drafter
+    link_delay_s: float  # until `exact` has crossed the link to the drafters
+    traffic: Traffic
+
+
+@dataclass(frozen=True)
+class OpenDrafter:
+    session_id: str
+    role: DraftRole
+    transfer_address: str  # the verifier's KVTransfer service
+    prefix_id: str
+    prompt_ids: tuple[int, ...]  # [num_prompt_tokens]
+    num_prefix_tokens: int
+    capacity: int  # cache slots to reserve
+
+
+@dataclass(frozen=True)
+class DrafterOpened:
+    first_token: int | None  # decoding alone (LOSSY, FULL); None when drafting
+    traffic: Traffic
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """One round's whole draft."""
+
+    session_id: str
+    pending: tuple[int, ...]  # committed tokens the cache has not been fed: [the newest]
+    num_drafts: int  # draft up to this many tokens (0: only take in `exact`)
+    end_ids: frozenset[int]  # stop drafting after one of these
+    exact: ExactKV | None  # the verifier's KV of the tokens committed since the last draft
+
+
+@dataclass(frozen=True)
+class Drafted:
+    tokens: tuple[int, ...]  # [<= num_drafts]
+    step_s: float  # seconds per draft step this call took, its batch-mates included
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    session_id: str
+    pending: tuple[int, ...]  # [the newest committed token]
+    drafts: tuple[int, ...]  # [num_drafts]
+
+
+@dataclass(frozen=True)
+class Verified:
+    tokens: tuple[int, ...]  # [1 + num_drafts] the full-KV greedy choice after each fed token
+    num_accepted: int  # drafts kept: the cache holds pending + these
+    exact: ExactKV  # the KV of pending + accepted drafts, for the drafter's next round
+    link_delay_s: float  # until `exact` has crossed the link to the drafters
+    traffic: Traffic
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """Full-KV or lossy decoding by one worker alone."""
+
+    session_id: str
+    pending: tuple[int, ...]  # [the newest committed token]
+    max_tokens: int
+    end_ids: frozenset[int]  # stop after choosing one of these
+
+
+@dataclass(frozen=True)
+class Decoded:
+    tokens: tuple[int, ...]  # [<= max_tokens]
+    traffic: Traffic
+
+
+@dataclass(frozen=True)
+class Loaded:
+    traffic: Traffic  # the store's bytes brought onto the device (0: resident already)
+
+
+# -- prefixes ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompressPrefix:
+    token_ids: tuple[int, ...]  # [num_tokens] a prefix stored already
+    chat: bool  # a chat system turn (prompts follow as the user turn)
+    compressor_spec: dict  # `Compressor.spec()`, with the owning tenant (`owned_spec`)
+
+
+# -- introspection ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchingStats:
+    steps: int  # forwards the worker's batch loop ran
+    max_batch: int  # the most jobs one of them held
+
+
+@dataclass(frozen=True)
+class Residency:
+    bytes: int  # full KV resident on the verifier's device now
+    peak_bytes: int  # ...and at most so far
+
+
+# -- the protocols ----------------------------------------------------------------------------
+
+
+@runtime_checkable
+class VerifierAPI(Protocol):
+    """The worker beside the full-KV store (serve/verifier.py)."""
+
+    name: str
+    active: int  # sessions the coordinator has placed on it
+
+    async def describe(self) -> VerifierInfo: ...
+    async def measure_load_bandwidth(self) -> float: ...
+    async def prefill_prefix(self, token_ids: tuple[int, ...]) -> None: ...
+    async def store_prefix(self, token_ids: tuple[int, ...]) -> Traffic: ...
+    async def compress_prefix(self, call: CompressPrefix) -> PrefixRecord: ...
+    async def discard_staged(self, token_ids: tuple[int, ...]) -> bool: ...
+    async def get_prefix(self, prefix_id: str) -> PrefixRecord: ...
+    async def list_prefixes(self) -> list[PrefixRecord]: ...
+    async def delete_prefix(self, prefix_id: str) -> PrefixRecord: ...
+    async def open(self, call: OpenVerifier) -> VerifierOpened: ...
+    async def load(self, session_id: str) -> Loaded: ...
+    async def verify(self, call: VerifyCall) -> Verified: ...
+    async def verify_batch(self, calls: tuple[VerifyCall, ...]) -> list[Verified | None]: ...
+    async def decode(self, call: DecodeCall) -> Decoded: ...
+    async def close_session(self, session_id: str) -> None: ...
+    async def batching(self) -> BatchingStats: ...
+    async def residency(self) -> Residency: ...
+    async def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class DrafterAPI(Protocol):
+    """The worker on a remote GPU, across the slow link (serve/drafter.py)."""
+
+    name: str
+    active: int
+
+    async def describe(self) -> DrafterInfo: ...
+    async def time_draft_step(self) -> float: ...
+    async def open(self, call: OpenDrafter) -> DrafterOpened: ...
+    async def draft(self, call: DraftCall) -> Drafted: ...
+    async def decode(self, call: DecodeCall) -> Decoded: ...
+    async def close_session(self, session_id: str) -> None: ...
+    async def batching(self) -> BatchingStats: ...
+    async def shutdown(self) -> None: ...
