@@ -204,13 +204,14 @@ class AsyncClient:
         mode: ModeName = "vericache",
         max_tokens: int = 256,
         stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
         timeout: float | None = None,
     ) -> Result:
         """Generates a reply to `prompt`; see `Client.generate`."""
         async with self.stream(
             prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
-            draft_len=draft_len, timeout=timeout,
+            stop_token_ids=stop_token_ids, draft_len=draft_len, timeout=timeout,
         ) as stream:  # fmt: skip
             return await stream.result()
 
@@ -222,11 +223,14 @@ class AsyncClient:
         mode: ModeName = "vericache",
         max_tokens: int = 256,
         stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
         timeout: float | None = None,
     ) -> AsyncStream:
         """As `generate`, but an `AsyncStream` of text deltas (not a coroutine: `async for` it)."""
-        request = generate_request(prompt, prefix_id, mode, max_tokens, stop, draft_len)
+        request = generate_request(
+            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids
+        )
         return AsyncStream(self._messages(self._stub.Generate, request, timeout))
 
     async def close(self) -> None:

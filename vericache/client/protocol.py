@@ -57,6 +57,7 @@ def generate_request(
     max_tokens: int,
     stop: Sequence[str],
     draft_len: int | None,
+    stop_token_ids: Sequence[int] = (),
 ) -> vericache_pb2.GenerateRequest:
     if not isinstance(prompt, str):
         raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -68,6 +69,7 @@ def generate_request(
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string, not its letters
     if not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequestError(f"stop must hold non-empty strings, got {stop!r}")
+    stop_token_ids = _check_token_ids(stop_token_ids) if stop_token_ids else []
     return vericache_pb2.GenerateRequest(
         prefix_id=prefix_id or "",
         prompt=prompt,
@@ -75,6 +77,7 @@ def generate_request(
         stop=stop,
         mode=MODES[mode],
         draft_len=draft_len,
+        stop_token_ids=stop_token_ids,
     )
 
 

@@ -223,6 +223,7 @@ class Client:
         mode: ModeName = "vericache",
         max_tokens: int = 256,
         stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
         timeout: float | None = None,
     ) -> Result:
@@ -230,10 +231,12 @@ class Client:
 
         `mode` is "vericache" (lossless speculative decoding), "full_local", "full_remote" or
         "lossy"; `draft_len` is the number of tokens drafted per round (None: the server's).
+        Decoding stops at the first of `stop` (the text ends before it) or of `stop_token_ids`
+        (end tokens besides the model's EOS, kept in the output).
         """
         with self.stream(
             prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
-            draft_len=draft_len, timeout=timeout,
+            stop_token_ids=stop_token_ids, draft_len=draft_len, timeout=timeout,
         ) as stream:  # fmt: skip
             return stream.result()
 
@@ -245,11 +248,14 @@ class Client:
         mode: ModeName = "vericache",
         max_tokens: int = 256,
         stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
         timeout: float | None = None,
     ) -> Stream:
         """As `generate`, but returns a `Stream` of text deltas; its `result()` has the stats."""
-        request = generate_request(prompt, prefix_id, mode, max_tokens, stop, draft_len)
+        request = generate_request(
+            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids
+        )
         return Stream(self._messages(self._stub.Generate, request, timeout))
 
     def close(self) -> None:
