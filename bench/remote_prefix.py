@@ -43,10 +43,10 @@ from pathlib import Path
 from vericache.bench.common import compressor_from_label, environment, pyplot, save_figure
 from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
 from vericache.client import Client, Result
+from vericache.engine.link import LinkSpec
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
-from vericache.serve.link import LinkSpec
 
 TARGET = 1.5
 BALANCED_RATIO = 1.0

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vericache.cli.main import main
-from vericache.compress import build_compressor
+from vericache.compress import build_compressor, cache_from_state
 from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.kv.codec import (
     FORMAT_VERSION,
@@ -35,7 +35,6 @@ from vericache.kv.codec_errors import (
     VersionError,
 )
 from vericache.kv.codec_tensor import CODE_FORMS, decode_tensor, encode_tensor
-from vericache.kv.compressed import cache_from_state
 from vericache.kv.state import CacheState, LayerState
 from vericache.model.config import ModelConfig
 

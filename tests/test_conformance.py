@@ -23,9 +23,10 @@ from vericache.compress import (
     PyramidKV,
     SnapKV,
     StreamingLLM,
+    cache_from_state,
 )
 from vericache.engine.request import DecodeMode, Request, SamplingParams
-from vericache.kv.compressed import CompressedKV, cache_from_state
+from vericache.kv.compressed import CompressedKV
 
 PREFIX, SUFFIX, MAX_NEW = 300, 10, 32
 COMPRESSORS = [

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vericache.compress import KIVI
+from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.errors import PrefixNotFoundError
 from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.serve.kv_transfer import (
@@ -14,7 +15,6 @@ from vericache.serve.kv_transfer import (
     KVTransferService,
     TransferServer,
 )
-from vericache.serve.link import LinkSpec, ThrottledLink
 
 FINGERPRINT = "sha256:test-model"
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from vericache.engine.link import LinkSpec, ThrottledLink, parse_bandwidth, parse_duration
 from vericache.errors import InvalidRequestError
-from vericache.serve.link import LinkSpec, ThrottledLink, parse_bandwidth, parse_duration
 
 
 @pytest.mark.parametrize(

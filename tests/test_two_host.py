@@ -153,9 +153,9 @@ def _drive(args: dict) -> None:
     import ray
 
     from vericache.client import Client
+    from vericache.engine.link import LinkSpec
     from vericache.serve.config import DrafterConfig, VerifierConfig
     from vericache.serve.launch import ray_workers
-    from vericache.serve.link import LinkSpec
     from vericache.serve.server import distributed_server
 
     model = args["model"]

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from vericache.bench.workloads import code_contexts
 from vericache.client import Client
+from vericache.engine.link import LinkSpec
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 from vericache.serve.config import DrafterConfig, VerifierConfig
-from vericache.serve.link import LinkSpec
 
 PROMPT = "Write a short example that uses the main functions of the module above."
 MODES = ("full_local", "vericache", "full_remote", "lossy")

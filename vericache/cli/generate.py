@@ -15,13 +15,13 @@ from vericache.cli.prefix import add_connection_arguments, connection_options
 from vericache.compress import COMPRESSORS, build_compressor
 from vericache.compress.base import STORAGE_DTYPES
 from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
+from vericache.engine.link import parse_bandwidth, parse_size
 from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, RequestOutput, SamplingParams
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES
-from vericache.serve.link import parse_bandwidth, parse_size
 
 
 def add_parser(commands) -> None:

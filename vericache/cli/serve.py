@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 
 from vericache.cli.generate import add_long_context_arguments, long_context_config
+from vericache.engine.link import LinkSpec, parse_bandwidth, parse_size
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES, cache_root
 from vericache.serve.auth import Access, ApiKeys, TlsFiles
@@ -33,7 +34,6 @@ from vericache.serve.config import (
     VerifierConfig,
     WorkerConfig,
 )
-from vericache.serve.link import LinkSpec, parse_bandwidth, parse_size
 from vericache.serve.logs import configure_logging
 
 log = logging.getLogger("vericache.serve.summary")

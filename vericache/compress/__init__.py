@@ -7,7 +7,7 @@ from vericache.compress.kivi import KIVI
 from vericache.compress.kvquant import KVQuant
 from vericache.compress.kvzip import KVzip
 from vericache.compress.pyramidkv import PyramidKV
-from vericache.compress.registry import COMPRESSORS, build_compressor
+from vericache.compress.registry import COMPRESSORS, build_compressor, cache_from_state
 from vericache.compress.snapkv import SnapKV
 from vericache.compress.streamingllm import StreamingLLM
 from vericache.compress.tova import TOVA
@@ -27,4 +27,5 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "build_compressor",
+    "cache_from_state",
 ]

@@ -1,4 +1,5 @@
-"""Compressors by registry name: `build_compressor("snapkv", ratio=4)` or `("kivi", bits=2)`."""
+"""Compressors by registry name: `build_compressor("snapkv", ratio=4)` or `("kivi", bits=2)`, and
+the caches a stored state describes, whose compressor it names (`cache_from_state`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from vericache.compress.snapkv import SnapKV
 from vericache.compress.streamingllm import StreamingLLM
 from vericache.compress.tova import TOVA
 from vericache.errors import InvalidRequestError
+from vericache.kv.cache import KVCache
+from vericache.kv.compressed import CompressedKV, layer_from_state
+from vericache.kv.outlier_quantized import OutlierQuantizedLayerKV
+from vericache.kv.state import CacheState
 
 COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls for cls in (StreamingLLM, SnapKV, H2O, PyramidKV, KVzip, TOVA, KIVI, KVQuant)
@@ -36,3 +41,17 @@ def build_compressor(name: str, **params) -> Compressor:
             f"compressor {name!r} takes no parameter {key!r} (it takes: {takes})"
         )
     return cls(**given)
+
+
+def cache_from_state(state: CacheState, rope=None) -> KVCache:
+    """The cache a state describes: a CompressedKV when a compressor made it, else a full KVCache.
+    `rope` (the model's RotaryEmbedding) serves layers that store keys before RoPE (KVQuant)."""
+    layers = [layer_from_state(layer) for layer in state.layers]
+    for layer in layers:
+        if isinstance(layer, OutlierQuantizedLayerKV):
+            layer.attach_rope(rope)
+    if state.compressor is None:
+        return KVCache(layers, state.num_tokens)
+    compressor = build_compressor(state.compressor["name"], **state.compressor["params"])
+    extras = {name: list(ts) for name, ts in state.extras.items()}
+    return CompressedKV(layers, state.num_tokens, compressor, state.budgets, extras)

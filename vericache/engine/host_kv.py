@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.errors import CacheStateError
 from vericache.kv.cache import DenseLayerKV, KVCache, write_head_major
 from vericache.kv.compressed import CompressedKV, layer_from_state
 from vericache.kv.exact import ExactKV
 from vericache.kv.outlier_quantized import OutlierQuantizedLayerKV
 from vericache.kv.state import LayerState
-from vericache.serve.link import LinkSpec, ThrottledLink
 
 
 class HostKV:

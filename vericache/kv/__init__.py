@@ -1,5 +1,5 @@
 from vericache.kv.cache import DenseLayerKV, KVCache, LayerKV
-from vericache.kv.compressed import CompressedKV, cache_from_state
+from vericache.kv.compressed import CompressedKV
 from vericache.kv.quantized import QuantizedLayerKV
 from vericache.kv.state import CacheState, LayerState
 
@@ -11,5 +11,4 @@ __all__ = [
     "LayerKV",
     "LayerState",
     "QuantizedLayerKV",
-    "cache_from_state",
 ]

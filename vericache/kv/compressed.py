@@ -93,19 +93,3 @@ def layer_from_state(state: LayerState) -> LayerKV:
     if state.kind not in LAYER_KINDS:
         raise CacheStateError(f"unknown layer kind {state.kind!r}")
     return LAYER_KINDS[state.kind].from_state(state)
-
-
-def cache_from_state(state: CacheState, rope=None) -> KVCache:
-    """The cache a state describes: a CompressedKV when a compressor made it, else a full KVCache.
-    `rope` (the model's RotaryEmbedding) serves layers that store keys before RoPE (KVQuant)."""
-    layers = [layer_from_state(layer) for layer in state.layers]
-    for layer in layers:
-        if isinstance(layer, OutlierQuantizedLayerKV):
-            layer.attach_rope(rope)
-    if state.compressor is None:
-        return KVCache(layers, state.num_tokens)
-    from vericache.compress import build_compressor  # compress builds on kv: import when used
-
-    compressor = build_compressor(state.compressor["name"], **state.compressor["params"])
-    extras = {name: list(ts) for name, ts in state.extras.items()}
-    return CompressedKV(layers, state.num_tokens, compressor, state.budgets, extras)

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from vericache.engine.link import parse_size
 from vericache.errors import InvalidRequestError, QueueFullError, VeriCacheError
-from vericache.serve.link import parse_size
 
 _HASH_PREFIX = "sha256:"
 MIN_KEY_CHARS = 16

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from vericache.engine.link import LinkSpec
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES
 from vericache.scheduler import SchedulerConfig
-from vericache.serve.link import LinkSpec
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from vericache.compress import cache_from_state
+from vericache.engine.link import ThrottledLink
 from vericache.engine.prefix_store import PrefixStore
 from vericache.errors import PrefixNotFoundError
 from vericache.kv.cache import KVCache
 from vericache.kv.codec import decode_iter, iter_encode
-from vericache.kv.compressed import cache_from_state
 from vericache.kv.state import CacheState
-from vericache.serve.link import ThrottledLink
 from vericache.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 PIECE_BYTES = 1 << 20  # under gRPC's default 4 MiB message limit

@@ -20,6 +20,7 @@ import torch
 from vericache.engine.calibration import measure_link_bandwidth
 from vericache.engine.device_memory import slot_bytes
 from vericache.engine.forward_loop import Job
+from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.engine.sequence import num_accepted
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
@@ -28,7 +29,6 @@ from vericache.serve.batching import BatchLoop
 from vericache.serve.catalog import PrefixRecord
 from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVTransferService, TransferServer
-from vericache.serve.link import LinkSpec, ThrottledLink
 from vericache.serve.prefixes import PrefixRegistry
 from vericache.serve.residency import ResidentSessions, Session
 from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model

@@ -1,7 +1,8 @@
-"""A slow network link, emulated on the real bytes a sender puts on it.
+"""A slow link, emulated on the real bytes a sender puts on it.
 
-Drafters sit on remote machines: compressed KV reaches them over a link far slower than the
-verifier's local store. `ThrottledLink` paces every chunk a stream sends to a configured bandwidth
+Drafters sit on remote machines: compressed KV reaches them over a network link far slower than
+the verifier's local store; full KV reaches a device over PCIe from host memory (long-context
+mode) or a store. `ThrottledLink` paces every chunk a stream sends to a configured bandwidth
 and delays the stream's first chunk by the link's one-way latency, so a transfer of B bytes takes
 latency + B / bandwidth, whatever the chunking. Streams share the link: concurrent transfers split
 its bandwidth, as on a real wire. Off (`LinkSpec()`) in production, where the network is real.
