@@ -106,6 +106,9 @@ def test_scheduled_rounds_equal_full_decoding(scheduled):
     assert sample("vericache:scheduler_verify_batch_size_sum", labels) >= len(PROMPTS)
     assert sample("vericache:scheduler_draft_batch_size_count", labels) > MAX_TOKENS / 6
     assert sample("vericache:scheduler_memory_peak_bytes", labels) == peak
+    # Each request's round made one drafter call and one verifier call at most.
+    calls = sample("vericache:round_worker_calls_total", labels)
+    assert 0 < calls <= 2 * sample("vericache:spec_decode_num_drafts_total", labels)
     # The verifier itself never held more full KV than its budget, openings included.
     residency = server.run(recording.residency())
     assert 0 < residency.peak_bytes <= recording.worker.config.resident_bytes

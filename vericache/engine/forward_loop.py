@@ -79,16 +79,24 @@ class ForwardLoop:
         self.invariant_full_kv = invariant_full_kv
         self.num_steps = 0
         self.max_batch = 0  # the most jobs one step has run
+        # CPU seconds of this loop's forwards (the stepping thread's), and the share of them that
+        # full-KV rows took, split by the tokens each kind fed: what verification costs.
+        self.cpu_s = 0.0
+        self.exact_cpu_s = 0.0
 
     def step(self, jobs: list[Job]) -> float:
         """One forward over every job's next tokens; advances each. Returns its seconds."""
         invariant = self.invariant_full_kv and any(job.exact for job in jobs)
         inputs = [job.sequence_input() for job in jobs]
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         chosen = greedy(self.runner.forward(inputs, invariant=invariant))
-        elapsed = time.perf_counter() - start
+        elapsed, cpu_s = time.perf_counter() - start, time.thread_time() - start_cpu
         for job, job_chosen in zip(jobs, chosen):
             job.advance(job_chosen)
         self.num_steps += 1
         self.max_batch = max(self.max_batch, len(jobs))
+        num_fed = [seq.token_ids.numel() for seq in inputs]
+        exact_fed = sum(n for job, n in zip(jobs, num_fed) if job.exact)
+        self.cpu_s += cpu_s
+        self.exact_cpu_s += cpu_s * exact_fed / sum(num_fed)
         return elapsed

@@ -27,15 +27,6 @@ class BatchLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def num_steps(self) -> int:
-        return self.forward_loop.num_steps
-
-    @property
-    def max_batch(self) -> int:
-        """The largest batch a step has run."""
-        return self.forward_loop.max_batch
-
     def run(self, job: Job) -> list[int]:
         """Runs `job` to completion among the others; returns its greedy choices."""
         return self.run_many([job])[0]

@@ -122,7 +122,8 @@ class Drafter:
         return len(self._sessions)
 
     def batching(self) -> BatchingStats:
-        return BatchingStats(self._loop.num_steps, self._loop.max_batch)
+        loop = self._loop.forward_loop
+        return BatchingStats(loop.num_steps, loop.max_batch, loop.cpu_s, loop.exact_cpu_s)
 
     def shutdown(self) -> None:
         self._loop.stop()

@@ -72,6 +72,10 @@ class ServeMetrics:
             "e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS
         )
         self._drafts = self._counter("spec_decode_num_drafts", "Draft rounds verified.")
+        self._round_calls = self._counter(
+            "round_worker_calls",
+            "Worker calls of VERICACHE rounds (draft and verify), per request taking part.",
+        )
         self._draft_tokens = self._counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self._accepted = self._counter(
             "spec_decode_num_accepted_tokens", "Draft tokens the verifier accepted."
@@ -136,6 +140,9 @@ class ServeMetrics:
         self._accepted.labels(self.model_name).inc(num_accepted)
         for position in range(num_accepted):  # accepted drafts are a prefix of the draft
             self._accepted_per_pos.labels(self.model_name, str(position)).inc()
+
+    def round_calls_made(self, num_calls: int) -> None:
+        self._round_calls.labels(self.model_name).inc(num_calls)
 
     def request_finished(self, finish_reason: str, e2e_s: float) -> None:
         self._success.labels(self.model_name, finish_reason).inc()
@@ -241,6 +248,7 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
         stats = served.seq.stats
         for drafted, accepted in zip(stats.drafted_per_round, stats.accepted_per_round):
             metrics.round_verified(drafted, accepted)
+        metrics.round_calls_made(served.num_round_calls)
         traffic = served.traffic
         metrics.link_used(traffic.link_bytes, traffic.link_s)
         if traffic.store_bytes:

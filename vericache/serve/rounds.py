@@ -58,6 +58,7 @@ class ServedRequest:
     traffic: Traffic = Traffic()
     started_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    num_round_calls: int = 0  # worker calls its VERICACHE rounds made (draft and verify)
 
     @property
     def session_id(self) -> str:
@@ -212,7 +213,9 @@ async def _vericache(
         if num_drafts > 0:
             await cross_link(served, link_delay)
             call = DraftCall(served.session_id, served.pending, num_drafts, served.end_ids, exact)
+            served.num_round_calls += 1
             seq.draft_ids = list((await drafter.draft(call)).tokens)
+        served.num_round_calls += 1
         verified = await verifier.verify(
             VerifyCall(served.session_id, served.pending, tuple(seq.draft_ids))
         )

@@ -172,6 +172,7 @@ class ScheduledRounds:
             return Drafted((), 0.0)  # the budget leaves one token: the verification chooses it
         await cross_link(served, entry.link_delay_s)
         call = DraftCall(served.session_id, served.pending, num_drafts, served.end_ids, exact)
+        served.num_round_calls += 1
         drafted = await entry.drafter.draft(call)
         if drafted.step_s > 0:
             self.scheduler.costs.observe_iteration(drafted.step_s)
@@ -196,6 +197,8 @@ class ScheduledRounds:
             self._record_load(entry, loaded)
             ready.append(entry)
         ready = [e for e in ready if e.session_id in self._entries]  # not cancelled meanwhile
+        for entry in ready:
+            entry.served.num_round_calls += 1  # one verifier call for the whole batch
         calls = tuple(
             VerifyCall(e.session_id, e.served.pending, tuple(e.served.seq.draft_ids)) for e in ready
         )

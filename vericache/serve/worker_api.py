@@ -179,6 +179,8 @@ class CompressPrefix:
 class BatchingStats:
     steps: int  # forwards the worker's batch loop ran
     max_batch: int  # the most jobs one of them held
+    cpu_s: float  # CPU seconds of those forwards
+    exact_cpu_s: float  # ...the full-KV rows' share of them, by tokens fed
 
 
 @dataclass(frozen=True)
