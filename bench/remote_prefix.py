@@ -1,85 +1,91 @@
 """Remote prefix caching (the paper's Pipeline 2): sustained tokens/s of a stream of requests over
-several registered prefixes, served three ways, as the slow link toward the drafters narrows.
+registered prefixes, VeriCache against the best full-KV configuration on the same workers.
 
-- VERICACHE: a drafter fetches each prefix's compressed KV once over the slow link and drafts; the
-  verifier beside the store verifies with the full KV.
-- FULL_REMOTE: a drafter fetches the prefix's full KV over the slow link and decodes alone. Its LRU
-  (`DrafterConfig.kv_cache_bytes`, room for `--drafter-kv` full prefixes) holds every prefix's
-  compressed KV but not every full KV, so a stream cycling over the prefixes fetches again, as a
-  remote GPU with bounded memory would.
-- FULL_LOCAL: only the verifier decodes, loading full KV from its store; the link stays idle.
+Every configuration serves the same stream (request i asks CONTEXT_PROMPTS[i // P % 3] about
+prefix i % P, C at a time, greedy) through the client SDK, on freshly started Ray workers (one
+thread each: a worker stands for one GPU; a cold drafter LRU):
+- VERICACHE: drafters fetch each prefix's compressed KV once over the slow link and draft; the
+  verifier beside the store verifies with the full KV. Swept over the draft length x, the number of
+  drafters and the scheduling (per-request, staggered).
+- FULL_LOCAL: the verifier decodes alone, loading full KV from its store; the drafters idle.
+- FULL_REMOTE: the drafters fetch full KV over the slow link and decode alone. Their LRU
+  (`--drafter-kv` full prefixes) holds every compressed KV but not every full KV, so a stream
+  cycling over the prefixes fetches again, as a remote GPU with bounded memory would.
+- FULL_BOTH: full-KV serving on every worker at once: a router sends each request to the verifier
+  (FULL_LOCAL) or the drafters (FULL_REMOTE), whichever would finish it first given the
+  throughput each measured alone (bench/serving.py, `Router`).
+The link's bandwidth makes moving one prefix's full KV take `--ratio` times FULL_LOCAL's seconds
+per reply (its stream's wall time / requests). Each cell is served `--repeats` times, on fresh
+workers each time: its median tokens/s, with the smallest and largest.
 
-Every configuration serves the same stream (request i asks CONTEXT_PROMPTS[(i // P) % 3] about
-prefix i % P, C at a time, greedy) through the client SDK, on freshly started Ray workers (a cold
-drafter LRU), one thread each: every worker stands for one GPU. Tokens/s = output tokens of the
-stream / its wall time. A calibration picks the bandwidths: the full KV's wire bytes (a FULL_REMOTE
-fetch over an open link) and FULL_LOCAL's seconds per reply give, for each `ratio`, the bandwidth at
-which moving one prefix's full KV takes `ratio` times as long as decoding one reply. Seconds per
-reply is FULL_LOCAL's stream wall time / requests: what one reply costs the local worker at that
-concurrency (workers batch the requests they serve), so at ratio 1 the link carries full KV exactly
-as fast as the local worker completes requests (a single reply's latency is about C times longer).
-
-Headline `vericache_over_best_full`: VERICACHE tokens/s over the better of FULL_REMOTE and
-FULL_LOCAL at ratio 1 (target >= 1.5; the paper reports 1.33-2.11x). `identical`: every VERICACHE
-and FULL_REMOTE output equals FULL_LOCAL's, token for token. Run with OMP_NUM_THREADS=1 on a
-machine with a core per worker (default: one verifier and one drafter) and nothing else busy: each
-record keeps the CPU seconds of the drafters, the verifiers and everything else during its stream
-(`cpu_s`), and a stream during which other processes kept more than `--max-other-load` cores busy
-is served again (at most `--max-attempts` times; the quietest attempt is kept).
+Summary:
+- vericache_over_best_full: VERICACHE over the best of FULL_LOCAL, FULL_REMOTE and FULL_BOTH on
+  the same drafters, per cell; the headline is the server's defaults (x=30, one drafter,
+  per-request rounds), chosen before the run;
+- rpcs_per_round: worker calls of a round per request, the most of any cell (target <= 2);
+- rtt20_over_rtt0: VERICACHE tokens/s with `--rtt-latency-ms` (20) of one-way latency on the link
+  over none, at x=30 with one drafter, the lower of the two schedulings (target >= 0.85);
+- verifier_overhead: the verifier process's CPU seconds per output token over the in-process
+  engine's verification CPU seconds per output token on the same requests (target <= 1.3);
+- identical: every exact output equals FULL_LOCAL's, and the in-process engine's too.
+Run with OMP_NUM_THREADS=1 on a machine with a core per worker and nothing else busy; each sample
+keeps the CPU seconds of the drafters, the verifier and everything else during its stream.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import math
-import os
+import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from vericache.bench.common import compressor_from_label, environment, pyplot, save_figure
+from vericache.bench.common import compressor_from_label, environment
+from vericache.bench.remote_prefix_plot import plot  # noqa: F401 - the CLI's plot(result, path)
+from vericache.bench.remote_prefix_reference import engine_verification
+from vericache.bench.serving import (
+    Router,
+    metric,
+    ray_server,
+    ray_session,
+    serve_stream,
+    stream_record,
+)
 from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
-from vericache.client import Client, Result
+from vericache.client import Client
 from vericache.engine.link import LinkSpec
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 
-TARGET = 1.5
-BALANCED_RATIO = 1.0
-DRAFTING_MODES = ("vericache", "full_remote")  # served again at every bandwidth
-REFERENCE_MODE = "full_local"  # the link does not touch it: served once
+TARGETS = {
+    "rpcs_per_round": 2.0,  # at most
+    "rtt20_over_rtt0": 0.85,  # at least
+    "verifier_overhead": 1.3,  # at most
+}
+HEADLINE = {"draft_len": 30, "num_drafters": 1, "scheduling": "per-request"}
+FULL_MODES = ("full_local", "full_remote", "full_both")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--compressor", default="streamingllm-4x", help="label, e.g. kivi-4bit")
-    parser.add_argument("--draft-len", type=int, default=8)
-    parser.add_argument("--prefixes", type=int, help="distinct prefixes P (4; quick 2)")
+    parser.add_argument("--compressor", default="snapkv-4x-bf16", help="label, e.g. kivi-4bit")
+    parser.add_argument("--draft-lens", type=_int_list, help="x values (8,16,30; quick 8,30)")
+    parser.add_argument("--drafters", type=_int_list, help="drafter counts (1,2; quick 1)")
+    parser.add_argument("--schedulings", type=_str_list, help="per-request,staggered (quick: both)")
+    parser.add_argument("--prefixes", type=int, help="distinct prefixes P (3; quick 2)")
     parser.add_argument(
-        "--prefix-tokens", type=_token_range, help="MIN,MAX tokens per prefix (3000,4000)"
+        "--prefix-tokens", type=_token_range, help="MIN,MAX tokens per prefix (2000,3000)"
     )
-    parser.add_argument("--requests", type=int, help="requests in the stream (16; quick 4)")
-    parser.add_argument("--max-tokens", type=int, help="output tokens per request (128; quick 48)")
-    parser.add_argument("--concurrency", type=int, help="requests in flight (8; quick 2)")
+    parser.add_argument("--requests", type=int, help="requests in the stream (12; quick 4)")
+    parser.add_argument("--max-tokens", type=int, help="output tokens per request (96; quick 32)")
+    parser.add_argument("--concurrency", type=int, help="requests in flight (6; quick 2)")
+    parser.add_argument("--repeats", type=int, help="serves per cell (3; quick 1)")
     parser.add_argument(
-        "--ratios",
-        type=_float_list,
-        help="full-KV transfer time / reply decode time at each point (0.25,1,4; quick 1)",
+        "--ratio", type=float, default=1.0, help="full-KV transfer time / reply decode time"
     )
-    parser.add_argument("--drafters", type=int, default=1, help="drafter workers")
     parser.add_argument("--drafter-kv", type=float, default=1.5, help="drafter LRU, full prefixes")
-    parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way link latency")
-    parser.add_argument(
-        "--max-other-load",
-        type=float,
-        default=0.25,
-        help="serve a configuration again while other processes kept more cores than this busy",
-    )
-    parser.add_argument("--max-attempts", type=int, default=3, help="serves per configuration")
+    parser.add_argument("--rtt-latency-ms", type=float, default=20.0, help="one-way, for rtt20")
 
 
 @dataclass(frozen=True)
@@ -87,48 +93,66 @@ class StreamSpec:
     """The request stream and how it is served (resolved from the arguments)."""
 
     compressor: str
-    draft_len: int
+    draft_lens: tuple[int, ...]
+    drafter_counts: tuple[int, ...]
+    schedulings: tuple[str, ...]
     num_prefixes: int
     prefix_tokens: tuple[int, int]
     num_requests: int
     max_tokens: int
     concurrency: int
-    ratios: tuple[float, ...]
-    num_drafters: int
+    repeats: int
+    ratio: float
     drafter_kv_prefixes: float
-    latency_s: float
-    max_other_load: float  # cores busy outside the benchmark during a stream, before serving again
-    max_attempts: int
+    rtt_latency_s: float
 
     def __post_init__(self):
-        counts = (self.draft_len, self.num_prefixes, self.num_requests, self.max_tokens)
-        if min(*counts, self.concurrency, self.num_drafters, self.max_attempts) < 1:
+        counts = (*self.draft_lens, *self.drafter_counts, self.num_prefixes, self.num_requests)
+        if min(*counts, self.max_tokens, self.concurrency, self.repeats) < 1:
             raise InvalidRequestError(f"counts must be >= 1: {self}")
-        if not self.ratios or min(self.ratios) <= 0 or self.drafter_kv_prefixes <= 0:
-            raise InvalidRequestError(f"ratios and --drafter-kv must be > 0: {self}")
+        if not self.ratio > 0 or not self.drafter_kv_prefixes > 0 or self.rtt_latency_s < 0:
+            raise InvalidRequestError(f"--ratio and --drafter-kv must be > 0: {self}")
+        if set(self.schedulings) - {"per-request", "staggered", "lockstep"}:
+            raise InvalidRequestError(f"unknown scheduling in {self.schedulings}")
 
 
 def stream_spec(args) -> StreamSpec:
-    quick = args.quick
-
-    def pick(value, full, reduced):
-        return value if value is not None else (reduced if quick else full)
+    def pick(value, full, quick):
+        return value if value is not None else (quick if args.quick else full)
 
     return StreamSpec(
         compressor=args.compressor,
-        draft_len=args.draft_len,
-        num_prefixes=pick(args.prefixes, 4, 2),
-        prefix_tokens=pick(args.prefix_tokens, (3000, 4000), (1000, 1500)),
-        num_requests=pick(args.requests, 16, 4),
-        max_tokens=pick(args.max_tokens, 128, 48),
-        concurrency=pick(args.concurrency, 8, 2),
-        ratios=tuple(pick(args.ratios, (0.25, 1.0, 4.0), (1.0,))),
-        num_drafters=args.drafters,
+        draft_lens=tuple(pick(args.draft_lens, (8, 16, 30), (8, 30))),
+        drafter_counts=tuple(pick(args.drafters, (1, 2), (1,))),
+        schedulings=tuple(pick(args.schedulings, ("per-request", "staggered"), ("per-request",))),
+        num_prefixes=pick(args.prefixes, 3, 2),
+        prefix_tokens=pick(args.prefix_tokens, (2000, 3000), (1000, 1500)),
+        num_requests=pick(args.requests, 12, 4),
+        max_tokens=pick(args.max_tokens, 96, 32),
+        concurrency=pick(args.concurrency, 6, 2),
+        repeats=pick(args.repeats, 3, 1),
+        ratio=args.ratio,
         drafter_kv_prefixes=args.drafter_kv,
-        latency_s=args.latency_ms / 1e3,
-        max_other_load=args.max_other_load,
-        max_attempts=args.max_attempts,
+        rtt_latency_s=args.rtt_latency_ms / 1e3,
     )
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of the table."""
+
+    mode: str  # vericache, full_local, full_remote or full_both
+    num_drafters: int
+    draft_len: int | None = None  # VERICACHE only
+    scheduling: str = "per-request"
+    latency_s: float = 0.0  # one way, on the link toward the drafters
+
+    @property
+    def name(self) -> str:
+        if self.mode != "vericache":
+            return f"{self.mode} d={self.num_drafters}"
+        latency = f" rtt={2e3 * self.latency_s:g}ms" if self.latency_s else ""
+        return f"vericache x={self.draft_len} d={self.num_drafters} {self.scheduling}{latency}"
 
 
 def request_stream(prefix_ids: list[str], num_requests: int) -> list[tuple[str, str]]:
@@ -140,80 +164,96 @@ def request_stream(prefix_ids: list[str], num_requests: int) -> list[tuple[str, 
     ]
 
 
-def bandwidths_for(ratios, full_wire_bytes: float, seconds_per_reply: float) -> list[float]:
+def bandwidth_for(ratio: float, full_wire_bytes: float, seconds_per_reply: float) -> float:
     """Bytes/s at which one prefix's full KV crosses the link in `ratio` x seconds_per_reply."""
     if full_wire_bytes <= 0 or seconds_per_reply <= 0:
         raise InvalidRequestError("calibration measured no full-KV bytes or no decode time")
-    return [full_wire_bytes / (ratio * seconds_per_reply) for ratio in ratios]
+    return full_wire_bytes / (ratio * seconds_per_reply)
 
 
 # --- Serving -------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def ray_session(num_drafters: int):
-    """A local Ray instance offering the verifier and drafter resources, unless one is running."""
-    import ray
+@dataclass
+class Bench:
+    """What every cell is served with: the model, the store, the stream and the link."""
 
-    from vericache.serve.launch import DRAFTER_RESOURCE, VERIFIER_RESOURCE
+    model: str
+    root: Path
+    spec: StreamSpec
+    jobs: list[tuple[str, str]]
+    drafter_kv_bytes: int
+    bandwidth: float | None = None  # None: an open link (registration, calibration)
+    rates: dict[str, float] | None = None  # per pool, alone: the FULL_BOTH router's weights
 
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=256 << 20,
-        resources={VERIFIER_RESOURCE: 1, DRAFTER_RESOURCE: num_drafters},
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    def serve(self, cell: Cell) -> tuple[dict, list[list[int]]]:
+        """The cell's samples (one per repeat, each on fresh workers) and its outputs."""
+        samples, outputs = [], None
+        for _ in range(self.spec.repeats):
+            sample, outputs = self._serve_once(cell)
+            samples.append(sample)
+            print(f"[remote-prefix] {cell.name}: {sample['tokens_per_s']:.2f} tokens/s")
+        return cell_record(cell, samples), outputs
+
+    def _serve_once(self, cell: Cell) -> tuple[dict, list[list[int]]]:
+        verifier = VerifierConfig(
+            model=self.model, root=self.root, link=LinkSpec(self.bandwidth, cell.latency_s)
+        )
+        drafter = DrafterConfig(model=self.model, kv_cache_bytes=self.drafter_kv_bytes)
+        config = CoordinatorConfig(
+            default_draft_len=cell.draft_len or 30, scheduling=cell.scheduling
+        )
+        mode = Router(self._pools(cell)) if cell.mode == "full_both" else cell.mode
+        spec = self.spec
+        with ray_server(verifier, drafter, cell.num_drafters, config) as server:
+            wall_s, results, cpu_s, routed = serve_stream(
+                server.target, self.jobs, mode, spec.max_tokens, cell.draft_len or 30,
+                spec.concurrency,
+            )  # fmt: skip
+            sample = stream_record(wall_s, results, cpu_s)
+            sample["round_calls"] = metric(server, "round_worker_calls_total")
+            sample["verified_rounds"] = metric(server, "spec_decode_num_drafts_total")
+        if cell.mode == "full_both":
+            sample["routed"] = {m: routed.count(m) for m in set(routed)}
+        return sample, [result.token_ids for result in results]
+
+    def _pools(self, cell: Cell) -> dict[str, float]:
+        return {
+            "full_local": self.rates["full_local d=1"],
+            "full_remote": self.rates[f"full_remote d={cell.num_drafters}"],
+        }
 
 
-def _server(model: str, root: Path, spec: StreamSpec, bandwidth: float | None, kv_bytes: int):
-    """Fresh Ray workers (one thread each) and a server over them; the store lives in `root`."""
-    link = LinkSpec(bandwidth, spec.latency_s)
-    verifier = VerifierConfig(model=model, root=root, link=link)
-    drafter = DrafterConfig(model=model, kv_cache_bytes=kv_bytes)
-    return ray_server(verifier, drafter, spec.num_drafters)
-
-
-def ray_server(
-    verifier: VerifierConfig,
-    drafter: DrafterConfig,
-    num_drafters: int,
-    config: CoordinatorConfig | None = None,
-):
-    """Fresh Ray workers, one thread each (a worker stands for a GPU), and a server over them."""
-    from vericache.serve.launch import ray_workers
-    from vericache.serve.server import distributed_server
-
-    verifier = replace(verifier, num_threads=1, transfer_host="127.0.0.1")
-    drafter = replace(drafter, num_threads=1)
-
-    def workers():
-        return ray_workers(verifier, drafter, 1, num_drafters, placement_timeout_s=300)
-
-    return distributed_server(workers, verifier.model, config=config)
+def cell_record(cell: Cell, samples: list[dict]) -> dict:
+    rates = [s["tokens_per_s"] for s in samples]
+    return {
+        **asdict(cell),
+        "name": cell.name,
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_max": max(rates),
+        "samples": samples,
+    }
 
 
 def _register(client: Client, contexts, label: str) -> list[dict]:
-    """Registers every prefix; one FULL_REMOTE request each (one output token) measures the bytes
-    its full KV puts on the link."""
+    """Registers every prefix, timing each stage; one FULL_REMOTE request each (one output
+    token) measures the bytes its full KV puts on the link."""
     params = compressor_from_label(label).spec()["params"]
     prefixes = []
     for context in contexts:
-        start = time.perf_counter()
+        stages, last = {}, time.perf_counter()
+
+        def on_progress(progress, stages=stages):
+            nonlocal last
+            now = time.perf_counter()
+            stages[progress.stage] = now - last
+            last = now
+
         prefix_id = client.put_prefix(
-            text=context.text,
-            compressor=label.rsplit("-", 1)[0],
-            ratio=params.get("ratio"),
-            bits=params.get("bits"),
-        )
-        registered_s = time.perf_counter() - start
+            text=context.text, compressor=label.split("-", 1)[0], ratio=params.get("ratio"),
+            bits=params.get("bits"), dtype=params.get("dtype"), on_progress=on_progress,
+        )  # fmt: skip
         info = client.get_prefix(prefix_id)
         fetch = client.generate(
             CONTEXT_PROMPTS[0], prefix_id=prefix_id, mode="full_remote", max_tokens=1
@@ -222,237 +262,161 @@ def _register(client: Client, contexts, label: str) -> list[dict]:
             {
                 "name": context.name,
                 "prefix_id": prefix_id,
+                "text": context.text,
                 "num_tokens": info.num_tokens,
                 "full_kv_bytes": info.full_kv_bytes,
                 "compressed_wire_bytes": info.compressed_kv_bytes,
                 "full_wire_bytes": fetch.stats["link_bytes"],
-                "register_s": registered_s,
+                "stage_s": stages,
             }
         )
         print(f"[remote-prefix] registered {context.name}: {info.num_tokens} tokens")
     return prefixes
 
 
-def serve_stream(
-    target: str,
-    jobs: list[tuple[str, str]],
-    mode: str,
-    max_tokens: int,
-    draft_len: int,
-    concurrency: int,
-):
-    """Submits every request, `concurrency` at a time: the wall time, each Result, and the CPU
-    seconds spent meanwhile (`cpu_seconds` keys)."""
-    with Client(target) as client:
-
-        def one(job: tuple[str, str]) -> Result:
-            prefix_id, prompt = job
-            return client.generate(
-                prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, draft_len=draft_len
-            )
-
-        cpu_before = cpu_seconds()
-        start = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            results = list(pool.map(one, jobs))
-        wall_s = time.perf_counter() - start
-        cpu = {key: value - cpu_before[key] for key, value in cpu_seconds().items()}
-    return wall_s, results, cpu
-
-
-def cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far of the drafter and verifier processes (Ray titles them after their
-    class), of this process, and of the whole machine; `other` is what the rest used."""
-    import psutil
-
-    used = {"drafters": 0.0, "verifiers": 0.0}
-    for process in psutil.process_iter(["cmdline", "cpu_times"]):
-        title = " ".join(process.info["cmdline"] or [])
-        role = "drafters" if title.startswith("ray::Drafter") else None
-        role = "verifiers" if title.startswith("ray::_RayVerifier") else role
-        if role is not None and process.info["cpu_times"] is not None:
-            used[role] += process.info["cpu_times"].user + process.info["cpu_times"].system
-    this = psutil.Process().cpu_times()
-    used["this_process"] = this.user + this.system
-    machine = psutil.cpu_times()
-    busy = machine.user + machine.nice + machine.system + machine.irq + machine.softirq
-    used["other"] = busy - sum(used.values())
-    return used
-
-
-def stream_record(wall_s: float, results: list[Result], cpu_s: dict | None = None) -> dict:
-    """Throughput and traffic of one served stream (sums over its requests)."""
-    stats = [result.stats for result in results]
-    num_tokens = sum(len(result.token_ids) for result in results)
-    accepted = [a for s in stats for a in s["accepted_per_round"]]
-    return {
-        "tokens_per_s": num_tokens / wall_s,
-        "wall_s": wall_s,
-        "num_tokens": num_tokens,
-        "link_bytes": sum(s["link_bytes"] for s in stats),
-        "store_bytes": sum(s["store_bytes"] for s in stats),
-        "link_wait_s": sum(s["link_wait_s"] for s in stats),
-        "store_wait_s": sum(s["store_wait_s"] for s in stats),
-        "mean_ttft_s": sum(s["ttft_s"] for s in stats) / len(stats),
-        "mean_latency_s": sum(s["total_s"] for s in stats) / len(stats),
-        "rounds": sum(s["rounds"] for s in stats),
-        "mean_accepted_per_round": sum(accepted) / len(accepted) if accepted else None,
-        "cpu_s": cpu_s,
-    }
-
-
-def _serve_configuration(model, root, spec, kv_bytes, jobs, bandwidth, mode):
-    """Serves the stream on fresh workers, again (at most `spec.max_attempts` times in all) while
-    processes outside the benchmark kept more than `spec.max_other_load` cores busy meanwhile;
-    keeps the quietest attempt."""
-    shown = "open link" if bandwidth is None else f"{bandwidth / 1e6:.2f} MB/s"
-    attempts = []
-    for attempt in range(1, spec.max_attempts + 1):
-        with _server(model, root, spec, bandwidth, kv_bytes) as server:
-            wall_s, results, cpu_s = serve_stream(
-                server.target, jobs, mode, spec.max_tokens, spec.draft_len, spec.concurrency
-            )
-        record = stream_record(wall_s, results, cpu_s) | {"attempt": attempt}
-        load = cpu_s["other"] / wall_s
-        print(
-            f"[remote-prefix] {mode} at {shown}: {record['tokens_per_s']:.2f} tokens/s "
-            f"({load:.2f} cores busy outside the benchmark)"
-        )
-        attempts.append((load, record, [result.token_ids for result in results]))
-        if load <= spec.max_other_load:
-            break
-    _, record, token_ids = min(attempts, key=lambda attempt: attempt[0])
-    return record, token_ids
-
-
 # --- The benchmark -------------------------------------------------------------------------------
+
+
+def vericache_cells(spec: StreamSpec) -> list[Cell]:
+    cells = [
+        Cell("vericache", drafters, draft_len, scheduling)
+        for drafters in spec.drafter_counts
+        for scheduling in spec.schedulings
+        for draft_len in spec.draft_lens
+    ]
+    if spec.rtt_latency_s > 0:
+        rtt_len = max(spec.draft_lens)
+        cells += [
+            Cell("vericache", 1, rtt_len, scheduling, spec.rtt_latency_s)
+            for scheduling in spec.schedulings
+        ]
+    return cells
 
 
 def run(args) -> dict:
     spec = stream_spec(args)
     tokenizer = load_tokenizer(resolve_model_dir(args.model))
     contexts = code_contexts(tokenizer, *spec.prefix_tokens, spec.num_prefixes, truncate=True)
-    with ray_session(spec.num_drafters), tempfile.TemporaryDirectory() as directory:
-        root = Path(directory)
-        with _server(args.model, root, spec, None, 16 << 30) as server, Client(server.target) as c:
-            prefixes = _register(c, contexts, spec.compressor)
+    with ray_session(max(spec.drafter_counts)), tempfile.TemporaryDirectory() as directory:
+        bench = Bench(args.model, Path(directory), spec, [], 16 << 30)
+        with ray_server(VerifierConfig(model=args.model, root=bench.root), DrafterConfig(
+            model=args.model
+        ), 1) as server, Client(server.target) as client:  # fmt: skip
+            prefixes = _register(client, contexts, spec.compressor)
         max_full = max(p["full_kv_bytes"] for p in prefixes)
-        kv_bytes = int(spec.drafter_kv_prefixes * max_full)
-        jobs = request_stream([p["prefix_id"] for p in prefixes], spec.num_requests)
-        serve = functools.partial(_serve_configuration, args.model, root, spec, kv_bytes, jobs)
-        full_local, reference = serve(None, REFERENCE_MODE)
-        seconds_per_reply = full_local["wall_s"] / spec.num_requests
-        full_wire = sum(p["full_wire_bytes"] for p in prefixes) / len(prefixes)
-        points = []
-        for ratio, bandwidth in zip(
-            spec.ratios, bandwidths_for(spec.ratios, full_wire, seconds_per_reply)
-        ):
-            runs, outputs = {}, {}
-            for mode in DRAFTING_MODES:
-                runs[mode], outputs[mode] = serve(bandwidth, mode)
-            points.append(
-                make_point(ratio, bandwidth, full_wire, full_local, runs, reference, outputs)
-            )
+        bench.drafter_kv_bytes = int(spec.drafter_kv_prefixes * max_full)
+        bench.jobs = request_stream([p["prefix_id"] for p in prefixes], spec.num_requests)
+        cells, reference = _serve_all(bench, prefixes)
+    engine = engine_verification(args.model, prefixes, bench.jobs, spec)
     return {
         "benchmark": "remote-prefix",
-        "summary": summarize(points) | {"max_other_load_cores": other_load([full_local], points)},
-        "definitions": {
-            "ratio": "full-KV wire bytes / bandwidth, over FULL_LOCAL seconds per reply (its "
-            "stream wall time / requests)",
-            "tokens_per_s": "output tokens of the whole stream / its wall time",
-            "vericache_over_best_full": f"VERICACHE / max(FULL_REMOTE, FULL_LOCAL) tokens/s at "
-            f"ratio {BALANCED_RATIO:g} (target >= {TARGET:g})",
-            "identical": "every VERICACHE and FULL_REMOTE output equals FULL_LOCAL's",
-        },
+        "summary": summarize(cells, reference, engine, spec),
+        "definitions": DEFINITIONS,
         "config": {**asdict(spec), "model": args.model, "quick": args.quick},
         "environment": environment(),
-        "prefixes": prefixes,
-        "drafter_kv_cache_bytes": kv_bytes,
-        "calibration": {
-            "full_wire_bytes": full_wire,
-            "seconds_per_reply": seconds_per_reply,
-        },
-        "full_local": full_local,
-        "points": points,
+        "prefixes": [{k: v for k, v in p.items() if k != "text"} for p in prefixes],
+        "bandwidth_bytes_per_s": bench.bandwidth,
+        "drafter_kv_cache_bytes": bench.drafter_kv_bytes,
+        "engine_reference": {k: v for k, v in engine.items() if k != "outputs"},
+        "cells": cells,
     }
 
 
-def make_point(ratio, bandwidth, full_wire, full_local, runs, reference, outputs) -> dict:
-    """One bandwidth: every configuration's record, the speedup, and exactness."""
-    mismatches = {
-        mode: sum(ids != ref for ids, ref in zip(outputs[mode], reference)) for mode in outputs
-    }
-    tokens_per_s = {REFERENCE_MODE: full_local["tokens_per_s"]} | {
-        mode: record["tokens_per_s"] for mode, record in runs.items()
-    }
-    best_full = max(tokens_per_s[REFERENCE_MODE], tokens_per_s["full_remote"])
-    return {
-        "ratio": ratio,
-        "bandwidth_bytes_per_s": bandwidth,
-        "full_kv_transfer_s": full_wire / bandwidth,
-        "tokens_per_s": tokens_per_s,
-        "vericache_over_best_full": tokens_per_s["vericache"] / best_full,
-        "vericache_over_full_local": tokens_per_s["vericache"] / tokens_per_s[REFERENCE_MODE],
-        "identical": not any(mismatches.values()),
-        "mismatched_requests": mismatches,
-        "runs": runs,
-    }
-
-
-def summarize(points: list[dict]) -> dict:
-    """The headline at the point nearest (in log ratio) to the balanced one."""
-    balanced = min(points, key=lambda p: abs(math.log(p["ratio"] / BALANCED_RATIO)))
-    speedup = balanced["vericache_over_best_full"]
-    return {
-        "vericache_over_best_full": speedup,
-        "identical": all(point["identical"] for point in points),
-        "meets_target": speedup >= TARGET,
-        "ratio": balanced["ratio"],
-        "bandwidth_mb_s": balanced["bandwidth_bytes_per_s"] / 1e6,
-        "tokens_per_s": balanced["tokens_per_s"],
-        "vericache_over_best_full_by_ratio": {
-            f"{p['ratio']:g}": p["vericache_over_best_full"] for p in points
-        },
-    }
-
-
-def other_load(records: list[dict], points: list[dict]) -> float | None:
-    """The most cores that processes outside the benchmark kept busy during a stream, on average:
-    near 0 on a quiet machine; the workers then had the cores they stand for."""
-    records = records + [record for point in points for record in point["runs"].values()]
-    loads = [r["cpu_s"]["other"] / r["wall_s"] for r in records if r.get("cpu_s") is not None]
-    return max(loads) if loads else None
-
-
-def plot(result: dict, path) -> None:
-    """Tokens/s of each configuration against the transfer/decode ratio; VERICACHE's speedup."""
-    plt = pyplot()
-    points = sorted(result["points"], key=lambda p: p["ratio"])
-    ratios = [p["ratio"] for p in points]
-    ticks = [f"{p['ratio']:g}\n{p['bandwidth_bytes_per_s'] / 1e6:.3g} MB/s" for p in points]
-    fig, (rates, gains) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode, style in (("vericache", "o-"), ("full_remote", "s-"), ("full_local", "^--")):
-        rates.plot(ratios, [p["tokens_per_s"][mode] for p in points], style, label=mode)
-    rates.set(ylabel="tokens/s over the stream", ylim=(0, None))
-    speedups = [p["vericache_over_best_full"] for p in points]
-    gains.plot(ratios, speedups, "o-", color="C0", label="measured")
-    gains.axhline(TARGET, color="red", linestyle=":", label=f"target {TARGET:g}x")
-    gains.axhline(1.0, color="grey", linewidth=0.8)
-    gains.axvline(BALANCED_RATIO, color="grey", linestyle=":")
-    gains.set(ylabel="VERICACHE / best full-KV", ylim=(0, 1.15 * max(TARGET, *speedups)))
-    for axis in (rates, gains):
-        axis.set_xscale("log")
-        axis.set_xticks(ratios, ticks)
-        axis.minorticks_off()
-        axis.set_xlabel("full-KV transfer time / reply decode time (link bandwidth)")
-        axis.legend(fontsize=8)
-    config = result["config"]
-    title = (
-        f"{config['num_requests']} requests over {config['num_prefixes']} prefixes, "
-        f"{config['concurrency']} in flight, {config['max_tokens']} tokens each, "
-        f"{config['compressor']}, x={config['draft_len']}"
+def _serve_all(bench: Bench, prefixes: list[dict]) -> tuple[list[dict], list[list[int]]]:
+    """FULL_LOCAL first (it calibrates the link), then every other cell at that bandwidth."""
+    spec = bench.spec
+    full_local, reference = bench.serve(Cell("full_local", 1))
+    full_local["outputs_match"] = True
+    seconds_per_reply = statistics.median(s["wall_s"] for s in full_local["samples"]) / len(
+        bench.jobs
     )
-    save_figure(fig, path, title)
+    full_wire = statistics.mean(p["full_wire_bytes"] for p in prefixes)
+    bench.bandwidth = bandwidth_for(spec.ratio, full_wire, seconds_per_reply)
+    print(f"[remote-prefix] link: {bench.bandwidth / 1e6:.2f} MB/s")
+    cells, bench.rates = [full_local], {full_local["name"]: full_local["tokens_per_s"]}
+    plan = [Cell("full_remote", n) for n in spec.drafter_counts]
+    plan += [Cell("full_both", n) for n in spec.drafter_counts] + vericache_cells(spec)
+    for cell in plan:
+        record, outputs = bench.serve(cell)
+        record["outputs_match"] = outputs == reference
+        bench.rates[record["name"]] = record["tokens_per_s"]
+        cells.append(record)
+    return cells, reference
+
+
+DEFINITIONS = {
+    "tokens_per_s": "output tokens of the whole stream / its wall time; the median of the "
+    "cell's repeats, with tokens_per_s_min and _max",
+    "best_full": "the most tokens/s of FULL_LOCAL, FULL_REMOTE and FULL_BOTH on the same drafters",
+    "vericache_over_best_full": "VERICACHE tokens/s / best_full",
+    "rpcs_per_round": "worker calls of VERICACHE rounds / rounds verified",
+    "rtt20_over_rtt0": "VERICACHE tokens/s at the rtt latency / at none (x = the largest, 1 "
+    "drafter)",
+    "verifier_overhead": "verifier process CPU s per output token / in-process engine "
+    "verification CPU s per output token, same requests and draft length",
+}
+
+
+def summarize(cells: list[dict], reference: list[list[int]], engine: dict, spec) -> dict:
+    by_name = {cell["name"]: cell for cell in cells}
+    vericache = [c for c in cells if c["mode"] == "vericache" and not c["latency_s"]]
+
+    def best_full(num_drafters: int) -> float:
+        names = ["full_local d=1"] + [f"{m} d={num_drafters}" for m in FULL_MODES[1:]]
+        return max(by_name[name]["tokens_per_s"] for name in names if name in by_name)
+
+    over = {c["name"]: c["tokens_per_s"] / best_full(c["num_drafters"]) for c in vericache}
+    headline = Cell("vericache", **HEADLINE).name
+    rpcs = max(_rpcs_per_round(c) for c in vericache)
+    overhead = {
+        c["name"]: _verifier_overhead(c, engine["exact_cpu_s_per_token"][str(c["draft_len"])])
+        for c in vericache
+        if str(c["draft_len"]) in engine["exact_cpu_s_per_token"]
+    }
+    rtt = _rtt_ratios(cells, spec)
+    summary = {
+        "vericache_over_best_full": over.get(headline),
+        "headline_cell": headline,
+        "vericache_over_best_full_by_cell": over,
+        "best_full_tokens_per_s": {n: best_full(n) for n in spec.drafter_counts},
+        "rpcs_per_round": rpcs,
+        "rtt20_over_rtt0": min(rtt.values()) if rtt else None,
+        "rtt20_over_rtt0_by_scheduling": rtt,
+        "verifier_overhead": max(overhead.values()) if overhead else None,
+        "verifier_overhead_by_cell": overhead,
+        "identical": all(c["outputs_match"] for c in cells if c["mode"] != "lossy")
+        and engine["outputs"] == reference,
+    }
+    summary["meets_targets"] = {
+        "rpcs_per_round": rpcs <= TARGETS["rpcs_per_round"],
+        "rtt20_over_rtt0": bool(rtt) and summary["rtt20_over_rtt0"] >= TARGETS["rtt20_over_rtt0"],
+        "verifier_overhead": bool(overhead)
+        and summary["verifier_overhead"] <= TARGETS["verifier_overhead"],
+    }
+    return summary
+
+
+def _rpcs_per_round(cell: dict) -> float:
+    calls = sum(s["round_calls"] for s in cell["samples"])
+    return calls / max(1.0, sum(s["verified_rounds"] for s in cell["samples"]))
+
+
+def _verifier_overhead(cell: dict, engine_cpu_s_per_token: float) -> float:
+    per_token = [s["cpu_s"]["verifiers"] / s["num_tokens"] for s in cell["samples"]]
+    return statistics.median(per_token) / engine_cpu_s_per_token
+
+
+def _rtt_ratios(cells: list[dict], spec: StreamSpec) -> dict[str, float]:
+    by_name = {cell["name"]: cell for cell in cells}
+    ratios = {}
+    for scheduling in spec.schedulings:
+        far = Cell("vericache", 1, max(spec.draft_lens), scheduling, spec.rtt_latency_s)
+        near = replace(far, latency_s=0.0)
+        if far.name in by_name and near.name in by_name:
+            ratios[scheduling] = (
+                by_name[far.name]["tokens_per_s"] / by_name[near.name]["tokens_per_s"]
+            )
+    return ratios
 
 
 def _token_range(text: str) -> tuple[int, int]:
@@ -460,5 +424,9 @@ def _token_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def _float_list(text: str) -> list[float]:
-    return [float(item) for item in text.split(",") if item]
+def _int_list(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item]
+
+
+def _str_list(text: str) -> list[str]:
+    return [item for item in text.split(",") if item]

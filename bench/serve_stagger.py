@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vericache.bench.common import compressor_from_label, environment, pyplot, save_figure
-from vericache.bench.remote_prefix import ray_server, ray_session, serve_stream, stream_record
+from vericache.bench.serving import ray_server, ray_session, serve_stream, stream_record
 from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
 from vericache.client import Client
 from vericache.engine.device_memory import slot_bytes
@@ -186,7 +186,7 @@ def _serve(spec: Setup, verifier: VerifierConfig, scheduling: str, stream, mode:
         scheduler=SchedulerConfig(window=spec.window),
     )
     with ray_server(verifier, DrafterConfig(model=spec.model), 1, config) as server:
-        wall_s, results, cpu_s = serve_stream(
+        wall_s, results, cpu_s, _ = serve_stream(
             server.target, stream, mode, spec.max_tokens, spec.draft_len, spec.num_requests
         )
         record = stream_record(wall_s, results, cpu_s)

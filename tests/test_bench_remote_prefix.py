@@ -1,12 +1,14 @@
-"""The remote-prefix benchmark's plumbing without a server: the stream, the bandwidths chosen from
-the calibration, each point's speedup and exactness, the summary and the plot; and one small end
-to end run on Ray (slow)."""
+"""The remote-prefix benchmark's plumbing without a server: the stream, the link's calibration, the
+FULL_BOTH router, the summary against the best full-KV configuration and the plot; and one small
+end to end run on Ray (slow)."""
 
 from __future__ import annotations
 
 import pytest
 
 from vericache.bench import remote_prefix
+from vericache.bench.remote_prefix import Cell, cell_record
+from vericache.bench.serving import Router, stream_record
 from vericache.bench.workloads import CONTEXT_PROMPTS
 from vericache.cli.bench import parse_benchmark_args
 from vericache.client import Result
@@ -19,17 +21,28 @@ def _args(*argv: str):
     return args
 
 
-def test_quick_defaults_shrink_the_stream_and_explicit_values_win():
+def test_quick_defaults_shrink_the_sweep_and_explicit_values_win():
     quick = remote_prefix.stream_spec(_args("--quick"))
     full = remote_prefix.stream_spec(_args())
-    assert quick.num_requests < full.num_requests and quick.ratios == (1.0,)
-    assert full.ratios == (0.25, 1.0, 4.0) and full.prefix_tokens == (3000, 4000)
-    spec = remote_prefix.stream_spec(_args("--requests", "7", "--ratios", "0.5,2", "--quick"))
-    assert spec.num_requests == 7 and spec.ratios == (0.5, 2.0)
-    assert remote_prefix.stream_spec(_args("--latency-ms", "2")).latency_s == pytest.approx(0.002)
-    for bad in (["--ratios", "0"], ["--concurrency", "0"], ["--max-attempts", "0"]):
+    assert quick.num_requests < full.num_requests and quick.repeats == 1
+    assert full.draft_lens == (8, 16, 30) and full.drafter_counts == (1, 2)
+    assert full.schedulings == ("per-request", "staggered") and full.repeats == 3
+    spec = remote_prefix.stream_spec(_args("--requests", "7", "--draft-lens", "4,9", "--quick"))
+    assert spec.num_requests == 7 and spec.draft_lens == (4, 9)
+    assert full.rtt_latency_s == pytest.approx(0.02)
+    for bad in (["--ratio", "0"], ["--concurrency", "0"], ["--schedulings", "round-robin"]):
         with pytest.raises(InvalidRequestError):
             remote_prefix.stream_spec(_args(*bad))
+
+
+def test_the_sweep_covers_every_cell_and_the_latency_pair():
+    spec = remote_prefix.stream_spec(_args())
+    cells = remote_prefix.vericache_cells(spec)
+    assert len(cells) == 3 * 2 * 2 + 2
+    far = [cell for cell in cells if cell.latency_s]
+    assert {cell.scheduling for cell in far} == {"per-request", "staggered"}
+    assert all(cell.draft_len == 30 and cell.num_drafters == 1 for cell in far)
+    assert len({cell.name for cell in cells}) == len(cells)
 
 
 def test_the_stream_cycles_over_prefixes_then_prompts():
@@ -38,13 +51,19 @@ def test_the_stream_cycles_over_prefixes_then_prompts():
     assert [prompt for _, prompt in jobs] == [CONTEXT_PROMPTS[i] for i in (0, 0, 1, 1, 2)]
 
 
-def test_bandwidths_make_the_full_kv_transfer_take_ratio_replies():
-    bandwidths = remote_prefix.bandwidths_for([0.5, 1.0, 4.0], 80e6, seconds_per_reply=4.0)
-    assert bandwidths == pytest.approx([40e6, 20e6, 5e6])
-    for ratio, bandwidth in zip([0.5, 1.0, 4.0], bandwidths):
-        assert 80e6 / bandwidth == pytest.approx(ratio * 4.0)
+def test_the_link_makes_the_full_kv_transfer_take_ratio_replies():
+    assert remote_prefix.bandwidth_for(0.5, 80e6, 4.0) == pytest.approx(40e6)
+    assert 80e6 / remote_prefix.bandwidth_for(2.0, 80e6, 4.0) == pytest.approx(8.0)
     with pytest.raises(InvalidRequestError):
-        remote_prefix.bandwidths_for([1.0], 0, seconds_per_reply=4.0)
+        remote_prefix.bandwidth_for(1.0, 0, 4.0)
+
+
+def test_the_router_fills_each_pool_in_proportion_to_its_throughput():
+    router = Router({"full_local": 10.0, "full_remote": 30.0})
+    chosen = [router.acquire() for _ in range(8)]
+    assert chosen.count("full_remote") == 6 and chosen.count("full_local") == 2
+    router.release("full_remote")
+    assert router.acquire() == "full_remote"
 
 
 def _result(token_ids, accepted=(), link_bytes=0) -> Result:
@@ -58,79 +77,102 @@ def _result(token_ids, accepted=(), link_bytes=0) -> Result:
 
 def test_a_stream_record_sums_its_requests():
     results = [_result([1, 2, 3], [2, 0], 100), _result([4, 5], [1], 50)]
-    record = remote_prefix.stream_record(2.0, results)
+    record = stream_record(2.0, results)
     assert record["tokens_per_s"] == pytest.approx(2.5)
     assert record["link_bytes"] == 150 and record["rounds"] == 3
     assert record["mean_accepted_per_round"] == pytest.approx(1.0)
-    assert remote_prefix.stream_record(1.0, [_result([1])])["mean_accepted_per_round"] is None
+    assert stream_record(1.0, [_result([1])])["mean_accepted_per_round"] is None
 
 
-def _point(ratio, rates: dict, outputs: dict, reference=((1, 2), (3, 4))):
-    runs = {mode: {"tokens_per_s": rate} for mode, rate in rates.items() if mode != "full_local"}
-    full_local = {"tokens_per_s": rates["full_local"]}
-    reference = [list(ids) for ids in reference]
-    outputs = {mode: [list(ids) for ids in out] for mode, out in outputs.items()}
-    return remote_prefix.make_point(ratio, 10e6, 20e6, full_local, runs, reference, outputs)
+def _cell(cell: Cell, *rates: float, calls=0, rounds=1, cpu=1.0, match=True) -> dict:
+    samples = [
+        {"tokens_per_s": r, "round_calls": calls, "verified_rounds": rounds, "num_tokens": 10,
+         "cpu_s": {"verifiers": cpu}}
+        for r in rates
+    ]  # fmt: skip
+    return cell_record(cell, samples) | {"outputs_match": match}
 
 
-SAME = {"vericache": ((1, 2), (3, 4)), "full_remote": ((1, 2), (3, 4))}
-
-
-def test_a_point_compares_vericache_with_the_better_full_kv_baseline():
-    slow_link = _point(4.0, {"vericache": 30, "full_remote": 5, "full_local": 15}, SAME)
-    assert slow_link["vericache_over_best_full"] == pytest.approx(2.0)  # over FULL_LOCAL
-    assert slow_link["full_kv_transfer_s"] == pytest.approx(2.0)
-    fast_link = _point(0.25, {"vericache": 30, "full_remote": 20, "full_local": 15}, SAME)
-    assert fast_link["vericache_over_best_full"] == pytest.approx(1.5)  # over FULL_REMOTE
-    assert fast_link["vericache_over_full_local"] == pytest.approx(2.0)
-    assert fast_link["identical"] and fast_link["mismatched_requests"] == {
-        "vericache": 0,
-        "full_remote": 0,
-    }
-
-
-def test_one_differing_request_in_any_mode_is_not_identical():
-    rates = {"vericache": 30, "full_remote": 5, "full_local": 15}
-    drifted = SAME | {"full_remote": ((1, 2), (3, 5))}
-    point = _point(1.0, rates, drifted)
-    assert not point["identical"] and point["mismatched_requests"]["full_remote"] == 1
-    shorter = SAME | {"vericache": ((1, 2), (3,))}
-    assert not _point(1.0, rates, shorter)["identical"]
-
-
-def test_the_summary_reports_the_point_nearest_the_balanced_ratio(tmp_path):
-    rates = {"vericache": 24, "full_remote": 8, "full_local": 15}
-    points = [
-        _point(0.25, rates | {"full_remote": 14}, SAME),
-        _point(0.8, rates, SAME),
-        _point(4.0, rates | {"full_remote": 3}, SAME | {"vericache": ((1, 2), (9, 9))}),
+def _table(vericache_per_request=30.0, full_both=20.0, match=True) -> list[dict]:
+    return [
+        _cell(Cell("full_local", 1), 15, 16, 14),
+        _cell(Cell("full_remote", 1), 10),
+        _cell(Cell("full_both", 1), full_both),
+        _cell(Cell("full_remote", 2), 12),
+        _cell(Cell("full_both", 2), 25),
+        _cell(Cell("vericache", 1, 30), vericache_per_request, calls=20, rounds=10, cpu=2.0),
+        _cell(Cell("vericache", 1, 30, "staggered"), 24, calls=18, rounds=10, match=match),
+        _cell(Cell("vericache", 2, 30), 50, calls=19, rounds=10),
+        _cell(Cell("vericache", 1, 30, latency_s=0.02), 27, calls=20, rounds=10),
+        _cell(Cell("vericache", 1, 30, "staggered", 0.02), 18, calls=20, rounds=10),
     ]
-    summary = remote_prefix.summarize(points)
-    assert summary["ratio"] == 0.8
-    assert summary["vericache_over_best_full"] == pytest.approx(1.6)
-    assert summary["meets_target"] is True
-    assert summary["identical"] is False  # the slowest link's point differed
-    assert summary["vericache_over_best_full_by_ratio"]["0.25"] == pytest.approx(24 / 15)
-    config = dict(
-        num_requests=4, num_prefixes=2, concurrency=2, max_tokens=8, compressor="c", draft_len=8
+
+
+ENGINE = {"exact_cpu_s_per_token": {"30": 0.1, "8": 0.1}, "outputs": [[1]]}
+
+
+def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_workers():
+    spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
+    summary = remote_prefix.summarize(_table(), [[1]], ENGINE, spec)
+    assert summary["headline_cell"] == "vericache x=30 d=1 per-request"
+    assert summary["vericache_over_best_full"] == pytest.approx(30 / 20)  # over FULL_BOTH
+    assert summary["vericache_over_best_full_by_cell"]["vericache x=30 d=2 per-request"] == (
+        pytest.approx(2.0)  # over the two-drafter FULL_BOTH, not the one-drafter one
     )
+    assert summary["best_full_tokens_per_s"] == {1: 20, 2: 25}
+    assert summary["rpcs_per_round"] == pytest.approx(2.0)
+    assert summary["rtt20_over_rtt0"] == pytest.approx(18 / 24)  # the lower scheduling
+    assert summary["verifier_overhead"] == pytest.approx(0.2 / 0.1)
+    assert summary["identical"] is True
+    assert summary["meets_targets"] == {
+        "rpcs_per_round": True, "rtt20_over_rtt0": False, "verifier_overhead": False,
+    }  # fmt: skip
+    # FULL_LOCAL the best: one full-KV cell beats the others on the same workers.
+    slow_both = remote_prefix.summarize(_table(full_both=5), [[1]], ENGINE, spec)
+    assert slow_both["vericache_over_best_full"] == pytest.approx(30 / 15)
+
+
+def test_one_mismatched_cell_or_engine_output_is_not_identical():
+    spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
+    assert not remote_prefix.summarize(_table(match=False), [[1]], ENGINE, spec)["identical"]
+    assert not remote_prefix.summarize(_table(), [[2]], ENGINE, spec)["identical"]
+
+
+def test_a_cell_reports_its_median_and_spread(tmp_path):
+    record = _cell(Cell("full_local", 1), 15, 16, 14)
+    assert record["tokens_per_s"] == 15 and record["tokens_per_s_min"] == 14
+    assert record["tokens_per_s_max"] == 16 and record["name"] == "full_local d=1"
+    spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
+    result = {
+        "cells": _table(),
+        "summary": remote_prefix.summarize(_table(), [[1]], ENGINE, spec),
+        "config": {"num_requests": 4, "num_prefixes": 2, "concurrency": 2, "max_tokens": 8,
+                   "compressor": "c", "repeats": 3},
+        "bandwidth_bytes_per_s": 5e6,
+    }  # fmt: skip
     path = tmp_path / "remote_prefix.png"
-    remote_prefix.plot({"points": points, "config": config}, path)
+    remote_prefix.plot(result, path)
     assert path.stat().st_size > 1000
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_tiny_run_end_to_end(tiny_chat_checkpoint):
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         pytest.skip("another Ray session is running in this process")
     args = _args(
         "--quick", "--model", str(tiny_chat_checkpoint), "--prefix-tokens", "150,300",
-        "--requests", "2", "--max-tokens", "6", "--max-attempts", "1",
+        "--requests", "2", "--max-tokens", "6", "--draft-lens", "4",
+        "--schedulings", "per-request,staggered", "--rtt-latency-ms", "1",
     )  # fmt: skip
     result = remote_prefix.run(args)
-    assert result["summary"]["identical"] is True
-    (point,) = result["points"]
-    assert point["ratio"] == 1.0
-    assert point["runs"]["full_remote"]["link_bytes"] > 0
-    assert result["full_local"]["link_bytes"] == 0
+    summary = result["summary"]
+    assert summary["identical"] is True
+    assert summary["rpcs_per_round"] <= 2.0
+    names = {cell["name"] for cell in result["cells"]}
+    assert {"full_local d=1", "full_remote d=1", "full_both d=1"} <= names
+    assert "vericache x=4 d=1 staggered rtt=2ms" in names
+    full_remote = next(c for c in result["cells"] if c["name"] == "full_remote d=1")
+    assert full_remote["samples"][0]["link_bytes"] > 0
+    assert summary["verifier_overhead"] > 0
