@@ -108,7 +108,7 @@ def _table(vericache_per_request=30.0, full_both=20.0, match=True) -> list[dict]
     ]
 
 
-ENGINE = {"exact_cpu_s_per_token": {"30": 0.1, "8": 0.1}, "outputs": [[1]]}
+ENGINE = {"full_kv_cpu_s_per_token": {"30": 0.1, "8": 0.1}, "outputs": [[1]]}
 
 
 def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_workers():

@@ -15,6 +15,7 @@ from vericache.compress import KIVI, StreamingLLM
 from vericache.errors import CacheStateError
 from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.kv.exact import ExactKV
+from vericache.kv.pool import BufferPool
 from vericache.model.loader import load_model
 from vericache.model.runner import ModelRunner, SequenceInput
 
@@ -369,3 +370,38 @@ def test_compressed_cache_keeps_original_rope_positions(tiny_checkpoint):
     for position_error in (-1, 1, len(kept) - PREFIX):
         _, wrong = decode(position_error)
         assert (wrong - reference[PREFIX:]).abs().max() > 100 * ATOL
+
+
+def test_a_pool_hands_released_buffers_to_the_next_cache_of_their_shape():
+    pool = BufferPool(max_bytes=1 << 30)
+    first = KVCache.empty(2, 2, 8, torch.float32, "cpu", capacity=300, pool=pool)
+    buffers = _buffer_addresses(first)
+    first.release(pool)
+    assert first.layers == [] and pool.nbytes > 0
+    again = KVCache.empty(2, 2, 8, torch.float32, "cpu", capacity=300, pool=pool)
+    assert _buffer_addresses(again) == buffers
+    assert pool.nbytes == 0 and pool.num_reused == 6  # keys, values, positions per layer
+    # Another shape or dtype gets new buffers; a full pool drops what it is given.
+    other = KVCache.empty(2, 2, 8, torch.bfloat16, "cpu", capacity=300, pool=pool)
+    assert not _buffer_addresses(other) & buffers
+    small = BufferPool(max_bytes=1)
+    other.release(small)
+    assert small.nbytes == 0
+
+
+def _buffer_addresses(cache: KVCache) -> set[int]:
+    return {
+        buffer.data_ptr()
+        for layer in cache.layers
+        for buffer in (layer._keys, layer._values, layer._positions)
+    }
+
+
+def test_a_clone_into_pooled_buffers_holds_the_same_kv():
+    full = _full_cache(20, seed=3)
+    pool = BufferPool(max_bytes=1 << 30)
+    stale = full.clone(capacity=64)
+    stale.release(pool)
+    copy = full.clone(capacity=64, pool=pool)
+    assert pool.num_reused > 0
+    _assert_unchanged(copy, _snapshot(full))

@@ -25,6 +25,7 @@ from vericache.kv.state import CacheState, LayerState
 
 if TYPE_CHECKING:
     from vericache.kv.exact import ExactKV
+    from vericache.kv.pool import BufferPool
 
 # Buffers grow in multiples of this many slots.
 SLOT_ALIGNMENT = 256
@@ -45,6 +46,10 @@ def write_head_major(target: torch.Tensor, start: int, source: torch.Tensor) -> 
             target[head, start:end].copy_(source[:, head])
     else:
         target[:, start:end] = source.to(target.device).transpose(0, 1)
+
+
+def _empty(shape: tuple[int, ...], dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 class LayerKV(Protocol):
@@ -69,8 +74,9 @@ class LayerKV(Protocol):
     def nbytes(self) -> int:
         """Bytes of resident keys, values and quantization metadata (positions excluded)."""
 
-    def clone(self, capacity: int = 0) -> LayerKV:
-        """An independent copy with room for `capacity` slots."""
+    def clone(self, capacity: int = 0, pool: BufferPool | None = None) -> LayerKV:
+        """An independent copy with room for `capacity` slots (full-precision buffers from
+        `pool` where it has some)."""
 
     def to_state(self) -> LayerState:
         """The resident data as named tensors (see state.py)."""
@@ -79,14 +85,23 @@ class LayerKV(Protocol):
 class DenseLayerKV:
     """Full-precision slots: every token (full cache) or the kept tokens (token dropping)."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = 0):
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+        capacity: int = 0,
+        pool: BufferPool | None = None,
+    ):
         capacity = aligned(max(capacity, 1))
         # Left uninitialised: filling whole buffers dominated opening a session on a long prefix.
         # Slots below `_num_finite` hold finite values (written, or zeroed for a padded view);
         # num_slots <= _num_finite <= capacity.
-        self._keys = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self._values = torch.empty_like(self._keys)
-        self._positions = torch.empty(capacity, num_kv_heads, dtype=torch.int32, device=device)
+        empty = pool.empty if pool is not None else _empty
+        self._keys = empty((num_kv_heads, capacity, head_dim), dtype, device)
+        self._values = empty((num_kv_heads, capacity, head_dim), dtype, device)
+        self._positions = empty((capacity, num_kv_heads), torch.int32, device)
         self.num_slots = 0
         self._num_finite = 0
 
@@ -170,6 +185,13 @@ class DenseLayerKV:
     def positions(self) -> torch.Tensor:
         return self._positions[: self.num_slots]
 
+    def release(self, pool: BufferPool) -> None:
+        """Hands the buffers to `pool` for the next cache; this layer must not be used again."""
+        for buffer in (self._keys, self._values, self._positions):
+            pool.release(buffer)
+        self._keys = self._values = self._positions = None
+        self.num_slots = self._num_finite = 0
+
     def drop_last(self, num_slots: int) -> None:
         if num_slots > self.num_slots:
             raise CacheStateError(f"cannot drop {num_slots} of {self.num_slots} slots")
@@ -201,18 +223,17 @@ class DenseLayerKV:
         t = state.tensors
         return cls.from_tensors(t["keys"], t["values"], t["positions"])
 
-    def clone(self, capacity: int = 0) -> DenseLayerKV:
-        """Copies the resident slots only; the rest of `capacity` stays unfilled."""
+    def clone(self, capacity: int = 0, pool: BufferPool | None = None) -> DenseLayerKV:
+        """Copies the resident slots only (head by head, as stored); the rest of `capacity`
+        stays unfilled."""
         num_kv_heads, _, head_dim = self._keys.shape
-        copy = DenseLayerKV(
-            num_kv_heads,
-            head_dim,
-            self._keys.dtype,
-            self._keys.device,
-            max(capacity, self.num_slots),
-        )
-        state = self.to_state().tensors
-        copy._write(state["keys"], state["values"], state["positions"])
+        dtype, device = self._keys.dtype, self._keys.device
+        n = self.num_slots
+        copy = DenseLayerKV(num_kv_heads, head_dim, dtype, device, max(capacity, n), pool)
+        copy._keys[:, :n] = self._keys[:, :n]
+        copy._values[:, :n] = self._values[:, :n]
+        copy._positions[:n] = self._positions[:n]
+        copy.num_slots = copy._num_finite = n
         return copy
 
 
@@ -228,19 +249,38 @@ class KVCache:
         self.num_tokens = num_tokens
 
     @classmethod
-    def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, capacity=0):
+    def empty(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype,
+        device,
+        capacity: int = 0,
+        pool: BufferPool | None = None,
+    ) -> KVCache:
+        """An uncompressed cache with room for `capacity` tokens, its buffers taken from `pool`
+        where it has some."""
         layers = [
-            DenseLayerKV(num_kv_heads, head_dim, dtype, device, capacity) for _ in range(num_layers)
+            DenseLayerKV(num_kv_heads, head_dim, dtype, device, capacity, pool)
+            for _ in range(num_layers)
         ]
         return cls(layers)
+
+    def release(self, pool: BufferPool) -> None:
+        """Hands the dense layers' buffers to `pool`; the cache must not be used again."""
+        for layer in self.layers:
+            if isinstance(layer, DenseLayerKV):
+                layer.release(pool)
+        self.layers, self.num_tokens = [], 0
 
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
-    def clone(self, capacity: int = 0) -> KVCache:
+    def clone(self, capacity: int = 0, pool: BufferPool | None = None) -> KVCache:
         """An independent copy; `capacity` reserves slots for tokens to come."""
-        return KVCache([layer.clone(capacity) for layer in self.layers], self.num_tokens)
+        return KVCache([layer.clone(capacity, pool) for layer in self.layers], self.num_tokens)
 
     @property
     def is_full(self) -> bool:

@@ -20,6 +20,7 @@ from vericache.kv.state import CacheState, LayerState
 
 if TYPE_CHECKING:
     from vericache.compress.base import Compressor
+    from vericache.kv.pool import BufferPool
 
 LAYER_KINDS: dict[str, type] = {
     "dense": DenseLayerKV,
@@ -72,9 +73,9 @@ class CompressedKV(KVCache):
         extras = sum(t.numel() * t.element_size() for ts in self.extras.values() for t in ts)
         return self.nbytes + positions + extras
 
-    def clone(self, capacity: int = 0) -> CompressedKV:
+    def clone(self, capacity: int = 0, pool: BufferPool | None = None) -> CompressedKV:
         return CompressedKV(
-            [layer.clone(capacity) for layer in self.layers],
+            [layer.clone(capacity, pool) for layer in self.layers],
             self.num_tokens,
             self.compressor,
             None if self.budgets is None else list(self.budgets),

@@ -9,6 +9,7 @@ layer at a time (`keys_values`).
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from vericache.kernels.packed_attention import PackedKV, packed_attention
 from vericache.kernels.quant import codes_per_byte, dequantize_packed, pack, quantize
 from vericache.kv.cache import DenseLayerKV, aligned
 from vericache.kv.state import LayerState
+
+if TYPE_CHECKING:
+    from vericache.kv.pool import BufferPool
 
 # Resident tensors of the quantized part, in state order.
 QUANTIZED_TENSORS = (
@@ -168,8 +172,8 @@ class QuantizedLayerKV:
         )
         return layer
 
-    def clone(self, capacity: int = 0) -> QuantizedLayerKV:
+    def clone(self, capacity: int = 0, pool: BufferPool | None = None) -> QuantizedLayerKV:
         # The quantized tensors are replaced, never written in place: sharing them is safe.
         twin = copy.copy(self)
-        twin.residual = self.residual.clone(capacity - self.num_quantized)
+        twin.residual = self.residual.clone(capacity - self.num_quantized, pool)
         return twin

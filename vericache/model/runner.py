@@ -16,6 +16,7 @@ import torch
 
 from vericache.kernels import cpu_attention
 from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.pool import BufferPool
 from vericache.model.config import ModelConfig
 from vericache.model.kernels import attention, key_alignment, rms_norm, silu
 from vericache.model.rope import RotaryEmbedding
@@ -56,10 +57,10 @@ class ModelRunner:
             c.num_kv_heads * c.head_dim,
         ]
 
-    def new_cache(self, capacity: int = 0) -> KVCache:
+    def new_cache(self, capacity: int = 0, pool: BufferPool | None = None) -> KVCache:
         c = self.config
         return KVCache.empty(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity
+            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity, pool
         )
 
     # no_grad, not inference_mode: caches outlive the forward and compressors edit them in place.

@@ -13,7 +13,10 @@ Its forwards go through the engine's forward loop, batched across sessions.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,7 @@ from vericache.engine.forward_loop import Job
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
+from vericache.kv.pool import BufferPool
 from vericache.serve.batching import BatchLoop
 from vericache.serve.config import DrafterConfig
 from vericache.serve.kv_transfer import KVFetcher, KVKind
@@ -45,6 +49,8 @@ from vericache.serve.worker_api import (
 class _Session:
     role: DraftRole
     cache: KVCache
+    in_use: bool = False  # a call is drafting or decoding on it
+    closed: bool = False  # its request ended while a call used it: release when that ends
 
 
 class Drafter:
@@ -53,6 +59,8 @@ class Drafter:
         _, self.runner, self.info = load_worker_model(config)
         self._fetchers: dict[str, KVFetcher] = {}  # by verifier address
         self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()  # calls run on many threads
+        self._buffers = BufferPool(config.kv_cache_bytes)  # of closed sessions
         self._loop = BatchLoop(self.runner, "drafter-batch")
 
     def describe(self) -> DrafterInfo:
@@ -72,50 +80,57 @@ class Drafter:
                 f"prefix {call.prefix_id} holds {fetched.cache.num_tokens} tokens, "
                 f"the request says {call.num_prefix_tokens}"
             )
-        cache = fetched.cache.clone(call.capacity)
+        cache = fetched.cache.clone(call.capacity, self._buffers)
         first = None
         if call.role is not DraftRole.DRAFT:
             suffix = torch.tensor(call.prompt_ids[call.num_prefix_tokens :], dtype=torch.long)
             logits = self.runner.prefill(suffix, cache, chunk_size=self.config.prefill_chunk)
             first = first_token(logits)
             _update(cache)
-        self._sessions[call.session_id] = _Session(call.role, cache)
+        with self._lock:
+            self._sessions[call.session_id] = _Session(call.role, cache)
         return DrafterOpened(first, Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds))
 
     def draft(self, call: DraftCall) -> Drafted:
         """A round's whole draft: up to `num_drafts` greedy tokens after `pending`, batched with
         the drafter's other sessions step by step. `exact`: the verifier's KV of the tokens
         committed since the last round, which replaces what this cache drafted for them."""
-        session = self._session(call.session_id)
-        cache = session.cache
-        if call.exact is not None:
-            cache.truncate(call.exact.start)  # drops the drafts: uncommitted, never compressed
-            cache.append_exact(call.exact)
-            _update(cache)
-        if call.num_drafts == 0:
-            return Drafted((), 0.0)
-        job = Job(cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids)
-        started = time.perf_counter()
-        tokens = self._loop.run(job)
+        with self._using(call.session_id) as session:
+            cache = session.cache
+            if call.exact is not None:
+                cache.truncate(call.exact.start)  # drops the drafts: uncommitted, never compressed
+                cache.append_exact(call.exact)
+                _update(cache)
+            if call.num_drafts == 0:
+                return Drafted((), 0.0)
+            job = Job(cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids)
+            started = time.perf_counter()
+            tokens = self._loop.run(job)
         return Drafted(tuple(tokens), (time.perf_counter() - started) / job.steps)
 
     def decode(self, call: DecodeCall) -> Decoded:
         """LOSSY or FULL: up to `max_tokens` greedy tokens after `pending`, alone."""
-        session = self._session(call.session_id)
-        cache = session.cache
-        is_full = session.role is DraftRole.FULL
-        job = Job(
-            cache,
-            list(call.pending),
-            max_steps=call.max_tokens,
-            end_ids=call.end_ids,
-            exact=is_full,
-            after_step=None if is_full else (lambda: _update(cache)),
-        )
-        return Decoded(tuple(self._loop.run(job)), Traffic())
+        with self._using(call.session_id) as session:
+            cache = session.cache
+            is_full = session.role is DraftRole.FULL
+            job = Job(
+                cache,
+                list(call.pending),
+                max_steps=call.max_tokens,
+                end_ids=call.end_ids,
+                exact=is_full,
+                after_step=None if is_full else (lambda: _update(cache)),
+            )
+            tokens = self._loop.run(job)
+        return Decoded(tuple(tokens), Traffic())
 
     def close_session(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                session.closed = True
+                if not session.in_use:
+                    self._release(session)
 
     @property
     def num_sessions(self) -> int:
@@ -132,11 +147,24 @@ class Drafter:
             fetcher.close()
         self._fetchers.clear()
 
-    def _session(self, session_id: str) -> _Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise SessionNotFoundError(f"the drafter holds no session {session_id!r}")
-        return session
+    @contextlib.contextmanager
+    def _using(self, session_id: str) -> Iterator[_Session]:
+        """The session, whose buffers are not released while a call works on it."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise SessionNotFoundError(f"the drafter holds no session {session_id!r}")
+            session.in_use = True
+        try:
+            yield session
+        finally:
+            with self._lock:
+                session.in_use = False
+                if session.closed:
+                    self._release(session)
+
+    def _release(self, session: _Session) -> None:
+        session.cache.release(self._buffers)
 
     def _fetcher(self, address: str) -> KVFetcher:
         if address not in self._fetchers:

@@ -16,6 +16,7 @@ from vericache.compress import build_compressor
 from vericache.compress.context import ModelContext
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
+from vericache.kv.pool import BufferPool
 from vericache.kv.state import CacheState
 from vericache.model.loader import DTYPES, LoadedModel
 from vericache.model.runner import ModelRunner
@@ -108,9 +109,11 @@ class PrefixRegistry:
             self.store.delete(record.token_ids)
         return record
 
-    def load_full(self, token_ids: tuple[int, ...], capacity: int) -> LoadResult:
+    def load_full(
+        self, token_ids: tuple[int, ...], capacity: int, pool: BufferPool | None = None
+    ) -> LoadResult:
         """A stored prefix's full KV, with room for `capacity` tokens."""
-        return self.store.load(token_ids, capacity=capacity)
+        return self.store.load(token_ids, capacity=capacity, pool=pool)
 
     def kv_for_drafter(self, prefix_id: str, kind: int) -> CacheState:
         """KVTransfer's source (called from the transfer server's thread)."""

@@ -4,7 +4,8 @@ The verifier holds at most `budget_bytes` of full KV across its sessions (a sess
 that alone). Past it, the least recently used sessions not in use drop their prefix's KV and keep
 only the exact KV of the tokens after it; their next call reloads the prefix (`load_prefix`, from
 the store), waiting for room while the full KV of calls in progress, or loaded ahead of a
-verification (`Session.pinned`), fills the budget.
+verification (`Session.pinned`), fills the budget. The buffers of a closed or evicted session go
+back to the worker's `BufferPool` for the next session, once no call uses them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
+from vericache.kv.pool import BufferPool
 from vericache.serve.worker import SessionNotFoundError
 from vericache.serve.worker_api import Residency, Traffic
 
@@ -29,6 +31,7 @@ class Session:
     tail: ExactKV | None = None
     in_use: bool = False  # a call is working on it: not to be evicted
     pinned: bool = False  # loaded ahead of its verification: not to be evicted either
+    closed: bool = False  # its request ended while a call used it: release when that ends
 
 
 # A session's prefix KV made resident: the cache (with room for its capacity) and what it cost.
@@ -36,10 +39,13 @@ PrefixLoader = Callable[[Session], tuple[KVCache, Traffic]]
 
 
 class ResidentSessions:
-    def __init__(self, budget_bytes: int, slot_bytes: int, load_prefix: PrefixLoader):
+    def __init__(
+        self, budget_bytes: int, slot_bytes: int, load_prefix: PrefixLoader, pool: BufferPool
+    ):
         self.budget_bytes = budget_bytes
         self.slot_bytes = slot_bytes  # one token of full KV in a cache slot
         self._load_prefix = load_prefix
+        self.pool = pool
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()  # calls run on many threads
         self._room = threading.Condition(self._lock)  # signalled when full KV may have freed
@@ -55,12 +61,21 @@ class ResidentSessions:
 
     def remove(self, session_id: str) -> None:
         with self._lock:
-            self._sessions.pop(session_id, None)
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                session.closed = True
+                if not session.in_use:
+                    self._release(session)
             self._room.notify_all()
 
     def clear(self) -> None:
         with self._lock:
             self._sessions.clear()
+
+    def _release(self, session: Session) -> None:
+        if session.cache is not None:
+            session.cache.release(self.pool)
+            session.cache = None
 
     def residency(self) -> Residency:
         with self._lock:
@@ -91,6 +106,8 @@ class ResidentSessions:
         finally:
             with self._lock:
                 session.in_use = False
+                if session.closed:
+                    self._release(session)
                 self._evict_beyond_budget()
                 self._room.notify_all()
 
@@ -125,7 +142,7 @@ class ResidentSessions:
                 continue
             num_prefix = len(victim.prefix_tokens)
             victim.tail = ExactKV.of(victim.cache, num_prefix, victim.cache.num_tokens)
-            victim.cache = None
+            self._release(victim)
 
     def _resident_bytes(self) -> int:
         return sum(s.cache.nbytes for s in self._sessions.values() if s.cache is not None)

@@ -42,6 +42,7 @@ import torch
 from vericache.errors import InvalidRequestError, VeriCacheError
 from vericache.kv.cache import KVCache
 from vericache.kv.codec import model_fingerprint
+from vericache.kv.pool import BufferPool
 from vericache.model.config import ModelConfig
 from vericache.serve.store_lmcache import (
     PERSISTENT_TIER,
@@ -162,9 +163,14 @@ class FullKVStore:
         return StoredPrefix(num_tokens, num_tokens * self.bytes_per_token, bytes_written, seconds)
 
     def load(
-        self, token_ids: Sequence[int], capacity: int = 0, device: torch.device | str = "cpu"
+        self,
+        token_ids: Sequence[int],
+        capacity: int = 0,
+        device: torch.device | str = "cpu",
+        pool: BufferPool | None = None,
     ) -> LoadResult:
-        """The full KV of a stored prefix, bit-exact; `capacity` reserves slots for later tokens."""
+        """The full KV of a stored prefix, bit-exact; `capacity` reserves slots for later tokens
+        (in buffers from `pool` where it has some)."""
         tokens = self._checked_tokens(token_ids)
         num_tokens = len(tokens)
         config = self.model_config
@@ -178,6 +184,7 @@ class FullKVStore:
                 self.dtype,
                 device,
                 capacity=max(capacity, num_tokens),
+                pool=pool,
             )
             for start, end in self._calls(0, num_tokens):
                 self._engine.retrieve(tokens[:end], mask=tail_mask(end, start), kv=cache)

@@ -25,6 +25,7 @@ from vericache.engine.sequence import num_accepted
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
+from vericache.kv.pool import BufferPool
 from vericache.serve.batching import BatchLoop
 from vericache.serve.catalog import PrefixRecord
 from vericache.serve.config import VerifierConfig
@@ -56,7 +57,10 @@ class Verifier:
         self.link = ThrottledLink(config.link)  # toward the drafters
         self._device_path = ThrottledLink(LinkSpec(config.load_bandwidth))  # store -> device
         self._slot_bytes = slot_bytes(self.runner.config, self.runner.dtype.itemsize)
-        self._sessions = ResidentSessions(config.resident_bytes, self._slot_bytes, self._load)
+        self._buffers = BufferPool(config.resident_bytes)  # of closed and evicted sessions
+        self._sessions = ResidentSessions(
+            config.resident_bytes, self._slot_bytes, self._load, self._buffers
+        )
         self._loop = BatchLoop(self.runner, "verifier-batch")
         service = KVTransferService(self.prefixes.kv_for_drafter, self.info.fingerprint, self.link)
         host = config.transfer_host or "127.0.0.1"
@@ -210,8 +214,8 @@ class Verifier:
     def _load(self, session: Session) -> tuple[KVCache, Traffic]:
         """A session's prefix KV from the store (or an empty cache), onto the device."""
         if not session.prefix_tokens:
-            return self.runner.new_cache(capacity=session.capacity), Traffic()
-        loaded = self.prefixes.load_full(session.prefix_tokens, session.capacity)
+            return self.runner.new_cache(session.capacity, self._buffers), Traffic()
+        loaded = self.prefixes.load_full(session.prefix_tokens, session.capacity, self._buffers)
         held = self._device_path.send_blocking(loaded.bytes_loaded, first=True)
         return loaded.cache, Traffic(store_bytes=loaded.bytes_loaded, store_s=loaded.seconds + held)
 
