@@ -29,6 +29,8 @@ test: install
 	$(VENV)/bin/ruff check vericache kernels bench tests
 	$(PY) -m pytest
 
+# Without the slow model tests: the embedded model's weights are never converted (its tokenizer is
+# read from the GGUF alone).
 test-fast: install
 	$(PY) -m pytest -m "not slow"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vericache.engine.engine import Engine, EngineConfig
-from vericache.model.loader import ensure_embedded, load_model
+from vericache.model.loader import ensure_embedded, ensure_embedded_tokenizer, load_model
 from vericache.model.runner import ModelRunner
 
 TINY_BASE = dict(
@@ -111,16 +111,43 @@ def embedded_dir():
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_checkpoint(tmp_path_factory, embedded_dir):
+def embedded_tokenizer_dir():
+    """The embedded model's tokenizer and chat template, without converting its weights."""
+    return ensure_embedded_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory, embedded_tokenizer_dir):
     """A tiny Llama with the embedded model's vocabulary, tokenizer and chat template."""
     path = tmp_path_factory.mktemp("tiny-chat")
     save_tiny_checkpoint("llama", path, vocab_size=49152, max_position_embeddings=512)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (embedded_dir / name).is_file():
-            shutil.copy(embedded_dir / name, path / name)
+        if (embedded_tokenizer_dir / name).is_file():
+            shutil.copy(embedded_tokenizer_dir / name, path / name)
     return path
 
 
 @pytest.fixture(scope="session")
 def embedded_engine(embedded_dir):
     return Engine.from_pretrained("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The one Ray cluster of a test session (Ray starts slowly and keeps state per process): a
+    head node offering the `verifier` resource and a second node offering one `drafter`."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(
+            num_cpus=1, resources={"verifier": 1}, include_dashboard=False,
+            object_store_memory=100 << 20,
+        ),
+    )  # fmt: skip
+    cluster.add_node(num_cpus=1, resources={"drafter": 1}, object_store_memory=100 << 20)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

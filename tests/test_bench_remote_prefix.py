@@ -157,10 +157,7 @@ def test_a_cell_reports_its_median_and_spread(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_tiny_run_end_to_end(tiny_chat_checkpoint):
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        pytest.skip("another Ray session is running in this process")
+def test_a_tiny_run_end_to_end(tiny_chat_checkpoint, ray_cluster):
     args = _args(
         "--quick", "--model", str(tiny_chat_checkpoint), "--prefix-tokens", "150,300",
         "--requests", "2", "--max-tokens", "6", "--draft-lens", "4",

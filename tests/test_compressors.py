@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.compressor_table import pick, row_id
 from vericache.compress import KIVI, CompressionKind, StreamingLLM, build_compressor
 from vericache.errors import CacheStateError, InvalidRequestError
 from vericache.kernels.quant import dequantize, pack, quantize, unpack
@@ -24,14 +25,8 @@ FP32_BYTES, FP16_BYTES = 4, 2
 # Small enough that a 100-token cache quantizes 6 blocks of 16 (96 tokens) and keeps 4 exact.
 GROUP_SIZE, RESIDUAL_LENGTH = 8, 16
 
-COMPRESSORS = [
-    *(StreamingLLM(ratio=r, sliding=sliding) for r in (1, 2, 4, 8) for sliding in (False, True)),
-    *(KIVI(bits=b, group_size=GROUP_SIZE, residual_length=RESIDUAL_LENGTH) for b in (2, 4, 8)),
-]
-
-
-def _name(compressor) -> str:
-    return compressor.label + ("-sliding" if getattr(compressor, "sliding", False) else "")
+# The table's rows whose byte counts this file derives (`_expected_nbytes`): they need no model.
+COMPRESSORS = pick("streamingllm", "kivi")
 
 
 def _kv(num_tokens: int, seed: int):
@@ -115,7 +110,7 @@ def _error_bound(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 # Conformance: every compressor
 
 
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=_name)
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=row_id)
 def test_compress_leaves_source_unchanged(compressor):
     full = _full_cache()
     before = _snapshot(full)
@@ -125,7 +120,7 @@ def test_compress_leaves_source_unchanged(compressor):
     _assert_unchanged(full, before)
 
 
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=_name)
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=row_id)
 def test_compressed_cache_counts_every_token_in_fewer_bytes(compressor):
     full = _full_cache()
     compressed = compressor.compress(full)
@@ -138,7 +133,7 @@ def test_compressed_cache_counts_every_token_in_fewer_bytes(compressor):
         assert compressed.nbytes == full.nbytes and compressed.is_full
 
 
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=_name)
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=row_id)
 def test_full_precision_slots_hold_the_source_kv_at_original_positions(compressor):
     full = _full_cache()
     compressed = compressor.compress(full)
@@ -155,7 +150,7 @@ def test_full_precision_slots_hold_the_source_kv_at_original_positions(compresso
         assert torch.equal(values[-exact:], source_values[kept[-exact:]])
 
 
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=_name)
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=row_id)
 def test_uncommitted_tokens_roll_back(compressor):
     compressed = compressor.compress(_full_cache())
     before = _snapshot(compressed)

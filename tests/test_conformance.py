@@ -1,7 +1,7 @@
 """Every compressor through the same checks, on a real (tiny) model: sizes as promised, kept
 positions, dtype and device preserved, state round trip, source untouched, `vericache` == `full`.
 
-Add a compressor to COMPRESSORS (an easy and a hard setting) and it is checked like the others.
+The compressors are the shared table (tests/compressor_table.py), which must cover the registry.
 """
 
 from __future__ import annotations
@@ -11,16 +11,12 @@ import math
 import pytest
 import torch
 
+from tests.compressor_table import TABLE, row_id
 from vericache.compress import (
-    H2O,
-    KIVI,
-    TOVA,
+    COMPRESSORS,
     CompressionKind,
     CompressionMode,
-    KVQuant,
-    KVzip,
     ModelContext,
-    PyramidKV,
     SnapKV,
     StreamingLLM,
     cache_from_state,
@@ -29,17 +25,6 @@ from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.kv.compressed import CompressedKV
 
 PREFIX, SUFFIX, MAX_NEW = 300, 10, 32
-COMPRESSORS = [
-    StreamingLLM(ratio=2), StreamingLLM(ratio=8, num_sinks=1, sliding=True),
-    SnapKV(ratio=2), SnapKV(ratio=8, window=4, kernel_size=1, pooling="avg"),
-    PyramidKV(ratio=2), PyramidKV(ratio=8, beta=4),
-    H2O(ratio=2), H2O(ratio=8, recent_fraction=0.1),
-    KVzip(ratio=2), KVzip(ratio=8, chunk_size=64),
-    TOVA(ratio=2), TOVA(ratio=8),
-    KIVI(bits=8, group_size=16, residual_length=32), KIVI(bits=2, group_size=32, residual_length=0),
-    KVQuant(bits=4, group_size=16, residual_length=32), KVQuant(bits=2, outlier_fraction=0.05),
-]  # fmt: skip
-COMPRESSOR_IDS = [f"{c.label}-{i % 2 and 'hard' or 'easy'}" for i, c in enumerate(COMPRESSORS)]
 
 
 def _prompt(vocab: int = 512, seed: int = 3) -> tuple[int, ...]:
@@ -71,7 +56,7 @@ def full_output(engine):
     return out.token_ids
 
 
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+@pytest.mark.parametrize("compressor", TABLE, ids=row_id)
 def test_sizes_as_promised(engine, prefix, compressor):
     full = prefix[1]
     compressed = _compress(engine, prefix, compressor)
@@ -120,7 +105,7 @@ def _expected_slots(compressor, num_layers: int) -> list[int]:
     return [math.ceil(PREFIX / compressor.ratio)] * num_layers
 
 
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+@pytest.mark.parametrize("compressor", TABLE, ids=row_id)
 def test_positions_kept_and_dtype_device_preserved(engine, prefix, compressor):
     full = prefix[1]
     compressed = _compress(engine, prefix, compressor)
@@ -141,7 +126,7 @@ def test_positions_kept_and_dtype_device_preserved(engine, prefix, compressor):
             assert (keys - source_keys[:PREFIX]).abs().max() < 0.5 * source_keys.abs().max()
 
 
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+@pytest.mark.parametrize("compressor", TABLE, ids=row_id)
 def test_state_round_trip_and_source_unchanged(engine, prefix, compressor):
     full = prefix[1]
     before = full.to_state()
@@ -158,7 +143,7 @@ def test_state_round_trip_and_source_unchanged(engine, prefix, compressor):
         )
 
 
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+@pytest.mark.parametrize("compressor", TABLE, ids=row_id)
 def test_vericache_equals_full(engine, full_output, compressor):
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     requests = [
@@ -171,7 +156,7 @@ def test_vericache_equals_full(engine, full_output, compressor):
     assert vericache.stats.rounds < MAX_NEW  # drafts were accepted: fewer rounds than tokens
 
 
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+@pytest.mark.parametrize("compressor", TABLE, ids=row_id)
 def test_empty_prefix(engine, compressor):
     # Nothing to compress: the whole prompt is the user turn.
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -186,7 +171,7 @@ def test_empty_prefix(engine, compressor):
 
 
 @pytest.mark.parametrize(
-    "compressor", [c for c in COMPRESSORS if c.records_queries], ids=lambda c: c.label
+    "compressor", [c for c in TABLE if c.records_queries], ids=lambda c: c.label
 )
 def test_online_eviction_holds_the_budget(engine, compressor):
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
@@ -200,3 +185,9 @@ def test_online_eviction_holds_the_budget(engine, compressor):
             assert cache.budgets == [math.ceil(cache.num_tokens / compressor.ratio)] * 2
             assert all(layer.num_slots <= cache.budgets[0] for layer in cache.layers)
     assert compressor.mode is CompressionMode.ONLINE
+
+
+def test_the_table_covers_every_registered_compressor_easy_and_hard():
+    assert sorted(row.name for row in TABLE) == sorted(2 * list(COMPRESSORS))
+    for easy, hard in zip(TABLE[::2], TABLE[1::2]):
+        assert easy.name == hard.name and easy != hard

@@ -9,6 +9,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from tests.compressor_table import pick, row_id
 from vericache.compress import KIVI, CompressionKind, CompressionMode, Compressor, StreamingLLM
 from vericache.engine.engine import DraftKVSource, EngineConfig
 from vericache.engine.request import DecodeMode, Request, SamplingParams
@@ -20,15 +21,7 @@ MAX_NEW = 40
 # (prefix tokens, suffix tokens): a long shared prefix, one whose verifications cross the
 # 1024-slot key block of the invariant kernels, and a prompt without any prefix.
 PROMPT_SHAPES = [(96, 8), (1000, 12), (0, 20)]
-COMPRESSORS = [
-    StreamingLLM(ratio=2),
-    StreamingLLM(ratio=2, sliding=True),
-    StreamingLLM(ratio=4),
-    StreamingLLM(ratio=8, num_sinks=2),
-    KIVI(bits=8, group_size=8, residual_length=8),
-    KIVI(bits=4, group_size=8, residual_length=16),
-    KIVI(bits=2, group_size=16, residual_length=32),
-]
+COMPRESSORS = pick("streamingllm", "kivi")  # the table's token-dropping and quantizing anchors
 
 
 def make_prompts(vocab: int = 512, seed: int = 0):
@@ -76,7 +69,7 @@ class ScrambledKV(Compressor):
 
 @pytest.mark.parametrize("source", list(DraftKVSource), ids=lambda s: s.value)
 @pytest.mark.parametrize("draft_len", [1, 4, 30])
-@pytest.mark.parametrize("compressor", COMPRESSORS, ids=lambda c: c.label)
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=row_id)
 def test_vericache_equals_full(tiny_engine, full_outputs, compressor, draft_len, source):
     engine = tiny_engine(EngineConfig(draft_kv_source=source))
     outputs = engine.generate(requests(DecodeMode.VERICACHE, compressor, draft_len))

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from tests.compressor_table import pick, row_id
 from vericache.compress import KIVI, StreamingLLM
 from vericache.errors import CacheStateError
 from vericache.kv.cache import DenseLayerKV, KVCache
@@ -265,11 +266,11 @@ def _poisoned_allocations():
         yield
 
 
-CLONE_COMPRESSORS = [None, StreamingLLM(ratio=4, num_sinks=2), KIVI(bits=4, group_size=8)]
+CLONE_COMPRESSORS = [None, *pick("streamingllm", "kivi")]
 
 
 def _compressor_id(compressor) -> str:
-    return "full" if compressor is None else compressor.label
+    return "full" if compressor is None else row_id(compressor)
 
 
 @pytest.mark.parametrize("compressor", CLONE_COMPRESSORS, ids=_compressor_id)

@@ -90,9 +90,9 @@ def test_transfer_rate_follows_the_link(serve):
     fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
     result = fetcher.fetch("p1", KVKind.FULL)  # about 2.5 MB after encoding
     paced = 0.01 + result.link_bytes / bandwidth
-    # The link's pace is a floor; encoding, decoding and gRPC add CPU time on top
-    # (tests/test_link.py checks the pace itself within 10%).
-    assert paced <= result.seconds <= 1.5 * paced + 0.05
+    # The link's pace is a floor; encoding, decoding and gRPC add CPU time on top, more of it
+    # on a busy machine (tests/test_link.py checks the pace itself).
+    assert paced <= result.seconds <= 3 * paced + 0.25
     fetcher.close()
 
 

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from vericache.compress import COMPRESSORS, KIVI, StreamingLLM, build_compressor
+from tests.compressor_table import TABLE, row_id
+from vericache.compress import KIVI, StreamingLLM
 from vericache.engine.device_memory import (
     DeviceMemory,
     DeviceMemoryError,
@@ -282,10 +283,8 @@ def test_refusals(make_engine, sizes):
         make_engine(budget_for(sizes, 4), link=1e3, iteration_s=1e-3).add_request(vericache)
 
 
-@pytest.mark.parametrize("name", sorted(COMPRESSORS))
-def test_prefill_compressed_kv_within_its_bound(make_engine, name):
-    compressor = build_compressor(name, bits=2) if name in ("kivi", "kvquant") else None
-    compressor = compressor or build_compressor(name, ratio=3)
+@pytest.mark.parametrize("compressor", TABLE, ids=row_id)
+def test_prefill_compressed_kv_within_its_bound(make_engine, compressor):
     engine = make_engine()
     for request in make_requests(DecodeMode.VERICACHE, compressor, num=4):
         if not request.num_prefix_tokens:
@@ -346,8 +345,9 @@ def test_cpu_loader_honours_its_bandwidth(tiny_engine):
     finally:
         loader.close()
     expected = host.nbytes / bandwidth  # 0.2 s each
-    assert 0.9 * expected <= first.load_s <= 1.2 * expected
-    assert 1.8 * expected <= elapsed <= 2.4 * expected
+    # Never faster than the link; slower only by how late a busy machine wakes the loader.
+    assert 0.98 * expected <= first.load_s <= 2 * expected
+    assert 1.96 * expected <= elapsed <= 4 * expected
     for layer, loaded in zip(cache.layers, second.cache.layers):
         assert torch.equal(layer.keys_values()[0][:2000], loaded.keys_values()[0][:2000])
         assert torch.equal(layer.positions(), loaded.positions())

@@ -1,4 +1,4 @@
-"""The served system on real Ray: a verifier node and a drafter node (`ray.cluster_utils.Cluster`),
+"""The served system on real Ray: a verifier node and a drafter node (the session's `ray_cluster`),
 actors placed by their custom resources, reached through gRPC."""
 
 from __future__ import annotations
@@ -12,26 +12,13 @@ from vericache.serve.config import DrafterConfig, VerifierConfig
 from vericache.serve.server import distributed_server
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
+pytestmark = pytest.mark.ray
 PROMPT = "Which function multiplies by five?"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """One Ray cluster for this module: a head node offering `verifier`, a node with `drafter`."""
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args=dict(
-            num_cpus=1, resources={"verifier": 1}, include_dashboard=False,
-            object_store_memory=100 << 20,
-        ),
-    )  # fmt: skip
-    cluster.add_node(num_cpus=1, resources={"drafter": 1}, object_store_memory=100 << 20)
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +80,7 @@ def test_cancelling_stops_the_work_on_the_actors(server):
             next(iter(stream))
 
         def sessions() -> int:
-            return sum(_on_actor(a, lambda self: len(self._sessions)) for a in _actors(server))
+            return sum(_on_actor(a, lambda self: self.num_sessions) for a in _actors(server))
 
         assert wait_for(lambda: sessions() == 0, timeout_s=30)
         assert len(client.generate(PROMPT, prefix_id=prefix_id, max_tokens=5).token_ids) == 5

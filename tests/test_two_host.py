@@ -49,6 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_vericache_is_lossless_across_a_tc_limited_link(tmp_path, request):
     reason = _skip_reason()
     if reason:

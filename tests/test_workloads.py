@@ -20,10 +20,10 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 @pytest.fixture(scope="module")
-def tokenizer(embedded_dir):
+def tokenizer(embedded_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(embedded_dir))
+    return AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir))
 
 
 def count(tokenizer, text: str) -> int:

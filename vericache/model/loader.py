@@ -81,33 +81,61 @@ def _find_gguf(model: EmbeddedModel) -> Path:
 def ensure_embedded(name: str) -> Path:
     """The cached checkpoint directory of an embedded model, converting it on first use."""
     target = cache_root() / "models" / name
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
-        return target
-    gguf = _find_gguf(EMBEDDED_MODELS[name])
+    if not (target / "model.safetensors").is_file() or not (target / "config.json").is_file():
+        _build_atomically(target, lambda out: _convert_gguf(_find_gguf(EMBEDDED_MODELS[name]), out))
+    return target
+
+
+def ensure_embedded_tokenizer(name: str) -> Path:
+    """A directory holding an embedded model's tokenizer and chat template alone: the converted
+    model's where it exists, else the tokenizer read from the GGUF (seconds, where converting
+    the weights takes tens of seconds)."""
+    converted = cache_root() / "models" / name
+    if (converted / "tokenizer.json").is_file():
+        return converted
+    target = cache_root() / "tokenizers" / name
+    if not (target / "tokenizer.json").is_file():
+        gguf = _find_gguf(EMBEDDED_MODELS[name])
+        _build_atomically(target, lambda out: _gguf_tokenizer(gguf).save_pretrained(out))
+    return target
+
+
+def _build_atomically(target: Path, build) -> None:
+    """Fills `target` by `build(staging_dir)` and renames it into place: a concurrent build may
+    win, which is fine."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _convert_gguf(gguf, staging)
+        build(staging)
         staging.chmod(0o755)
         try:
-            staging.rename(target)  # atomic: a concurrent conversion may win, which is fine
+            staging.rename(target)
         except OSError:
-            if not (target / "model.safetensors").is_file():
+            if not target.is_dir():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+def _gguf_tokenizer(gguf: Path):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ModelNotFoundError(
+            f"reading the embedded tokenizer needs transformers and gguf ({exc})"
+        ) from exc
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
     try:
         from safetensors.torch import save_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ModelNotFoundError(
             f"converting the embedded model needs transformers, gguf and accelerate ({exc})"
         ) from exc
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = _gguf_tokenizer(gguf)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
