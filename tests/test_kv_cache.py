@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pickle
 
 import pytest
 import torch
@@ -406,3 +407,13 @@ def test_a_clone_into_pooled_buffers_holds_the_same_kv():
     copy = full.clone(capacity=64, pool=pool)
     assert pool.num_reused > 0
     _assert_unchanged(copy, _snapshot(full))
+
+
+def test_exact_kv_crosses_processes_packed_and_whole():
+    full = _full_cache(20, seed=3)
+    exact = ExactKV.of(full, 12, 20)
+    back = pickle.loads(pickle.dumps(exact))
+    assert back.start == 12 and back.num_tokens == 8 and len(back.keys) == len(full.layers)
+    for mine, theirs in zip((*exact.keys, *exact.values), (*back.keys, *back.values)):
+        assert torch.equal(mine, theirs)
+    assert pickle.loads(pickle.dumps(ExactKV(3, (), ()))) == ExactKV(3, (), ())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 from vericache.errors import InvalidRequestError
@@ -77,9 +78,18 @@ def _put(client, args) -> str:
     if not args.file.is_file():
         raise InvalidRequestError(f"{args.file} is not a file")
 
+    began = {"stage": None, "at": time.perf_counter()}
+
     def report(progress) -> None:
-        if not args.quiet:
-            print(f"{progress.stage}: {progress.num_tokens} tokens", file=sys.stderr, flush=True)
+        """Each stage with the seconds it took, once the next one begins."""
+        now = time.perf_counter()
+        if began["stage"] not in (None, "queued") and not args.quiet:
+            seconds = now - began["at"]
+            print(f"{began['stage']}: {seconds:.1f} s", file=sys.stderr, flush=True)
+        if progress.stage == "done" and not args.quiet:
+            known = " (registered already)" if progress.existed else ""
+            print(f"done: {progress.num_tokens} tokens{known}", file=sys.stderr, flush=True)
+        began.update(stage=progress.stage, at=now)
 
     text = args.file.read_text()
     return client.put_prefix(

@@ -58,6 +58,18 @@ class ExactKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    def __reduce__(self):
+        # Across processes (Ray), one tensor instead of two per layer: pickling 60 small tensors
+        # of a 30-layer model took 2.3 ms and unpickling them 3.5, the packed one 0.07 each.
+        if not self.keys:
+            return ExactKV, (self.start, (), ())
+        packed = torch.stack([torch.stack(self.keys), torch.stack(self.values)])
+        return _unpacked, (self.start, packed)  # packed: [2, layers, n, Hkv, D]
+
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """[n] int32 original positions of these tokens."""
         return torch.arange(self.start, self.end, dtype=torch.int32, device=device)
+
+
+def _unpacked(start: int, packed: torch.Tensor) -> ExactKV:
+    return ExactKV(start, tuple(packed[0].unbind(0)), tuple(packed[1].unbind(0)))
