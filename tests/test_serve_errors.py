@@ -17,8 +17,8 @@ from vericache.client.errors import (
     ServerUnavailableError,
 )
 from vericache.compress import build_compressor
+from vericache.serve.catalog import PrefixKey
 from vericache.serve.config import CoordinatorConfig
-from vericache.serve.worker_api import CompressPrefix
 from vericache.v1 import vericache_pb2 as pb
 from vericache.v1 import vericache_pb2_grpc
 
@@ -200,11 +200,11 @@ def test_a_registration_abandoned_after_prefill_leaves_no_staged_kv(staging_serv
 def test_a_store_stage_whose_staged_kv_was_dropped_prefills_again(staging_server):
     verifier = staging_server.coordinator.backend.verifiers[0].worker
     token_ids = tuple(range(5, 45))
-    spec = build_compressor("streamingllm", ratio=4).spec()
     verifier.prefill_prefix(token_ids)
     assert verifier.discard_staged(token_ids)  # what a coordinator does for a cancelled put
     assert not verifier.discard_staged(token_ids) and verifier.prefixes.staged_bytes == 0
     assert verifier.store_prefix(token_ids).store_bytes > 0
     assert verifier.prefixes.store.contains(token_ids)
-    record = verifier.compress_prefix(CompressPrefix(token_ids, False, spec))
+    key = PrefixKey(token_ids, False, build_compressor("streamingllm", ratio=4))
+    record = verifier.compress_prefix(key)
     assert record.token_ids == token_ids and verifier.prefixes.staged_bytes == 0

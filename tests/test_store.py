@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.damage import DAMAGES, flip_bytes
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.kv.exact import ExactKV
@@ -18,6 +19,7 @@ from vericache.serve.store import (
     FullKVStore,
     PrefixNotStoredError,
     StoreClosedError,
+    StoreCorruptionError,
 )
 from vericache.serve.store_lmcache import chained_chunk_hash, fingerprint_seed
 
@@ -171,7 +173,7 @@ def test_delete_removes_the_prefix_from_both_tiers(tmp_path):
         with pytest.raises(PrefixNotStoredError):
             store.load(token_ids(40))
         store.delete(token_ids(40))  # deleting what is not stored does nothing
-    assert not any(root.iterdir())
+    assert not list(root.glob("*.data")) and not any((root / "digests").iterdir())
     with open_store(root) as restarted:
         assert not restarted.contains(token_ids(40))
 
@@ -254,3 +256,58 @@ def test_chunk_keys_are_stable_values():
     assert (seed, key) == (7532386527979548874, 2485914243384173417)
     assert chained_chunk_hash(seed, np.arange(5)) != key
     assert chained_chunk_hash(seed + 1, np.arange(4)) != key
+
+
+# --- Integrity: what the disk returns is checked before it reaches a cache ----------------------
+
+
+def stored_on_disk(tmp_path, num_tokens: int = 40) -> tuple:
+    """A prefix put by one store, whose chunks a restarted store reads from the fs:// tier."""
+    root = tmp_path / "kv"
+    cache = random_full_cache(num_tokens, torch.float32, seed=11)
+    with open_store(root) as first:
+        first.put(token_ids(num_tokens), cache)
+    return root, cache
+
+
+def chunk_files(root) -> list:
+    return sorted(root.glob("*.data"), key=lambda path: path.stat().st_mtime_ns)
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_chunk_never_loads(tmp_path, damage):
+    root, _ = stored_on_disk(tmp_path)
+    DAMAGES[damage](chunk_files(root)[1])
+    with open_store(root) as restarted:
+        with pytest.raises(StoreCorruptionError):
+            restarted.load(token_ids(40))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "removed"])
+def test_a_damaged_digest_never_loads(tmp_path, damage):
+    root, _ = stored_on_disk(tmp_path)
+    DAMAGES[damage](sorted((root / "digests").iterdir())[0])
+    with open_store(root) as restarted:
+        with pytest.raises(StoreCorruptionError):
+            restarted.load(token_ids(40))
+
+
+def test_a_digest_of_another_chunk_does_not_pass(tmp_path):
+    root, _ = stored_on_disk(tmp_path, num_tokens=2 * CHUNK)  # two whole chunks
+    first, second = sorted((root / "digests").iterdir())
+    first.write_bytes(second.read_bytes())
+    with open_store(root) as restarted:
+        with pytest.raises(StoreCorruptionError):
+            restarted.load(token_ids(2 * CHUNK))
+
+
+def test_a_damaged_prefix_discarded_and_put_again_loads_bit_exact(tmp_path):
+    root, cache = stored_on_disk(tmp_path)
+    flip_bytes(chunk_files(root)[0])
+    with open_store(root) as restarted:
+        with pytest.raises(StoreCorruptionError):
+            restarted.load(token_ids(40))
+        restarted.discard(token_ids(40))
+        assert not restarted.contains(token_ids(40))
+        assert restarted.put(token_ids(40), cache).bytes_written == 40 * restarted.bytes_per_token
+        assert_same_kv(restarted.load(token_ids(40)).cache, cache)

@@ -25,6 +25,10 @@ class PrefixNotFoundError(VeriCacheError):
     """No registered prefix has this id (or it was deleted)."""
 
 
+class DataLossError(VeriCacheError):
+    """Stored data failed its integrity check and cannot be rebuilt: register the prefix again."""
+
+
 class QueueFullError(VeriCacheError):
     """The server holds as many requests as it may queue: retry later."""
 

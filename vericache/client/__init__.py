@@ -22,6 +22,7 @@ or Ray.
 from vericache.client.aio import AsyncClient, AsyncStream
 from vericache.client.errors import (
     AuthenticationError,
+    DataLossError,
     DeadlineExceededError,
     InvalidRequestError,
     PrefixNotFoundError,
@@ -39,6 +40,7 @@ __all__ = [
     "AuthenticationError",
     "Client",
     "Compressor",
+    "DataLossError",
     "DeadlineExceededError",
     "InvalidRequestError",
     "ModeName",

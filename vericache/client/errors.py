@@ -13,6 +13,7 @@ from vericache.errors import InvalidRequestError, PrefixNotFoundError, VeriCache
 
 __all__ = [
     "AuthenticationError",
+    "DataLossError",
     "DeadlineExceededError",
     "InvalidRequestError",
     "PrefixNotFoundError",
@@ -50,6 +51,11 @@ class DeadlineExceededError(ServerError):
     """The call ran past its timeout (DEADLINE_EXCEEDED)."""
 
 
+class DataLossError(ServerError):
+    """The server's stored copy of the prefix was damaged beyond rebuilding (DATA_LOSS): register
+    it again."""
+
+
 class RequestCancelledError(ServerError):
     """The call was cancelled (CANCELLED), by the server or by closing its stream early."""
 
@@ -60,6 +66,7 @@ _SERVER_ERRORS: dict[grpc.StatusCode, type[ServerError]] = {
     grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.CANCELLED: RequestCancelledError,
+    grpc.StatusCode.DATA_LOSS: DataLossError,
 }
 
 

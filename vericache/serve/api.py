@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from vericache.errors import (
+    DataLossError,
     InvalidRequestError,
     PrefixNotFoundError,
     QueueFullError,
@@ -44,6 +45,7 @@ _STATUS = [
     (PrefixNotFoundError, grpc.StatusCode.NOT_FOUND),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (DataLossError, grpc.StatusCode.DATA_LOSS),
 ]
 
 

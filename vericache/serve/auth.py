@@ -12,7 +12,7 @@ keys file (JSON) lists tenants, their keys and limits:
 A key is either the secret itself or `sha256:` and the hex SHA-256 of the secret, so the file need
 not hold secrets. Presented keys are hashed and compared with every stored hash in constant time.
 A limit left out is no limit. `--insecure-no-auth` serves every caller as one anonymous tenant
-without limits. Tenants own prefixes through their ids (catalog.owned_spec).
+without limits. Tenants own prefixes through their ids (catalog.PrefixKey).
 """
 
 from __future__ import annotations

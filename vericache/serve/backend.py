@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol, runtime_checkable
 
 from vericache.serve.api_types import ServeMode
-from vericache.serve.catalog import PrefixRecord
+from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.metrics import ServeMetrics
 from vericache.serve.rounds import ServedRequest
 from vericache.serve.worker_api import ModelInfo
@@ -31,9 +31,7 @@ class ServingBackend(Protocol):
     def check_can_serve(self, mode: ServeMode) -> None:
         """Raises a typed error when this backend cannot serve `mode` (now, or ever)."""
 
-    def register(
-        self, prefix_id: str, token_ids: tuple[int, ...], chat: bool, compressor_spec: dict
-    ) -> AsyncIterator[str]:
+    def register(self, prefix_id: str, key: PrefixKey) -> AsyncIterator[str]:
         """Makes what a new prefix needs; yields each stage's name as it begins."""
 
     async def record(self, prefix_id: str) -> PrefixRecord:

@@ -2,28 +2,50 @@
 
 A prefix id is a content hash of the model, the prefix's token ids, how the prompt continues it
 (a chat system turn or raw tokens) and the compressor with its parameters: registering the same
-prefix twice gives the same id. A tenant's name joins the hash (`owned_spec`): two tenants
+prefix twice gives the same id (`PrefixKey`). A tenant's name joins the hash: two tenants
 registering the same text get two prefixes, and a prefix belongs to the tenant whose name gives its
 id; the anonymous tenant ("") adds nothing, so prefixes made before tenants are its own. The full
 KV lives in the LMCache store (store.py); the catalog keeps each prefix's record (JSON) and its
 compressed KV (the KV codec's stream) under `root`, written atomically, so a verifier that
 restarts, or another verifier sharing `root`, finds them again.
+
+Integrity: a record file starts with the BLAKE3 digest of the JSON that follows, and the codec
+stream of compressed KV carries CRCs of its own. A record that fails its check is moved aside
+(`.corrupt`) and reported once: listing skips it, and its id answers DataLossError until the
+prefix is registered again (its token ids were in the record, so nothing can rebuild it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import hashlib
 import json
+import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vericache.errors import PrefixNotFoundError
+import blake3
+
+from vericache.compress import Compressor, build_compressor
+from vericache.errors import DataLossError, PrefixNotFoundError
 from vericache.kv.codec import decode, encode
 from vericache.kv.state import CacheState
 
 _ID_PREFIX = "pfx-"
+
+log = logging.getLogger(__name__)
+
+
+class StoredKind(enum.Enum):
+    """What stored data failed its check (the `kind` of `vericache:store_corruptions_total`)."""
+
+    FULL_KV = "full_kv"  # a chunk of the full-KV store
+    COMPRESSED_KV = "compressed_kv"  # a prefix's codec stream
+    RECORD = "record"  # a prefix's catalog record
 
 
 @dataclass(frozen=True)
@@ -39,39 +61,57 @@ class PrefixRecord:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
+    def to_bytes(self) -> bytes:
+        """The record file: the BLAKE3 digest of the JSON, a newline, the JSON."""
+        body = json.dumps(asdict(self), sort_keys=True).encode()
+        return blake3.blake3(body).hexdigest().encode() + b"\n" + body
 
     @classmethod
-    def from_json(cls, text: str) -> PrefixRecord:
-        raw = json.loads(text)
-        return cls(**{**raw, "token_ids": tuple(raw["token_ids"])})
+    def from_bytes(cls, data: bytes) -> PrefixRecord:
+        """The record a file holds; `_CorruptRecordError` for anything `to_bytes` did not write."""
+        digest, _, body = data.partition(b"\n")
+        if blake3.blake3(body).hexdigest().encode() != digest:
+            raise _CorruptRecordError("the record does not match its digest")
+        try:
+            raw = json.loads(body)
+            return cls(**{**raw, "token_ids": tuple(raw["token_ids"])})
+        except (ValueError, TypeError, KeyError) as exc:
+            raise _CorruptRecordError(f"the record does not parse: {type(exc).__name__}") from None
 
 
-def prefix_id_for(fingerprint: str, token_ids, chat: bool, compressor_spec: dict) -> str:
-    described = {
-        "model": fingerprint,
-        "tokens": list(token_ids),
-        "chat": chat,
-        "compressor": compressor_spec,
-    }
+class _CorruptRecordError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    """What a registration is: the prefix id is a hash of it and the model's fingerprint."""
+
+    token_ids: tuple[int, ...]  # [num_tokens]
+    chat: bool  # a chat system turn (prompts follow as the user turn)
+    compressor: Compressor  # what the drafters' copy is compressed with
+    tenant: str = ""  # the owner; the anonymous tenant ("") adds nothing to the hash
+
+    def prefix_id(self, fingerprint: str) -> str:
+        spec = self.compressor.spec()
+        return _hashed_id(fingerprint, self.token_ids, self.chat, spec, self.tenant)
+
+
+def _hashed_id(fingerprint: str, token_ids, chat: bool, spec: dict, tenant: str) -> str:
+    owned = {**spec, "tenant": tenant} if tenant else spec  # the compressor ignores "tenant"
+    described = {"model": fingerprint, "tokens": list(token_ids), "chat": chat, "compressor": owned}
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
     return _ID_PREFIX + digest[:32]
 
 
-def owned_spec(compressor_spec: dict, tenant: str) -> dict:
-    """The spec a tenant registers a prefix with: hashed into its id, ignored by the compressor
-    (which reads only "name" and "params")."""
-    return {**compressor_spec, "tenant": tenant} if tenant else compressor_spec
-
-
-def compressor_only(spec: dict) -> dict:
-    return {"name": spec["name"], "params": spec["params"]}
+def compressor_of(record: PrefixRecord) -> Compressor:
+    return build_compressor(record.compressor["name"], **record.compressor["params"])
 
 
 def is_owned_by(record: PrefixRecord, fingerprint: str, tenant: str) -> bool:
-    spec = owned_spec(compressor_only(record.compressor), tenant)
-    return prefix_id_for(fingerprint, record.token_ids, record.chat, spec) == record.prefix_id
+    spec = {"name": record.compressor["name"], "params": record.compressor["params"]}
+    hashed = _hashed_id(fingerprint, record.token_ids, record.chat, spec, tenant)
+    return hashed == record.prefix_id
 
 
 def check_prefix_id(prefix_id: str) -> None:
@@ -86,10 +126,18 @@ def check_prefix_id(prefix_id: str) -> None:
 
 
 class PrefixCatalog:
-    def __init__(self, root: Path, fingerprint: str):
+    """`on_corruption` hears of each record that failed its check, once."""
+
+    def __init__(
+        self,
+        root: Path,
+        fingerprint: str,
+        on_corruption: Callable[[StoredKind], None] | None = None,
+    ):
         self.root = Path(root) / "prefixes"
         self.root.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
+        self.on_corruption = on_corruption
         self._states: dict[str, CacheState] = {}  # compressed KV decoded already
         self._lock = threading.Lock()  # the KV transfer server reads from its own thread
 
@@ -100,23 +148,37 @@ class PrefixCatalog:
                 self._kv_path(record.prefix_id), lambda f: encode(compressed, self.fingerprint, f)
             )
             record = PrefixRecord(**{**asdict(record), "compressed_kv_bytes": size})
-            _write_atomic(
-                self._record_path(record.prefix_id), lambda f: f.write(record.to_json().encode())
-            )
+            path = self._record_path(record.prefix_id)
+            _write_atomic(path, lambda f: f.write(record.to_bytes()))
+            self._quarantine_path(path).unlink(missing_ok=True)  # registered again
             self._states[record.prefix_id] = compressed
             return record
 
+    def replace_compressed(self, prefix_id: str, compressed: CacheState) -> None:
+        """Writes a prefix's compressed KV again (its stream failed its check)."""
+        with self._lock:
+            path = self._kv_path(prefix_id)
+            _write_atomic(path, lambda f: encode(compressed, self.fingerprint, f))
+            self._states[prefix_id] = compressed
+
     def get(self, prefix_id: str) -> PrefixRecord:
         check_prefix_id(prefix_id)
+        path = self._record_path(prefix_id)
         try:
-            return PrefixRecord.from_json(self._record_path(prefix_id).read_text())
+            record = self._read(path)
         except FileNotFoundError:
-            raise PrefixNotFoundError(f"no prefix {prefix_id!r} is registered") from None
+            if not self._quarantine_path(path).exists():
+                raise PrefixNotFoundError(f"no prefix {prefix_id!r} is registered") from None
+            record = None
+        if record is None:
+            raise DataLossError(f"the record of prefix {prefix_id!r} is damaged: register it again")
+        return record
 
     def contains(self, prefix_id: str) -> bool:
+        """True when the prefix is registered and its record intact."""
         try:
             self.get(prefix_id)
-        except PrefixNotFoundError:
+        except (PrefixNotFoundError, DataLossError):
             return False
         return True
 
@@ -133,10 +195,28 @@ class PrefixCatalog:
         found = []
         for path in sorted(self.root.glob(f"{_ID_PREFIX}*.json")):
             try:
-                found.append(PrefixRecord.from_json(path.read_text()))
+                record = self._read(path)
             except FileNotFoundError:  # deleted meanwhile
                 continue
+            if record is not None:
+                found.append(record)
         return found
+
+    def _read(self, path: Path) -> PrefixRecord | None:
+        """The record in `path`; None when it failed its check (it is then moved aside)."""
+        data = path.read_bytes()
+        try:
+            record = PrefixRecord.from_bytes(data)
+            if record.prefix_id != path.stem:
+                raise _CorruptRecordError("the record names another prefix")
+            return record
+        except _CorruptRecordError as exc:
+            log.error("prefix %s: its record failed its check and is set aside: %s", path.stem, exc)
+            with contextlib.suppress(FileNotFoundError):  # another thread set it aside first
+                os.replace(path, self._quarantine_path(path))
+                if self.on_corruption is not None:
+                    self.on_corruption(StoredKind.RECORD)
+            return None
 
     def remove(self, prefix_id: str) -> PrefixRecord:
         record = self.get(prefix_id)
@@ -151,6 +231,10 @@ class PrefixCatalog:
 
     def _kv_path(self, prefix_id: str) -> Path:
         return self.root / f"{prefix_id}.vkv"
+
+    @staticmethod
+    def _quarantine_path(record_path: Path) -> Path:
+        return record_path.with_suffix(".corrupt")
 
 
 def _write_atomic(path: Path, write) -> int:

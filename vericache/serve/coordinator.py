@@ -19,11 +19,16 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 
-from vericache.compress import build_compressor
+from vericache.compress import Compressor, build_compressor
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.engine.sequence import Sequence
-from vericache.errors import InvalidRequestError, PrefixNotFoundError, QueueFullError
+from vericache.errors import (
+    DataLossError,
+    InvalidRequestError,
+    PrefixNotFoundError,
+    QueueFullError,
+)
 from vericache.serve.api_types import (
     CompressorChoice,
     GenerateCall,
@@ -35,12 +40,11 @@ from vericache.serve.api_types import (
 from vericache.serve.auth import ANONYMOUS, Tenant, TenantLimitError
 from vericache.serve.backend import ServingBackend
 from vericache.serve.catalog import (
+    PrefixKey,
     PrefixRecord,
     check_prefix_id,
-    compressor_only,
+    compressor_of,
     is_owned_by,
-    owned_spec,
-    prefix_id_for,
 )
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics, metered
@@ -82,8 +86,8 @@ class Coordinator:
     ) -> AsyncIterator[RegistrationProgress]:
         token_ids, chat = self._prefix_tokens(call)
         tenant.check_tokens(len(token_ids))
-        spec = owned_spec(_compressor_spec(call.compressor), tenant.name)
-        prefix_id = prefix_id_for(self.info.fingerprint, token_ids, chat, spec)
+        key = PrefixKey(token_ids, chat, _compressor(call.compressor), tenant.name)
+        prefix_id = key.prefix_id(self.info.fingerprint)
 
         def progress(stage: str, existed: bool = False) -> RegistrationProgress:
             return RegistrationProgress(prefix_id, stage, len(token_ids), existed)
@@ -97,7 +101,7 @@ class Coordinator:
                         yield progress("done", existed=True)
                         return
                     await self._check_prefix_bytes(tenant)
-                    async for stage in self.backend.register(prefix_id, token_ids, chat, spec):
+                    async for stage in self.backend.register(prefix_id, key):
                         yield progress(stage)
                     await self._check_prefix_bytes(tenant, new_prefix_id=prefix_id)
             finally:  # also when cancelled: no lock is kept per abandoned registration
@@ -131,7 +135,7 @@ class Coordinator:
     async def _is_registered(self, prefix_id: str) -> bool:
         try:
             await self.backend.record(prefix_id)
-        except PrefixNotFoundError:
+        except (PrefixNotFoundError, DataLossError):  # a damaged record is registered again
             return False
         return True
 
@@ -254,7 +258,7 @@ class Coordinator:
             num_prefix_tokens=record.num_tokens if record else 0,
             params=params,
             mode=mode.decode_mode,
-            compressor=_compressor_of(record) if mode.decode_mode is not DecodeMode.FULL else None,
+            compressor=compressor_of(record) if mode.decode_mode is not DecodeMode.FULL else None,
             draft_len=draft_len,
             request_id=session_id,
         )
@@ -293,15 +297,7 @@ class Coordinator:
         return self.tokenizer
 
 
-def _compressor_spec(choice: CompressorChoice) -> dict:
+def _compressor(choice: CompressorChoice) -> Compressor:
     if not choice.name:
         raise InvalidRequestError("PutPrefix needs a compressor name (`vericache compressors`)")
-    compressor = build_compressor(
-        choice.name, ratio=choice.ratio, bits=choice.bits, dtype=choice.dtype
-    )
-    return compressor.spec()
-
-
-def _compressor_of(record: PrefixRecord):
-    spec = compressor_only(record.compressor)
-    return build_compressor(spec["name"], **spec["params"])
+    return build_compressor(choice.name, ratio=choice.ratio, bits=choice.bits, dtype=choice.dtype)

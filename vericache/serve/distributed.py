@@ -13,13 +13,12 @@ from collections.abc import AsyncIterator
 
 from vericache.errors import UnsupportedModelError, WorkerUnavailableError
 from vericache.serve.api_types import ServeMode
-from vericache.serve.catalog import PrefixRecord
+from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics
 from vericache.serve.rounds import ServedRequest, run_request
 from vericache.serve.scheduled import ScheduledRounds, new_scheduled_rounds
 from vericache.serve.worker_api import (
-    CompressPrefix,
     DrafterAPI,
     ModelInfo,
     VerifierAPI,
@@ -72,10 +71,9 @@ class DistributedBackend:
 
     # --- Prefixes: the first verifier's catalog (verifiers sharing a root share it) ---------------
 
-    async def register(
-        self, prefix_id: str, token_ids: tuple[int, ...], chat: bool, compressor_spec: dict
-    ) -> AsyncIterator[str]:
+    async def register(self, prefix_id: str, key: PrefixKey) -> AsyncIterator[str]:
         verifier = self.verifiers[0]
+        token_ids = key.token_ids
         is_registered = False
         try:
             yield "prefill"
@@ -83,7 +81,7 @@ class DistributedBackend:
             yield "store"
             await verifier.store_prefix(token_ids)
             yield "compress"
-            await verifier.compress_prefix(CompressPrefix(token_ids, chat, compressor_spec))
+            await verifier.compress_prefix(key)
             is_registered = True
         finally:
             if not is_registered:

@@ -23,10 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from vericache.errors import VeriCacheError, WorkerUnavailableError
-from vericache.serve.catalog import PrefixRecord
+from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.worker_api import (
     BatchingStats,
-    CompressPrefix,
     DecodeCall,
     Decoded,
     DraftCall,
@@ -131,8 +130,8 @@ class VerifierHandle(_Handle):
     async def store_prefix(self, token_ids: tuple[int, ...]) -> Traffic:
         return await self._call(self.worker.store_prefix, token_ids)
 
-    async def compress_prefix(self, call: CompressPrefix) -> PrefixRecord:
-        return await self._call(self.worker.compress_prefix, call)
+    async def compress_prefix(self, key: PrefixKey) -> PrefixRecord:
+        return await self._call(self.worker.compress_prefix, key)
 
     async def discard_staged(self, token_ids: tuple[int, ...]) -> bool:
         return await self._call(self.worker.discard_staged, token_ids)

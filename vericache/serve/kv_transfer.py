@@ -3,7 +3,9 @@
 The store side (`KVTransferService`) encodes a prefix's KV with the KV codec and sends it in pieces
 of at most PIECE_BYTES, each paced by the `ThrottledLink`, so the link's bandwidth and latency apply
 to the bytes really sent. The drafter side (`KVFetcher`) decodes as pieces arrive and keeps what it
-fetched in an LRU bounded by bytes: a second request on the same prefix pays no transfer.
+fetched in an LRU bounded by bytes: a second request on the same prefix pays no transfer. A stream
+that fails the codec's checks on arrival is fetched once more, then raises DataLossError: no
+damaged KV enters the LRU.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import grpc
 from vericache.compress import cache_from_state
 from vericache.engine.link import ThrottledLink
 from vericache.engine.prefix_store import PrefixStore
-from vericache.errors import PrefixNotFoundError
+from vericache.errors import DataLossError, PrefixNotFoundError
 from vericache.kv.cache import KVCache
 from vericache.kv.codec import decode_iter, iter_encode
+from vericache.kv.codec_errors import CodecError
 from vericache.kv.state import CacheState
 from vericache.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -43,6 +46,8 @@ class KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):
             state = self.source(request.prefix_id, request.kind)
         except PrefixNotFoundError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except DataLossError as exc:
+            context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         first = True
         for chunk in iter_encode(state, self.fingerprint):
             for start in range(0, len(chunk), PIECE_BYTES):
@@ -99,33 +104,40 @@ class KVFetcher:
 
     def fetch(self, prefix_id: str, kind: int = KVKind.COMPRESSED) -> FetchResult:
         start = time.perf_counter()
-        received = 0
+        received = [0]  # bytes, over every attempt
 
         def transfer() -> KVCache:
-            nonlocal received
-
-            def pieces():
-                nonlocal received
-                for piece in self._stub.Fetch(
-                    kv_transfer_pb2.FetchRequest(prefix_id=prefix_id, kind=kind)
-                ):
-                    received += len(piece.data)
-                    yield piece.data
-
             try:
-                state = decode_iter(pieces(), self.fingerprint)
-            except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.NOT_FOUND:
-                    raise PrefixNotFoundError(exc.details()) from None
-                raise
-            return cache_from_state(state, self.rope)
+                return self._receive(prefix_id, kind, received)
+            except CodecError:  # damaged on the way: once more
+                try:
+                    return self._receive(prefix_id, kind, received)
+                except CodecError:
+                    message = f"prefix {prefix_id}: its KV arrived damaged twice"
+                    raise DataLossError(message) from None
 
         key = (prefix_id, kind)
         with self._locks_guard:
             lock = self._fetching.setdefault(key, threading.Lock())
         with lock:
             cache = self.cached.lookup(key, transfer)
-        return FetchResult(cache, received, time.perf_counter() - start)
+        return FetchResult(cache, received[0], time.perf_counter() - start)
+
+    def _receive(self, prefix_id: str, kind: int, received: list[int]) -> KVCache:
+        def pieces():
+            request = kv_transfer_pb2.FetchRequest(prefix_id=prefix_id, kind=kind)
+            for piece in self._stub.Fetch(request):
+                received[0] += len(piece.data)
+                yield piece.data
+
+        try:
+            return cache_from_state(decode_iter(pieces(), self.fingerprint), self.rope)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.NOT_FOUND:
+                raise PrefixNotFoundError(exc.details()) from None
+            if exc.code() is grpc.StatusCode.DATA_LOSS:
+                raise DataLossError(exc.details()) from None
+            raise
 
     def close(self) -> None:
         self._channel.close()

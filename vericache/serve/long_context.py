@@ -29,7 +29,7 @@ from vericache.engine.long_context_config import LongContextConfig
 from vericache.errors import InvalidRequestError, PrefixNotFoundError
 from vericache.serve.api_types import ServeMode
 from vericache.serve.auth import Access
-from vericache.serve.catalog import PrefixRecord, compressor_only
+from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import CoordinatorConfig, WorkerConfig
 from vericache.serve.coordinator import Coordinator
 from vericache.serve.engine_loop import (
@@ -67,14 +67,12 @@ class LongContextBackend:
 
     # --- Prefixes: records in memory --------------------------------------------------------------
 
-    async def register(
-        self, prefix_id: str, token_ids: tuple[int, ...], chat: bool, compressor_spec: dict
-    ) -> AsyncIterator[str]:
-        full_kv_bytes = len(token_ids) * self._slot_bytes
+    async def register(self, prefix_id: str, key: PrefixKey) -> AsyncIterator[str]:
+        full_kv_bytes = len(key.token_ids) * self._slot_bytes
+        spec = key.compressor.spec()
         self._prefixes[prefix_id] = PrefixRecord(
-            prefix_id, tuple(token_ids), chat, compressor_only(compressor_spec), full_kv_bytes,
-            compressed_kv_bytes=0,
-        )  # fmt: skip
+            prefix_id, key.token_ids, key.chat, spec, full_kv_bytes, compressed_kv_bytes=0
+        )
         return
         yield  # no stage: the engine prefills and compresses each request itself
 

@@ -27,6 +27,7 @@ from prometheus_client import (
 )
 
 from vericache.serve.api_types import OutputChunk
+from vericache.serve.catalog import StoredKind
 
 log = logging.getLogger(__name__)
 NAMESPACE = "vericache"
@@ -89,6 +90,11 @@ class ServeMetrics:
         self._link_seconds = self._counter("link_seconds", "Seconds requests waited on the link.")
         self._store = self._counter("store_lookups", "Full-KV store lookups.", ("result",))
         self._store_bytes = self._counter("store_bytes", "Bytes loaded from the full-KV store.")
+        self._store_corruptions = self._counter(
+            "store_corruptions", "Stored data that failed its integrity check.", ("kind",)
+        )
+        for kind in StoredKind:  # every series from the start, at 0
+            self._store_corruptions.labels(self.model_name, kind.value)
         self._device_memory = self._gauge(
             "device_memory_bytes", "Device memory in use by the KV caches and weights."
         )
@@ -155,6 +161,9 @@ class ServeMetrics:
     def store_lookup(self, hit: bool, num_bytes: int = 0) -> None:
         self._store.labels(self.model_name, "hit" if hit else "miss").inc()
         self._store_bytes.labels(self.model_name).inc(num_bytes)
+
+    def store_corrupted(self, kind: StoredKind) -> None:
+        self._store_corruptions.labels(self.model_name, kind.value).inc()
 
     def set_device_memory(self, num_bytes: int) -> None:
         self._device_memory.labels(self.model_name).set(num_bytes)
@@ -253,6 +262,8 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
         metrics.link_used(traffic.link_bytes, traffic.link_s)
         if traffic.store_bytes:
             metrics.store_lookup(hit=True, num_bytes=traffic.store_bytes)
+        for kind in traffic.corruptions:
+            metrics.store_corrupted(kind)
         elapsed = time.perf_counter() - served.started_at
         finish_reason = served.seq.finish_reason or "abort"
         metrics.request_finished(finish_reason, elapsed)

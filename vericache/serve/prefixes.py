@@ -4,28 +4,44 @@ Registration runs in three calls, so that the coordinator can report each stage:
 here between calls), store (full KV into the store), compress (compressed KV into the catalog). A
 prefix whose full KV is stored already skips the first two. A registration abandoned between calls
 leaves its staged KV, which expires (staging.py) unless the coordinator discards it at once.
+
+Repair: stored data is checked wherever it is read (store.py, catalog.py). Full KV that fails is
+rebuilt from the prefix's token ids by the same prefill that made it (the verifier's kernels give
+it the same bits) and stored again; compressed KV that fails is compressed again from the full KV.
+A request that met either goes on with output identical to an undisturbed one; what cannot be
+rebuilt raises DataLossError. Each failure is reported once, with the next load's Traffic.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 import torch
 
-from vericache.compress import build_compressor
 from vericache.compress.context import ModelContext
-from vericache.errors import InvalidRequestError
+from vericache.errors import DataLossError, InvalidRequestError
 from vericache.kv.cache import KVCache
+from vericache.kv.codec_errors import CodecError
 from vericache.kv.pool import BufferPool
 from vericache.kv.state import CacheState
 from vericache.model.loader import DTYPES, LoadedModel
 from vericache.model.runner import ModelRunner
-from vericache.serve.catalog import PrefixCatalog, PrefixRecord, prefix_id_for
+from vericache.serve.catalog import (
+    PrefixCatalog,
+    PrefixKey,
+    PrefixRecord,
+    StoredKind,
+    compressor_of,
+)
 from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVKind
 from vericache.serve.staging import StagedPrefixes
-from vericache.serve.store import FullKVStore, LoadResult
-from vericache.serve.worker_api import CompressPrefix, ModelInfo, Traffic
+from vericache.serve.store import FullKVStore, LoadResult, StoreCorruptionError
+from vericache.serve.worker_api import ModelInfo, Traffic
+
+log = logging.getLogger(__name__)
 
 
 class PrefixRegistry:
@@ -43,7 +59,9 @@ class PrefixRegistry:
             DTYPES[config.dtype],
             config.store_cpu_bytes,
         )
-        self.catalog = PrefixCatalog(config.root, info.fingerprint)
+        self._corruptions: list[StoredKind] = []  # found since the last `take_corruptions`
+        self._corruptions_lock = threading.Lock()  # the KV transfer server's thread finds some
+        self.catalog = PrefixCatalog(config.root, info.fingerprint, self._report)
         self._staged = StagedPrefixes(config.max_staged_prefixes, config.staged_ttl_s)
 
     def prefill(self, token_ids: tuple[int, ...]) -> None:
@@ -76,21 +94,18 @@ class PrefixRegistry:
         """Bytes of full KV staged for registrations in progress (or abandoned, until expired)."""
         return self._staged.nbytes
 
-    def compress(self, call: CompressPrefix) -> PrefixRecord:
+    def compress(self, key: PrefixKey) -> PrefixRecord:
         """Compresses a stored prefix and registers it."""
-        spec = call.compressor_spec
-        compressor = build_compressor(spec["name"], **spec["params"])  # validates the spec
-        prefix_id = prefix_id_for(self.info.fingerprint, call.token_ids, call.chat, spec)
-        full = self._staged.take(call.token_ids)
+        prefix_id = key.prefix_id(self.info.fingerprint)
+        full = self._staged.take(key.token_ids)
         if self.catalog.contains(prefix_id):
             return self.catalog.get(prefix_id)
         if full is None:
-            full = self.store.load(call.token_ids).cache
-        context = ModelContext(self.runner, call.token_ids, self.tokenizer)
-        compressed = compressor.compress(full, context)
-        record = PrefixRecord(
-            prefix_id, call.token_ids, call.chat, compressor.spec(), full.nbytes, 0
-        )
+            full = self.load_full(key.token_ids, 0).cache
+        context = ModelContext(self.runner, key.token_ids, self.tokenizer)
+        compressed = key.compressor.compress(full, context)
+        spec = key.compressor.spec()
+        record = PrefixRecord(prefix_id, key.token_ids, key.chat, spec, full.nbytes, 0)
         return self.catalog.add(record, compressed.to_state())
 
     def get(self, prefix_id: str) -> PrefixRecord:
@@ -112,14 +127,49 @@ class PrefixRegistry:
     def load_full(
         self, token_ids: tuple[int, ...], capacity: int, pool: BufferPool | None = None
     ) -> LoadResult:
-        """A stored prefix's full KV, with room for `capacity` tokens."""
-        return self.store.load(token_ids, capacity=capacity, pool=pool)
+        """A stored prefix's full KV, with room for `capacity` tokens; rebuilt first where it
+        failed its check."""
+        try:
+            return self.store.load(token_ids, capacity=capacity, pool=pool)
+        except StoreCorruptionError as exc:
+            log.error("the full KV of a %d-token prefix is rebuilt: %s", len(token_ids), exc)
+            self._report(StoredKind.FULL_KV)
+        self.store.discard(token_ids)
+        self.store.put(token_ids, self._prefilled(token_ids))
+        try:
+            return self.store.load(token_ids, capacity=capacity, pool=pool)
+        except StoreCorruptionError:  # the store damages what it has just written
+            raise DataLossError("the full-KV store fails its checks as it is written") from None
 
     def kv_for_drafter(self, prefix_id: str, kind: int) -> CacheState:
         """KVTransfer's source (called from the transfer server's thread)."""
         if kind == KVKind.FULL:
-            return self.store.load(self.catalog.get(prefix_id).token_ids).cache.to_state()
-        return self.catalog.compressed_state(prefix_id)
+            return self.load_full(self.catalog.get(prefix_id).token_ids, 0).cache.to_state()
+        return self.compressed_state(prefix_id)
+
+    def compressed_state(self, prefix_id: str) -> CacheState:
+        """A prefix's compressed KV; compressed again from its full KV where it failed its check."""
+        try:
+            return self.catalog.compressed_state(prefix_id)
+        except (CodecError, FileNotFoundError) as exc:
+            log.error("prefix %s: its compressed KV is rebuilt: %s", prefix_id, type(exc).__name__)
+            self._report(StoredKind.COMPRESSED_KV)
+        record = self.catalog.get(prefix_id)
+        full = self.load_full(record.token_ids, 0).cache
+        context = ModelContext(self.runner, record.token_ids, self.tokenizer)
+        state = compressor_of(record).compress(full, context).to_state()
+        self.catalog.replace_compressed(prefix_id, state)
+        return state
+
+    def take_corruptions(self) -> tuple[StoredKind, ...]:
+        """The failures found since the last call, each reported once."""
+        with self._corruptions_lock:
+            taken, self._corruptions = tuple(self._corruptions), []
+        return taken
+
+    def _report(self, kind: StoredKind) -> None:
+        with self._corruptions_lock:
+            self._corruptions.append(kind)
 
     def close(self) -> None:
         self._staged.clear()

@@ -17,6 +17,11 @@ short chunk keyed like the others. Its key covers the exact token ids, so it is 
 exact prefix, which is all a registered prefix needs; and it lives in the same tiers, so it is
 persisted, evicted, looked up and deleted with the rest instead of through a second file format.
 
+Integrity: every chunk has a BLAKE3 digest in a file of its own (chunk_digests.py), written by
+`put` and checked by every `load` before the chunk reaches the cache; a chunk that fails, or has
+no digest, makes `load` raise `StoreCorruptionError` and no cache is returned. The caller rebuilds
+the prefix from its token ids (`discard`, then `put`).
+
 Deleting: `delete` removes every chunk of the prefix from both tiers, including chunks shared with
 another stored prefix; that prefix then reports `contains() == False` (and `load` raises) until it
 is put again. The caller, which knows every registered prefix, decides what to delete.
@@ -44,12 +49,15 @@ from vericache.kv.cache import KVCache
 from vericache.kv.codec import model_fingerprint
 from vericache.kv.pool import BufferPool
 from vericache.model.config import ModelConfig
+from vericache.serve.chunk_digests import ChunkDigests
 from vericache.serve.store_lmcache import (
     PERSISTENT_TIER,
     KVCacheConnector,
     as_token_tensor,
     build_engine,
+    chunk_keys,
     destroy_engine,
+    fingerprint_seed,
     tail_mask,
 )
 
@@ -64,6 +72,10 @@ class PrefixNotStoredError(VeriCacheError):
 
 class StoreWriteError(VeriCacheError):
     """The store could not make a prefix's KV persistent."""
+
+
+class StoreCorruptionError(VeriCacheError):
+    """A stored chunk of the prefix failed its digest check (or had no digest)."""
 
 
 class StoreClosedError(VeriCacheError):
@@ -117,6 +129,8 @@ class FullKVStore:
         self._lock = threading.Lock()
         Path(root).mkdir(parents=True, exist_ok=True)
         fingerprint = model_fingerprint(model_config, model_name)
+        self._seed = fingerprint_seed(fingerprint)
+        self._digests = ChunkDigests(Path(root))
         self._connector = KVCacheConnector(model_config)
         self._engine = build_engine(
             self.instance_id,
@@ -153,8 +167,12 @@ class FullKVStore:
             # Chunks already on disk (this prefix, or another sharing its first chunks) are kept.
             first = self._engine.lookup(tokens, search_range=[PERSISTENT_TIER])
             if first < num_tokens:
+                self._connector.keys = self._keys_by_start(tokens)
+                self._connector.digests = {}
                 for start, end in self._calls(first, num_tokens):
                     self._store_range(tokens[:end], start, cache)
+                for key, digest in self._connector.digests.items():
+                    self._digests.write(key, digest)
             seconds = time.perf_counter() - started
             bytes_written = (num_tokens - first) * self.bytes_per_token
             if bytes_written:
@@ -186,12 +204,17 @@ class FullKVStore:
                 capacity=max(capacity, num_tokens),
                 pool=pool,
             )
+            self._expect_digests(tokens)
             for start, end in self._calls(0, num_tokens):
                 self._engine.retrieve(tokens[:end], mask=tail_mask(end, start), kv=cache)
-                if cache.num_tokens != end:
-                    raise PrefixNotStoredError(
-                        f"only {cache.num_tokens} of the prefix's {num_tokens} tokens are stored: "
-                        "put the prefix before loading it"
+                if self._connector.corrupt_starts:
+                    failed = self._connector.corrupt_starts[0]
+                    raise StoreCorruptionError(
+                        f"the stored chunk at token {failed} failed its digest check"
+                    )
+                if cache.num_tokens != end:  # every chunk has its digest: it was put whole
+                    raise StoreCorruptionError(
+                        f"the stored chunk at token {cache.num_tokens} could not be read"
                     )
             seconds = time.perf_counter() - started
             self.bytes_loaded += cache.nbytes
@@ -212,7 +235,14 @@ class FullKVStore:
         with self._lock:
             self._check_open()
             if self._engine.lookup(tokens) == len(tokens):
-                self._engine.clear(tokens=tokens)
+                self._clear(tokens)
+
+    def discard(self, token_ids: Sequence[int]) -> None:
+        """Remove whatever is stored of a prefix (a corrupt one, before it is put again)."""
+        tokens = self._checked_tokens(token_ids)
+        with self._lock:
+            self._check_open()
+            self._clear(tokens)
 
     def close(self) -> None:
         """Shut the engine down (its CPU tier is freed; the disk tier stays). Safe to repeat."""
@@ -248,6 +278,28 @@ class FullKVStore:
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
+
+    def _clear(self, tokens: torch.Tensor) -> None:
+        self._engine.clear(tokens=tokens)
+        for key in self._keys_by_start(tokens).values():
+            self._digests.remove(key)
+
+    def _keys_by_start(self, tokens: torch.Tensor) -> dict[int, int]:
+        keys = chunk_keys(self._seed, tokens, self.chunk_size)
+        return {index * self.chunk_size: key for index, key in enumerate(keys)}
+
+    def _expect_digests(self, tokens: torch.Tensor) -> None:
+        """Arms the connector's check; a chunk without a digest fails before anything is read."""
+        keys = self._keys_by_start(tokens)
+        expected = {start: self._digests.read(key) for start, key in keys.items()}
+        missing = [start for start, digest in expected.items() if digest is None]
+        if missing and self._engine.lookup(tokens) < len(tokens):
+            raise PrefixNotStoredError("the prefix is not stored: put it before loading it")
+        if missing:
+            raise StoreCorruptionError(f"the stored chunk at token {missing[0]} has no digest")
+        self._connector.keys = keys
+        self._connector.expected = expected
+        self._connector.corrupt_starts = []
 
     def _calls(self, first: int, num_tokens: int) -> Iterator[tuple[int, int]]:
         """Token ranges of at most `_tokens_per_call`, on chunk boundaries, covering [first, T)."""

@@ -8,6 +8,10 @@ Keys: without vLLM, LMCache chains Python's `hash` over token tuples, which is n
 and is only as stable as the interpreter's hash. `PrefixChunkDatabase` chains SHA-256 instead,
 seeded with the model fingerprint, so the key of a chunk is the same in every process and after a
 restart, and identifies (model, dtype, every token id up to the chunk's end).
+
+Integrity: the connector digests every chunk it hands to LMCache and checks every chunk LMCache
+hands back against the digest the store expects (chunk_digests.py); a chunk that fails is not
+copied into the cache, and the store raises.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from lmcache.v1.token_database import ChunkedTokenDatabase
 from vericache.errors import CacheStateError, InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.model.config import ModelConfig
+from vericache.serve.chunk_digests import chunk_digest
 
 # Names LMCache gives its tiers (values of `search_range` and `locations`).
 CPU_TIER = "LocalCPUBackend"
@@ -52,6 +57,16 @@ def fingerprint_seed(fingerprint: str) -> int:
     return int.from_bytes(digest[:_HASH_BYTES], "big") & _HASH_MASK
 
 
+def chunk_keys(seed: int, token_ids: torch.Tensor, chunk_size: int) -> list[int]:
+    """The key of each chunk of a prefix [T], as `PrefixChunkDatabase` makes them."""
+    token_ids = token_ids.numpy()
+    keys, previous = [], seed
+    for start in range(0, len(token_ids), chunk_size):
+        previous = chained_chunk_hash(previous, token_ids[start : start + chunk_size])
+        keys.append(previous)
+    return keys
+
+
 class PrefixChunkDatabase(ChunkedTokenDatabase):
     """LMCache's chunking (chunk_size tokens, last chunk possibly shorter) with SHA-256 keys."""
 
@@ -70,9 +85,11 @@ class PrefixChunkDatabase(ChunkedTokenDatabase):
 class KVCacheConnector(GPUConnectorInterface):
     """Copies between the `KVCache` passed as `kv=` and LMCache chunks, on the CPU.
 
-    Store path (`from_gpu`): reads tokens [start, end) of a full cache. Retrieve path (`to_gpu`):
-    appends them to the cache being filled, which must hold exactly `start` tokens; chunks are
-    applied in token order.
+    Store path (`from_gpu`): reads tokens [start, end) of a full cache and digests the chunk (key:
+    `keys[start]`). Retrieve path (`to_gpu`): checks each chunk against `expected[start]` and
+    appends it to the cache being filled, which must hold exactly `start` tokens; chunks are applied
+    in token order. After the first chunk that fails, none is applied (`corrupt_starts` says which
+    failed). The store sets `keys` and `expected` before each call into LMCache.
     """
 
     def __init__(self, model_config: ModelConfig):
@@ -82,6 +99,10 @@ class KVCacheConnector(GPUConnectorInterface):
         # Tokens copied into LMCache chunks since the last reset: LMCache stores only the chunks
         # it could allocate in its CPU tier and says so only in a log line.
         self.num_tokens_stored = 0
+        self.keys: dict[int, int] = {}  # chunk start -> chunk key, of the prefix in hand
+        self.digests: dict[int, bytes] = {}  # chunk key -> digest, of the chunks stored
+        self.expected: dict[int, bytes | None] = {}  # chunk start -> digest, for a retrieve
+        self.corrupt_starts: list[int] = []
 
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_dim])
@@ -93,20 +114,29 @@ class KVCacheConnector(GPUConnectorInterface):
             keys, values = layer.keys_values()  # [T, H, D], strided views
             chunk[0, index].copy_(keys[start:end])
             chunk[1, index].copy_(values[start:end])
+        key = self.keys[start]
+        self.digests[key] = chunk_digest(key, memory_obj.tensor[:, :, : end - start])
         self.num_tokens_stored += end - start
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, *, kv: KVCache, **_) -> None:
+        num_tokens = end - start
+        chunk = memory_obj.tensor[:, :, :num_tokens]  # [2, L, t, H * D]
+        if self.corrupt_starts or not self._is_intact(start, chunk):
+            self.corrupt_starts.append(start)
+            return
         if start != kv.num_tokens:
             raise CacheStateError(
                 f"chunk [{start}, {end}) arrived while the cache holds {kv.num_tokens} tokens"
             )
-        num_tokens = end - start
-        chunk = memory_obj.tensor[:, :, :num_tokens]  # [2, L, t, H * D]
         chunk = chunk.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [2, L, t, H, D]
         positions = torch.arange(start, end, dtype=torch.int32, device=kv.device)  # [t]
         for index, layer in enumerate(kv.layers):
             layer.append(chunk[0, index], chunk[1, index], positions)
         kv.advance(num_tokens)
+
+    def _is_intact(self, start: int, chunk: torch.Tensor) -> bool:
+        expected = self.expected.get(start)
+        return expected is not None and chunk_digest(self.keys[start], chunk) == expected
 
     def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
         for memory_obj, start, end in zip(memory_objs, starts, ends, strict=True):

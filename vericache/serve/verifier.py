@@ -27,7 +27,7 @@ from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
 from vericache.serve.batching import BatchLoop
-from vericache.serve.catalog import PrefixRecord
+from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVTransferService, TransferServer
 from vericache.serve.prefixes import PrefixRegistry
@@ -35,7 +35,6 @@ from vericache.serve.residency import ResidentSessions, Session
 from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model
 from vericache.serve.worker_api import (
     BatchingStats,
-    CompressPrefix,
     DecodeCall,
     Decoded,
     Loaded,
@@ -93,8 +92,8 @@ class Verifier:
     def store_prefix(self, token_ids: tuple[int, ...]) -> Traffic:
         return self.prefixes.put_in_store(token_ids)
 
-    def compress_prefix(self, call: CompressPrefix) -> PrefixRecord:
-        return self.prefixes.compress(call)
+    def compress_prefix(self, key: PrefixKey) -> PrefixRecord:
+        return self.prefixes.compress(key)
 
     def discard_staged(self, token_ids: tuple[int, ...]) -> bool:
         return self.prefixes.discard_staged(token_ids)
@@ -217,7 +216,12 @@ class Verifier:
             return self.runner.new_cache(session.capacity, self._buffers), Traffic()
         loaded = self.prefixes.load_full(session.prefix_tokens, session.capacity, self._buffers)
         held = self._device_path.send_blocking(loaded.bytes_loaded, first=True)
-        return loaded.cache, Traffic(store_bytes=loaded.bytes_loaded, store_s=loaded.seconds + held)
+        traffic = Traffic(
+            store_bytes=loaded.bytes_loaded,
+            store_s=loaded.seconds + held,
+            corruptions=self.prefixes.take_corruptions(),
+        )
+        return loaded.cache, traffic
 
     def _hand_over(self, exact: ExactKV) -> float:
         """Books the drafter's copy of `exact` on the link toward the drafters; returns the

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from vericache.kv.exact import ExactKV
-from vericache.serve.catalog import PrefixRecord
+from vericache.serve.catalog import PrefixKey, PrefixRecord, StoredKind
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class Traffic:
     link_s: float = 0.0
     store_bytes: int = 0
     store_s: float = 0.0
+    # Stored data the worker found failing its check (and rebuilt) since its previous report.
+    corruptions: tuple[StoredKind, ...] = ()
 
     def __add__(self, other: Traffic) -> Traffic:
         return Traffic(
@@ -60,6 +62,7 @@ class Traffic:
             self.link_s + other.link_s,
             self.store_bytes + other.store_bytes,
             self.store_s + other.store_s,
+            self.corruptions + other.corruptions,
         )
 
 
@@ -162,16 +165,6 @@ class Loaded:
     traffic: Traffic  # the store's bytes brought onto the device (0: resident already)
 
 
-# -- prefixes ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CompressPrefix:
-    token_ids: tuple[int, ...]  # [num_tokens] a prefix stored already
-    chat: bool  # a chat system turn (prompts follow as the user turn)
-    compressor_spec: dict  # `Compressor.spec()`, with the owning tenant (`owned_spec`)
-
-
 # -- introspection ----------------------------------------------------------------------------
 
 
@@ -203,7 +196,7 @@ class VerifierAPI(Protocol):
     async def measure_load_bandwidth(self) -> float: ...
     async def prefill_prefix(self, token_ids: tuple[int, ...]) -> None: ...
     async def store_prefix(self, token_ids: tuple[int, ...]) -> Traffic: ...
-    async def compress_prefix(self, call: CompressPrefix) -> PrefixRecord: ...
+    async def compress_prefix(self, key: PrefixKey) -> PrefixRecord: ...  # stored already
     async def discard_staged(self, token_ids: tuple[int, ...]) -> bool: ...
     async def get_prefix(self, prefix_id: str) -> PrefixRecord: ...
     async def list_prefixes(self) -> list[PrefixRecord]: ...
