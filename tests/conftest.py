@@ -151,3 +151,12 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    """The API's raw stub on the `server` of the module asking for it."""
+    from tests.serve_fixtures import raw_stub
+
+    with raw_stub(server) as opened:
+        yield opened

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from vericache.serve.auth import Access
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 from vericache.serve.launch import in_process_workers
 from vericache.serve.server import BackgroundServer, distributed_server
+from vericache.v1 import vericache_pb2_grpc
 
 # About 300 tokens of code in the system turn: long enough that 4x compression drops most of it.
 CONTEXT = "".join(
@@ -53,3 +58,22 @@ def open_sessions(server: BackgroundServer) -> int:
     backend = server.coordinator.backend
     workers = [*backend.verifiers, *backend.drafters]
     return sum(handle.worker.num_sessions for handle in workers)
+
+
+def counts(server: BackgroundServer, counter: str, label: str) -> dict[str, float]:
+    """A counter of the server's metrics (`vericache:NAME`), by the value of one label."""
+    exposition = server.coordinator.metrics.exposition().decode()
+    return {
+        sample.labels[label]: sample.value
+        for family in text_string_to_metric_families(exposition)
+        if family.name == f"vericache:{counter}"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+@contextlib.contextmanager
+def raw_stub(server: BackgroundServer):
+    """The API's generated stub on a plaintext channel: messages no SDK call would send."""
+    with grpc.insecure_channel(server.target) as channel:
+        yield vericache_pb2_grpc.VeriCacheStub(channel)

@@ -33,7 +33,8 @@ def run_cli(argv, capsys):
     "args, message",
     [
         (["--compressor", "snapkv9"], "unknown compressor 'snapkv9'"),
-        (["--ratio", "0.5"], "ratio must be >= 1"),
+        (["--ratio", "0.5"], "ratio must lie in [1, 64]"),
+        (["--ratio", "inf"], "ratio must lie in [1, 64]"),
         (["--compressor", "kivi", "--bits", "3"], "bits must be one of (2, 4, 8)"),
         (["--compressor", "kivi", "--ratio", "4"], "takes no parameter 'ratio'"),
         (["--mode", "sampled"], "invalid choice: 'sampled'"),

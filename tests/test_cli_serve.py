@@ -8,6 +8,8 @@ import pytest
 
 from tests.serve_fixtures import CONTEXT, start_server
 from tests.test_cli import run_cli
+from vericache.cli.main import build_parser
+from vericache.cli.serve import worker_configs
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +70,26 @@ def test_generate_on_a_server_matches_full_local(server, tmp_path, capsys):
         (["serve", "--long-context", "--pcie-bandwidth", "fast"], "is not like '1.2GB/s'"),
         (["serve", "--local", "--pcie-bandwidth", "fast"], "is not like '1.2GB/s'"),
         (["serve", "--local", "--scheduling", "round-robin"], "invalid choice"),
+        (["serve", "--local", "--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
+        (["serve", "--local", "--ratio", "4"], "unrecognized arguments"),
     ],
 )
 def test_bad_options_fail_before_anything_starts(capsys, argv, message):
     code, out, err = run_cli(argv, capsys)
     assert code == 2 and out == ""
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "options, bound",
+    [
+        ([], "127.0.0.1"),  # a server on loopback keeps its KV transfer there too
+        (["--host", "localhost"], "localhost"),
+        (["--host", "0.0.0.0"], None),  # the verifier node's own address, found on the node
+        (["--host", "0.0.0.0", "--transfer-host", "10.1.2.3"], "10.1.2.3"),
+    ],
+)
+def test_the_kv_transfer_service_binds_only_where_told(options, bound):
+    args = build_parser().parse_args(["serve", "--local", *options])
+    verifier, _ = worker_configs(args)
+    assert verifier.transfer_host == bound

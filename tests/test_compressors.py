@@ -171,7 +171,8 @@ def test_registry_builds_by_name_with_labels():
 BAD_REQUESTS = [
     ("nope", {}), ("streamingllm", {"bits": 4}), ("kivi", {"ratio": 4}),
     ("streamingllm", {"ratio": 0.5}), ("streamingllm", {"ratio": 0}),
-    ("streamingllm", {"ratio": float("nan")}),
+    ("streamingllm", {"ratio": float("nan")}), ("streamingllm", {"ratio": float("inf")}),
+    ("streamingllm", {"ratio": 1e9}),
     ("kivi", {"bits": 1}), ("kivi", {"bits": 3}), ("kivi", {"bits": 16}),
     ("kivi", {"group_size": 32, "residual_length": 48}), ("snapkv", {"kernel_size": 4}),
     ("h2o", {"recent_fraction": 1.0}), ("kvquant", {"outlier_fraction": 0.5}),

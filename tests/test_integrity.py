@@ -6,10 +6,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.damage import DAMAGES
-from tests.serve_fixtures import CONTEXT, start_server
+from tests.serve_fixtures import CONTEXT, counts, start_server
 from vericache.client import Client, DataLossError
 
 PROMPT = "Which function multiplies by three?"
@@ -46,14 +45,7 @@ def damaged_root(registered, tmp_path):
 
 
 def corruptions(server) -> dict[str, float]:
-    exposition = server.coordinator.metrics.exposition().decode()
-    return {
-        sample.labels["kind"]: sample.value
-        for family in text_string_to_metric_families(exposition)
-        if family.name == "vericache:store_corruptions"
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    }
+    return counts(server, "store_corruptions", "kind")
 
 
 @pytest.mark.parametrize("damage", DAMAGES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 
@@ -9,6 +10,8 @@ from vericache.compress import KIVI
 from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.errors import PrefixNotFoundError
 from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.serve.cluster_secret import ClusterSecret
+from vericache.serve.config import DrafterConfig, VerifierConfig
 from vericache.serve.kv_transfer import (
     KVFetcher,
     KVKind,
@@ -17,6 +20,12 @@ from vericache.serve.kv_transfer import (
 )
 
 FINGERPRINT = "sha256:test-model"
+SECRET = ClusterSecret.generate()
+
+
+def proofs(prefix_id: str, kind: int = KVKind.COMPRESSED, session: str = "s1") -> tuple:
+    """What a drafter of this server sends, with the grant the coordinator gave `session`."""
+    return SECRET.fetch_metadata(session, SECRET.grant(session, prefix_id, kind))
 
 
 def _full(num_tokens=600, layers=4, heads=2, dim=64, seed=0) -> KVCache:
@@ -54,7 +63,7 @@ def serve(prefixes):
 
     def start(spec: LinkSpec = LinkSpec()):
         link = ThrottledLink(spec)
-        server = TransferServer(KVTransferService(_source(prefixes), FINGERPRINT, link))
+        server = TransferServer(KVTransferService(_source(prefixes), FINGERPRINT, link, SECRET))
         started.append(server)
         return server, link
 
@@ -67,10 +76,10 @@ def serve(prefixes):
 def test_fetch_is_exact_and_the_second_fetch_is_free(serve, prefixes, kind):
     server, link = serve()
     fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
-    first = fetcher.fetch("p1", kind)
+    first = fetcher.fetch("p1", kind, proofs("p1", kind))
     assert first.cache.to_state().equals(prefixes["p1"][kind])
     assert first.link_bytes == link.bytes_sent > 0
-    second = fetcher.fetch("p1", kind)
+    second = fetcher.fetch("p1", kind, proofs("p1", kind))
     assert second.link_bytes == 0 and second.cache is first.cache
     assert link.bytes_sent == first.link_bytes
     fetcher.close()
@@ -80,7 +89,7 @@ def test_unknown_prefix_is_a_typed_error(serve):
     server, _ = serve()
     fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
     with pytest.raises(PrefixNotFoundError, match="nope"):
-        fetcher.fetch("nope")
+        fetcher.fetch("nope", KVKind.COMPRESSED, proofs("nope"))
     fetcher.close()
 
 
@@ -88,7 +97,9 @@ def test_transfer_rate_follows_the_link(serve):
     bandwidth = 10e6
     server, link = serve(LinkSpec(bandwidth=bandwidth, latency=0.01))
     fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
-    result = fetcher.fetch("p1", KVKind.FULL)  # about 2.5 MB after encoding
+    result = fetcher.fetch(
+        "p1", KVKind.FULL, proofs("p1", KVKind.FULL)
+    )  # about 2.5 MB after encoding
     paced = 0.01 + result.link_bytes / bandwidth
     # The link's pace is a floor; encoding, decoding and gRPC add CPU time on top, more of it
     # on a busy machine (tests/test_link.py checks the pace itself).
@@ -102,7 +113,47 @@ def test_concurrent_fetches_of_one_prefix_share_one_transfer(serve):
     server, link = serve()
     fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda _: fetcher.fetch("p1"), range(4)))
+        results = list(
+            pool.map(lambda _: fetcher.fetch("p1", KVKind.COMPRESSED, proofs("p1")), range(4))
+        )
     assert sum(r.link_bytes > 0 for r in results) == 1
     assert link.bytes_sent == max(r.link_bytes for r in results)
     fetcher.close()
+
+
+UNAUTHENTICATED, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
+FORGED = {
+    "no proofs": ((), UNAUTHENTICATED),
+    "another server's secret": (
+        ClusterSecret.generate().fetch_metadata("s1", SECRET.grant("s1", "p1", KVKind.FULL)),
+        UNAUTHENTICATED,
+    ),
+    "a grant for another prefix": (
+        SECRET.fetch_metadata("s1", SECRET.grant("s1", "p2", KVKind.FULL)),
+        DENIED,
+    ),
+    "another session's grant": (
+        SECRET.fetch_metadata("s1", SECRET.grant("s2", "p1", KVKind.FULL)),
+        DENIED,
+    ),
+    "a grant for the compressed KV": (
+        SECRET.fetch_metadata("s1", SECRET.grant("s1", "p1", KVKind.COMPRESSED)),
+        DENIED,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FORGED)
+def test_a_fetch_without_the_servers_proofs_gets_nothing(serve, case):
+    metadata, code = FORGED[case]
+    server, link = serve()
+    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
+    with pytest.raises(grpc.RpcError) as caught:
+        fetcher.fetch("p1", KVKind.FULL, metadata)
+    assert caught.value.code() is code and link.bytes_sent == 0
+    fetcher.close()
+
+
+def test_the_secret_never_shows_in_a_config():
+    shown = repr(VerifierConfig(secret=SECRET)) + repr(DrafterConfig(secret=SECRET)) + repr(SECRET)
+    assert SECRET.key.hex() not in shown and str(SECRET.key) not in shown

@@ -12,6 +12,7 @@ import pytest
 
 import vericache
 import vericache.kernels
+from vericache.serve.cluster_secret import ClusterSecret
 from vericache.serve.drafter import Drafter
 from vericache.serve.handles import DrafterHandle, InProcess, OverRay, VerifierHandle
 from vericache.serve.verifier import Verifier
@@ -90,8 +91,9 @@ PAIRS = [(VerifierAPI, VerifierHandle, Verifier), (DrafterAPI, DrafterHandle, Dr
 def test_each_protocol_method_calls_the_worker_method_of_its_name(protocol, handle, worker):
     """The handle defines every method itself and the worker has its namesake, with the same
     parameters and types: a reader (or a tool) goes from the protocol to the code that runs."""
+    extra = (ClusterSecret.generate(),) if handle is DrafterHandle else ()
     for transport in (InProcess("probe"), OverRay("probe")):
-        assert isinstance(handle(object(), transport, "probe"), protocol)
+        assert isinstance(handle(object(), transport, "probe", *extra), protocol)
     for name in _protocol_methods(protocol):
         assert name in vars(handle) or name == "shutdown", f"{handle.__name__}.{name}"
         expected = typing.get_type_hints(getattr(protocol, name))

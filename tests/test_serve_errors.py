@@ -35,12 +35,6 @@ def server(tiny_chat_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stub(server):
-    with grpc.insecure_channel(server.target) as channel:
-        yield vericache_pb2_grpc.VeriCacheStub(channel)
-
-
-@pytest.fixture(scope="module")
 def prefix_id(server):
     with Client(server.target, timeout=60) as client:
         return client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
@@ -161,11 +155,11 @@ def test_a_registration_abandoned_after_prefill_leaves_no_staged_kv(staging_serv
     entered, release, stored = threading.Event(), threading.Event(), threading.Event()
     real_store = verifier.store_prefix
 
-    def held_store(token_ids):
+    def held_store(key):
         entered.set()
         release.wait(30)
         try:
-            return real_store(token_ids)
+            return real_store(key)
         finally:
             stored.set()
 
@@ -200,11 +194,11 @@ def test_a_registration_abandoned_after_prefill_leaves_no_staged_kv(staging_serv
 def test_a_store_stage_whose_staged_kv_was_dropped_prefills_again(staging_server):
     verifier = staging_server.coordinator.backend.verifiers[0].worker
     token_ids = tuple(range(5, 45))
-    verifier.prefill_prefix(token_ids)
-    assert verifier.discard_staged(token_ids)  # what a coordinator does for a cancelled put
-    assert not verifier.discard_staged(token_ids) and verifier.prefixes.staged_bytes == 0
-    assert verifier.store_prefix(token_ids).store_bytes > 0
-    assert verifier.prefixes.store.contains(token_ids)
     key = PrefixKey(token_ids, False, build_compressor("streamingllm", ratio=4))
+    verifier.prefill_prefix(key)
+    assert verifier.discard_staged(key)  # what a coordinator does for a cancelled put
+    assert not verifier.discard_staged(key) and verifier.prefixes.staged_bytes == 0
+    assert verifier.store_prefix(key).store_bytes > 0
+    assert verifier.prefixes.store.contains(token_ids)
     record = verifier.compress_prefix(key)
     assert record.token_ids == token_ids and verifier.prefixes.staged_bytes == 0

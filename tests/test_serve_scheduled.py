@@ -16,6 +16,7 @@ from vericache.errors import InvalidRequestError
 from vericache.model.loader import load_model
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.handles import VerifierHandle
+from vericache.serve.kv_transfer import KVKind
 from vericache.serve.worker_api import DraftCall, DraftRole, OpenDrafter, OpenVerifier, VerifyCall
 
 PROMPTS = [
@@ -176,9 +177,10 @@ def test_a_batch_goes_on_without_a_session_closed_meanwhile(scheduled):
     address = verifier.transfer_address
     for session_id in ("first", "second"):
         opened = verifier.open(OpenVerifier(session_id, prompt, prefix_id, 512, True))
+        grant = verifier.config.secret.grant(session_id, prefix_id, KVKind.COMPRESSED)
         drafter.open(
             OpenDrafter(session_id, DraftRole.DRAFT, address, prefix_id, prompt,
-                        record.num_tokens, 512)
+                        record.num_tokens, 512, grant)
         )  # fmt: skip
         drafted = drafter.draft(
             DraftCall(session_id, (opened.first_token,), 2, frozenset(), opened.exact)

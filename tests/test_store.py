@@ -311,3 +311,18 @@ def test_a_damaged_prefix_discarded_and_put_again_loads_bit_exact(tmp_path):
         assert not restarted.contains(token_ids(40))
         assert restarted.put(token_ids(40), cache).bytes_written == 40 * restarted.bytes_per_token
         assert_same_kv(restarted.load(token_ids(40)).cache, cache)
+
+
+def test_namespaces_share_no_chunk(store):
+    cache = random_full_cache(40, torch.float32, seed=12)
+    store.put(token_ids(40), cache, namespace="a")
+    assert store.contains(token_ids(40), namespace="a")
+    assert not store.contains(token_ids(40)) and not store.contains(token_ids(40), namespace="b")
+    with pytest.raises(PrefixNotStoredError):
+        store.load(token_ids(40), namespace="b")
+    # Another namespace writes everything again: a store hit never tells what "a" stored.
+    written = store.put(token_ids(40), cache, namespace="b").bytes_written
+    assert written == 40 * store.bytes_per_token
+    store.delete(token_ids(40), namespace="a")
+    assert_same_kv(store.load(token_ids(40), namespace="b").cache, cache)
+    assert not store.contains(token_ids(40), namespace="a")

@@ -15,6 +15,7 @@ files named only by those variables are used if both exist (the k8s Secret is op
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -48,6 +49,11 @@ def add_parser(commands) -> None:
     where.add_argument("--address", help="join a running Ray cluster ('auto' or HOST:PORT)")
     parser.add_argument("--host", default="127.0.0.1", help="API address (0.0.0.0: every one)")
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument(
+        "--transfer-host",
+        help="where the verifiers' KV transfer service listens for drafters (default: loopback "
+        "when --host is loopback, else the verifier node's address)",
+    )
     parser.add_argument("--verifiers", type=int, default=1)
     parser.add_argument("--drafters", type=int, default=2)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -70,7 +76,16 @@ def add_parser(commands) -> None:
     )
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
+    parser.add_argument(
+        "--max-output-tokens", type=int, default=4096, help="the most max_tokens a request may ask"
+    )
     parser.add_argument("--placement-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests may take to finish after SIGTERM (new ones are refused)",
+    )
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus /metrics over HTTP on this port"
     )
@@ -143,6 +158,21 @@ def worker_options(args) -> dict:
     )  # fmt: skip
 
 
+def transfer_host(args) -> str | None:
+    """The KV transfer service binds only where told: --transfer-host, or loopback for a server
+    on loopback (drafters on other nodes could not reach it anyway); None: the node's address."""
+    if args.transfer_host:
+        return args.transfer_host
+    return args.host if _is_loopback(args.host) else None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
 def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
     common = worker_options(args)
     verifier = VerifierConfig(
@@ -151,6 +181,7 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
         resident_bytes=parse_size(args.resident_bytes),
         link=LinkSpec.parse(args.link_bandwidth, args.link_latency),
         load_bandwidth=parse_bandwidth(args.pcie_bandwidth) if args.pcie_bandwidth else None,
+        transfer_host=transfer_host(args),
     )
     drafter = DrafterConfig(**common, kv_cache_bytes=parse_size(args.drafter_cache_bytes))
     return verifier, drafter
@@ -162,6 +193,7 @@ def coordinator_config(args) -> CoordinatorConfig:
         scheduling=args.scheduling,
         max_running=args.max_running,
         max_waiting=args.max_waiting,
+        max_output_tokens=args.max_output_tokens,
     )
 
 
@@ -184,6 +216,8 @@ def run(args) -> int:
     if long_context is None and not is_on_ray:
         raise InvalidRequestError("serve needs one of --local, --address or --long-context")
     config = coordinator_config(args)
+    if not args.drain_timeout >= 0:
+        raise InvalidRequestError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     configure_logging(args.log_format)
     if long_context is None:
         worker_configs(args)  # sizes and the link parse before the access files are read
@@ -204,8 +238,8 @@ def run(args) -> int:
     interval = args.log_interval if args.log_interval > 0 else None
     while not stopped.wait(interval):
         log.info("summary: %s", metrics.summary_line())
-    print("Stopping...", file=sys.stderr, flush=True)
-    server.stop()
+    print(f"Draining (up to {args.drain_timeout:g} s)...", file=sys.stderr, flush=True)
+    server.stop(grace_s=args.drain_timeout)
     return 0
 
 

@@ -83,6 +83,11 @@ class Compressor(abc.ABC):
 STORAGE_DTYPES = {"bfloat16": ("bf16", torch.bfloat16), "float16": ("fp16", torch.float16)}
 
 
+# Past 64x, an 8k-token prefix keeps 128 tokens: too few to draft from, and a ratio of 1e9 or inf
+# is a typo, not a setting.
+MAX_RATIO = 64
+
+
 @dataclass(frozen=True)
 class TokenDropping(Compressor):
     """A compressor that keeps `ratio` times fewer tokens than the prefix holds."""
@@ -96,8 +101,10 @@ class TokenDropping(Compressor):
     dtype: str | None = None
 
     def __post_init__(self):
-        if not self.ratio >= 1:  # also rejects NaN
-            raise InvalidRequestError(f"{self.name} ratio must be >= 1, got {self.ratio}")
+        if not 1 <= self.ratio <= MAX_RATIO:  # also rejects NaN
+            raise InvalidRequestError(
+                f"{self.name} ratio must lie in [1, {MAX_RATIO}], got {self.ratio}"
+            )
         if self.dtype is not None and self.dtype not in STORAGE_DTYPES:
             raise InvalidRequestError(
                 f"{self.name} dtype must be one of {', '.join(STORAGE_DTYPES)}, got {self.dtype!r}"

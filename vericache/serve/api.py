@@ -3,9 +3,13 @@
 Messages become the coordinator's records and back through wire.py; the coordinator never sees a
 message.
 
-Each typed error becomes its status code; anything else is logged and reported as INTERNAL. A bad
-request never takes the server down. A cancelled RPC (the client went away, or its deadline
-passed) cancels the handler, and the coordinator closes the request's sessions on the workers.
+Each typed error becomes its status code, with the error's one line; anything else is logged and
+reported as INTERNAL with no detail of its own: no status detail carries a traceback, address, PID
+or path. Every failure's detail ends with a request id, which the server's log line of the failure
+carries too (a Generate's id is also its `request finished` log's), and is counted by its code
+(`vericache:request_failure_total{code}`). A bad request never takes the server down. A cancelled
+RPC (the client went away, or its deadline passed) cancels the handler, and the coordinator
+closes the request's sessions on the workers.
 
 Each RPC first maps the caller's API key to its tenant (auth.py): UNAUTHENTICATED without a valid
 one. grpc.health.v1 and reflection need no key (kubelet's probes send none). With TLS, health is
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -33,6 +38,7 @@ from vericache.errors import (
 from vericache.serve import wire
 from vericache.serve.auth import Access, Tenant, UnauthenticatedError
 from vericache.serve.coordinator import Coordinator
+from vericache.serve.metrics import ServeMetrics
 from vericache.v1 import vericache_pb2, vericache_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -49,19 +55,32 @@ _STATUS = [
 ]
 
 
+def _code_of(exc: Exception) -> grpc.StatusCode:
+    for error_type, code in _STATUS:
+        if isinstance(exc, error_type):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
 @contextlib.asynccontextmanager
-async def _statuses(context: grpc.aio.ServicerContext, method: str):
-    """Aborts the RPC with the status code of a typed error."""
+async def _statuses(context: grpc.aio.ServicerContext, method: str, metrics: ServeMetrics):
+    """Yields the RPC's request id; aborts the RPC with the status code of a typed error."""
+    request_id = uuid.uuid4().hex
     try:
-        yield
+        yield request_id
     except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server goes on
         if isinstance(exc, grpc.aio.AbortError):
             raise
-        for error_type, code in _STATUS:
-            if isinstance(exc, error_type):
-                await context.abort(code, str(exc))
-        log.exception("%s failed", method)
-        await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {exc}")
+        code = _code_of(exc)
+        metrics.request_failed(code.name)
+        extra = {"request_id": request_id, "code": code.name}
+        if code is grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method, extra=extra)
+            detail = f"{method} failed on the server"
+        else:
+            log.info("%s refused: %s", method, exc, extra=extra)
+            detail = str(exc)
+        await context.abort(code, f"{detail} (request id {request_id})")
 
 
 class VeriCacheService(vericache_pb2_grpc.VeriCacheServicer):
@@ -69,34 +88,42 @@ class VeriCacheService(vericache_pb2_grpc.VeriCacheServicer):
         self.coordinator = coordinator
         self.access = access
 
+    def _statuses(self, context: grpc.aio.ServicerContext, method: str):
+        return _statuses(context, method, self.coordinator.metrics)
+
     def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
         return self.access.tenant_for(context.invocation_metadata())
 
     async def PutPrefix(self, request, context):  # noqa: N802 - gRPC method names
-        async with _statuses(context, "PutPrefix"):
+        async with self._statuses(context, "PutPrefix"):
             call = wire.put_prefix_call(request)
-            async for progress in self.coordinator.put_prefix(call, self._tenant(context)):
-                yield wire.progress_message(progress)
+            # Closed at once when the RPC ends early: the registration's cleanup (stopping its
+            # prefill, then freeing the tenant's slot) runs before the handler returns.
+            registration = self.coordinator.put_prefix(call, self._tenant(context))
+            async with contextlib.aclosing(registration):
+                async for progress in registration:
+                    yield wire.progress_message(progress)
 
     async def GetPrefix(self, request, context):  # noqa: N802
-        async with _statuses(context, "GetPrefix"):
+        async with self._statuses(context, "GetPrefix"):
             record = await self.coordinator.get_prefix(request.prefix_id, self._tenant(context))
             return wire.prefix_info(record)
 
     async def ListPrefixes(self, request, context):  # noqa: N802
-        async with _statuses(context, "ListPrefixes"):
+        async with self._statuses(context, "ListPrefixes"):
             return wire.prefix_list(await self.coordinator.list_prefixes(self._tenant(context)))
 
     async def DeletePrefix(self, request, context):  # noqa: N802
-        async with _statuses(context, "DeletePrefix"):
+        async with self._statuses(context, "DeletePrefix"):
             tenant = self._tenant(context)
             deleted = await self.coordinator.delete_prefix(request.prefix_id, tenant)
             return vericache_pb2.DeletePrefixResponse(deleted=deleted)
 
     async def Generate(self, request, context):  # noqa: N802
-        async with _statuses(context, "Generate"):
+        async with self._statuses(context, "Generate") as request_id:
             call = wire.generate_call(request)
-            async for event in self.coordinator.generate(call, self._tenant(context)):
+            tenant = self._tenant(context)
+            async for event in self.coordinator.generate(call, tenant, request_id):
                 yield wire.generate_response(event)
 
 

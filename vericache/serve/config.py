@@ -3,13 +3,14 @@ checked when made, passed to workers and actors as they are."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vericache.engine.link import LinkSpec
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES
 from vericache.scheduler import SchedulerConfig
+from vericache.serve.cluster_secret import ClusterSecret
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,8 @@ class WorkerConfig:
     device: str = "cpu"  # or "auto": CUDA where the worker finds it, else the CPU
     # torch threads of this worker's process; None keeps torch's default.
     num_threads: int | None = None
+    # The server's secret (cluster_secret.py), set by whatever starts the workers; never shown.
+    secret: ClusterSecret | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -70,6 +73,7 @@ class CoordinatorConfig:
     default_draft_len: int = 30
     max_draft_len: int = 128
     default_max_tokens: int = 256
+    max_output_tokens: int = 4096  # a request asking for more is INVALID_ARGUMENT
     max_running: int = 16  # requests decoding at once
     max_waiting: int = 64  # requests queued beyond those; more are refused (RESOURCE_EXHAUSTED)
     decode_chunk: int = 8  # tokens per call when one worker decodes alone (streaming granularity)
@@ -90,3 +94,5 @@ class CoordinatorConfig:
             raise InvalidRequestError(f"coordinator settings out of range: {self}")
         if self.default_draft_len > self.max_draft_len:
             raise InvalidRequestError("default_draft_len must not exceed max_draft_len")
+        if self.default_max_tokens > self.max_output_tokens:
+            raise InvalidRequestError("default_max_tokens must not exceed max_output_tokens")

@@ -20,7 +20,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from vericache.compress import Compressor, build_compressor
-from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.engine.sequence import Sequence
 from vericache.errors import (
@@ -48,6 +47,7 @@ from vericache.serve.catalog import (
 )
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics, metered
+from vericache.serve.prompts import Prompts
 from vericache.serve.rounds import RequestPlan, ServedRequest
 from vericache.serve.streaming import stream_events
 from vericache.serve.worker_api import ModelInfo
@@ -66,6 +66,7 @@ class Coordinator:
         self.config = config = config or CoordinatorConfig()
         self.metrics = ServeMetrics(model_name)
         self.info: ModelInfo | None = None  # known once started
+        self.prompts: Prompts | None = None  # ...with it
         self._running = asyncio.Semaphore(config.max_running)
         self._num_waiting = 0
         self._num_running = 0
@@ -74,9 +75,12 @@ class Coordinator:
 
     async def start(self) -> Coordinator:
         self.info = await self.backend.start(self.metrics)
+        self.prompts = Prompts(self.tokenizer, self.info)
         return self
 
     async def close(self) -> None:
+        if self.prompts is not None:
+            self.prompts.close()
         await self.backend.close()
 
     # --- Prefixes ---------------------------------------------------------------------------------
@@ -84,7 +88,8 @@ class Coordinator:
     async def put_prefix(
         self, call: PutPrefixCall, tenant: Tenant = ANONYMOUS
     ) -> AsyncIterator[RegistrationProgress]:
-        token_ids, chat = self._prefix_tokens(call)
+        limit = tenant.max_prompt_tokens
+        token_ids, chat = await self.prompts.prefix_tokens(call.text, call.token_ids, limit)
         tenant.check_tokens(len(token_ids))
         key = PrefixKey(token_ids, chat, _compressor(call.compressor), tenant.name)
         prefix_id = key.prefix_id(self.info.fingerprint)
@@ -100,7 +105,8 @@ class Coordinator:
                     if await self._is_registered(prefix_id):
                         yield progress("done", existed=True)
                         return
-                    await self._check_prefix_bytes(tenant)
+                    full_kv_bytes = len(token_ids) * self.info.full_kv_bytes_per_token
+                    await self._check_prefix_bytes(tenant, adding_bytes=full_kv_bytes)
                     async for stage in self.backend.register(prefix_id, key):
                         yield progress(stage)
                     await self._check_prefix_bytes(tenant, new_prefix_id=prefix_id)
@@ -139,15 +145,18 @@ class Coordinator:
             return False
         return True
 
-    async def _check_prefix_bytes(self, tenant: Tenant, new_prefix_id: str | None = None) -> None:
-        """Before a registration: is any quota left? After it (`new_prefix_id`): if the new
-        prefix went past the quota, it is removed again."""
+    async def _check_prefix_bytes(
+        self, tenant: Tenant, adding_bytes: int = 0, new_prefix_id: str | None = None
+    ) -> None:
+        """Before a registration, from the token count alone (`adding_bytes`: the new prefix's
+        full KV): would it go past the quota? After it (`new_prefix_id`), its compressed KV
+        counted too: if it went past, it is removed again."""
         if tenant.max_prefix_bytes is None:
             return
         records = await self.list_prefixes(tenant)
-        used = sum(r.full_kv_bytes + r.compressed_kv_bytes for r in records)
+        used = sum(r.full_kv_bytes + r.compressed_kv_bytes for r in records) + adding_bytes
         limit = tenant.max_prefix_bytes
-        if (used <= limit) if new_prefix_id else (used < limit):
+        if used <= limit:
             return
         if new_prefix_id is not None:
             with contextlib.suppress(PrefixNotFoundError):
@@ -172,26 +181,13 @@ class Coordinator:
             if not self._num_active[tenant.name]:
                 del self._num_active[tenant.name]
 
-    def _prefix_tokens(self, call: PutPrefixCall) -> tuple[tuple[int, ...], bool]:
-        if call.token_ids is not None:
-            token_ids, chat = tuple(call.token_ids), False
-        elif call.text is not None:
-            if not call.text:
-                raise InvalidRequestError("the prefix text is empty")
-            prompt = build_chat_prompt(self._need_tokenizer(), call.text, "?")
-            token_ids, chat = tuple(prompt.token_ids[: prompt.num_prefix_tokens]), True
-        else:
-            raise InvalidRequestError("PutPrefix needs text or token_ids")
-        self._check_length(token_ids, "the prefix")
-        self._check_token_ids(token_ids, "token ids")
-        return token_ids, chat
-
     # --- Generation -------------------------------------------------------------------------------
 
     async def generate(
-        self, call: GenerateCall, tenant: Tenant = ANONYMOUS
+        self, call: GenerateCall, tenant: Tenant = ANONYMOUS, request_id: str | None = None
     ) -> AsyncIterator[GenerateEvent]:
-        plan = await self._plan(call, tenant)
+        """`request_id` names the request in the logs, and its sessions on the workers."""
+        plan = await self._plan(call, tenant, request_id or uuid.uuid4().hex)
         with self._active(tenant):
             await self._admit()
             try:
@@ -229,7 +225,7 @@ class Coordinator:
         seq = Sequence.start(plan.request, info.eos_token_ids, info.max_positions, self.tokenizer)
         return ServedRequest(plan, seq)
 
-    async def _plan(self, call: GenerateCall, tenant: Tenant) -> RequestPlan:
+    async def _plan(self, call: GenerateCall, tenant: Tenant, session_id: str) -> RequestPlan:
         config = self.config
         mode = call.mode or (ServeMode.VERICACHE if call.prefix_id else ServeMode.FULL_LOCAL)
         if not call.prefix_id and mode is not ServeMode.FULL_LOCAL:
@@ -242,17 +238,19 @@ class Coordinator:
         if not 1 <= draft_len <= config.max_draft_len:
             raise InvalidRequestError(f"draft_len must lie in [1, {config.max_draft_len}]")
         max_tokens = config.default_max_tokens if call.max_tokens is None else call.max_tokens
-        self._check_token_ids(call.stop_token_ids, "stop token ids")
+        if not 1 <= max_tokens <= config.max_output_tokens:
+            raise InvalidRequestError(
+                f"max_tokens must lie in [1, {config.max_output_tokens}], got {max_tokens}"
+            )
+        self.prompts.check_token_ids(call.stop_token_ids, "stop token ids")
         params = SamplingParams(
             max_new_tokens=max_tokens, stop=call.stop, stop_token_ids=call.stop_token_ids
         )
         record = None
         if call.prefix_id:
             record = await self._owned_record(call.prefix_id, tenant)
-        prompt_ids = self._prompt_ids(record, call.prompt)
-        self._check_length(prompt_ids, "the prompt")
+        prompt_ids = await self.prompts.prompt_ids(record, call.prompt, tenant.max_prompt_tokens)
         tenant.check_tokens(len(prompt_ids), params.max_new_tokens)
-        session_id = uuid.uuid4().hex
         request = Request(
             prompt_ids=prompt_ids,
             num_prefix_tokens=record.num_tokens if record else 0,
@@ -263,38 +261,7 @@ class Coordinator:
             request_id=session_id,
         )
         prefix_id = record.prefix_id if record else None
-        return RequestPlan(session_id, mode, prefix_id, request, config.decode_chunk)
-
-    def _prompt_ids(self, record: PrefixRecord | None, prompt: str) -> tuple[int, ...]:
-        """Chat prefixes are a system turn: the prompt is the user turn after it. Token prefixes
-        are continued by the prompt's tokens as they are."""
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        tokenizer = self._need_tokenizer()
-        if record is None:
-            return tuple(build_chat_prompt(tokenizer, None, prompt).token_ids)
-        if record.chat:
-            turn = build_chat_prompt(tokenizer, "?", prompt)
-            return (*record.token_ids, *turn.token_ids[turn.num_prefix_tokens :])
-        return (*record.token_ids, *tokenizer.encode(prompt, add_special_tokens=False))
-
-    def _check_length(self, token_ids: tuple[int, ...], what: str) -> None:
-        if not token_ids:
-            raise InvalidRequestError(f"{what} has no tokens")
-        if len(token_ids) >= self.info.max_positions:
-            raise InvalidRequestError(
-                f"{what} has {len(token_ids)} tokens; the model's context is "
-                f"{self.info.max_positions}, and at least one must remain for output"
-            )
-
-    def _check_token_ids(self, token_ids: tuple[int, ...], what: str) -> None:
-        if not all(0 <= t < self.info.vocab_size for t in token_ids):
-            raise InvalidRequestError(f"{what} must lie in [0, {self.info.vocab_size})")
-
-    def _need_tokenizer(self):
-        if self.tokenizer is None:
-            raise InvalidRequestError(f"model {self.info.model} has no tokenizer: text needs one")
-        return self.tokenizer
+        return RequestPlan(session_id, mode, prefix_id, tenant.name, request, config.decode_chunk)
 
 
 def _compressor(choice: CompressorChoice) -> Compressor:

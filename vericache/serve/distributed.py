@@ -73,13 +73,12 @@ class DistributedBackend:
 
     async def register(self, prefix_id: str, key: PrefixKey) -> AsyncIterator[str]:
         verifier = self.verifiers[0]
-        token_ids = key.token_ids
         is_registered = False
         try:
             yield "prefill"
-            await verifier.prefill_prefix(token_ids)
+            await verifier.prefill_prefix(key)
             yield "store"
-            await verifier.store_prefix(token_ids)
+            await verifier.store_prefix(key)
             yield "compress"
             await verifier.compress_prefix(key)
             is_registered = True
@@ -87,7 +86,7 @@ class DistributedBackend:
             if not is_registered:
                 # Cancelled, past its deadline or failed between stages: free the staged full KV
                 # now (the verifier also expires it, for a stage still running on its thread).
-                discard = verifier.discard_staged(token_ids)
+                discard = verifier.discard_staged(key)
                 await asyncio.shield(asyncio.gather(discard, return_exceptions=True))
 
     async def record(self, prefix_id: str) -> PrefixRecord:

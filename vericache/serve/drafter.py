@@ -28,8 +28,9 @@ from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.pool import BufferPool
 from vericache.serve.batching import BatchLoop
+from vericache.serve.cluster_secret import required
 from vericache.serve.config import DrafterConfig
-from vericache.serve.kv_transfer import KVFetcher, KVKind
+from vericache.serve.kv_transfer import KVFetcher, fetch_kind
 from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model
 from vericache.serve.worker_api import (
     BatchingStats,
@@ -56,6 +57,7 @@ class _Session:
 class Drafter:
     def __init__(self, config: DrafterConfig):
         self.config = config
+        self._secret = required(config.secret)
         _, self.runner, self.info = load_worker_model(config)
         self._fetchers: dict[str, KVFetcher] = {}  # by verifier address
         self._sessions: dict[str, _Session] = {}
@@ -73,8 +75,9 @@ class Drafter:
     def open(self, call: OpenDrafter) -> DrafterOpened:
         """Fetches the prefix's KV (an LRU hit costs nothing). Alone (lossy, full), prefills the
         rest of the prompt and returns the first token; drafting waits for the verifier's KV."""
-        kind = KVKind.FULL if call.role is DraftRole.FULL else KVKind.COMPRESSED
-        fetched = self._fetcher(call.transfer_address).fetch(call.prefix_id, kind)
+        kind = fetch_kind(call.role)
+        proofs = self._secret.fetch_metadata(call.session_id, call.fetch_grant)
+        fetched = self._fetcher(call.transfer_address).fetch(call.prefix_id, kind, proofs)
         if fetched.cache.num_tokens != call.num_prefix_tokens:
             raise InvalidRequestError(
                 f"prefix {call.prefix_id} holds {fetched.cache.num_tokens} tokens, "

@@ -17,13 +17,17 @@ latency out and back (`latency_s`, emulated; 0 where the network is real).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from vericache.errors import VeriCacheError, WorkerUnavailableError
 from vericache.serve.catalog import PrefixKey, PrefixRecord
+from vericache.serve.cluster_secret import ClusterSecret
+from vericache.serve.kv_transfer import fetch_kind
 from vericache.serve.worker_api import (
     BatchingStats,
     DecodeCall,
@@ -46,6 +50,8 @@ from vericache.serve.worker_api import (
 if TYPE_CHECKING:
     from vericache.serve.drafter import Drafter
     from vericache.serve.verifier import Verifier
+
+log = logging.getLogger(__name__)
 
 MAX_CONCURRENT_CALLS = 64
 T = TypeVar("T")
@@ -82,7 +88,8 @@ class OverRay:
         try:
             return await method.remote(*args)
         except ray.exceptions.RayActorError as exc:
-            raise WorkerUnavailableError(f"worker {self.name} is gone: {exc}") from None
+            log.warning("worker %s is gone: %s", self.name, exc)
+            raise WorkerUnavailableError(f"worker {self.name} is gone") from None
         except ray.exceptions.RayTaskError as exc:
             # Errors the worker raised on purpose keep their type across the process boundary.
             if isinstance(exc.cause, VeriCacheError):
@@ -124,17 +131,17 @@ class VerifierHandle(_Handle):
     async def measure_load_bandwidth(self) -> float:
         return await self._call(self.worker.measure_load_bandwidth)
 
-    async def prefill_prefix(self, token_ids: tuple[int, ...]) -> None:
-        return await self._call(self.worker.prefill_prefix, token_ids)
+    async def prefill_prefix(self, key: PrefixKey) -> None:
+        return await self._call(self.worker.prefill_prefix, key)
 
-    async def store_prefix(self, token_ids: tuple[int, ...]) -> Traffic:
-        return await self._call(self.worker.store_prefix, token_ids)
+    async def store_prefix(self, key: PrefixKey) -> Traffic:
+        return await self._call(self.worker.store_prefix, key)
 
     async def compress_prefix(self, key: PrefixKey) -> PrefixRecord:
         return await self._call(self.worker.compress_prefix, key)
 
-    async def discard_staged(self, token_ids: tuple[int, ...]) -> bool:
-        return await self._call(self.worker.discard_staged, token_ids)
+    async def discard_staged(self, key: PrefixKey) -> bool:
+        return await self._call(self.worker.discard_staged, key)
 
     async def get_prefix(self, prefix_id: str) -> PrefixRecord:
         return await self._call(self.worker.get_prefix, prefix_id)
@@ -173,8 +180,16 @@ class VerifierHandle(_Handle):
 class DrafterHandle(_Handle):
     worker: Drafter
 
-    def __init__(self, worker: Any, transport: Transport, name: str, latency_s: float = 0.0):
+    def __init__(
+        self,
+        worker: Any,
+        transport: Transport,
+        name: str,
+        secret: ClusterSecret,
+        latency_s: float = 0.0,
+    ):
         super().__init__(worker, transport, name)
+        self.secret = secret  # the coordinator's half: it grants each session its fetch
         self.latency_s = latency_s  # one way, across the slow link
 
     async def _call(self, method: Callable[..., T], *args: Any) -> T:
@@ -192,7 +207,9 @@ class DrafterHandle(_Handle):
         return await self._call(self.worker.time_draft_step)
 
     async def open(self, call: OpenDrafter) -> DrafterOpened:
-        return await self._call(self.worker.open, call)
+        """Opens the session with its grant to fetch the prefix's KV (the kind its role uses)."""
+        grant = self.secret.grant(call.session_id, call.prefix_id, fetch_kind(call.role))
+        return await self._call(self.worker.open, dataclasses.replace(call, fetch_grant=grant))
 
     async def draft(self, call: DraftCall) -> Drafted:
         return await self._call(self.worker.draft, call)

@@ -1,6 +1,8 @@
 """KV from the store side to drafters: a gRPC stream through the slow link, and the drafter's LRU.
 
-The store side (`KVTransferService`) encodes a prefix's KV with the KV codec and sends it in pieces
+The store side (`KVTransferService`) serves only callers that prove, with the server's secret,
+that they are its workers and that the coordinator granted this fetch (cluster_secret.py); it
+encodes a prefix's KV with the KV codec and sends it in pieces
 of at most PIECE_BYTES, each paced by the `ThrottledLink`, so the link's bandwidth and latency apply
 to the bytes really sent. The drafter side (`KVFetcher`) decodes as pieces arrive and keeps what it
 fetched in an LRU bounded by bytes: a second request on the same prefix pays no transfer. A stream
@@ -26,22 +28,38 @@ from vericache.kv.cache import KVCache
 from vericache.kv.codec import decode_iter, iter_encode
 from vericache.kv.codec_errors import CodecError
 from vericache.kv.state import CacheState
+from vericache.serve.cluster_secret import ClusterSecret, FetchDeniedError
+from vericache.serve.worker_api import DraftRole
 from vericache.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 PIECE_BYTES = 1 << 20  # under gRPC's default 4 MiB message limit
 KVKind = kv_transfer_pb2.KVKind
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 # (prefix id, KVKind) -> the state to send; raises PrefixNotFoundError for an unknown prefix.
 KVSource = Callable[[str, int], CacheState]
 
 
+def fetch_kind(role: DraftRole) -> int:
+    """The KV a drafter session of `role` fetches: full KV for FULL_REMOTE, else compressed."""
+    return KVKind.FULL if role is DraftRole.FULL else KVKind.COMPRESSED
+
+
 class KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):
-    def __init__(self, source: KVSource, fingerprint: str, link: ThrottledLink):
+    def __init__(
+        self, source: KVSource, fingerprint: str, link: ThrottledLink, secret: ClusterSecret
+    ):
         self.source = source
         self.fingerprint = fingerprint
         self.link = link
+        self.secret = secret
 
     def Fetch(self, request, context):  # noqa: N802 - the gRPC method name
+        try:
+            self.secret.check_fetch(context.invocation_metadata(), request.prefix_id, request.kind)
+        except FetchDeniedError as exc:
+            code = grpc.StatusCode.PERMISSION_DENIED if exc.authenticated else _UNAUTHENTICATED
+            context.abort(code, str(exc))
         try:
             state = self.source(request.prefix_id, request.kind)
         except PrefixNotFoundError as exc:
@@ -102,16 +120,19 @@ class KVFetcher:
         self._channel = grpc.insecure_channel(target)
         self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
 
-    def fetch(self, prefix_id: str, kind: int = KVKind.COMPRESSED) -> FetchResult:
+    def fetch(
+        self, prefix_id: str, kind: int = KVKind.COMPRESSED, metadata: tuple = ()
+    ) -> FetchResult:
+        """`metadata`: the proofs the service asks for (`ClusterSecret.fetch_metadata`)."""
         start = time.perf_counter()
         received = [0]  # bytes, over every attempt
 
         def transfer() -> KVCache:
             try:
-                return self._receive(prefix_id, kind, received)
+                return self._receive(prefix_id, kind, metadata, received)
             except CodecError:  # damaged on the way: once more
                 try:
-                    return self._receive(prefix_id, kind, received)
+                    return self._receive(prefix_id, kind, metadata, received)
                 except CodecError:
                     message = f"prefix {prefix_id}: its KV arrived damaged twice"
                     raise DataLossError(message) from None
@@ -123,10 +144,10 @@ class KVFetcher:
             cache = self.cached.lookup(key, transfer)
         return FetchResult(cache, received[0], time.perf_counter() - start)
 
-    def _receive(self, prefix_id: str, kind: int, received: list[int]) -> KVCache:
+    def _receive(self, prefix_id: str, kind: int, metadata: tuple, received: list[int]) -> KVCache:
         def pieces():
             request = kv_transfer_pb2.FetchRequest(prefix_id=prefix_id, kind=kind)
-            for piece in self._stub.Fetch(request):
+            for piece in self._stub.Fetch(request, metadata=metadata):
                 received[0] += len(piece.data)
                 yield piece.data
 

@@ -3,7 +3,9 @@
 Verifier actors need the custom resource `verifier` (nodes beside the store), drafter actors the
 resource `drafter` (remote GPUs). An actor whose resource no node offers waits forever, so
 placement waits at most `placement_timeout_s` and then says which resource is missing. Drafter
-handles pay the verifier link's emulated latency on every call (`LinkSpec.latency`).
+handles pay the verifier link's emulated latency on every call (`LinkSpec.latency`). Workers get
+the server's secret in their configs (a new one, unless the configs carry one); the drafter
+handles issue, with it, each session's grant to fetch its prefix's KV.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import uuid
 
 from vericache.errors import WorkerUnavailableError
 from vericache.model.loader import load_tokenizer, resolve_model_dir
+from vericache.serve.cluster_secret import ClusterSecret
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 from vericache.serve.coordinator import Coordinator
 from vericache.serve.distributed import DistributedBackend
@@ -52,13 +55,25 @@ def in_process_workers(
     verifier: VerifierConfig, drafter: DrafterConfig, num_drafters: int
 ) -> tuple[list[VerifierHandle], list[DrafterHandle]]:
     """One verifier and `num_drafters` drafters, each on a thread pool of its own here."""
+    verifier, drafter = with_secret(verifier, drafter)
     verifiers = [VerifierHandle(Verifier(verifier), InProcess("verifier-0"), "verifier-0")]
-    latency = verifier.link.latency
+    latency, secret = verifier.link.latency, verifier.secret
     drafters = [
-        DrafterHandle(Drafter(drafter), InProcess(f"drafter-{i}"), f"drafter-{i}", latency)
+        DrafterHandle(Drafter(drafter), InProcess(f"drafter-{i}"), f"drafter-{i}", secret, latency)
         for i in range(num_drafters)
     ]
     return verifiers, drafters
+
+
+def with_secret(
+    verifier: VerifierConfig, drafter: DrafterConfig
+) -> tuple[VerifierConfig, DrafterConfig]:
+    """Both configs carrying one secret: the verifier's, or a new one."""
+    secret = verifier.secret or ClusterSecret.generate()
+    return (
+        dataclasses.replace(verifier, secret=secret),
+        dataclasses.replace(drafter, secret=secret),
+    )
 
 
 def ray_workers(
@@ -74,6 +89,7 @@ def ray_workers(
     Call after `ray.init`."""
     import ray
 
+    verifier, drafter = with_secret(verifier, drafter)
     group = uuid.uuid4().hex[:6]  # several servers may share one cluster
 
     def actor(cls, resource: str, config, name: str):
@@ -99,7 +115,7 @@ def ray_workers(
             for i, actor in enumerate(verifiers)
         ],
         [
-            DrafterHandle(actor, OverRay(f"drafter-{i}"), f"drafter-{i}", latency)
+            DrafterHandle(actor, OverRay(f"drafter-{i}"), f"drafter-{i}", verifier.secret, latency)
             for i, actor in enumerate(drafters)
         ],
     )

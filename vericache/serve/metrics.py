@@ -63,6 +63,9 @@ class ServeMetrics:
         self._success = self._counter(
             "request_success", "Finished requests, by finish reason.", ("finished_reason",)
         )
+        self._failure = self._counter(
+            "request_failure", "Calls that failed, by gRPC status code.", ("code",)
+        )
         self._ttft = self._histogram(
             "time_to_first_token_seconds", "Time to the first output token.", TTFT_BUCKETS
         )
@@ -154,6 +157,9 @@ class ServeMetrics:
         self._success.labels(self.model_name, finish_reason).inc()
         self._e2e.labels(self.model_name).observe(e2e_s)
 
+    def request_failed(self, code: str) -> None:
+        self._failure.labels(self.model_name, code).inc()
+
     def link_used(self, num_bytes: int, wait_s: float) -> None:
         self._link_bytes.labels(self.model_name).inc(num_bytes)
         self._link_seconds.labels(self.model_name).inc(wait_s)
@@ -243,9 +249,11 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
     """Passes a served request's Generate events through (`vericache.serve.rounds.ServedRequest`),
     recording it: the streamed tokens as they go (latencies from the request's admission), then
     its rounds, link and store traffic, and how it ended ("abort" when the stream was closed
-    early), in the metrics and as one log line."""
+    early or cancelled; a request that failed is the servicer's to count, by its status code), in
+    the metrics and as one log line."""
     metrics.request_admitted(len(served.seq.request.prompt_ids))
     last, is_first = served.started_at, True
+    failed = False
     try:
         async for event in events:
             if isinstance(event, OutputChunk) and event.token_ids:
@@ -253,6 +261,9 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
                 metrics.tokens_streamed(len(event.token_ids), now - last, is_first)
                 last, is_first = now, False
             yield event
+    except Exception:
+        failed = True
+        raise
     finally:
         stats = served.seq.stats
         for drafted, accepted in zip(stats.drafted_per_round, stats.accepted_per_round):
@@ -265,8 +276,9 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
         for kind in traffic.corruptions:
             metrics.store_corrupted(kind)
         elapsed = time.perf_counter() - served.started_at
-        finish_reason = served.seq.finish_reason or "abort"
-        metrics.request_finished(finish_reason, elapsed)
+        finish_reason = served.seq.finish_reason or ("error" if failed else "abort")
+        if not failed:
+            metrics.request_finished(finish_reason, elapsed)
         _log_finished(served, finish_reason, elapsed)
 
 
@@ -278,6 +290,7 @@ def _log_finished(served, finish_reason: str, elapsed_s: float) -> None:
         "request finished",
         extra={
             "request_id": plan.session_id,
+            "tenant": plan.tenant,
             "mode": plan.mode.value,
             "prefix_id": plan.prefix_id,
             "prompt_tokens": len(served.seq.request.prompt_ids),

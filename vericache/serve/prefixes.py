@@ -3,7 +3,9 @@
 Registration runs in three calls, so that the coordinator can report each stage: prefill (staged
 here between calls), store (full KV into the store), compress (compressed KV into the catalog). A
 prefix whose full KV is stored already skips the first two. A registration abandoned between calls
-leaves its staged KV, which expires (staging.py) unless the coordinator discards it at once.
+leaves its staged KV, which expires (staging.py) unless the coordinator discards it at once; a
+prefill still running when its registration is discarded stops at its next chunk, and the discard
+returns once it has stopped (the coordinator holds the tenant's slot until then).
 
 Repair: stored data is checked wherever it is read (store.py, catalog.py). Full KV that fails is
 rebuilt from the prefix's token ids by the same prefill that made it (the verifier's kernels give
@@ -16,12 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from vericache.compress.context import ModelContext
-from vericache.errors import DataLossError, InvalidRequestError
+from vericache.errors import DataLossError, InvalidRequestError, VeriCacheError
 from vericache.kv.cache import KVCache
 from vericache.kv.codec_errors import CodecError
 from vericache.kv.pool import BufferPool
@@ -44,6 +47,18 @@ from vericache.serve.worker_api import ModelInfo, Traffic
 log = logging.getLogger(__name__)
 
 
+class RegistrationAbandonedError(VeriCacheError):
+    """The registration was discarded (cancelled, or past its deadline) while it prefilled."""
+
+
+@dataclass
+class _Prefill:
+    """A registration's prefill on its way: `abandoned` asks it to stop, `stopped` says it has."""
+
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    stopped: threading.Event = field(default_factory=threading.Event)
+
+
 class PrefixRegistry:
     def __init__(
         self, config: VerifierConfig, loaded: LoadedModel, runner: ModelRunner, info: ModelInfo
@@ -63,31 +78,42 @@ class PrefixRegistry:
         self._corruptions_lock = threading.Lock()  # the KV transfer server's thread finds some
         self.catalog = PrefixCatalog(config.root, info.fingerprint, self._report)
         self._staged = StagedPrefixes(config.max_staged_prefixes, config.staged_ttl_s)
+        self._prefills: dict[tuple[str, tuple[int, ...]], _Prefill] = {}  # by staged key
+        self._prefills_lock = threading.Lock()
 
-    def prefill(self, token_ids: tuple[int, ...]) -> None:
-        self.check_tokens(token_ids)
+    def prefill(self, key: PrefixKey) -> None:
+        self.check_tokens(key.token_ids)
         self._staged.expire()
-        if self._staged.get(token_ids) is not None or self.store.contains(token_ids):
+        staged = (key.tenant, key.token_ids)
+        if self._staged.get(staged) is not None or self._is_stored(key):
             return
-        self._staged.put(token_ids, self._prefilled(token_ids))
+        self._staged.put(staged, self._registration_prefill(key))
 
-    def put_in_store(self, token_ids: tuple[int, ...]) -> Traffic:
+    def put_in_store(self, key: PrefixKey) -> Traffic:
         """Puts the prefilled full KV in the store; returns once it is on disk."""
         self._staged.expire()
-        cache = self._staged.get(token_ids)
+        staged = (key.tenant, key.token_ids)
+        cache = self._staged.get(staged)
         if cache is None:
-            if self.store.contains(token_ids):
+            if self._is_stored(key):
                 return Traffic()
             # Staged KV dropped since the prefill stage (expired, or evicted by newer ones).
-            self.check_tokens(token_ids)
-            cache = self._prefilled(token_ids)
-            self._staged.put(token_ids, cache)
-        stored = self.store.put(token_ids, cache)
+            self.check_tokens(key.token_ids)
+            cache = self._registration_prefill(key)
+            self._staged.put(staged, cache)
+        stored = self.store.put(key.token_ids, cache, namespace=key.tenant)
         return Traffic(store_bytes=stored.bytes_written, store_s=stored.seconds)
 
-    def discard_staged(self, token_ids: tuple[int, ...]) -> bool:
-        """Drops the full KV staged for an abandoned registration; False when none was staged."""
-        return self._staged.take(token_ids) is not None
+    def discard_staged(self, key: PrefixKey, stop_timeout_s: float = 60.0) -> bool:
+        """Drops the full KV staged for an abandoned registration, once a prefill of it still
+        running has stopped; False when none was staged."""
+        staged = (key.tenant, key.token_ids)
+        with self._prefills_lock:
+            running = self._prefills.get(staged)
+        if running is not None:
+            running.abandoned.set()
+            running.stopped.wait(stop_timeout_s)
+        return self._staged.take(staged) is not None
 
     @property
     def staged_bytes(self) -> int:
@@ -97,15 +123,17 @@ class PrefixRegistry:
     def compress(self, key: PrefixKey) -> PrefixRecord:
         """Compresses a stored prefix and registers it."""
         prefix_id = key.prefix_id(self.info.fingerprint)
-        full = self._staged.take(key.token_ids)
+        full = self._staged.take((key.tenant, key.token_ids))
         if self.catalog.contains(prefix_id):
             return self.catalog.get(prefix_id)
         if full is None:
-            full = self.load_full(key.token_ids, 0).cache
+            full = self.load_full(key.token_ids, key.tenant, 0).cache
         context = ModelContext(self.runner, key.token_ids, self.tokenizer)
         compressed = key.compressor.compress(full, context)
         spec = key.compressor.spec()
-        record = PrefixRecord(prefix_id, key.token_ids, key.chat, spec, full.nbytes, 0)
+        record = PrefixRecord(
+            prefix_id, key.token_ids, key.chat, spec, full.nbytes, 0, tenant=key.tenant
+        )
         return self.catalog.add(record, compressed.to_state())
 
     def get(self, prefix_id: str) -> PrefixRecord:
@@ -120,31 +148,37 @@ class PrefixRegistry:
         # The store shares chunks between prefixes with the same first tokens: keep the full KV
         # while another registered prefix starts like this one.
         head = record.token_ids[: self.store.chunk_size]
-        if not any(other.token_ids[: len(head)] == head for other in self.catalog.records()):
-            self.store.delete(record.token_ids)
+        sharing = [r for r in self.catalog.records() if r.tenant == record.tenant]
+        if not any(other.token_ids[: len(head)] == head for other in sharing):
+            self.store.delete(record.token_ids, namespace=record.tenant)
         return record
 
     def load_full(
-        self, token_ids: tuple[int, ...], capacity: int, pool: BufferPool | None = None
+        self,
+        token_ids: tuple[int, ...],
+        namespace: str,
+        capacity: int,
+        pool: BufferPool | None = None,
     ) -> LoadResult:
-        """A stored prefix's full KV, with room for `capacity` tokens; rebuilt first where it
-        failed its check."""
+        """A stored prefix's full KV (its owner's `namespace` of the store), with room for
+        `capacity` tokens; rebuilt first where it failed its check."""
         try:
-            return self.store.load(token_ids, capacity=capacity, pool=pool)
+            return self.store.load(token_ids, capacity, pool=pool, namespace=namespace)
         except StoreCorruptionError as exc:
             log.error("the full KV of a %d-token prefix is rebuilt: %s", len(token_ids), exc)
             self._report(StoredKind.FULL_KV)
-        self.store.discard(token_ids)
-        self.store.put(token_ids, self._prefilled(token_ids))
+        self.store.discard(token_ids, namespace=namespace)
+        self.store.put(token_ids, self._prefilled(token_ids), namespace=namespace)
         try:
-            return self.store.load(token_ids, capacity=capacity, pool=pool)
+            return self.store.load(token_ids, capacity, pool=pool, namespace=namespace)
         except StoreCorruptionError:  # the store damages what it has just written
             raise DataLossError("the full-KV store fails its checks as it is written") from None
 
     def kv_for_drafter(self, prefix_id: str, kind: int) -> CacheState:
         """KVTransfer's source (called from the transfer server's thread)."""
         if kind == KVKind.FULL:
-            return self.load_full(self.catalog.get(prefix_id).token_ids, 0).cache.to_state()
+            record = self.catalog.get(prefix_id)
+            return self.load_full(record.token_ids, record.tenant, 0).cache.to_state()
         return self.compressed_state(prefix_id)
 
     def compressed_state(self, prefix_id: str) -> CacheState:
@@ -155,7 +189,7 @@ class PrefixRegistry:
             log.error("prefix %s: its compressed KV is rebuilt: %s", prefix_id, type(exc).__name__)
             self._report(StoredKind.COMPRESSED_KV)
         record = self.catalog.get(prefix_id)
-        full = self.load_full(record.token_ids, 0).cache
+        full = self.load_full(record.token_ids, record.tenant, 0).cache
         context = ModelContext(self.runner, record.token_ids, self.tokenizer)
         state = compressor_of(record).compress(full, context).to_state()
         self.catalog.replace_compressed(prefix_id, state)
@@ -186,9 +220,31 @@ class PrefixRegistry:
         if not all(0 <= t < self.info.vocab_size for t in token_ids):
             raise InvalidRequestError(f"token ids must lie in [0, {self.info.vocab_size})")
 
-    def _prefilled(self, token_ids: tuple[int, ...]) -> KVCache:
-        """The full KV of `token_ids`, prefilled chunk by chunk."""
+    def _is_stored(self, key: PrefixKey) -> bool:
+        return self.store.contains(key.token_ids, namespace=key.tenant)
+
+    def _registration_prefill(self, key: PrefixKey) -> KVCache:
+        """`_prefilled`, stopped at the next chunk when the registration is discarded."""
+        staged = (key.tenant, key.token_ids)
+        with self._prefills_lock:
+            prefill = self._prefills.setdefault(staged, _Prefill())
+        try:
+            return self._prefilled(key.token_ids, prefill.abandoned)
+        finally:
+            with self._prefills_lock:
+                self._prefills.pop(staged, None)
+            prefill.stopped.set()
+
+    def _prefilled(
+        self, token_ids: tuple[int, ...], abandoned: threading.Event | None = None
+    ) -> KVCache:
+        """The full KV of `token_ids`, prefilled chunk by chunk (the chunks of a registration:
+        the same forwards, so the same bits, whoever prefills)."""
         cache = self.runner.new_cache(capacity=len(token_ids))
         ids = torch.tensor(token_ids, dtype=torch.long)
-        self.runner.prefill(ids, cache, num_logits=0, chunk_size=self.config.prefill_chunk)
+        chunk = self.config.prefill_chunk
+        for start in range(0, len(ids), chunk):
+            if abandoned is not None and abandoned.is_set():
+                raise RegistrationAbandonedError("the registration was abandoned")
+            self.runner.prefill(ids[start : start + chunk], cache, num_logits=0, chunk_size=chunk)
         return cache

@@ -32,6 +32,7 @@ class Session:
     in_use: bool = False  # a call is working on it: not to be evicted
     pinned: bool = False  # loaded ahead of its verification: not to be evicted either
     closed: bool = False  # its request ended while a call used it: release when that ends
+    namespace: str = ""  # where the store keeps its prefix's KV: the prefix owner's
 
 
 # A session's prefix KV made resident: the cache (with room for its capacity) and what it cost.

@@ -43,9 +43,10 @@ from vericache.serve.worker_api import (
 class RequestPlan:
     """A checked Generate request, ready to run."""
 
-    session_id: str
+    session_id: str  # also the request id of its logs and status details
     mode: ServeMode
     prefix_id: str | None
+    tenant: str  # "" for the anonymous tenant
     # The engine's request: prompt, prefix length, sampling, decode mode, compressor, draft length.
     request: Request
     decode_chunk: int  # tokens per worker call when one worker decodes alone

@@ -66,9 +66,11 @@ class BackgroundServer:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """Drains, then stops: new calls are refused at once (UNAVAILABLE), running ones finish
+        within `grace_s` (then they are cancelled), and the workers shut down."""
         if not self._thread.is_alive():
             return
-        self.run(self._stop(grace_s), timeout_s=120)
+        self.run(self._stop(grace_s), timeout_s=grace_s + 120)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from vericache.kv.cache import KVCache
 
-TokenKey = tuple[int, ...]
+TokenKey = tuple[str, tuple[int, ...]]  # (the registering tenant, the prefix's token ids)
 
 
 @dataclass

@@ -8,9 +8,10 @@ an fs:// tier under `root` that persists every chunk until it is deleted. LMCach
 tier is not used: it forgets its index on restart, the fs:// tier does not. `put` returns only once
 every chunk of the prefix is on disk, so a prefix that was put survives a crash or restart.
 
-Keys: chunk i of a prefix is keyed by a SHA-256 chain over (model fingerprint, token ids of chunks
-0..i) (store_lmcache.py), identical in every process and after restarts. Prefixes that share their
-first chunks share those chunks' storage.
+Keys: chunk i of a prefix is keyed by a SHA-256 chain over (model fingerprint, namespace, token
+ids of chunks 0..i) (store_lmcache.py), identical in every process and after restarts. Prefixes of
+one namespace that share their first chunks share those chunks' storage; two namespaces (tenants)
+share nothing, so neither can tell by a store hit what the other stored.
 
 Tail: the tokens after the last whole chunk are stored by LMCache too (`save_unfull_chunk`), as a
 short chunk keyed like the others. Its key covers the exact token ids, so it is found only for this
@@ -57,7 +58,7 @@ from vericache.serve.store_lmcache import (
     build_engine,
     chunk_keys,
     destroy_engine,
-    fingerprint_seed,
+    namespace_seed,
     tail_mask,
 )
 
@@ -129,7 +130,8 @@ class FullKVStore:
         self._lock = threading.Lock()
         Path(root).mkdir(parents=True, exist_ok=True)
         fingerprint = model_fingerprint(model_config, model_name)
-        self._seed = fingerprint_seed(fingerprint)
+        self._fingerprint = fingerprint
+        self._seed = namespace_seed(fingerprint, "")
         self._digests = ChunkDigests(Path(root))
         self._connector = KVCacheConnector(model_config)
         self._engine = build_engine(
@@ -156,13 +158,13 @@ class FullKVStore:
 
     # --- Public API ------------------------------------------------------------------------------
 
-    def put(self, token_ids: Sequence[int], cache: KVCache) -> StoredPrefix:
+    def put(self, token_ids: Sequence[int], cache: KVCache, namespace: str = "") -> StoredPrefix:
         """Store the full KV of prefix `token_ids`; idempotent. Returns once it is on disk."""
         tokens = self._checked_tokens(token_ids)
         self._check_full_cache(cache, len(tokens))
         num_tokens = len(tokens)
         with self._lock:
-            self._check_open()
+            self._enter(namespace)
             started = time.perf_counter()
             # Chunks already on disk (this prefix, or another sharing its first chunks) are kept.
             first = self._engine.lookup(tokens, search_range=[PERSISTENT_TIER])
@@ -186,6 +188,7 @@ class FullKVStore:
         capacity: int = 0,
         device: torch.device | str = "cpu",
         pool: BufferPool | None = None,
+        namespace: str = "",
     ) -> LoadResult:
         """The full KV of a stored prefix, bit-exact; `capacity` reserves slots for later tokens
         (in buffers from `pool` where it has some)."""
@@ -193,7 +196,7 @@ class FullKVStore:
         num_tokens = len(tokens)
         config = self.model_config
         with self._lock:
-            self._check_open()
+            self._enter(namespace)
             started = time.perf_counter()
             cache = KVCache.empty(
                 config.num_layers,
@@ -221,27 +224,27 @@ class FullKVStore:
             self.load_seconds += seconds
         return LoadResult(cache, cache.nbytes, seconds)
 
-    def contains(self, token_ids: Sequence[int]) -> bool:
+    def contains(self, token_ids: Sequence[int], namespace: str = "") -> bool:
         """True when the full KV of exactly this prefix is stored (in any tier)."""
         tokens = self._checked_tokens(token_ids)
         with self._lock:
-            self._check_open()
+            self._enter(namespace)
             return self._engine.lookup(tokens) == len(tokens)
 
-    def delete(self, token_ids: Sequence[int]) -> None:
+    def delete(self, token_ids: Sequence[int], namespace: str = "") -> None:
         """Remove every chunk of a stored prefix from both tiers (see the module note on sharing).
         A prefix that is not entirely stored is left alone: its chunks may belong to others."""
         tokens = self._checked_tokens(token_ids)
         with self._lock:
-            self._check_open()
+            self._enter(namespace)
             if self._engine.lookup(tokens) == len(tokens):
                 self._clear(tokens)
 
-    def discard(self, token_ids: Sequence[int]) -> None:
+    def discard(self, token_ids: Sequence[int], namespace: str = "") -> None:
         """Remove whatever is stored of a prefix (a corrupt one, before it is put again)."""
         tokens = self._checked_tokens(token_ids)
         with self._lock:
-            self._check_open()
+            self._enter(namespace)
             self._clear(tokens)
 
     def close(self) -> None:
@@ -278,6 +281,12 @@ class FullKVStore:
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
+
+    def _enter(self, namespace: str) -> None:
+        """Starts a call (under the lock): every key it makes chains from `namespace`'s seed."""
+        self._check_open()
+        self._seed = namespace_seed(self._fingerprint, namespace)
+        self._engine.token_database.seed = self._seed
 
     def _clear(self, tokens: torch.Tensor) -> None:
         self._engine.clear(tokens=tokens)

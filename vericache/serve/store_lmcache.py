@@ -67,19 +67,26 @@ def chunk_keys(seed: int, token_ids: torch.Tensor, chunk_size: int) -> list[int]
     return keys
 
 
+def namespace_seed(fingerprint: str, namespace: str) -> int:
+    """The chain's start for one namespace of the store (a tenant): the same token ids in two
+    namespaces share no chunk. The empty namespace keeps the model's own seed."""
+    return fingerprint_seed(f"{fingerprint}\0namespace={namespace}" if namespace else fingerprint)
+
+
 class PrefixChunkDatabase(ChunkedTokenDatabase):
-    """LMCache's chunking (chunk_size tokens, last chunk possibly shorter) with SHA-256 keys."""
+    """LMCache's chunking (chunk_size tokens, last chunk possibly shorter) with SHA-256 keys,
+    chained from `seed`: the store sets it to its namespace's before each call into LMCache."""
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheMetadata, fingerprint: str):
         super().__init__(config, metadata)
-        self._seed = fingerprint_seed(fingerprint)
+        self.seed = fingerprint_seed(fingerprint)
 
     def _get_init_hash(self) -> int:
-        return self._seed
+        return self.seed
 
     def _hash_tokens(self, tokens, prefix_hash=None, extra_keys=None) -> int:
         token_ids = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else np.array(tokens)
-        return chained_chunk_hash(self._seed if prefix_hash is None else prefix_hash, token_ids)
+        return chained_chunk_hash(self.seed if prefix_hash is None else prefix_hash, token_ids)
 
 
 class KVCacheConnector(GPUConnectorInterface):

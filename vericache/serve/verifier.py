@@ -28,6 +28,7 @@ from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
 from vericache.serve.batching import BatchLoop
 from vericache.serve.catalog import PrefixKey, PrefixRecord
+from vericache.serve.cluster_secret import required
 from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVTransferService, TransferServer
 from vericache.serve.prefixes import PrefixRegistry
@@ -61,7 +62,9 @@ class Verifier:
             config.resident_bytes, self._slot_bytes, self._load, self._buffers
         )
         self._loop = BatchLoop(self.runner, "verifier-batch")
-        service = KVTransferService(self.prefixes.kv_for_drafter, self.info.fingerprint, self.link)
+        service = KVTransferService(
+            self.prefixes.kv_for_drafter, self.info.fingerprint, self.link, required(config.secret)
+        )
         host = config.transfer_host or "127.0.0.1"
         self._transfer = TransferServer(service, host, config.transfer_port)
 
@@ -86,17 +89,17 @@ class Verifier:
 
     # --- Prefixes ---------------------------------------------------------------------------------
 
-    def prefill_prefix(self, token_ids: tuple[int, ...]) -> None:
-        self.prefixes.prefill(token_ids)
+    def prefill_prefix(self, key: PrefixKey) -> None:
+        self.prefixes.prefill(key)
 
-    def store_prefix(self, token_ids: tuple[int, ...]) -> Traffic:
-        return self.prefixes.put_in_store(token_ids)
+    def store_prefix(self, key: PrefixKey) -> Traffic:
+        return self.prefixes.put_in_store(key)
 
     def compress_prefix(self, key: PrefixKey) -> PrefixRecord:
         return self.prefixes.compress(key)
 
-    def discard_staged(self, token_ids: tuple[int, ...]) -> bool:
-        return self.prefixes.discard_staged(token_ids)
+    def discard_staged(self, key: PrefixKey) -> bool:
+        return self.prefixes.discard_staged(key)
 
     def get_prefix(self, prefix_id: str) -> PrefixRecord:
         return self.prefixes.get(prefix_id)
@@ -114,10 +117,12 @@ class Verifier:
         (and the prompt's exact KV after the prefix when a drafter will need it)."""
         prompt = call.prompt_ids
         self.prefixes.check_tokens(prompt)
-        prefix = self.prefixes.get(call.prefix_id).token_ids if call.prefix_id else ()
+        record = self.prefixes.get(call.prefix_id) if call.prefix_id else None
+        prefix = record.token_ids if record else ()
         if prompt[: len(prefix)] != prefix or len(prompt) <= len(prefix):
             raise InvalidRequestError("the prompt must extend the prefix by at least one token")
-        self._sessions.add(call.session_id, Session(prefix, call.capacity))
+        owner = record.tenant if record else ""
+        self._sessions.add(call.session_id, Session(prefix, call.capacity, namespace=owner))
         try:
             with self._sessions.using(call.session_id) as (session, loaded):
                 suffix = torch.tensor(prompt[len(prefix) :], dtype=torch.long)
@@ -214,7 +219,9 @@ class Verifier:
         """A session's prefix KV from the store (or an empty cache), onto the device."""
         if not session.prefix_tokens:
             return self.runner.new_cache(session.capacity, self._buffers), Traffic()
-        loaded = self.prefixes.load_full(session.prefix_tokens, session.capacity, self._buffers)
+        loaded = self.prefixes.load_full(
+            session.prefix_tokens, session.namespace, session.capacity, self._buffers
+        )
         held = self._device_path.send_blocking(loaded.bytes_loaded, first=True)
         traffic = Traffic(
             store_bytes=loaded.bytes_loaded,

@@ -86,7 +86,7 @@ def generate_call(message: pb.GenerateRequest) -> GenerateCall:
     return GenerateCall(
         prompt=message.prompt,
         prefix_id=message.prefix_id or None,
-        max_tokens=message.max_tokens or None,  # 0: unset, the server's default
+        max_tokens=_optional(message, "max_tokens"),  # None: the server's default
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         mode=_MODES.get(message.mode),

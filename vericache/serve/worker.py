@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from vericache.engine.device_memory import slot_bytes
 from vericache.errors import VeriCacheError
 from vericache.kv.cache import aligned
 from vericache.kv.codec import model_fingerprint
@@ -39,6 +40,7 @@ def load_worker_model(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner, M
         max_positions=loaded.config.max_position_embeddings,
         vocab_size=loaded.config.vocab_size,
         eos_token_ids=tuple(loaded.config.eos_token_ids),
+        full_kv_bytes_per_token=slot_bytes(loaded.config, runner.dtype.itemsize),
     )
     return loaded, runner, info
 
