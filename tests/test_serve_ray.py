@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve_fixtures import CONTEXT, wait_for
+from tests.serve_fixtures import CONTEXT, counts, wait_for
 from vericache.client import Client
 from vericache.errors import WorkerUnavailableError
 from vericache.serve.config import DrafterConfig, VerifierConfig
@@ -93,3 +93,33 @@ def test_a_missing_resource_is_reported_after_the_placement_timeout(cluster, con
     # The cluster has one `drafter` unit, held by the server's drafter when that test ran.
     with pytest.raises(WorkerUnavailableError, match="drafter"):
         ray_workers(verifier, drafter, 0, 3, placement_timeout_s=3)
+
+
+def test_a_killed_drafter_restarts_and_its_request_streams_on_unchanged(server):
+    """SIGKILL of the drafter's process mid-stream: Ray restarts the actor, the coordinator
+    notices it gone and back, and the request goes on there from its last committed token."""
+    import os
+    import signal
+
+    handle = server.coordinator.backend.drafters[0]
+    with Client(server.target, timeout=180, retries=0) as client:
+        prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+        reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=48)
+        pid = _on_actor(handle.worker, lambda self: os.getpid())
+        handle.latency_s = 0.05  # rounds of 100 ms or more: the kill lands mid-stream
+        try:
+            with client.stream(
+                PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=48, draft_len=2
+            ) as stream:
+                text = next(iter(stream))
+                os.kill(pid, signal.SIGKILL)
+                text += "".join(stream)
+                result = stream.result()
+        finally:
+            handle.latency_s = 0.0
+    assert text == reference.text and result.token_ids == reference.token_ids
+    assert result.finish_reason == "length"
+    migrations = counts(server, "request_migrations", "model_name")
+    assert sum(migrations.values()) >= 1  # it did go on after the kill
+    assert _on_actor(handle.worker, lambda self: os.getpid()) != pid  # a new process
+    assert handle.alive

@@ -77,6 +77,12 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=2,
+        help="times a request whose worker died goes on elsewhere before it fails (UNAVAILABLE)",
+    )
+    parser.add_argument(
         "--max-output-tokens", type=int, default=4096, help="the most max_tokens a request may ask"
     )
     parser.add_argument("--placement-timeout", type=float, default=300.0, help="seconds")
@@ -194,6 +200,7 @@ def coordinator_config(args) -> CoordinatorConfig:
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         max_output_tokens=args.max_output_tokens,
+        max_migrations=args.max_migrations,
     )
 
 

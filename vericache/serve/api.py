@@ -18,6 +18,7 @@ also served in plaintext on `Access.health_port`, alone: kubelet's gRPC probes c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
@@ -44,6 +45,8 @@ from vericache.v1 import vericache_pb2, vericache_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = vericache_pb2.DESCRIPTOR.services_by_name["VeriCache"].full_name
+HEALTH_INTERVAL_S = 0.25  # how often health follows the workers
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _STATUS = [
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -132,6 +135,11 @@ class ApiServers:
     servers: list[grpc.aio.Server]  # the API's, then the health-only one if any
     port: int  # the API's
     health_port: int | None  # the plaintext health-only port
+    health: asyncio.Task  # keeps health in step with the workers; cancel it to stop
+
+    async def stop(self, grace_s: float) -> None:
+        self.health.cancel()
+        await asyncio.gather(*(server.stop(grace_s) for server in self.servers))
 
 
 async def start_server(
@@ -161,6 +169,20 @@ async def start_server(
         servers.append(health_only)
     for running in servers:
         await running.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return ApiServers(servers, port, health_port)
+    health_task = asyncio.create_task(_follow_workers(coordinator, health_servicer))
+    return ApiServers(servers, port, health_port, health_task)
+
+
+async def _follow_workers(coordinator: Coordinator, health_servicer) -> None:
+    """SERVING while some worker of every kind is up, NOT_SERVING while one kind has none."""
+    shown = None
+    while True:
+        serving = coordinator.backend.is_serving()
+        if serving != shown:
+            status = health_pb2.HealthCheckResponse.SERVING if serving else _NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, status)
+            if shown is not None:
+                log.warning("health: %s", health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+            shown = serving
+        await asyncio.sleep(HEALTH_INTERVAL_S)

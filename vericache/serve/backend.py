@@ -28,6 +28,9 @@ class ServingBackend(Protocol):
 
     async def close(self) -> None: ...
 
+    def is_serving(self) -> bool:
+        """Whether health should say SERVING: some worker of every kind is up."""
+
     def check_can_serve(self, mode: ServeMode) -> None:
         """Raises a typed error when this backend cannot serve `mode` (now, or ever)."""
 

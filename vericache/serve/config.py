@@ -83,6 +83,10 @@ class CoordinatorConfig:
     # baseline (everyone drafts x, then everyone verifies).
     scheduling: str = "per-request"
     scheduler: SchedulerConfig = SchedulerConfig()
+    # A request whose worker dies goes on elsewhere (distributed.py) this many times at most.
+    max_migrations: int = 2
+    # How long a migrating request waits for a worker of the kind it needs to be back.
+    worker_wait_s: float = 60.0
 
     def __post_init__(self):
         if self.scheduling not in SCHEDULING_POLICIES:
@@ -96,3 +100,5 @@ class CoordinatorConfig:
             raise InvalidRequestError("default_draft_len must not exceed max_draft_len")
         if self.default_max_tokens > self.max_output_tokens:
             raise InvalidRequestError("default_max_tokens must not exceed max_output_tokens")
+        if self.max_migrations < 0 or not self.worker_wait_s >= 0:
+            raise InvalidRequestError("max_migrations and worker_wait_s must be >= 0")

@@ -4,11 +4,21 @@ nodes), with prefixes in the verifiers' full-KV store and catalog.
 It places each request on the least busy verifier (and, for the modes that need one, drafter),
 runs its rounds (rounds.py: on their own, or on the verifier's schedule, scheduled.py) and closes
 its sessions on the workers when it ends, is cancelled or fails.
+
+Workers die: a call that finds its worker gone marks it not alive (handles.py), and nothing is
+placed on it until a probe finds it answering again (a Ray actor restarted). A request whose
+worker died goes on from its last committed token on other workers, or on the restarted one, at
+most `max_migrations` times: its new sessions open with everything committed so far, so its
+stream goes on as if nothing happened (rounds.py, `ServedRequest.history`). Requests on a
+verifier's schedule do not migrate. `is_serving` is False while no worker of some kind is up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
 
 from vericache.errors import UnsupportedModelError, WorkerUnavailableError
@@ -25,6 +35,9 @@ from vericache.serve.worker_api import (
     VerifierInfo,
 )
 
+log = logging.getLogger(__name__)
+PROBE_INTERVAL_S = 0.5  # how often workers that are not alive are asked whether they are back
+
 
 class DistributedBackend:
     def __init__(
@@ -39,6 +52,7 @@ class DistributedBackend:
         self._addresses: dict[str, str] = {}  # verifier name -> its KVTransfer address
         # Verifier name -> the schedule of its VERICACHE rounds; empty: each request on its own.
         self.schedules: dict[str, ScheduledRounds] = {}
+        self._probe: asyncio.Task | None = None
 
     async def start(self, metrics: ServeMetrics) -> ModelInfo:
         if not self.verifiers:
@@ -52,6 +66,7 @@ class DistributedBackend:
             raise UnsupportedModelError(f"workers serve different models: {sorted(models)}")
         if self.config.scheduling != "per-request" and self.drafters:
             await self._start_schedules(described, metrics)
+        self._probe = asyncio.create_task(self._probe_workers(), name="probe-workers")
         return described[0].model
 
     async def _start_schedules(self, described: list[VerifierInfo], metrics: ServeMetrics) -> None:
@@ -67,12 +82,46 @@ class DistributedBackend:
         }
 
     async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
         await asyncio.gather(*(w.shutdown() for w in [*self.drafters, *self.verifiers]))
+
+    def _catalog_verifier(self) -> VerifierAPI:
+        """The verifier that answers for the catalog (verifiers sharing a root share it)."""
+        for verifier in self.verifiers:
+            if verifier.alive:
+                return verifier
+        raise WorkerUnavailableError("no verifier is running")
+
+    def is_serving(self) -> bool:
+        """Some worker of every kind this server has is up."""
+        return self._are_up(bool(self.drafters))
+
+    def _are_up(self, with_drafters: bool) -> bool:
+        kinds = [self.verifiers, self.drafters] if with_drafters else [self.verifiers]
+        return all(any(worker.alive for worker in kind) for kind in kinds)
+
+    async def _probe_workers(self) -> None:
+        """Brings back workers that answer again; a restarted verifier's KV transfer service
+        listens on a new port."""
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            for worker in [*self.verifiers, *self.drafters]:
+                if worker.alive:
+                    continue
+                with contextlib.suppress(Exception):  # still gone: ask again next time
+                    about = await asyncio.wait_for(worker.describe(), PROBE_INTERVAL_S * 4)
+                    if isinstance(about, VerifierInfo):
+                        self._addresses[worker.name] = about.transfer_address
+                    worker.alive = True
+                    log.info("worker %s is back", worker.name)
 
     # --- Prefixes: the first verifier's catalog (verifiers sharing a root share it) ---------------
 
     async def register(self, prefix_id: str, key: PrefixKey) -> AsyncIterator[str]:
-        verifier = self.verifiers[0]
+        verifier = self._catalog_verifier()
         is_registered = False
         try:
             yield "prefill"
@@ -90,21 +139,52 @@ class DistributedBackend:
                 await asyncio.shield(asyncio.gather(discard, return_exceptions=True))
 
     async def record(self, prefix_id: str) -> PrefixRecord:
-        return await self.verifiers[0].get_prefix(prefix_id)
+        return await self._catalog_verifier().get_prefix(prefix_id)
 
     async def records(self) -> list[PrefixRecord]:
-        return await self.verifiers[0].list_prefixes()
+        return await self._catalog_verifier().list_prefixes()
 
     async def remove(self, prefix_id: str) -> None:
-        await self.verifiers[0].delete_prefix(prefix_id)
+        await self._catalog_verifier().delete_prefix(prefix_id)
 
     # --- Requests ---------------------------------------------------------------------------------
 
     def check_can_serve(self, mode: ServeMode) -> None:
-        if mode.needs_drafter and not self.drafters:
+        if mode.needs_drafter and not any(d.alive for d in self.drafters):
             raise WorkerUnavailableError(f"no drafter is running to serve {mode.name}")
+        if not any(v.alive for v in self.verifiers):
+            raise WorkerUnavailableError("no verifier is running")
 
     async def serve(self, served: ServedRequest) -> AsyncIterator[list[int]]:
+        """The request's committed tokens, batch by batch, on whichever workers are alive."""
+        while True:
+            try:
+                async for tokens in self._serve_on_workers(served):
+                    yield tokens
+                return
+            except WorkerUnavailableError:
+                if not self._may_migrate(served):
+                    raise
+            served.num_migrations += 1
+            log.warning(
+                "request %s goes on elsewhere after %d tokens (migration %d)",
+                served.session_id, len(served.seq.output_ids), served.num_migrations,
+            )  # fmt: skip
+            await self._wait_for_workers(served)
+
+    def _may_migrate(self, served: ServedRequest) -> bool:
+        scheduled = served.plan.mode is ServeMode.VERICACHE and bool(self.schedules)
+        return not scheduled and served.num_migrations < self.config.max_migrations
+
+    async def _wait_for_workers(self, served: ServedRequest) -> None:
+        """Until a worker of each kind the request needs is alive, or `worker_wait_s` passed."""
+        deadline = time.monotonic() + self.config.worker_wait_s
+        while not self._are_up(served.plan.mode.needs_drafter):
+            if time.monotonic() > deadline:
+                raise WorkerUnavailableError("no worker came back to go on with the request")
+            await asyncio.sleep(PROBE_INTERVAL_S / 2)
+
+    async def _serve_on_workers(self, served: ServedRequest) -> AsyncIterator[list[int]]:
         verifier = _least_busy(self.verifiers, "verifier")
         drafter = _least_busy(self.drafters, "drafter") if served.plan.mode.needs_drafter else None
         workers = [w for w in (verifier, drafter) if w is not None]
@@ -124,6 +204,7 @@ class DistributedBackend:
 
 
 def _least_busy(workers: list, kind: str):
-    if not workers:
+    alive = [worker for worker in workers if worker.alive]
+    if not alive:
         raise WorkerUnavailableError(f"no {kind} is running")
-    return min(workers, key=lambda w: w.active)
+    return min(alive, key=lambda w: w.active)

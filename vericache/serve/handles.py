@@ -109,9 +109,16 @@ class _Handle:
         self.transport = transport
         self.name = name
         self.active = 0  # sessions the coordinator has placed on it
+        # False from a call that found the worker gone until it answers again (a restarted
+        # actor): the coordinator places nothing on a worker that is not alive.
+        self.alive = True
 
     async def _call(self, method: Callable[..., T], *args: Any) -> T:
-        return await self.transport.invoke(method, *args)
+        try:
+            return await self.transport.invoke(method, *args)
+        except WorkerUnavailableError:
+            self.alive = False
+            raise
 
     async def shutdown(self) -> None:
         """Shuts the worker down (its sessions, servers and store), then what runs it."""
@@ -195,7 +202,7 @@ class DrafterHandle(_Handle):
     async def _call(self, method: Callable[..., T], *args: Any) -> T:
         if self.latency_s > 0:
             await asyncio.sleep(self.latency_s)  # the call goes out...
-        result = await self.transport.invoke(method, *args)
+        result = await super()._call(method, *args)
         if self.latency_s > 0:
             await asyncio.sleep(self.latency_s)  # ...and its answer comes back
         return result

@@ -93,9 +93,11 @@ def ray_workers(
     group = uuid.uuid4().hex[:6]  # several servers may share one cluster
 
     def actor(cls, resource: str, config, name: str):
+        # A crashed actor restarts (its store and catalog persist on disk); calls that find it
+        # gone fail at once, and the coordinator moves their requests elsewhere.
         options = dict(
             resources={resource: 1}, num_cpus=num_cpus_per_worker, name=name,
-            max_concurrency=MAX_CONCURRENT_CALLS,
+            max_concurrency=MAX_CONCURRENT_CALLS, max_restarts=-1, max_task_retries=0,
         )  # fmt: skip
         return ray.remote(cls).options(**options).remote(config)
 

@@ -91,6 +91,9 @@ class LongContextBackend:
 
     # --- Requests: through the engine's loop ------------------------------------------------------
 
+    def is_serving(self) -> bool:
+        return True  # one engine in this process: up while the server is
+
     def check_can_serve(self, mode: ServeMode) -> None:
         if mode not in _ENGINE_MODES:
             raise InvalidRequestError(

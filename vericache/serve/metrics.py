@@ -66,6 +66,9 @@ class ServeMetrics:
         self._failure = self._counter(
             "request_failure", "Calls that failed, by gRPC status code.", ("code",)
         )
+        self._migrations = self._counter(
+            "request_migrations", "Times requests went on elsewhere after a worker died."
+        )
         self._ttft = self._histogram(
             "time_to_first_token_seconds", "Time to the first output token.", TTFT_BUCKETS
         )
@@ -159,6 +162,9 @@ class ServeMetrics:
 
     def request_failed(self, code: str) -> None:
         self._failure.labels(self.model_name, code).inc()
+
+    def requests_migrated(self, count: int) -> None:
+        self._migrations.labels(self.model_name).inc(count)
 
     def link_used(self, num_bytes: int, wait_s: float) -> None:
         self._link_bytes.labels(self.model_name).inc(num_bytes)
@@ -269,6 +275,7 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
         for drafted, accepted in zip(stats.drafted_per_round, stats.accepted_per_round):
             metrics.round_verified(drafted, accepted)
         metrics.round_calls_made(served.num_round_calls)
+        metrics.requests_migrated(served.num_migrations)
         traffic = served.traffic
         metrics.link_used(traffic.link_bytes, traffic.link_s)
         if traffic.store_bytes:

@@ -60,6 +60,20 @@ class ServedRequest:
     started_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     num_round_calls: int = 0  # worker calls its VERICACHE rounds made (draft and verify)
+    num_migrations: int = 0  # times it went on elsewhere after a worker died
+
+    @property
+    def history(self) -> tuple[int, ...]:
+        """What a worker session is opened with: the prompt and every committed token but the
+        newest (which stays `pending`). A request that lost its workers goes on from here: the
+        verifier's prefill of it gives the same bits its rounds did (batch-invariant kernels)."""
+        token_ids = self.seq.token_ids
+        return tuple(token_ids[:-1] if self.seq.output_ids else token_ids)
+
+    @property
+    def is_resumed(self) -> bool:
+        """Its sessions open after tokens were committed: their first token is known already."""
+        return bool(self.seq.output_ids)
 
     @property
     def session_id(self) -> str:
@@ -154,9 +168,8 @@ async def run_request(
 async def _open_verifier(
     served: ServedRequest, verifier: VerifierAPI, for_drafter: bool
 ) -> VerifierOpened:
-    request = served.plan.request
     call = OpenVerifier(
-        served.session_id, request.prompt_ids, served.plan.prefix_id, served.capacity, for_drafter
+        served.session_id, served.history, served.plan.prefix_id, served.capacity, for_drafter
     )
     opened = await verifier.open(call)
     served.add(opened.traffic)
@@ -166,7 +179,7 @@ async def _open_verifier(
 async def _open_drafter(served: ServedRequest, drafter: DrafterAPI, role: DraftRole, address: str):
     request = served.plan.request
     call = OpenDrafter(
-        served.session_id, role, address, served.plan.prefix_id, request.prompt_ids,
+        served.session_id, role, address, served.plan.prefix_id, served.history,
         request.num_prefix_tokens, served.capacity,
     )  # fmt: skip
     opened = await drafter.open(call)
@@ -177,8 +190,10 @@ async def _open_drafter(served: ServedRequest, drafter: DrafterAPI, role: DraftR
 async def _alone(served: ServedRequest, worker, opening) -> AsyncIterator[list[int]]:
     """One worker decodes: the first token from its prefill, then calls that each decode up to
     `decode_chunk` tokens, within the budget and the context."""
+    resumed = served.is_resumed
     opened = await opening
-    yield served.commit_decoded([opened.first_token])
+    if not resumed:
+        yield served.commit_decoded([opened.first_token])
     seq = served.seq
     while not seq.is_finished:
         num_tokens = seq.decode_target(served.plan.decode_chunk)
@@ -196,11 +211,13 @@ async def _vericache(
     schedule: Schedule | None,
 ) -> AsyncIterator[list[int]]:
     # The verifier prefills the prompt while the drafter fetches the compressed prefix.
+    resumed = served.is_resumed
     opened, _ = await asyncio.gather(
         _open_verifier(served, verifier, True),
         _open_drafter(served, drafter, DraftRole.DRAFT, address),
     )
-    yield served.commit([opened.first_token])
+    if not resumed:
+        yield served.commit([opened.first_token])
     if schedule is not None:
         if not served.seq.is_finished:
             async with contextlib.aclosing(schedule.rounds(served, drafter, opened)) as rounds:

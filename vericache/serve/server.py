@@ -32,7 +32,7 @@ class BackgroundServer:
         access: Access | None = None,
     ):
         self.access = access  # None: no API keys, no TLS (tests, benchmarks on loopback)
-        self._servers = []
+        self._api = None  # the gRPC servers, once started
         self.health_port: int | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -53,9 +53,9 @@ class BackgroundServer:
 
     async def _start(self, start_coordinator: CoordinatorFactory, address: str) -> int:
         self.coordinator = await start_coordinator()
-        started = await start_server(self.coordinator, address, self.access)
-        self._servers, self.health_port = started.servers, started.health_port
-        return started.port
+        self._api = await start_server(self.coordinator, address, self.access)
+        self.health_port = self._api.health_port
+        return self._api.port
 
     @property
     def target(self) -> str:
@@ -75,7 +75,7 @@ class BackgroundServer:
         self._thread.join(30)
 
     async def _stop(self, grace_s: float) -> None:
-        await asyncio.gather(*(server.stop(grace_s) for server in self._servers))
+        await self._api.stop(grace_s)
         await self.coordinator.close()
 
     def __enter__(self) -> BackgroundServer:

@@ -1,0 +1,134 @@
+"""Workers that die in the middle of a request: the request goes on from its last committed token
+on another worker, or on the same one once it is back, and streams what it would have streamed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.serve_fixtures import CONTEXT, start_server, wait_for
+from vericache.client import Client, ServerUnavailableError
+from vericache.errors import WorkerUnavailableError
+from vericache.serve.config import CoordinatorConfig
+
+PROMPT = "Which function multiplies by three?"
+
+
+class Dying:
+    """A transport whose worker dies at its `at`-th call of `method` (that call fails, and every
+    call after it) until `revive()`: what a killed Ray actor looks like until it has restarted."""
+
+    def __init__(self, inner, method: str, at: int):
+        self.inner, self.method, self.at = inner, method, at
+        self.calls, self.dead = 0, False
+
+    async def invoke(self, method, *args):
+        if not self.dead and method.__name__ == self.method:
+            self.calls += 1
+            self.dead = self.calls == self.at
+        if self.dead:
+            raise WorkerUnavailableError("the worker is gone")
+        return await self.inner.invoke(method, *args)
+
+    async def release(self, worker) -> None:
+        await self.inner.release(worker)
+
+    def revive(self) -> None:
+        self.dead = False
+        self.at = 0  # dies no more
+
+
+def kill(handle, method: str, at: int) -> Dying:
+    handle.transport = Dying(handle.transport, method, at)
+    return handle.transport
+
+
+def health(server) -> int:
+    import grpc
+
+    with grpc.insecure_channel(server.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
+def streamed(client: Client, prefix_id: str, mode: str) -> tuple[str, list[int], str]:
+    with client.stream(PROMPT, prefix_id=prefix_id, mode=mode, max_tokens=48, draft_len=4) as s:
+        text = "".join(s)
+        result = s.result()
+    return text, result.token_ids, result.finish_reason
+
+
+@pytest.fixture
+def served(tiny_chat_checkpoint, tmp_path):
+    def start(num_drafters: int, **config):
+        server = start_server(
+            tiny_chat_checkpoint, tmp_path, num_drafters=num_drafters,
+            config=CoordinatorConfig(worker_wait_s=30, **config),
+        )  # fmt: skip
+        client = Client(server.target, timeout=120, retries=0)
+        prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+        reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=48)
+        started.append((server, client))
+        return server, client, prefix_id, reference
+
+    started = []
+    yield start
+    for server, client in started:
+        client.close()
+        server.stop()
+
+
+def test_a_dead_drafter_moves_its_request_to_another_and_the_stream_is_unchanged(served):
+    server, client, prefix_id, reference = served(num_drafters=2)
+    first, second = server.coordinator.backend.drafters
+    dying = kill(first, "draft", at=3)  # the request's third round finds its drafter gone
+    text, token_ids, reason = streamed(client, prefix_id, "vericache")
+    assert (text, token_ids, reason) == (reference.text, reference.token_ids, "length")
+    assert dying.dead and not first.alive and second.alive
+    assert health(server) == health_pb2.HealthCheckResponse.SERVING  # a drafter is up
+    dying.revive()
+    assert wait_for(lambda: first.alive, timeout_s=10)  # the probe brings it back
+
+
+def test_a_verifier_that_restarts_takes_its_request_back(served):
+    server, client, prefix_id, reference = served(num_drafters=1)
+    (verifier,) = server.coordinator.backend.verifiers
+    dying = kill(verifier, "verify", at=3)
+    outcome = {}
+    thread = threading.Thread(
+        target=lambda: outcome.update(got=streamed(client, prefix_id, "vericache"))
+    )
+    thread.start()
+    assert wait_for(lambda: dying.dead, timeout_s=60)
+    assert wait_for(lambda: health(server) == health_pb2.HealthCheckResponse.NOT_SERVING)
+    with pytest.raises(ServerUnavailableError):  # needs a verifier: refused at once
+        client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=2)
+    time.sleep(0.5)
+    dying.revive()  # "restarted"
+    thread.join(120)
+    assert outcome["got"] == (reference.text, reference.token_ids, "length")
+    assert wait_for(lambda: health(server) == health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.mark.parametrize("mode", ["full_local", "full_remote"])
+def test_a_request_decoding_alone_goes_on_after_its_worker_died(served, mode):
+    server, client, prefix_id, reference = served(num_drafters=2)
+    backend = server.coordinator.backend
+    worker = backend.verifiers[0] if mode == "full_local" else backend.drafters[0]
+    dying = kill(worker, "decode", at=2)
+    if mode == "full_local":  # the only verifier: back after a moment
+        threading.Timer(1.0, dying.revive).start()
+    text, token_ids, reason = streamed(client, prefix_id, mode)
+    assert (text, token_ids, reason) == (reference.text, reference.token_ids, "length")
+
+
+def test_past_max_migrations_the_request_is_unavailable(served):
+    server, client, prefix_id, _ = served(num_drafters=2, max_migrations=0)
+    kill(server.coordinator.backend.drafters[0], "draft", at=2)
+    with pytest.raises(ServerUnavailableError):
+        streamed(client, prefix_id, "vericache")
+    # The other drafter serves the next request.
+    assert len(client.generate(PROMPT, prefix_id=prefix_id, max_tokens=8).token_ids) == 8
