@@ -11,5 +11,6 @@ BENCHMARKS = {
     "lossy-quality": "vericache.bench.lossy_quality",
     "remote-prefix": "vericache.bench.remote_prefix",
     "serve-stagger": "vericache.bench.serve_stagger",
+    "soak": "vericache.bench.soak",
     "stagger": "vericache.bench.stagger",
 }

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.serve_fixtures import CONTEXT, start_server, wait_for
 from vericache.client import Client, ServerUnavailableError
-from vericache.errors import WorkerUnavailableError
+from vericache.errors import WorkerGoneError
 from vericache.serve.config import CoordinatorConfig
 
 PROMPT = "Which function multiplies by three?"
@@ -30,7 +30,7 @@ class Dying:
             self.calls += 1
             self.dead = self.calls == self.at
         if self.dead:
-            raise WorkerUnavailableError("the worker is gone")
+            raise WorkerGoneError("the worker is gone")
         return await self.inner.invoke(method, *args)
 
     async def release(self, worker) -> None:
@@ -132,3 +132,13 @@ def test_past_max_migrations_the_request_is_unavailable(served):
         streamed(client, prefix_id, "vericache")
     # The other drafter serves the next request.
     assert len(client.generate(PROMPT, prefix_id=prefix_id, max_tokens=8).token_ids) == 8
+
+
+def test_a_request_on_a_staggered_schedule_moves_to_another_drafter(served):
+    server, client, prefix_id, reference = served(num_drafters=2, scheduling="staggered")
+    first, second = server.coordinator.backend.drafters
+    kill(first, "draft", at=3)
+    kill(second, "draft", at=10**6)  # counts its calls
+    text, token_ids, reason = streamed(client, prefix_id, "vericache")
+    assert (text, token_ids, reason) == (reference.text, reference.token_ids, "length")
+    assert not first.alive and second.transport.calls > 0

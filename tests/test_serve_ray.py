@@ -3,10 +3,15 @@ actors placed by their custom resources, reached through gRPC."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+
 import pytest
 
 from tests.serve_fixtures import CONTEXT, counts, wait_for
-from vericache.client import Client
+from vericache.client import Client, ServerUnavailableError
 from vericache.errors import WorkerUnavailableError
 from vericache.serve.config import DrafterConfig, VerifierConfig
 from vericache.serve.server import distributed_server
@@ -95,18 +100,29 @@ def test_a_missing_resource_is_reported_after_the_placement_timeout(cluster, con
         ray_workers(verifier, drafter, 0, 3, placement_timeout_s=3)
 
 
-def test_a_killed_drafter_restarts_and_its_request_streams_on_unchanged(server):
-    """SIGKILL of the drafter's process mid-stream: Ray restarts the actor, the coordinator
-    notices it gone and back, and the request goes on there from its last committed token."""
-    import os
-    import signal
+def _pid(handle) -> int:
+    return _on_actor(handle.worker, lambda self: os.getpid())
 
-    handle = server.coordinator.backend.drafters[0]
+
+def _restarted(handle, pid: int) -> bool:
+    try:
+        return _pid(handle) != pid
+    except ray.exceptions.RayActorError:  # still restarting
+        return False
+
+
+@pytest.mark.parametrize("kind", ["drafters", "verifiers"])
+def test_a_killed_worker_restarts_and_its_request_streams_on_unchanged(server, kind):
+    """SIGKILL of a worker's process mid-stream: Ray restarts the actor, the coordinator notices
+    it gone and back, and the request goes on there from its last committed token."""
+    backend = server.coordinator.backend
+    handle, drafter = getattr(backend, kind)[0], backend.drafters[0]
+    before = sum(counts(server, "request_migrations", "model_name").values())
     with Client(server.target, timeout=180, retries=0) as client:
         prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
         reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=48)
-        pid = _on_actor(handle.worker, lambda self: os.getpid())
-        handle.latency_s = 0.05  # rounds of 100 ms or more: the kill lands mid-stream
+        pid = _pid(handle)
+        drafter.latency_s = 0.05  # rounds of 100 ms or more: the kill lands mid-stream
         try:
             with client.stream(
                 PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=48, draft_len=2
@@ -116,10 +132,41 @@ def test_a_killed_drafter_restarts_and_its_request_streams_on_unchanged(server):
                 text += "".join(stream)
                 result = stream.result()
         finally:
-            handle.latency_s = 0.0
+            drafter.latency_s = 0.0
     assert text == reference.text and result.token_ids == reference.token_ids
     assert result.finish_reason == "length"
-    migrations = counts(server, "request_migrations", "model_name")
-    assert sum(migrations.values()) >= 1  # it did go on after the kill
-    assert _on_actor(handle.worker, lambda self: os.getpid()) != pid  # a new process
-    assert handle.alive
+    after = sum(counts(server, "request_migrations", "model_name").values())
+    assert after >= before + 1  # it did go on after the kill
+    assert _pid(handle) != pid and handle.alive  # a new process
+
+
+def test_a_verifier_killed_during_put_prefix_leaves_no_half_registered_prefix(server):
+    handle = server.coordinator.backend.verifiers[0]
+    text = "# killed while registering\n" + CONTEXT
+    with Client(server.target, timeout=180, retries=0) as client:
+        pid = _pid(handle)
+        outcome = {}
+
+        def put():
+            try:
+                outcome["id"] = client.put_prefix(text, compressor="kivi", bits=2)
+            except Exception as exc:  # noqa: BLE001 - what the client saw is the result
+                outcome["error"] = exc
+
+        registering = threading.Thread(target=put)
+        registering.start()
+        time.sleep(0.1)  # the registration is on its way through its stages
+        os.kill(pid, signal.SIGKILL)
+        registering.join(180)
+        assert wait_for(lambda: _restarted(handle, pid), timeout_s=120)
+        assert wait_for(lambda: server.coordinator.backend.is_serving(), timeout_s=30)
+        if "error" in outcome:
+            assert isinstance(outcome["error"], ServerUnavailableError)
+        # Whatever the kill cut, every listed prefix is whole: it serves.
+        for listed in client.list_prefixes():
+            assert client.generate(PROMPT, prefix_id=listed.prefix_id, max_tokens=2).token_ids
+        registered = client.put_prefix(text, compressor="kivi", bits=2)
+        assert outcome.get("id", registered) == registered
+        ids = [p.prefix_id for p in client.list_prefixes()]
+        assert ids.count(registered) == 1
+        assert len(client.generate(PROMPT, prefix_id=registered, max_tokens=4).token_ids) == 4

@@ -35,3 +35,7 @@ class QueueFullError(VeriCacheError):
 
 class WorkerUnavailableError(VeriCacheError):
     """No worker of the kind a request needs is running (none placed, or it died)."""
+
+
+class WorkerGoneError(WorkerUnavailableError):
+    """The worker a call was made to did not answer: its process died (or is restarting)."""

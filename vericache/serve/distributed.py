@@ -5,12 +5,14 @@ It places each request on the least busy verifier (and, for the modes that need 
 runs its rounds (rounds.py: on their own, or on the verifier's schedule, scheduled.py) and closes
 its sessions on the workers when it ends, is cancelled or fails.
 
-Workers die: a call that finds its worker gone marks it not alive (handles.py), and nothing is
-placed on it until a probe finds it answering again (a Ray actor restarted). A request whose
+Workers die: a call (or the probe, twice a second) that finds its worker gone marks it not alive
+(handles.py), and nothing is placed on it until the probe finds it answering again (a Ray actor
+restarted). A request whose
 worker died goes on from its last committed token on other workers, or on the restarted one, at
 most `max_migrations` times: its new sessions open with everything committed so far, so its
-stream goes on as if nothing happened (rounds.py, `ServedRequest.history`). Requests on a
-verifier's schedule do not migrate. `is_serving` is False while no worker of some kind is up.
+stream goes on as if nothing happened (rounds.py, `ServedRequest.history`); a scheduled request
+leaves its schedule with its failure and joins it again with its new sessions. `is_serving` is
+False while no worker of some kind is up.
 """
 
 from __future__ import annotations
@@ -104,19 +106,20 @@ class DistributedBackend:
         return all(any(worker.alive for worker in kind) for kind in kinds)
 
     async def _probe_workers(self) -> None:
-        """Brings back workers that answer again; a restarted verifier's KV transfer service
-        listens on a new port."""
+        """Asks every worker, every PROBE_INTERVAL_S, how it is: one that died while idle is
+        marked not alive before a request finds it, one that answers again is back, and the new
+        port of a restarted verifier's KV transfer service is known before drafters need it."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             for worker in [*self.verifiers, *self.drafters]:
-                if worker.alive:
-                    continue
-                with contextlib.suppress(Exception):  # still gone: ask again next time
+                was_alive = worker.alive
+                with contextlib.suppress(Exception):  # gone (now marked so), or slow: next time
                     about = await asyncio.wait_for(worker.describe(), PROBE_INTERVAL_S * 4)
                     if isinstance(about, VerifierInfo):
                         self._addresses[worker.name] = about.transfer_address
                     worker.alive = True
-                    log.info("worker %s is back", worker.name)
+                    if not was_alive:
+                        log.info("worker %s is back", worker.name)
 
     # --- Prefixes: the first verifier's catalog (verifiers sharing a root share it) ---------------
 
@@ -171,10 +174,18 @@ class DistributedBackend:
                 served.session_id, len(served.seq.output_ids), served.num_migrations,
             )  # fmt: skip
             await self._wait_for_workers(served)
+            await self._refresh_addresses()
+
+    async def _refresh_addresses(self) -> None:
+        """Where each verifier's KV transfer service listens now: a verifier that restarted
+        before any call noticed listens on a new port (its drafters could not reach it)."""
+        for verifier in self.verifiers:
+            if verifier.alive:
+                with contextlib.suppress(WorkerUnavailableError):
+                    self._addresses[verifier.name] = (await verifier.describe()).transfer_address
 
     def _may_migrate(self, served: ServedRequest) -> bool:
-        scheduled = served.plan.mode is ServeMode.VERICACHE and bool(self.schedules)
-        return not scheduled and served.num_migrations < self.config.max_migrations
+        return served.num_migrations < self.config.max_migrations
 
     async def _wait_for_workers(self, served: ServedRequest) -> None:
         """Until a worker of each kind the request needs is alive, or `worker_wait_s` passed."""

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from vericache.errors import VeriCacheError, WorkerUnavailableError
+from vericache.errors import VeriCacheError, WorkerGoneError, WorkerUnavailableError
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.cluster_secret import ClusterSecret
 from vericache.serve.kv_transfer import fetch_kind
@@ -89,7 +89,7 @@ class OverRay:
             return await method.remote(*args)
         except ray.exceptions.RayActorError as exc:
             log.warning("worker %s is gone: %s", self.name, exc)
-            raise WorkerUnavailableError(f"worker {self.name} is gone") from None
+            raise WorkerGoneError(f"worker {self.name} is gone") from None
         except ray.exceptions.RayTaskError as exc:
             # Errors the worker raised on purpose keep their type across the process boundary.
             if isinstance(exc.cause, VeriCacheError):
@@ -116,7 +116,7 @@ class _Handle:
     async def _call(self, method: Callable[..., T], *args: Any) -> T:
         try:
             return await self.transport.invoke(method, *args)
-        except WorkerUnavailableError:
+        except WorkerGoneError:
             self.alive = False
             raise
 

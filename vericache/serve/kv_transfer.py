@@ -23,7 +23,7 @@ import grpc
 from vericache.compress import cache_from_state
 from vericache.engine.link import ThrottledLink
 from vericache.engine.prefix_store import PrefixStore
-from vericache.errors import DataLossError, PrefixNotFoundError
+from vericache.errors import DataLossError, PrefixNotFoundError, WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.codec import decode_iter, iter_encode
 from vericache.kv.codec_errors import CodecError
@@ -158,6 +158,8 @@ class KVFetcher:
                 raise PrefixNotFoundError(exc.details()) from None
             if exc.code() is grpc.StatusCode.DATA_LOSS:
                 raise DataLossError(exc.details()) from None
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:  # the verifier restarted elsewhere
+                raise WorkerUnavailableError("the verifier's KV transfer service is gone") from None
             raise
 
     def close(self) -> None:

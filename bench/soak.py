@@ -1,0 +1,244 @@
+"""Soak: bounded clients stream for bounded seconds over registered prefixes, in mixed modes, with
+random cancels and one worker killed (SIGKILL) in the middle. Nothing may be lost, repeated or
+wrong: every completed request equals full-KV decoding of its prompt, and every cancelled one
+streamed a prefix of it.
+
+Summary: `lost_tokens` and `duplicated_tokens` (completed requests against their reference, both
+0), `identical` (every completed request's tokens, and every cancelled one's text a prefix),
+latency p50 and p99 of completed requests, and `metrics_match`: the server's request counters
+equal what the clients saw (success of every reason = completed + cancelled, failures = failed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vericache.bench.common import environment
+from vericache.bench.serving import ray_server, ray_session
+from vericache.client import Client
+from vericache.errors import VeriCacheError
+from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
+
+MODES = ("vericache", "full_local", "full_remote")
+PROMPTS = (
+    "Which function here is the most useful? Say why.",
+    "Write a short example that calls two of these functions.",
+    "Explain the first function in one paragraph.",
+)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--seconds", type=float, default=60.0, help="how long clients submit")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--cancel-share", type=float, default=0.2)
+    parser.add_argument("--kill", choices=["drafter", "verifier", "none"], default="drafter")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--context-chars", type=int, default=4000, help="of each prefix's text")
+
+
+@dataclass
+class Outcome:
+    mode: str
+    prefix: int  # index of the prefix
+    prompt: int  # index of the prompt
+    status: str  # "completed", "cancelled" or the failure's class
+    text: str
+    token_ids: list[int]
+    latency_s: float
+
+
+def run(args) -> dict:
+    seconds = min(args.seconds, 20.0) if args.quick else args.seconds
+    contexts = _contexts(args.context_chars)
+    with ray_session(num_drafters=1), tempfile.TemporaryDirectory() as root:
+        verifier = VerifierConfig(model=args.model, root=Path(root))
+        config = CoordinatorConfig(max_output_tokens=max(args.max_tokens, 256))
+        with ray_server(verifier, DrafterConfig(model=args.model), 1, config) as server:
+            with Client(server.target, timeout=300) as client:
+                prefix_ids = [
+                    client.put_prefix(text, compressor="streamingllm", ratio=4) for text in contexts
+                ]
+                references = _references(client, prefix_ids, args.max_tokens)
+            before = _request_counts(server)
+            outcomes, killed_at = _soak(server, prefix_ids, args, seconds)
+            after = _settled_counts(server)
+    summary = _summary(outcomes, references, before, after)
+    summary["killed"] = args.kill if killed_at is not None else "none"
+    return {
+        "benchmark": "soak",
+        "summary": summary,
+        "config": {**vars(args), "json": None, "plot": None, "seconds": seconds},
+        "environment": environment(),
+        "outcomes": [asdict(outcome) for outcome in outcomes],
+    }
+
+
+def _contexts(num_chars: int) -> list[str]:
+    """Two prefixes from standard-library sources (a module's start, cut at a line)."""
+    import json as json_module
+    import textwrap
+
+    texts = []
+    for module in (json_module, textwrap):
+        source = Path(module.__file__).read_text()[:num_chars]
+        texts.append(source[: source.rfind("\n") + 1])
+    return texts
+
+
+def _references(client: Client, prefix_ids: list[str], max_tokens: int) -> dict:
+    """Full-KV decoding of every (prefix, prompt): what each request must stream."""
+    return {
+        (p, q): client.generate(
+            prompt, prefix_id=prefix_id, mode="full_local", max_tokens=max_tokens
+        )
+        for p, prefix_id in enumerate(prefix_ids)
+        for q, prompt in enumerate(PROMPTS)
+    }
+
+
+def _soak(
+    server, prefix_ids: list[str], args, seconds: float
+) -> tuple[list[Outcome], float | None]:
+    deadline = time.monotonic() + seconds
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+
+    def client_loop(seed: int) -> None:
+        chooser = random.Random(seed)
+        with Client(server.target, timeout=300, retries=0) as client:
+            while time.monotonic() < deadline:
+                outcome = _one_request(client, prefix_ids, args, chooser)
+                with lock:
+                    outcomes.append(outcome)
+
+    threads = [
+        threading.Thread(target=client_loop, args=(args.seed + i,)) for i in range(args.clients)
+    ]
+    for thread in threads:
+        thread.start()
+    killed_at = None
+    if args.kill != "none":
+        time.sleep(seconds / 2)
+        _kill(server, args.kill)
+        killed_at = time.monotonic()
+    for thread in threads:
+        thread.join()
+    return outcomes, killed_at
+
+
+def _one_request(client: Client, prefix_ids: list[str], args, chooser: random.Random) -> Outcome:
+    mode = chooser.choice(MODES)
+    p, q = chooser.randrange(len(prefix_ids)), chooser.randrange(len(PROMPTS))
+    cancel_after = chooser.randint(1, 4) if chooser.random() < args.cancel_share else None
+    started = time.perf_counter()
+    text, status, token_ids = "", "completed", []
+    try:
+        with client.stream(
+            PROMPTS[q], prefix_id=prefix_ids[p], mode=mode, max_tokens=args.max_tokens
+        ) as stream:
+            for count, delta in enumerate(stream, start=1):
+                text += delta
+                if cancel_after is not None and count >= cancel_after:
+                    status = "cancelled"
+                    break
+            if status == "completed":
+                token_ids = list(stream.result().token_ids)
+    except VeriCacheError as exc:
+        status = type(exc).__name__
+    return Outcome(mode, p, q, status, text, token_ids, time.perf_counter() - started)
+
+
+def _kill(server, kind: str) -> None:
+    backend = server.coordinator.backend
+    handle = (backend.drafters if kind == "drafter" else backend.verifiers)[0]
+    import ray
+
+    pid = ray.get(handle.worker.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+
+
+def _request_counts(server) -> dict[str, float]:
+    """The server's request counters, summed over their labels."""
+    totals = {"success": 0.0, "failure": 0.0}
+    for family in server.coordinator.metrics.registry.collect():
+        for name in totals:
+            if family.name == f"vericache:request_{name}":
+                totals[name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
+
+
+def _settled_counts(server, timeout_s: float = 5.0) -> dict[str, float]:
+    """The counters once the server has finished with every stream the clients left."""
+    deadline = time.monotonic() + timeout_s
+    counts = _request_counts(server)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = _request_counts(server)
+        if now == counts and server.coordinator._num_running == 0:
+            return now
+        counts = now
+    return counts
+
+
+def _summary(outcomes: list[Outcome], references: dict, before: dict, after: dict) -> dict:
+    completed = [o for o in outcomes if o.status == "completed"]
+    cancelled = [o for o in outcomes if o.status == "cancelled"]
+    failed = [o for o in outcomes if o.status not in ("completed", "cancelled")]
+    lost = duplicated = 0
+    identical = True
+    for outcome in completed:
+        reference = references[(outcome.prefix, outcome.prompt)].token_ids
+        lost += max(0, len(reference) - len(outcome.token_ids))
+        duplicated += max(0, len(outcome.token_ids) - len(reference))
+        identical &= outcome.token_ids == list(reference)
+    for outcome in cancelled:
+        identical &= references[(outcome.prefix, outcome.prompt)].text.startswith(outcome.text)
+    latencies = sorted(o.latency_s for o in completed)
+    counted = {name: after[name] - before[name] for name in after}
+    return {
+        "requests": len(outcomes),
+        "completed": len(completed),
+        "cancelled": len(cancelled),
+        "failed": len(failed),
+        "failures": sorted({o.status for o in failed}),
+        "lost_tokens": lost,
+        "duplicated_tokens": duplicated,
+        "identical": identical,
+        "latency_p50_s": statistics.median(latencies) if latencies else None,
+        "latency_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+        if latencies
+        else None,
+        "metrics_match": counted
+        == {"success": len(completed) + len(cancelled), "failure": len(failed)},
+        "counted": counted,
+    }
+
+
+def plot(result: dict, path) -> None:
+    from vericache.bench.common import pyplot, save_figure
+
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for status in ("completed", "cancelled"):
+        points = [o for o in result["outcomes"] if o["status"] == status]
+        axis.scatter(range(len(points)), [o["latency_s"] for o in points], label=status, s=12)
+    axis.set_xlabel("request")
+    axis.set_ylabel("latency, s")
+    axis.legend()
+    summary = result["summary"]
+    title = (
+        f"soak: {summary['requests']} requests, {summary['killed']} killed, identical "
+        f"{summary['identical']}, lost {summary['lost_tokens']}, duplicated "
+        f"{summary['duplicated_tokens']}"
+    )
+    save_figure(figure, path, title)
