@@ -34,6 +34,7 @@ from vericache.compress import Compressor, build_compressor
 from vericache.errors import DataLossError, PrefixNotFoundError
 from vericache.kv.codec import decode, encode
 from vericache.kv.state import CacheState
+from vericache.serve.atomic_files import write_atomic
 
 _ID_PREFIX = "pfx-"
 
@@ -151,12 +152,12 @@ class PrefixCatalog:
     def add(self, record: PrefixRecord, compressed: CacheState) -> PrefixRecord:
         """Writes the compressed KV, then the record (its presence marks a complete prefix)."""
         with self._lock:
-            size = _write_atomic(
+            size = write_atomic(
                 self._kv_path(record.prefix_id), lambda f: encode(compressed, self.fingerprint, f)
             )
             record = PrefixRecord(**{**asdict(record), "compressed_kv_bytes": size})
             path = self._record_path(record.prefix_id)
-            _write_atomic(path, lambda f: f.write(record.to_bytes()))
+            write_atomic(path, lambda f: f.write(record.to_bytes()))
             self._quarantine_path(path).unlink(missing_ok=True)  # registered again
             self._states[record.prefix_id] = compressed
             return record
@@ -165,7 +166,7 @@ class PrefixCatalog:
         """Writes a prefix's compressed KV again (its stream failed its check)."""
         with self._lock:
             path = self._kv_path(prefix_id)
-            _write_atomic(path, lambda f: encode(compressed, self.fingerprint, f))
+            write_atomic(path, lambda f: encode(compressed, self.fingerprint, f))
             self._states[prefix_id] = compressed
 
     def get(self, prefix_id: str) -> PrefixRecord:
@@ -242,14 +243,3 @@ class PrefixCatalog:
     @staticmethod
     def _quarantine_path(record_path: Path) -> Path:
         return record_path.with_suffix(".corrupt")
-
-
-def _write_atomic(path: Path, write) -> int:
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}.{threading.get_ident()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
-    os.replace(tmp, path)
-    return size

@@ -11,12 +11,12 @@ prefix of the embedded model in fp32.
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 
 import blake3
 import torch
+
+from vericache.serve.atomic_files import write_atomic
 
 _KEY_BYTES = 8
 
@@ -37,13 +37,7 @@ class ChunkDigests:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def write(self, key: int, digest: bytes) -> None:
-        path = self._path(key)
-        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-        with open(tmp, "wb") as f:
-            f.write(digest)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(self._path(key), lambda f: f.write(digest))
 
     def read(self, key: int) -> bytes | None:
         """The chunk's digest, or None when it has none (never written, lost or unreadable)."""

@@ -45,17 +45,20 @@ class ClusterSecret:
 
     def fetch_metadata(self, session_id: str, grant: str) -> tuple[tuple[str, str], ...]:
         """What a drafter sends with its Fetch."""
-        return ((_CALLER, f"Bearer {self._mac('caller')}"), (_SESSION, session_id), (_GRANT, grant))
+        return ((_CALLER, self._caller_token()), (_SESSION, session_id), (_GRANT, grant))
 
     def check_fetch(self, metadata, prefix_id: str, kind: int) -> None:
         """Raises FetchDeniedError unless `metadata` (a Fetch's) proves both."""
         sent = dict(metadata)
         caller = sent.get(_CALLER, "")
-        if not hmac.compare_digest(caller, f"Bearer {self._mac('caller')}"):
+        if not hmac.compare_digest(caller, self._caller_token()):
             raise FetchDeniedError("the caller is not a worker of this server", False)
         expected = self.grant(sent.get(_SESSION, ""), prefix_id, kind)
         if not hmac.compare_digest(sent.get(_GRANT, ""), expected):
             raise FetchDeniedError("no grant for this session to fetch this prefix", True)
+
+    def _caller_token(self) -> str:
+        return f"Bearer {self._mac('caller')}"
 
     def _mac(self, message: str) -> str:
         return hmac.new(self.key, message.encode(), hashlib.sha256).hexdigest()

@@ -7,12 +7,11 @@ its sessions on the workers when it ends, is cancelled or fails.
 
 Workers die: a call (or the probe, twice a second) that finds its worker gone marks it not alive
 (handles.py), and nothing is placed on it until the probe finds it answering again (a Ray actor
-restarted). A request whose
-worker died goes on from its last committed token on other workers, or on the restarted one, at
-most `max_migrations` times: its new sessions open with everything committed so far, so its
-stream goes on as if nothing happened (rounds.py, `ServedRequest.history`); a scheduled request
-leaves its schedule with its failure and joins it again with its new sessions. `is_serving` is
-False while no worker of some kind is up.
+restarted). A request whose worker died goes on from its last committed token on other workers,
+or on the restarted one, at most `max_migrations` times: its new sessions open with everything
+committed so far, so its stream goes on as if nothing happened (rounds.py,
+`ServedRequest.history`); a scheduled request leaves its schedule with its failure and joins it
+again with its new sessions. `is_serving` is False while no worker of some kind is up.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from vericache.serve.worker_api import (
 )
 
 log = logging.getLogger(__name__)
-PROBE_INTERVAL_S = 0.5  # how often workers that are not alive are asked whether they are back
+PROBE_INTERVAL_S = 0.5  # how often every worker is asked how it is
 
 
 class DistributedBackend:
@@ -112,14 +111,19 @@ class DistributedBackend:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             for worker in [*self.verifiers, *self.drafters]:
-                was_alive = worker.alive
-                with contextlib.suppress(Exception):  # gone (now marked so), or slow: next time
-                    about = await asyncio.wait_for(worker.describe(), PROBE_INTERVAL_S * 4)
-                    if isinstance(about, VerifierInfo):
-                        self._addresses[worker.name] = about.transfer_address
-                    worker.alive = True
-                    if not was_alive:
-                        log.info("worker %s is back", worker.name)
+                await self._ask(worker)
+
+    async def _ask(self, worker) -> None:
+        """One probe of a worker: alive (and, for a verifier, where its KV transfer service
+        listens) when it answers; marked not alive by its handle when it is gone."""
+        was_alive = worker.alive
+        with contextlib.suppress(Exception):  # gone (now marked so), or slow: next time
+            about = await asyncio.wait_for(worker.describe(), PROBE_INTERVAL_S * 4)
+            if isinstance(about, VerifierInfo):
+                self._addresses[worker.name] = about.transfer_address
+            worker.alive = True
+            if not was_alive:
+                log.info("worker %s is back", worker.name)
 
     # --- Prefixes: the first verifier's catalog (verifiers sharing a root share it) ---------------
 
@@ -174,15 +178,11 @@ class DistributedBackend:
                 served.session_id, len(served.seq.output_ids), served.num_migrations,
             )  # fmt: skip
             await self._wait_for_workers(served)
-            await self._refresh_addresses()
-
-    async def _refresh_addresses(self) -> None:
-        """Where each verifier's KV transfer service listens now: a verifier that restarted
-        before any call noticed listens on a new port (its drafters could not reach it)."""
-        for verifier in self.verifiers:
-            if verifier.alive:
-                with contextlib.suppress(WorkerUnavailableError):
-                    self._addresses[verifier.name] = (await verifier.describe()).transfer_address
+            # A verifier that restarted before a probe noticed listens on a new port: its
+            # drafters could not reach it. Ask it now rather than at the next probe.
+            for verifier in self.verifiers:
+                if verifier.alive:
+                    await self._ask(verifier)
 
     def _may_migrate(self, served: ServedRequest) -> bool:
         return served.num_migrations < self.config.max_migrations

@@ -131,7 +131,6 @@ class FullKVStore:
         Path(root).mkdir(parents=True, exist_ok=True)
         fingerprint = model_fingerprint(model_config, model_name)
         self._fingerprint = fingerprint
-        self._seed = namespace_seed(fingerprint, "")
         self._digests = ChunkDigests(Path(root))
         self._connector = KVCacheConnector(model_config)
         self._engine = build_engine(
@@ -285,8 +284,7 @@ class FullKVStore:
     def _enter(self, namespace: str) -> None:
         """Starts a call (under the lock): every key it makes chains from `namespace`'s seed."""
         self._check_open()
-        self._seed = namespace_seed(self._fingerprint, namespace)
-        self._engine.token_database.seed = self._seed
+        self._engine.token_database.seed = namespace_seed(self._fingerprint, namespace)
 
     def _clear(self, tokens: torch.Tensor) -> None:
         self._engine.clear(tokens=tokens)
@@ -294,7 +292,8 @@ class FullKVStore:
             self._digests.remove(key)
 
     def _keys_by_start(self, tokens: torch.Tensor) -> dict[int, int]:
-        keys = chunk_keys(self._seed, tokens, self.chunk_size)
+        # The keys LMCache makes in this call, from the seed of its namespace (`_enter`).
+        keys = chunk_keys(self._engine.token_database.seed, tokens, self.chunk_size)
         return {index * self.chunk_size: key for index, key in enumerate(keys)}
 
     def _expect_digests(self, tokens: torch.Tensor) -> None:
