@@ -30,7 +30,9 @@ Summary:
 - verifier_overhead: the verifier process's CPU seconds per output token over what the full-KV
   half of the same requests costs the in-process engine per output token: their verifications
   and the prefill of each prompt after its prefix (bench/remote_prefix_reference.py; target
-  <= 1.3);
+  <= 1.3). The reference runs twice, before the VERICACHE cells and after them, and counts at
+  its mean; each cell's range sets its samples against both runs, so the machine's drift over
+  the run shows;
 - identical: every exact output equals FULL_LOCAL's, and the in-process engine's too.
 Run with OMP_NUM_THREADS=1 on a machine with a core per worker and nothing else busy; each sample
 keeps the CPU seconds of the drafters, the verifier and everything else during its stream.
@@ -324,8 +326,8 @@ def run(args) -> dict:
         max_full = max(p["full_kv_bytes"] for p in prefixes)
         bench.drafter_kv_bytes = int(spec.drafter_kv_prefixes * max_full)
         bench.jobs = request_stream([p["prefix_id"] for p in prefixes], spec.num_requests)
-        cells, reference = _serve_all(bench, prefixes)
-    engine = engine_verification(args.model, prefixes, bench.jobs, spec)
+        cells, reference, before = _serve_all(bench, prefixes)
+    engine = engine_reference([before, engine_verification(args.model, prefixes, bench.jobs, spec)])
     return {
         "benchmark": "remote-prefix",
         "summary": summarize(cells, reference, engine, spec),
@@ -340,8 +342,9 @@ def run(args) -> dict:
     }
 
 
-def _serve_all(bench: Bench, prefixes: list[dict]) -> tuple[list[dict], list[list[int]]]:
-    """FULL_LOCAL first (it calibrates the link), then every other cell at that bandwidth."""
+def _serve_all(bench: Bench, prefixes: list[dict]) -> tuple[list[dict], list[list[int]], dict]:
+    """FULL_LOCAL first (it calibrates the link), then every other cell at that bandwidth; the
+    in-process reference runs once before the VERICACHE cells (and once more after them)."""
     spec = bench.spec
     full_local, reference = bench.serve(Cell("full_local", 1))
     full_local["outputs_match"] = True
@@ -353,13 +356,35 @@ def _serve_all(bench: Bench, prefixes: list[dict]) -> tuple[list[dict], list[lis
     print(f"[remote-prefix] link: {bench.bandwidth / 1e6:.2f} MB/s")
     cells, bench.rates = [full_local], {full_local["name"]: full_local["tokens_per_s"]}
     plan = [Cell("full_remote", n) for n in spec.drafter_counts]
-    plan += [Cell("full_both", n) for n in spec.drafter_counts] + vericache_cells(spec)
+    plan += [Cell("full_both", n) for n in spec.drafter_counts]
     for cell in plan:
-        record, outputs = bench.serve(cell)
-        record["outputs_match"] = outputs == reference
-        bench.rates[record["name"]] = record["tokens_per_s"]
-        cells.append(record)
-    return cells, reference
+        cells.append(_served(bench, cell, reference))
+    before = engine_verification(bench.model, prefixes, bench.jobs, spec)
+    for cell in vericache_cells(spec):
+        cells.append(_served(bench, cell, reference))
+    return cells, reference, before
+
+
+def _served(bench: Bench, cell: Cell, reference: list[list[int]]) -> dict:
+    record, outputs = bench.serve(cell)
+    record["outputs_match"] = outputs == reference
+    bench.rates[record["name"]] = record["tokens_per_s"]
+    return record
+
+
+def engine_reference(runs: list[dict]) -> dict:
+    """The in-process reference over its runs: per draft length, the mean CPU s per token, and
+    the runs themselves. The runs are apart in time: how far they differ is how far this
+    machine's speed drifts over a run, the noise floor of `verifier_overhead`."""
+    lens = runs[0]["full_kv_cpu_s_per_token"]
+    per_run = [run["full_kv_cpu_s_per_token"] for run in runs]
+    return {
+        "full_kv_cpu_s_per_token": {x: statistics.mean(r[x] for r in per_run) for x in lens},
+        "full_kv_cpu_s_per_token_by_run": per_run,
+        "suffix_prefill_cpu_s_by_run": [run["suffix_prefill_cpu_s"] for run in runs],
+        "outputs": runs[0]["outputs"],
+        "outputs_agree": all(run["outputs"] == runs[0]["outputs"] for run in runs),
+    }
 
 
 DEFINITIONS = {
@@ -402,8 +427,14 @@ def summarize(cells: list[dict], reference: list[list[int]], engine: dict, spec)
         "rtt20_over_rtt0_by_scheduling": rtt,
         "verifier_overhead": max(overhead.values()) if overhead else None,
         "verifier_overhead_by_cell": overhead,
+        "verifier_overhead_range_by_cell": {
+            c["name"]: _verifier_overhead_range(c, engine)
+            for c in vericache
+            if c["name"] in overhead
+        },
         "identical": all(c["outputs_match"] for c in cells if c["mode"] != "lossy")
-        and engine["outputs"] == reference,
+        and engine["outputs"] == reference
+        and engine["outputs_agree"],
     }
     summary["meets_targets"] = {
         "rpcs_per_round": rpcs <= TARGETS["rpcs_per_round"],
@@ -422,6 +453,14 @@ def _rpcs_per_round(cell: dict) -> float:
 def _verifier_overhead(cell: dict, engine_cpu_s_per_token: float) -> float:
     per_token = [s["cpu_s"]["verifiers"] / s["num_tokens"] for s in cell["samples"]]
     return statistics.median(per_token) / engine_cpu_s_per_token
+
+
+def _verifier_overhead_range(cell: dict, engine: dict) -> list[float]:
+    """The lowest and highest of the cell's samples over the lowest and highest reference run."""
+    per_token = [s["cpu_s"]["verifiers"] / s["num_tokens"] for s in cell["samples"]]
+    runs = engine.get("full_kv_cpu_s_per_token_by_run") or [engine["full_kv_cpu_s_per_token"]]
+    references = [run[str(cell["draft_len"])] for run in runs]
+    return [min(per_token) / max(references), max(per_token) / min(references)]
 
 
 def _rtt_ratios(cells: list[dict], spec: StreamSpec) -> dict[str, float]:
