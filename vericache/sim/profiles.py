@@ -1,0 +1,141 @@
+"""What the simulator knows of models and devices: small JSON files under profiles/.
+
+A model profile is the architecture's shape (layers, heads, KV heads, head size, hidden size,
+parameters), copied from the model's config.json; tests check that the parameter count follows
+from the shapes. A device profile is memory, HBM bandwidth, dense bf16 compute, the host and
+interconnect links, the efficiencies that turn peaks into sustained rates, and the overhead of a
+forward. Until `vericache calibrate` has measured a device, its profile comes from the datasheet
+times stated efficiencies, and its `source` says so; every result computed from it carries that
+source.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, fields
+from importlib import resources
+from pathlib import Path
+
+from vericache.errors import InvalidRequestError
+
+_PROFILES = "profiles"
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    source: str  # where the numbers come from
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_params: int
+
+    def __post_init__(self):
+        _check_positive(self, ("num_layers", "hidden_size", "num_heads", "num_kv_heads"))
+        _check_positive(self, ("head_dim", "vocab_size", "num_params", "intermediate_size"))
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidRequestError(f"{self.name}: query heads are not a multiple of KV heads")
+
+    def weights_bytes(self, element_size: int = 2) -> int:
+        return self.num_params * element_size
+
+    def kv_bytes_per_token(self, element_size: int = 2) -> int:
+        """Full KV of one token: keys and values of every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    source: str  # "datasheet ..." until calibrated, then "measured ..."
+    memory_bytes: int
+    hbm_bytes_per_s: float  # peak
+    peak_flops: float  # dense bf16 (or the device's working dtype), peak
+    host_to_device_bytes_per_s: float  # pinned host memory to the device
+    interconnect_bytes_per_s: float  # one direction, between the devices of a tensor-parallel group
+    bandwidth_efficiency: float  # sustained / peak HBM bandwidth
+    compute_efficiency: float  # sustained / peak flops
+    forward_overhead_s: float  # a forward's fixed cost (launch, scheduling, sampling)
+    layer_overhead_s: float  # and per layer (kernel launches)
+    allreduce_latency_s: float = 0.0  # one all-reduce's fixed cost
+
+    def __post_init__(self):
+        _check_positive(self, ("memory_bytes", "hbm_bytes_per_s", "peak_flops"))
+        _check_positive(self, ("host_to_device_bytes_per_s", "interconnect_bytes_per_s"))
+        for name in ("bandwidth_efficiency", "compute_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise InvalidRequestError(f"{self.name}: {name} must lie in (0, 1]")
+        for name in ("forward_overhead_s", "layer_overhead_s", "allreduce_latency_s"):
+            if getattr(self, name) < 0:
+                raise InvalidRequestError(f"{self.name}: {name} must be >= 0")
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Sustained HBM bandwidth."""
+        return self.hbm_bytes_per_s * self.bandwidth_efficiency
+
+    @property
+    def flops(self) -> float:
+        """Sustained compute."""
+        return self.peak_flops * self.compute_efficiency
+
+    @property
+    def is_measured(self) -> bool:
+        return self.source.startswith("measured")
+
+
+def model_profile(name_or_path: str) -> ModelProfile:
+    """A bundled model profile by name (e.g. "llama-3.1-70b"), or a JSON file."""
+    return ModelProfile(**_read("models", name_or_path, ModelProfile))
+
+
+def device_profile(name_or_path: str) -> DeviceProfile:
+    """A bundled device profile by name (e.g. "h100-sxm"), or a JSON file (a calibration's)."""
+    return DeviceProfile(**_read("devices", name_or_path, DeviceProfile))
+
+
+def bundled(kind: str) -> list[str]:
+    """Names of the bundled profiles of a kind ("models" or "devices")."""
+    folder = resources.files(__package__).joinpath(_PROFILES, kind)
+    return sorted(entry.name.removesuffix(".json") for entry in folder.iterdir())
+
+
+def _read(kind: str, name_or_path: str, record: type) -> dict:
+    path = Path(name_or_path)
+    if path.suffix == ".json":
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            reason = exc.strerror
+            raise InvalidRequestError(f"cannot read the profile {path.name}: {reason}") from None
+    else:
+        entry = resources.files(__package__).joinpath(_PROFILES, kind, f"{name_or_path}.json")
+        if not entry.is_file():
+            known = ", ".join(bundled(kind))
+            raise InvalidRequestError(f"no {kind[:-1]} profile {name_or_path!r} (known: {known})")
+        text = entry.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"the profile {name_or_path} is not JSON: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"the profile {name_or_path} is not a JSON object")
+    expected = {field.name for field in fields(record)}
+    required = {field.name for field in fields(record) if field.default is MISSING}
+    if set(data) - expected or required - set(data):
+        unknown, missing = sorted(set(data) - expected), sorted(required - set(data))
+        raise InvalidRequestError(
+            f"the profile {name_or_path}: unknown fields {unknown}, missing fields {missing}"
+        )
+    return data
+
+
+def _check_positive(profile, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(profile, name)
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise InvalidRequestError(f"{profile.name}: {name} must be > 0, got {value!r}")
