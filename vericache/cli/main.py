@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vericache.cli import bench, compressors, generate, kv_size, prefix, serve
+from vericache.cli import bench, calibrate, compressors, generate, kv_size, prefix, serve
 from vericache.cli.parser import OneLineErrorParser
 from vericache.errors import VeriCacheError
 
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrorParser)
     generate.add_parser(commands)
     bench.add_parser(commands)
+    calibrate.add_parser(commands)
     compressors.add_parser(commands)
     kv_size.add_parser(commands)
     serve.add_parser(commands)

@@ -122,6 +122,8 @@ def _read(kind: str, name_or_path: str, record: type) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"the profile {name_or_path} is not JSON: {exc.msg}") from None
+    if isinstance(data, dict) and isinstance(data.get("profile"), dict):
+        data = data["profile"]  # a calibration's output: the profile beside its measurements
     if not isinstance(data, dict):
         raise InvalidRequestError(f"the profile {name_or_path} is not a JSON object")
     expected = {field.name for field in fields(record)}

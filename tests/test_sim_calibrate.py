@@ -1,0 +1,84 @@
+"""`vericache calibrate` on CPU with tiny shapes: every code path the GPU run takes, in seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from vericache.cli.main import main
+from vericache.errors import InvalidRequestError
+from vericache.sim import calibrate as calibration
+from vericache.sim.calibrate import CalibrationPlan, calibrate
+from vericache.sim.profiles import ModelProfile, device_profile
+
+TINY = ModelProfile(
+    name="tiny", source="test", num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4,
+    num_kv_heads=2, head_dim=16, vocab_size=256, num_params=200_000,
+)  # fmt: skip
+PLAN = CalibrationPlan(
+    num_layers=4, product_rows=(1, 2, 8), contexts=(64, 96), batches=(1, 2), verify_tokens=(5, 9),
+    copy_bytes=1 << 20, repeats=2,
+)  # fmt: skip
+
+
+def test_a_calibration_measures_fits_and_predicts_every_forward(tmp_path):
+    result = calibrate(TINY, torch.device("cpu"), PLAN)
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(result))
+    profile = device_profile(str(path))  # the simulator reads what calibrate writes
+    assert profile.is_measured and "host copy" in profile.source
+    assert profile.hbm_bytes_per_s > 0 and profile.peak_flops > 0
+    assert profile.forward_overhead_s >= 0 and profile.layer_overhead_s >= 0
+    assert [p["rows"] for p in result["products"]] == [1, 2, 8]
+    shapes = {
+        (f["num_layers"], f["new_tokens"], f["context"], f["batch"]) for f in result["forwards"]
+    }
+    for layers in (4, 2):  # the deeper slice and the shallower one
+        assert {(layers, 1, c, b) for c in (64, 96) for b in (1, 2)} <= shapes
+        assert {(layers, 5, 64, 1), (layers, 9, 64, 1)} <= shapes
+    assert all(f["predicted_s"] > 0 and f["seconds"] > 0 for f in result["forwards"])
+    assert result["copies"]["alone_bytes_per_s"] > 0
+
+
+def test_the_overhead_fit_recovers_a_known_fixed_and_per_layer_cost():
+    profile = dataclasses.replace(
+        device_profile("h200"), forward_overhead_s=0.0, layer_overhead_s=0.0
+    )
+    forwards = []
+    for layers in (2, 4, 8):
+        for context in (1000, 5000):
+            forward = {"num_layers": layers, "new_tokens": 1, "context": context, "batch": 1}
+            explained = calibration._predict(profile, TINY, forward, 2)
+            forward["seconds"] = explained + 1e-3 + 5e-5 * layers
+            forwards.append(forward)
+    forwards = [f for f in forwards if f["num_layers"] in (2, 8)]
+    fitted = calibration._with_overhead(profile, TINY, forwards, 2)
+    assert fitted.forward_overhead_s == pytest.approx(1e-3, rel=1e-6)
+    assert fitted.layer_overhead_s == pytest.approx(5e-5, rel=1e-6)
+    for forward in forwards:
+        assert calibration._predict(fitted, TINY, forward, 2) == pytest.approx(forward["seconds"])
+
+
+def test_a_plan_that_cannot_fit_is_refused():
+    for bad in ({"product_rows": (2, 4)}, {"num_layers": 1}, {"contexts": ()}, {"repeats": 0}):
+        with pytest.raises(InvalidRequestError):
+            dataclasses.replace(PLAN, **bad)
+
+
+def test_the_command_writes_a_profile_and_refuses_what_it_cannot_do(tmp_path, capsys):
+    arch = tmp_path / "tiny.json"
+    arch.write_text(json.dumps(dataclasses.asdict(TINY)))
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--device", "cpu", "--arch", str(arch), "--out", str(out),
+                 "--layers", "2"]) == 0  # fmt: skip
+    assert device_profile(str(out)).is_measured and "GB/s" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert main(["calibrate", "--device", "cuda", "--arch", str(arch), "--out", str(out)]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+    assert main(["calibrate", "--device", "cpu", "--arch", "gpt-5", "--out", str(out)]) == 2
+    assert "no model profile 'gpt-5'" in capsys.readouterr().err
+    missing = tmp_path / "nowhere" / "cpu.json"
+    assert main(["calibrate", "--device", "cpu", "--arch", str(arch), "--out", str(missing)]) == 2

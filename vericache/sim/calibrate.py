@@ -1,0 +1,334 @@
+"""`vericache calibrate`: a device profile measured on the device, for the simulator.
+
+The one part of vericache/sim that needs torch (the simulator reads only the JSON it writes). It
+builds random weights of the named architecture on the device (the whole model, or a slice of its
+layers where the whole does not fit) and times:
+- products through the engine's linear kernel at 1 to 512 rows: their weight bytes over the time
+  at one row is the sustained bandwidth, their flops at the most rows the sustained compute;
+- host-to-device copies (pinned on CUDA; a copy between buffers on CPU), alone and beside compute;
+- whole forwards through the engine's forward loop: decode steps at several contexts and batches,
+  and verifications of x+1 tokens. What the cost model does not predict from bandwidth and compute
+  is overhead: its part that grows with the layer count is the overhead per layer, the rest the
+  overhead per forward (fitted from forwards of two slices of different depth).
+Every forward is then predicted with the fitted profile beside its measurement, so the JSON shows
+how well the cost model fits the device it was measured on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vericache.engine.forward_loop import ForwardLoop, Job
+from vericache.errors import InvalidRequestError
+from vericache.model.config import ModelConfig, RopeConfig
+from vericache.model.linear import Linear
+from vericache.model.runner import ModelRunner
+from vericache.model.weights import LayerWeights, ModelWeights
+from vericache.sim.cost import Row, forward_cost
+from vericache.sim.profiles import DeviceProfile, ModelProfile
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What to time. `for_device` gives the defaults (minutes); tests use tiny plans."""
+
+    num_layers: int  # the deeper slice's layers (the whole model where it fits)
+    product_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    contexts: tuple[int, ...] = (4096, 16384)
+    batches: tuple[int, ...] = (1, 8)
+    verify_tokens: tuple[int, ...] = (26, 31, 41)  # x + 1
+    copy_bytes: int = 256 << 20
+    repeats: int = 5
+
+    def __post_init__(self):
+        if 1 not in self.product_rows or min(self.product_rows) < 1:
+            raise InvalidRequestError("products are timed at 1 row (bandwidth) and more")
+        counts = (self.num_layers, self.repeats, self.copy_bytes, *self.contexts, *self.batches)
+        if min(counts) < 1 or not self.contexts or not self.batches:
+            raise InvalidRequestError(f"a calibration plan needs positive sizes: {self}")
+        if self.num_layers < 2:
+            raise InvalidRequestError("overhead per layer is fitted from slices of 2+ layers")
+
+    @classmethod
+    def for_device(cls, device: torch.device, model: ModelProfile) -> CalibrationPlan:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            layers = _layers_that_fit(model, free * 0.6, bytes_per_param=2)
+            return cls(
+                layers, contexts=(4096, 16384, 65536), batches=(1, 8, 32), copy_bytes=1 << 30
+            )
+        # float32, and the CPU linear kernel keeps a second, packed copy of every weight.
+        layers = _layers_that_fit(model, _memory_bytes(device) * 0.25, bytes_per_param=8)
+        return cls(layers, contexts=(4096,), batches=(1, 4), repeats=3)
+
+
+def calibrate(
+    model: ModelProfile,
+    device: torch.device,
+    plan: CalibrationPlan,
+    base: DeviceProfile | None = None,
+) -> dict:
+    """The measured profile, its measurements, and each measured forward beside the profile's
+    prediction. What one device cannot measure (the interconnect of a tensor-parallel group and
+    its all-reduce latency) comes from `base` (a datasheet profile) and the source says so;
+    without one, the interconnect is taken to be as fast as a host copy."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    element_size = torch.finfo(dtype).bits // 8
+    products = _products(model, device, dtype, plan)
+    copies = _copies(device, plan)
+    deep, shallow = plan.num_layers, max(1, plan.num_layers // 2)
+    forwards = _forwards(model, deep, device, dtype, plan)
+    forwards += _forwards(model, shallow, device, dtype, plan)
+    unmeasured = f"from {base.source}" if base else "taken as fast as a host copy"
+    profile = DeviceProfile(
+        name=f"{base.name}-measured" if base else device.type,
+        source=f"measured by vericache calibrate on {_device_name(device)}; the interconnect and "
+        f"all-reduce latency, which one device cannot measure: {unmeasured}",
+        memory_bytes=_memory_bytes(device),
+        hbm_bytes_per_s=max(p["weight_bytes"] / p["seconds"] for p in products if p["rows"] == 1),
+        peak_flops=max(p["flops"] / p["seconds"] for p in products),
+        host_to_device_bytes_per_s=copies["alone_bytes_per_s"],
+        interconnect_bytes_per_s=(
+            base.interconnect_bytes_per_s if base else copies["alone_bytes_per_s"]
+        ),
+        bandwidth_efficiency=1.0,  # measured rates are sustained ones
+        compute_efficiency=1.0,
+        forward_overhead_s=0.0,
+        layer_overhead_s=0.0,
+        allreduce_latency_s=base.allreduce_latency_s if base else 0.0,
+    )
+    profile = _with_overhead(profile, model, forwards, element_size)
+    for forward in forwards:
+        forward["predicted_s"] = _predict(profile, model, forward, element_size)
+    return {
+        "profile": dataclasses.asdict(profile),
+        "model": model.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "plan": dataclasses.asdict(plan),
+        "products": products,
+        "copies": copies,
+        "forwards": forwards,
+    }
+
+
+# --- Measurements ---------------------------------------------------------------------------------
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The median seconds of `fn` over `repeats` runs, after one untimed run."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def _products(model: ModelProfile, device, dtype, plan: CalibrationPlan) -> list[dict]:
+    """The MLP's up projection (the model's largest per-layer product) at each row count."""
+    weight = torch.randn(model.intermediate_size, model.hidden_size, device=device).to(dtype)
+    linear = Linear(weight)
+    out = []
+    for rows in plan.product_rows:
+        x = torch.randn(rows, model.hidden_size, device=device).to(dtype)
+        seconds = _timed(lambda x=x: linear(x), device, plan.repeats)
+        flops = 2 * rows * weight.numel()
+        out.append(
+            {"rows": rows, "seconds": seconds, "flops": flops, "weight_bytes": weight.nbytes}
+        )
+    return out
+
+
+def _copies(device: torch.device, plan: CalibrationPlan) -> dict:
+    """Host-to-device bytes/s, alone and while a product runs on the device."""
+    is_cuda = device.type == "cuda"
+    host = torch.empty(plan.copy_bytes, dtype=torch.uint8, pin_memory=is_cuda)
+    target = torch.empty(plan.copy_bytes, dtype=torch.uint8, device=device)
+    # On CUDA the copy runs on a stream of its own, so that it can overlap the product.
+    stream = torch.cuda.Stream(device) if is_cuda else None
+
+    def copy():
+        with torch.cuda.stream(stream) if is_cuda else contextlib.nullcontext():
+            target.copy_(host, non_blocking=True)
+
+    alone = _timed(copy, device, plan.repeats)
+    square = torch.randn(2048, 2048, device=device)
+    beside = _timed(lambda: (copy(), square @ square), device, plan.repeats)
+    product = _timed(lambda: square @ square, device, plan.repeats)
+    return {
+        "bytes": plan.copy_bytes,
+        "alone_bytes_per_s": plan.copy_bytes / alone,
+        # The copy's share of the time both take together, beyond the product alone.
+        "beside_compute_bytes_per_s": plan.copy_bytes / max(beside - product, 1e-9),
+    }
+
+
+def _forwards(model: ModelProfile, num_layers: int, device, dtype, plan) -> list[dict]:
+    """Decode steps (the fast kernels, as a draft) and verifications (the batch-invariant ones),
+    each shape whose KV fits beside the weights."""
+    runner = random_runner(model, num_layers, device, dtype)
+    loop, out = ForwardLoop(runner), []
+    shapes = [(1, context, batch) for context in plan.contexts for batch in plan.batches]
+    shapes += [(tokens, plan.contexts[0], 1) for tokens in plan.verify_tokens]
+    kv_per_token = runner.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+    for new_tokens, context, batch in shapes:
+        if batch * (context + new_tokens) * kv_per_token > _free_bytes(device) * 0.8:
+            continue
+        caches = [_filled_cache(runner, context, new_tokens) for _ in range(batch)]
+
+        def step(caches=caches, new_tokens=new_tokens, context=context):
+            exact = new_tokens > 1
+            jobs = [Job(c, [1] * new_tokens, num_logits=new_tokens, exact=exact) for c in caches]
+            loop.step(jobs)
+            for cache in caches:
+                cache.truncate(context)
+
+        seconds = _timed(step, device, plan.repeats)
+        out.append(
+            {"num_layers": num_layers, "new_tokens": new_tokens, "context": context,
+             "batch": batch, "seconds": seconds}
+        )  # fmt: skip
+        del caches
+    return out
+
+
+def _filled_cache(runner: ModelRunner, context: int, room: int):
+    """A cache holding `context` tokens of random KV (attention costs the same whatever they
+    hold)."""
+    cache = runner.new_cache(capacity=context + room)
+    config = runner.config
+    shape = (context, config.num_kv_heads, config.head_dim)  # [T, H, D]
+    positions = torch.arange(context, dtype=torch.int32, device=runner.device)
+    for layer in cache.layers:
+        keys = torch.randn(shape, device=runner.device).to(runner.dtype)
+        layer.append(keys, keys.clone(), positions)
+    cache.advance(context)
+    return cache
+
+
+# --- Fitting ----------------------------------------------------------------------------------
+
+
+def _predict(profile: DeviceProfile, model: ModelProfile, forward: dict, element_size: int):
+    sliced = dataclasses.replace(
+        model,
+        num_layers=forward["num_layers"],
+        num_params=_params_read(model, forward["num_layers"], element_size),
+    )
+    kv = sliced.kv_bytes_per_token(element_size)
+    rows = [Row(forward["new_tokens"], forward["context"], kv)] * forward["batch"]
+    return forward_cost(sliced, profile, rows, weight_element_size=element_size).seconds
+
+
+def _with_overhead(profile: DeviceProfile, model, forwards: list[dict], element_size: int):
+    """Overhead per layer and per forward, from what bandwidth and compute leave unexplained in
+    the decode steps of the two slices (never below zero)."""
+    residual: dict[int, list[float]] = {}
+    for forward in forwards:
+        if forward["new_tokens"] == 1:
+            unexplained = forward["seconds"] - _predict(profile, model, forward, element_size)
+            residual.setdefault(forward["num_layers"], []).append(unexplained)
+    if not residual:  # no decode step fitted beside the weights
+        return profile
+    depths = sorted(residual)
+    median = {depth: statistics.median(values) for depth, values in residual.items()}
+    per_layer = 0.0
+    if len(depths) > 1 and depths[-1] > depths[0]:
+        per_layer = (median[depths[-1]] - median[depths[0]]) / (depths[-1] - depths[0])
+    per_layer = max(0.0, per_layer)
+    fixed = max(0.0, median[depths[-1]] - per_layer * depths[-1])
+    return dataclasses.replace(profile, forward_overhead_s=fixed, layer_overhead_s=per_layer)
+
+
+def _params_per_layer(model: ModelProfile) -> int:
+    h, i = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h  # attention, MLP, two norms
+
+
+def _params_read(model: ModelProfile, num_layers: int, element_size: int) -> int:
+    """What a forward of the random runner reads, counted in parameters of `element_size`: its
+    layers and its LM head, which the engine keeps in float32 (a forward looks up only its own
+    rows of the embedding table)."""
+    head = model.vocab_size * model.hidden_size * 4 // element_size
+    return _params_per_layer(model) * num_layers + head
+
+
+def random_runner(model: ModelProfile, num_layers: int, device, dtype) -> ModelRunner:
+    """The engine's model runner over random weights of `model`'s shapes, `num_layers` deep."""
+    config = ModelConfig(
+        model_type="llama", vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size, num_layers=num_layers,
+        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0),
+        tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+        layer_windows=(None,) * num_layers, eos_token_ids=(0,),
+    )  # fmt: skip
+
+    def linear(out_features: int, in_features: int, weight_dtype=dtype) -> Linear:
+        weight = torch.randn(out_features, in_features, device=device) * in_features**-0.5
+        return Linear(weight.to(weight_dtype))
+
+    h, q, kv = (
+        model.hidden_size,
+        model.num_heads * model.head_dim,
+        model.num_kv_heads * model.head_dim,
+    )
+    ones = torch.ones(h, device=device, dtype=dtype)
+    layers = [
+        LayerWeights(
+            input_norm=ones,
+            qkv=linear(q + 2 * kv, h),
+            q_norm=None,
+            k_norm=None,
+            o_proj=linear(h, q),
+            post_attention_norm=ones,
+            gate_up=linear(2 * model.intermediate_size, h),
+            down=linear(h, model.intermediate_size),
+        )  # fmt: skip
+        for _ in range(num_layers)
+    ]
+    embed = torch.randn(model.vocab_size, h, device=device).to(dtype)
+    head = linear(model.vocab_size, h, torch.float32)
+    return ModelRunner(config, ModelWeights(embed, layers, ones, head), device)
+
+
+def _layers_that_fit(model: ModelProfile, free_bytes: float, bytes_per_param: int) -> int:
+    """The deepest slice whose weights take at most `free_bytes` (at least 2 layers)."""
+    per_layer = bytes_per_param * _params_per_layer(model)
+    head = (bytes_per_param + 4) * model.vocab_size * model.hidden_size  # embedding, float32 head
+    return max(2, min(model.num_layers, int((free_bytes - head) // per_layer)))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def _free_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
