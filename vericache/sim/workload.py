@@ -1,0 +1,107 @@
+"""What the simulator serves: when requests arrive, how long they are, and how many drafts each
+round accepts.
+
+Acceptance replays recorded rounds. A round is recorded at the longest draft, MAX_DRAFT_LEN, as
+the position of its first draft that the full KV rejects (MAX_DRAFT_LEN when none is), so that a
+round at any x <= MAX_DRAFT_LEN accepts min(first mismatch, x): the drafts before the first
+mismatch do not depend on how many follow them. Traces come from `bench acceptance` (measured)
+or from a published acceptance rate (labelled so); every result says which.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vericache.errors import InvalidRequestError
+
+MAX_DRAFT_LEN = 64
+
+
+@dataclass(frozen=True)
+class AcceptanceTrace:
+    """Recorded rounds of one kind of request (prompt kind, compressor, context length)."""
+
+    source: str  # "measured: ..." or "published: ..."
+    first_mismatch: tuple[int, ...]  # per round, in [0, MAX_DRAFT_LEN]
+
+    def __post_init__(self):
+        if not self.first_mismatch:
+            raise InvalidRequestError("an acceptance trace needs at least one round")
+        if not all(0 <= p <= MAX_DRAFT_LEN for p in self.first_mismatch):
+            raise InvalidRequestError(f"first mismatches lie in [0, {MAX_DRAFT_LEN}]")
+
+    def accepted(self, draft_len: int, rng: random.Random) -> int:
+        """The drafts one round of `draft_len` accepts, a recorded round drawn at random."""
+        if not 0 <= draft_len <= MAX_DRAFT_LEN:
+            raise InvalidRequestError(f"draft length {draft_len} is past {MAX_DRAFT_LEN}")
+        return min(rng.choice(self.first_mismatch), draft_len)
+
+    def mean_accepted(self, draft_len: int) -> float:
+        return sum(min(p, draft_len) for p in self.first_mismatch) / len(self.first_mismatch)
+
+    @classmethod
+    def from_rate(cls, rate: float, source: str, num_rounds: int = 4096, seed: int = 0):
+        """Rounds where each draft is accepted with probability `rate` given the ones before it
+        were (a published per-token acceptance rate), drawn with a fixed seed."""
+        if not 0 <= rate < 1:
+            raise InvalidRequestError(f"an acceptance rate lies in [0, 1), got {rate}")
+        rng = random.Random(seed)
+        rounds = []
+        for _ in range(num_rounds):
+            position = 0
+            while position < MAX_DRAFT_LEN and rng.random() < rate:
+                position += 1
+            rounds.append(position)
+        return cls(f"published: {source}", tuple(rounds))
+
+
+def rate_for_mean_accepted(mean: float, draft_len: int) -> float:
+    """The per-token rate r whose rounds of `draft_len` accept `mean` drafts on average:
+    r (1 - r^x) / (1 - r) = mean (solved by bisection)."""
+    if not 0 <= mean < draft_len:
+        raise InvalidRequestError(f"a mean of {mean} accepted is not below x={draft_len}")
+
+    def expected(rate: float) -> float:
+        return sum(rate**k for k in range(1, draft_len + 1))
+
+    low, high = 0.0, 1.0
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if expected(middle) < mean else (low, middle)
+    return (low + high) / 2
+
+
+def poisson_arrivals(rate_per_s: float, num_requests: int, seed: int = 0) -> list[float]:
+    """Arrival times of `num_requests` requests at `rate_per_s` on average, from t=0."""
+    if not rate_per_s > 0 or num_requests < 0:
+        raise InvalidRequestError("arrivals need a rate > 0 and a count >= 0")
+    rng, now, times = random.Random(seed), 0.0, []
+    for _ in range(num_requests):
+        now += -math.log(1.0 - rng.random()) / rate_per_s
+        times.append(now)
+    return times
+
+
+def trace_arrivals(times: Sequence[float]) -> list[float]:
+    """Arrival times read from a trace, checked to be finite, >= 0 and in order."""
+    checked = [float(t) for t in times]
+    if any(not math.isfinite(t) or t < 0 for t in checked) or checked != sorted(checked):
+        raise InvalidRequestError("trace arrival times must be finite, >= 0 and in order")
+    return checked
+
+
+@dataclass(frozen=True)
+class OutputLengths:
+    """Output tokens per request: drawn from `lengths` (one value: every request alike)."""
+
+    lengths: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.lengths or min(self.lengths) < 1:
+            raise InvalidRequestError("output lengths must be >= 1")
+
+    def draw(self, rng: random.Random) -> int:
+        return rng.choice(self.lengths)
