@@ -1,4 +1,9 @@
-"""Evidence at the scale users run, without the hardware. An event core (events.py: a clock,
-devices that run one forward at a time, links that move bytes) charges each forward what the cost
-model says it takes (cost.py) on the named model and device (profiles.py: datasheets until
-calibrated). Pure Python: no torch is needed to import or run it."""
+"""Evidence at the scale users run, without the hardware.
+
+An event core (events.py: a clock, devices that run one forward at a time, links that move bytes)
+charges each forward what the cost model says it takes (cost.py) on the named model and device
+(profiles.py: datasheets until `vericache calibrate` has measured one, calibrate.py). Workloads
+(workload.py) replay recorded acceptance. long_context.py simulates Pipeline 1 on the real
+schedulers against full-KV decoding at the same memory. Pure Python but for calibrate.py: no torch
+is needed to import or run the simulator.
+"""
