@@ -4,8 +4,10 @@ round accepts.
 Acceptance replays recorded rounds. A round is recorded at the longest draft, MAX_DRAFT_LEN, as
 the position of its first draft that the full KV rejects (MAX_DRAFT_LEN when none is), so that a
 round at any x <= MAX_DRAFT_LEN accepts min(first mismatch, x): the drafts before the first
-mismatch do not depend on how many follow them. Traces come from `bench acceptance` (measured)
-or from a published acceptance rate (labelled so); every result says which.
+mismatch do not depend on how many follow them. Rounds are drawn independently: a request's
+rounds at another x would start at other positions, which the replay treats as a fresh draw from
+the same kind of request. Traces come from `bench acceptance` (measured) or from a published
+acceptance rate (labelled so); every result says which.
 """
 
 from __future__ import annotations
