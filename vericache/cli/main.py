@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vericache.cli import bench, calibrate, compressors, generate, kv_size, prefix, serve
+from vericache.cli import bench, calibrate, compressors, generate, kv_size, prefix, serve, sim
 from vericache.cli.parser import OneLineErrorParser
 from vericache.errors import VeriCacheError
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv_size.add_parser(commands)
     serve.add_parser(commands)
     prefix.add_parser(commands)
+    sim.add_parser(commands)
     return parser
 
 

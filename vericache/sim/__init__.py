@@ -4,6 +4,7 @@ An event core (events.py: a clock, devices that run one forward at a time, links
 charges each forward what the cost model says it takes (cost.py) on the named model and device
 (profiles.py: datasheets until `vericache calibrate` has measured one, calibrate.py). Workloads
 (workload.py) replay recorded acceptance. long_context.py simulates Pipeline 1 on the real
-schedulers against full-KV decoding at the same memory. Pure Python but for calibrate.py: no torch
-is needed to import or run the simulator.
+schedulers against full-KV decoding at the same memory; scenario.py runs one described in a YAML
+file (`vericache sim --scenario`). Pure Python but for calibrate.py: no torch is needed to import
+or run the simulator.
 """

@@ -1,0 +1,79 @@
+"""`vericache sim --scenario FILE`: a scenario file simulated, and bad files refused clearly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vericache.cli.main import main
+from vericache.errors import InvalidRequestError
+from vericache.sim.scenario import load_scenario, run_scenario
+
+EXAMPLE = Path(__file__).parents[1] / "bench" / "scenarios" / "pipeline1_llama70b.yaml"
+
+SMALL = {
+    "pipeline": "long-context", "model": "qwen2.5-32b", "device": "h100-sxm",
+    "prompt_tokens": 16384, "kv_budget": 0.2, "draft_len": 16, "scheduler": "staggered",
+    "requests": {"count": 6, "rate_per_s": 2.0}, "output_tokens": [32, 64],
+    "acceptance": {"mean_accepted": 12, "at_draft_len": 16}, "seed": 1,
+}  # fmt: skip
+
+
+def _write(tmp_path, data) -> Path:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def test_the_example_scenario_runs_from_the_command_line(capsys):
+    assert main(["sim", "--scenario", str(EXAMPLE), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["vericache"]["num_output_tokens"] == result["full_kv"]["num_output_tokens"]
+    assert result["speedup"] == pytest.approx(
+        result["vericache"]["tokens_per_s"] / result["full_kv"]["tokens_per_s"]
+    )
+    assert result["sources"]["device"].startswith("datasheet")
+    assert result["sources"]["acceptance"].startswith("published")
+
+
+def test_both_schedulers_and_a_recorded_trace_run(tmp_path):
+    staggered = run_scenario(load_scenario(_write(tmp_path, SMALL)))
+    lockstep = run_scenario({**SMALL, "scheduler": "lockstep"})
+    traced = run_scenario({**SMALL, "acceptance": {"first_mismatch": [3, 16, 9, 0]}})
+    assert staggered["full_kv"] == lockstep["full_kv"]  # the baseline has no scheduler
+    assert staggered["vericache"] != lockstep["vericache"]
+    assert traced["sources"]["acceptance"].startswith("measured")
+    assert 0 < traced["vericache"]["mean_accepted_per_round"] <= 16
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"colour": "blue"}, "unknown scenario fields: \\['colour'\\]"),
+        ({"requests": {"count": 2, "burst": 3}}, "unknown fields of 'requests'"),
+        ({"prompt_tokens": "many"}, "'prompt_tokens' must be an integer"),
+        ({"kv_budget": "half"}, "wrong type"),
+        ({"kv_budget": 1.5}, "kv_budget"),
+        ({"scheduler": "fifo"}, "staggered or lockstep"),
+        ({"pipeline": "remote-prefix"}, "pipeline must be long-context"),
+        ({"model": "gpt-5"}, "no model profile"),
+        ({"acceptance": 0.9}, "'acceptance' must be a mapping"),
+    ],
+)
+def test_a_bad_field_is_refused_with_its_name(change, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        run_scenario({**SMALL, **change})
+
+
+def test_a_missing_field_or_a_broken_file_is_refused(tmp_path, capsys):
+    without_model = {k: v for k, v in SMALL.items() if k != "model"}
+    with pytest.raises(InvalidRequestError, match="lacks the field 'model'"):
+        run_scenario(without_model)
+    for text in ("{unclosed: [", "- a list"):
+        path = _write(tmp_path, text)
+        assert main(["sim", "--scenario", str(path)]) == 2
+        assert "vericache: error:" in capsys.readouterr().err
+    assert main(["sim", "--scenario", str(tmp_path / "absent.yaml")]) == 2

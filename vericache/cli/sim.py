@@ -1,0 +1,30 @@
+"""`vericache sim`: a simulated deployment (vericache/sim/scenario.py) as one JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vericache.sim.scenario import load_scenario, run_scenario
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("sim", help="simulate a deployment described in a scenario file")
+    parser.add_argument("--scenario", type=Path, required=True, help="FILE.yaml (or .json)")
+    parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    result = run_scenario(load_scenario(args.scenario))
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    for name in ("vericache", "full_kv"):
+        summary = result[name]
+        print(
+            f"{name}: {summary['tokens_per_s']:.1f} tokens/s, p50 latency "
+            f"{summary['p50_latency_s']:.1f} s, p99 {summary['p99_latency_s']:.1f} s"
+        )
+    print(f"speedup {result['speedup']:.2f}x; device profile: {result['sources']['device']}")
+    return 0
