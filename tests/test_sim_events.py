@@ -106,7 +106,8 @@ def test_random_traffic_conserves_bytes_and_busy_time_and_no_queue_goes_negative
 def test_the_simulator_is_pure_python():
     code = (
         "import sys, vericache.sim.events, vericache.sim.cost, vericache.sim.profiles, "
-        "vericache.sim.workload, vericache.sim.long_context, vericache.sim.scenario; "
+        "vericache.sim.workload, vericache.sim.long_context, vericache.sim.scenario, "
+        "vericache.sim.remote_prefix; "
         "print(sorted({'torch', 'numpy', 'ray', 'grpc'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -4,7 +4,9 @@ An event core (events.py: a clock, devices that run one forward at a time, links
 charges each forward what the cost model says it takes (cost.py) on the named model and device
 (profiles.py: datasheets until `vericache calibrate` has measured one, calibrate.py). Workloads
 (workload.py) replay recorded acceptance. long_context.py simulates Pipeline 1 on the real
-schedulers against full-KV decoding at the same memory; scenario.py runs one described in a YAML
+schedulers against full-KV decoding at the same memory; remote_prefix.py Pipeline 2 with
+per-request rounds on workers that batch what they hold (batch_loop.py), against FULL_LOCAL,
+FULL_REMOTE and FULL_BOTH on the same devices; scenario.py runs one described in a YAML
 file (`vericache sim --scenario`). Pure Python but for calibrate.py: no torch is needed to import
 or run the simulator.
 """

@@ -1,0 +1,73 @@
+"""A simulated worker's batch loop: the jobs it holds share each forward, step by step, as a
+worker's BatchLoop runs them (serve/batching.py): jobs join and leave between forwards.
+
+A job is a run of forwards for one request: a prefill, a draft of d tokens (d one-token steps), a
+verification (one step of x+1 tokens), or a decode of n tokens. Each forward costs what the cost
+model gives for the rows of every job it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vericache.sim.cost import Row
+from vericache.sim.events import Device
+
+
+@dataclass(eq=False)  # compared by identity: two equal jobs are two pieces of work
+class SimJob:
+    row: Callable[[], Row]  # this job's row in the next forward
+    num_steps: int
+    done: Callable[[], None]
+    on_step: Callable[[], None] | None = None  # after each of its forwards (a token committed)
+    steps_taken: int = 0
+
+
+class SimBatchLoop:
+    def __init__(self, device: Device, forward_s: Callable[[list[Row]], float]):
+        self.device = device
+        self.forward_s = forward_s
+        self._active: list[SimJob] = []
+        self._arrived: list[SimJob] = []
+        self._running = False
+        self.num_forwards = 0
+        self.rows_per_forward: list[int] = []
+
+    def submit(self, job: SimJob) -> None:
+        if job.num_steps < 1:
+            job.done()
+            return
+        self._arrived.append(job)
+        if not self._running:
+            self._step()
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._active) + len(self._arrived)
+
+    def _step(self) -> None:
+        self._active += self._arrived
+        self._arrived = []
+        if not self._active:
+            self._running = False
+            return
+        self._running = True
+        jobs = list(self._active)
+        seconds = self.forward_s([job.row() for job in jobs])
+        self.num_forwards += 1
+        self.rows_per_forward.append(len(jobs))
+        self.device.submit(seconds, lambda: self._stepped(jobs))
+
+    def _stepped(self, jobs: list[SimJob]) -> None:
+        finished = []
+        for job in jobs:
+            job.steps_taken += 1
+            if job.on_step is not None:
+                job.on_step()
+            if job.steps_taken >= job.num_steps:
+                finished.append(job)
+        self._active = [job for job in self._active if job not in finished]
+        for job in finished:
+            job.done()
+        self._step()
