@@ -397,6 +397,9 @@ DEFINITIONS = {
     "drafter)",
     "verifier_overhead": "verifier process CPU s per output token / in-process engine CPU s of "
     "the same requests' verifications and suffix prefills per output token, same draft length",
+    "verifier_serving_overhead": "verifier process CPU s / (its forward loop's CPU s + the "
+    "reference's suffix prefill CPU s), the same stream: serving's share, the machine's speed "
+    "cancelled",
 }
 
 
@@ -416,6 +419,7 @@ def summarize(cells: list[dict], reference: list[list[int]], engine: dict, spec)
         for c in vericache
         if str(c["draft_len"]) in engine["full_kv_cpu_s_per_token"]
     }
+    serving = {c["name"]: _serving_overhead(c, engine) for c in vericache if c["name"] in overhead}
     rtt = _rtt_ratios(cells, spec)
     summary = {
         "vericache_over_best_full": over.get(headline),
@@ -432,6 +436,8 @@ def summarize(cells: list[dict], reference: list[list[int]], engine: dict, spec)
             for c in vericache
             if c["name"] in overhead
         },
+        "verifier_serving_overhead": max(serving.values()) if serving else None,
+        "verifier_serving_overhead_by_cell": serving,
         "identical": all(c["outputs_match"] for c in cells if c["mode"] != "lossy")
         and engine["outputs"] == reference
         and engine["outputs_agree"],
@@ -461,6 +467,18 @@ def _verifier_overhead_range(cell: dict, engine: dict) -> list[float]:
     runs = engine.get("full_kv_cpu_s_per_token_by_run") or [engine["full_kv_cpu_s_per_token"]]
     references = [run[str(cell["draft_len"])] for run in runs]
     return [min(per_token) / max(references), max(per_token) / min(references)]
+
+
+def _serving_overhead(cell: dict, engine: dict) -> float:
+    """The verifier's CPU over its own forward loop's plus the suffix prefills' (the reference's
+    mean), per sample, median: what serving adds, measured in the same process and stream, so
+    that the machine's speed, which moves between the stream and the reference, cancels."""
+    prefills = engine.get("suffix_prefill_cpu_s_by_run") or [engine["suffix_prefill_cpu_s"]]
+    prefill_s = statistics.mean(prefills)
+    ratios = [
+        s["cpu_s"]["verifiers"] / (s["verifier_forward_cpu_s"] + prefill_s) for s in cell["samples"]
+    ]
+    return statistics.median(ratios)
 
 
 def _rtt_ratios(cells: list[dict], spec: StreamSpec) -> dict[str, float]:

@@ -87,7 +87,7 @@ def test_a_stream_record_sums_its_requests():
 def _cell(cell: Cell, *rates: float, calls=0, rounds=1, cpu=1.0, match=True) -> dict:
     samples = [
         {"tokens_per_s": r, "round_calls": calls, "verified_rounds": rounds, "num_tokens": 10,
-         "cpu_s": {"verifiers": cpu}}
+         "cpu_s": {"verifiers": cpu}, "verifier_forward_cpu_s": 0.75 * cpu}
         for r in rates
     ]  # fmt: skip
     return cell_record(cell, samples) | {"outputs_match": match}
@@ -108,7 +108,12 @@ def _table(vericache_per_request=30.0, full_both=20.0, match=True) -> list[dict]
     ]
 
 
-ENGINE = {"full_kv_cpu_s_per_token": {"30": 0.1, "8": 0.1}, "outputs": [[1]], "outputs_agree": True}
+ENGINE = {
+    "full_kv_cpu_s_per_token": {"30": 0.1, "8": 0.1},
+    "suffix_prefill_cpu_s": 0.5,
+    "outputs": [[1]],
+    "outputs_agree": True,
+}
 
 
 def test_the_reference_runs_are_averaged_and_must_agree():
@@ -143,6 +148,9 @@ def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_wo
     assert summary["rpcs_per_round"] == pytest.approx(2.0)
     assert summary["rtt20_over_rtt0"] == pytest.approx(18 / 24)  # the lower scheduling
     assert summary["verifier_overhead"] == pytest.approx(0.2 / 0.1)
+    serving = summary["verifier_serving_overhead_by_cell"]
+    assert serving["vericache x=30 d=1 per-request"] == pytest.approx(2.0 / (1.5 + 0.5))
+    assert serving["vericache x=30 d=2 per-request"] == pytest.approx(1.0 / (0.75 + 0.5))
     assert summary["identical"] is True
     assert summary["meets_targets"] == {
         "rpcs_per_round": True, "rtt20_over_rtt0": False, "verifier_overhead": False,
