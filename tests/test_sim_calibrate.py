@@ -20,7 +20,7 @@ TINY = ModelProfile(
 )  # fmt: skip
 PLAN = CalibrationPlan(
     num_layers=4, product_rows=(1, 2, 8), contexts=(64, 96), batches=(1, 2), verify_tokens=(5, 9),
-    copy_bytes=1 << 20, repeats=2,
+    copy_bytes=1 << 20, stream_bytes=1 << 20, repeats=2,
 )  # fmt: skip
 
 

@@ -46,6 +46,7 @@ class CalibrationPlan:
     batches: tuple[int, ...] = (1, 8)
     verify_tokens: tuple[int, ...] = (26, 31, 41)  # x + 1
     copy_bytes: int = 256 << 20
+    stream_bytes: int = 512 << 20  # weights the products read: well past any cache
     repeats: int = 5
 
     def __post_init__(self):
@@ -136,16 +137,24 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
 
 
 def _products(model: ModelProfile, device, dtype, plan: CalibrationPlan) -> list[dict]:
-    """The MLP's up projection (the model's largest per-layer product) at each row count."""
+    """The MLP's up projection (the model's largest per-layer product) at each row count, over
+    enough distinct copies of the weight that they stream from memory, not from a cache, as a
+    forward's weights do."""
     weight = torch.randn(model.intermediate_size, model.hidden_size, device=device).to(dtype)
-    linear = Linear(weight)
+    copies = max(1, -(-plan.stream_bytes // weight.nbytes))
+    linears = [Linear(weight.clone()) for _ in range(copies)]
     out = []
     for rows in plan.product_rows:
         x = torch.randn(rows, model.hidden_size, device=device).to(dtype)
-        seconds = _timed(lambda x=x: linear(x), device, plan.repeats)
-        flops = 2 * rows * weight.numel()
+        seconds = _timed(lambda x=x: [linear(x) for linear in linears], device, plan.repeats)
+        flops = 2 * rows * weight.numel() * copies
         out.append(
-            {"rows": rows, "seconds": seconds, "flops": flops, "weight_bytes": weight.nbytes}
+            {
+                "rows": rows,
+                "seconds": seconds,
+                "flops": flops,
+                "weight_bytes": weight.nbytes * copies,
+            }
         )
     return out
 
