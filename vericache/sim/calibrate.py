@@ -35,6 +35,8 @@ from vericache.model.weights import LayerWeights, ModelWeights
 from vericache.sim.cost import Row, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 
+MAX_WEIGHT_COPIES = 256  # enough for any real model's layer to stream; tiny test shapes stay fast
+
 
 @dataclass(frozen=True)
 class CalibrationPlan:
@@ -141,7 +143,7 @@ def _products(model: ModelProfile, device, dtype, plan: CalibrationPlan) -> list
     enough distinct copies of the weight that they stream from memory, not from a cache, as a
     forward's weights do."""
     weight = torch.randn(model.intermediate_size, model.hidden_size, device=device).to(dtype)
-    copies = max(1, -(-plan.stream_bytes // weight.nbytes))
+    copies = min(MAX_WEIGHT_COPIES, max(1, -(-plan.stream_bytes // weight.nbytes)))
     linears = [Linear(weight.clone()) for _ in range(copies)]
     out = []
     for rows in plan.product_rows:
