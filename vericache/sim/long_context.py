@@ -70,6 +70,24 @@ class LongContextScenario:
     def memory_budget_bytes(self) -> int:
         return int(self.device.memory_bytes * (1 - self.activation_reserve))
 
+    @property
+    def kv_room_bytes(self) -> int:
+        """Device memory for KV once the weights are loaded."""
+        return self.memory_budget_bytes - self.weights_bytes
+
+    @property
+    def kept_prompt_tokens(self) -> int:
+        """The prompt's tokens the compressed KV keeps."""
+        return math.ceil(self.kv_budget * self.prompt_tokens)
+
+    def full_kv_bytes(self, num_output_tokens: int) -> int:
+        """A request's full KV at its end, on one device of the group."""
+        return math.ceil((self.prompt_tokens + num_output_tokens) * self.kv_bytes_per_token)
+
+    def compressed_kv_bytes(self, num_output_tokens: int) -> int:
+        """Its compressed KV at its end: the kept prompt tokens and every output token, exact."""
+        return math.ceil((self.kept_prompt_tokens + num_output_tokens) * self.kv_bytes_per_token)
+
     def forward_s(self, rows: list[Row]) -> float:
         cost = forward_cost(self.model, self.device, rows, tensor_parallel=self.tensor_parallel)
         return cost.seconds
@@ -145,8 +163,9 @@ class _VeriCacheRun:
         """The costs the scheduler starts from, as a start-up calibration would measure them: a
         draft step of one request; it refines them from each iteration's time."""
         scenario = self.scenario
-        context = math.ceil(scenario.kv_budget * scenario.prompt_tokens)
-        step_s = scenario.forward_s([Row(1, context, scenario.kv_bytes_per_token)])
+        step_s = scenario.forward_s(
+            [Row(1, scenario.kept_prompt_tokens, scenario.kv_bytes_per_token)]
+        )
         return CostModel(
             iteration_s=step_s,
             link_bytes_per_s=scenario.device.host_to_device_bytes_per_s,
@@ -180,14 +199,11 @@ class _VeriCacheRun:
         scenario = self.scenario
         while self.arriving and self.arriving[0].arrival_s <= self.sim.now:
             request = self.arriving.popleft()
-            tokens = scenario.prompt_tokens + request.num_output_tokens
-            compressed = math.ceil(scenario.kv_budget * scenario.prompt_tokens)
-            compressed += request.num_output_tokens
             self.scheduler.add_request(
                 SchedulerRequest(
                     request.request_id,
-                    full_kv_bytes=math.ceil(tokens * scenario.kv_bytes_per_token),
-                    compressed_kv_bytes=math.ceil(compressed * scenario.kv_bytes_per_token),
+                    full_kv_bytes=scenario.full_kv_bytes(request.num_output_tokens),
+                    compressed_kv_bytes=scenario.compressed_kv_bytes(request.num_output_tokens),
                     draft_len=scenario.draft_len,
                 )
             )
@@ -215,7 +231,7 @@ class _VeriCacheRun:
 
     def _draft_row(self, request_id: str) -> Row:
         scenario, request = self.scenario, self.live[request_id]
-        kept = math.ceil(scenario.kv_budget * scenario.prompt_tokens) + request.num_emitted
+        kept = scenario.kept_prompt_tokens + request.num_emitted
         return Row(1, kept, scenario.kv_bytes_per_token)
 
     def _verify_row(self, request_id: str, num_drafts: int) -> Row:
@@ -245,13 +261,12 @@ def simulate_full_kv(scenario: LongContextScenario) -> SimReport:
     """Full-KV decoding at the same memory: continuous batching of every request whose full KV
     fits beside the weights and the others'; one token per request per step."""
     requests, report = _requests(scenario), SimReport(sources=(scenario.device.source,))
-    room = scenario.memory_budget_bytes - scenario.weights_bytes
     now, busy, running = 0.0, 0.0, []
     while requests or running:
         while requests and requests[0].arrival_s <= now and _fits(scenario, running, requests[0]):
             running.append(requests.popleft())
         if not running:
-            if _full_kv_bytes(scenario, requests[0]) > room:
+            if scenario.full_kv_bytes(requests[0].num_output_tokens) > scenario.kv_room_bytes:
                 raise InvalidRequestError("one request's full KV does not fit the device")
             now = max(now, requests[0].arrival_s)
             continue
@@ -270,11 +285,6 @@ def simulate_full_kv(scenario: LongContextScenario) -> SimReport:
     return report
 
 
-def _full_kv_bytes(scenario: LongContextScenario, request: _Request) -> float:
-    return (scenario.prompt_tokens + request.num_output_tokens) * scenario.kv_bytes_per_token
-
-
 def _fits(scenario: LongContextScenario, running: list[_Request], request: _Request) -> bool:
-    used = sum(_full_kv_bytes(scenario, r) for r in running)
-    room = scenario.memory_budget_bytes - scenario.weights_bytes
-    return used + _full_kv_bytes(scenario, request) <= room
+    used = sum(scenario.full_kv_bytes(r.num_output_tokens) for r in running)
+    return used + scenario.full_kv_bytes(request.num_output_tokens) <= scenario.kv_room_bytes
