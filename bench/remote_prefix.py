@@ -46,9 +46,9 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from vericache.bench.common import compressor_from_label, environment
+from vericache.bench.common import compressor_from_label, environment, int_list
 from vericache.bench.remote_prefix_plot import plot  # noqa: F401 - the CLI's plot(result, path)
-from vericache.bench.remote_prefix_reference import engine_verification
+from vericache.bench.remote_prefix_reference import engine_reference, engine_verification
 from vericache.bench.serving import (
     Router,
     metric,
@@ -76,8 +76,8 @@ FULL_MODES = ("full_local", "full_remote", "full_both")
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--compressor", default="snapkv-4x-bf16", help="label, e.g. kivi-4bit")
-    parser.add_argument("--draft-lens", type=_int_list, help="x values (8,16,30; quick 8,30)")
-    parser.add_argument("--drafters", type=_int_list, help="drafter counts (1,2; quick 1)")
+    parser.add_argument("--draft-lens", type=int_list, help="x values (8,16,30; quick 8,30)")
+    parser.add_argument("--drafters", type=int_list, help="drafter counts (1,2; quick 1)")
     parser.add_argument("--schedulings", type=_str_list, help="per-request,staggered (quick: both)")
     parser.add_argument("--prefixes", type=int, help="distinct prefixes P (3; quick 2)")
     parser.add_argument(
@@ -372,21 +372,6 @@ def _served(bench: Bench, cell: Cell, reference: list[list[int]]) -> dict:
     return record
 
 
-def engine_reference(runs: list[dict]) -> dict:
-    """The in-process reference over its runs: per draft length, the mean CPU s per token, and
-    the runs themselves. The runs are apart in time: how far they differ is how far this
-    machine's speed drifts over a run, the noise floor of `verifier_overhead`."""
-    lens = runs[0]["full_kv_cpu_s_per_token"]
-    per_run = [run["full_kv_cpu_s_per_token"] for run in runs]
-    return {
-        "full_kv_cpu_s_per_token": {x: statistics.mean(r[x] for r in per_run) for x in lens},
-        "full_kv_cpu_s_per_token_by_run": per_run,
-        "suffix_prefill_cpu_s_by_run": [run["suffix_prefill_cpu_s"] for run in runs],
-        "outputs": runs[0]["outputs"],
-        "outputs_agree": all(run["outputs"] == runs[0]["outputs"] for run in runs),
-    }
-
-
 DEFINITIONS = {
     "tokens_per_s": "output tokens of the whole stream / its wall time; the median of the "
     "cell's repeats, with tokens_per_s_min and _max",
@@ -456,15 +441,18 @@ def _rpcs_per_round(cell: dict) -> float:
     return calls / max(1.0, sum(s["verified_rounds"] for s in cell["samples"]))
 
 
+def _verifier_cpu_s_per_token(cell: dict) -> list[float]:
+    return [s["cpu_s"]["verifiers"] / s["num_tokens"] for s in cell["samples"]]
+
+
 def _verifier_overhead(cell: dict, engine_cpu_s_per_token: float) -> float:
-    per_token = [s["cpu_s"]["verifiers"] / s["num_tokens"] for s in cell["samples"]]
-    return statistics.median(per_token) / engine_cpu_s_per_token
+    return statistics.median(_verifier_cpu_s_per_token(cell)) / engine_cpu_s_per_token
 
 
 def _verifier_overhead_range(cell: dict, engine: dict) -> list[float]:
     """The lowest and highest of the cell's samples over the lowest and highest reference run."""
-    per_token = [s["cpu_s"]["verifiers"] / s["num_tokens"] for s in cell["samples"]]
-    runs = engine.get("full_kv_cpu_s_per_token_by_run") or [engine["full_kv_cpu_s_per_token"]]
+    per_token = _verifier_cpu_s_per_token(cell)
+    runs = engine["full_kv_cpu_s_per_token_by_run"]
     references = [run[str(cell["draft_len"])] for run in runs]
     return [min(per_token) / max(references), max(per_token) / min(references)]
 
@@ -473,8 +461,7 @@ def _serving_overhead(cell: dict, engine: dict) -> float:
     """The verifier's CPU over its own forward loop's plus the suffix prefills' (the reference's
     mean), per sample, median: what serving adds, measured in the same process and stream, so
     that the machine's speed, which moves between the stream and the reference, cancels."""
-    prefills = engine.get("suffix_prefill_cpu_s_by_run") or [engine["suffix_prefill_cpu_s"]]
-    prefill_s = statistics.mean(prefills)
+    prefill_s = statistics.mean(engine["suffix_prefill_cpu_s_by_run"])
     ratios = [
         s["cpu_s"]["verifiers"] / (s["verifier_forward_cpu_s"] + prefill_s) for s in cell["samples"]
     ]
@@ -497,10 +484,6 @@ def _rtt_ratios(cells: list[dict], spec: StreamSpec) -> dict[str, float]:
 def _token_range(text: str) -> tuple[int, int]:
     low, high = (int(part) for part in text.split(","))
     return low, high
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(item) for item in text.split(",") if item]
 
 
 def _str_list(text: str) -> list[str]:

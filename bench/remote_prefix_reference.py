@@ -13,6 +13,7 @@ the distributed verifier is held to (`verifier_overhead`): what it spends beyond
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -70,3 +71,18 @@ def _requests(tokenizer, prefixes: list[dict], jobs, spec) -> list[Request]:
         request = Request(ids.token_ids, ids.num_prefix_tokens, params, compressor=compressor)
         requests.append(request)
     return requests
+
+
+def engine_reference(runs: list[dict]) -> dict:
+    """The in-process reference over its runs: per draft length, the mean CPU s per token, and
+    the runs themselves. The runs are apart in time: how far they differ is how far this
+    machine's speed drifts over a run, the noise floor of `verifier_overhead`."""
+    lens = runs[0]["full_kv_cpu_s_per_token"]
+    per_run = [run["full_kv_cpu_s_per_token"] for run in runs]
+    return {
+        "full_kv_cpu_s_per_token": {x: statistics.mean(r[x] for r in per_run) for x in lens},
+        "full_kv_cpu_s_per_token_by_run": per_run,
+        "suffix_prefill_cpu_s_by_run": [run["suffix_prefill_cpu_s"] for run in runs],
+        "outputs": runs[0]["outputs"],
+        "outputs_agree": all(run["outputs"] == runs[0]["outputs"] for run in runs),
+    }

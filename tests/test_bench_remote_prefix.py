@@ -108,23 +108,19 @@ def _table(vericache_per_request=30.0, full_both=20.0, match=True) -> list[dict]
     ]
 
 
-ENGINE = {
-    "full_kv_cpu_s_per_token": {"30": 0.1, "8": 0.1},
-    "suffix_prefill_cpu_s": 0.5,
-    "outputs": [[1]],
-    "outputs_agree": True,
-}
+def _reference_run(per_token: dict, outputs, prefill_s: float = 1.0) -> dict:
+    """One run of the in-process reference, as engine_verification returns it."""
+    return {"full_kv_cpu_s_per_token": per_token, "suffix_prefill_cpu_s": prefill_s,
+            "outputs": outputs}  # fmt: skip
+
+
+ENGINE = remote_prefix.engine_reference([_reference_run({"30": 0.1, "8": 0.1}, [[1]], 0.5)])
 
 
 def test_the_reference_runs_are_averaged_and_must_agree():
-    def run(per_token, outputs):
-        return {
-            "full_kv_cpu_s_per_token": per_token,
-            "suffix_prefill_cpu_s": 1.0,
-            "outputs": outputs,
-        }
-
-    engine = remote_prefix.engine_reference([run({"30": 0.1}, [[1]]), run({"30": 0.3}, [[1]])])
+    engine = remote_prefix.engine_reference(
+        [_reference_run({"30": 0.1}, [[1]]), _reference_run({"30": 0.3}, [[1]])]
+    )
     assert engine["full_kv_cpu_s_per_token"] == {"30": pytest.approx(0.2)}
     assert engine["outputs_agree"] and engine["full_kv_cpu_s_per_token_by_run"][1] == {"30": 0.3}
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
@@ -132,7 +128,9 @@ def test_the_reference_runs_are_averaged_and_must_agree():
     assert summary["verifier_overhead"] == pytest.approx(0.2 / 0.2)
     low, high = summary["verifier_overhead_range_by_cell"]["vericache x=30 d=1 per-request"]
     assert low == pytest.approx(0.2 / 0.3) and high == pytest.approx(0.2 / 0.1)
-    disagreeing = remote_prefix.engine_reference([run({"30": 0.1}, [[1]]), run({"30": 0.1}, [[2]])])
+    disagreeing = remote_prefix.engine_reference(
+        [_reference_run({"30": 0.1}, [[1]]), _reference_run({"30": 0.1}, [[2]])]
+    )
     assert not remote_prefix.summarize(_table(), [[1]], disagreeing, spec)["identical"]
 
 
