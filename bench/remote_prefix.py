@@ -30,9 +30,11 @@ Summary:
 - verifier_overhead: the verifier process's CPU seconds per output token over what the full-KV
   half of the same requests costs the in-process engine per output token: their verifications
   and the prefill of each prompt after its prefix (bench/remote_prefix_reference.py; target
-  <= 1.3). The reference runs twice, before the VERICACHE cells and after them, and counts at
-  its mean; each cell's range sets its samples against both runs, so the machine's drift over
-  the run shows;
+  <= 1.3). The reference is measured right after each VERICACHE sample, at its draft length, and
+  each sample is set against its own: the machine's drift over the run cancels, and the summary
+  shows how far it went (reference_cpu_s_per_token_range);
+- verifier_serving_overhead: the verifier's CPU over its own forward loop's plus the suffix
+  prefills', in the same stream: serving's share alone;
 - identical: every exact output equals FULL_LOCAL's, and the in-process engine's too.
 Run with OMP_NUM_THREADS=1 on a machine with a core per worker and nothing else busy; each sample
 keeps the CPU seconds of the drafters, the verifier and everything else during its stream.
@@ -48,7 +50,7 @@ from pathlib import Path
 
 from vericache.bench.common import compressor_from_label, environment, int_list
 from vericache.bench.remote_prefix_plot import plot  # noqa: F401 - the CLI's plot(result, path)
-from vericache.bench.remote_prefix_reference import engine_reference, engine_verification
+from vericache.bench.remote_prefix_reference import EngineReference, reference_spread
 from vericache.bench.serving import (
     Router,
     metric,
@@ -191,14 +193,19 @@ class Bench:
     drafter_kv_bytes: int
     bandwidth: float | None = None  # None: an open link (registration, calibration)
     rates: dict[str, float] | None = None  # per pool, alone: the FULL_BOTH router's weights
+    reference: EngineReference | None = None  # measured after each VERICACHE sample, if set
 
     def serve(self, cell: Cell) -> tuple[dict, list[list[int]]]:
         """The cell's samples (one per repeat, each on fresh workers) and its outputs."""
         samples, outputs = [], None
         for _ in range(self.spec.repeats):
             sample, outputs = self._serve_once(cell)
-            samples.append(sample)
             print(f"[remote-prefix] {cell.name}: {sample['tokens_per_s']:.2f} tokens/s")
+            if self.reference and cell.mode == "vericache" and not cell.latency_s:
+                run = self.reference.measure(cell.draft_len)
+                sample["reference"] = run.record()
+                sample["reference_outputs_match"] = list(map(list, run.outputs)) == outputs
+            samples.append(sample)
         return cell_record(cell, samples), outputs
 
     def _serve_once(self, cell: Cell) -> tuple[dict, list[list[int]]]:
@@ -326,27 +333,25 @@ def run(args) -> dict:
         max_full = max(p["full_kv_bytes"] for p in prefixes)
         bench.drafter_kv_bytes = int(spec.drafter_kv_prefixes * max_full)
         bench.jobs = request_stream([p["prefix_id"] for p in prefixes], spec.num_requests)
-        cells, reference, before = _serve_all(bench, prefixes)
-    engine = engine_reference([before, engine_verification(args.model, prefixes, bench.jobs, spec)])
+        cells = _serve_all(bench, prefixes)
     return {
         "benchmark": "remote-prefix",
-        "summary": summarize(cells, reference, engine, spec),
+        "summary": summarize(cells, spec),
         "definitions": DEFINITIONS,
         "config": {**asdict(spec), "model": args.model, "quick": args.quick},
         "environment": environment(),
         "prefixes": [{k: v for k, v in p.items() if k != "text"} for p in prefixes],
         "bandwidth_bytes_per_s": bench.bandwidth,
         "drafter_kv_cache_bytes": bench.drafter_kv_bytes,
-        "engine_reference": {k: v for k, v in engine.items() if k != "outputs"},
         "cells": cells,
     }
 
 
-def _serve_all(bench: Bench, prefixes: list[dict]) -> tuple[list[dict], list[list[int]], dict]:
-    """FULL_LOCAL first (it calibrates the link), then every other cell at that bandwidth; the
-    in-process reference runs once before the VERICACHE cells (and once more after them)."""
+def _serve_all(bench: Bench, prefixes: list[dict]) -> list[dict]:
+    """FULL_LOCAL first (it calibrates the link), then every other cell at that bandwidth, each
+    VERICACHE sample followed by its in-process reference."""
     spec = bench.spec
-    full_local, reference = bench.serve(Cell("full_local", 1))
+    full_local, expected = bench.serve(Cell("full_local", 1))
     full_local["outputs_match"] = True
     seconds_per_reply = statistics.median(s["wall_s"] for s in full_local["samples"]) / len(
         bench.jobs
@@ -358,16 +363,17 @@ def _serve_all(bench: Bench, prefixes: list[dict]) -> tuple[list[dict], list[lis
     plan = [Cell("full_remote", n) for n in spec.drafter_counts]
     plan += [Cell("full_both", n) for n in spec.drafter_counts]
     for cell in plan:
-        cells.append(_served(bench, cell, reference))
-    before = engine_verification(bench.model, prefixes, bench.jobs, spec)
+        cells.append(_served(bench, cell, expected))
+    bench.reference = EngineReference(bench.model, prefixes, bench.jobs, spec)
+    bench.reference.measure(max(spec.draft_lens))  # untimed: prefills the prefixes' full KV
     for cell in vericache_cells(spec):
-        cells.append(_served(bench, cell, reference))
-    return cells, reference, before
+        cells.append(_served(bench, cell, expected))
+    return cells
 
 
-def _served(bench: Bench, cell: Cell, reference: list[list[int]]) -> dict:
+def _served(bench: Bench, cell: Cell, expected: list[list[int]]) -> dict:
     record, outputs = bench.serve(cell)
-    record["outputs_match"] = outputs == reference
+    record["outputs_match"] = outputs == expected
     bench.rates[record["name"]] = record["tokens_per_s"]
     return record
 
@@ -381,14 +387,17 @@ DEFINITIONS = {
     "rtt20_over_rtt0": "VERICACHE tokens/s at the rtt latency / at none (x = the largest, 1 "
     "drafter)",
     "verifier_overhead": "verifier process CPU s per output token / in-process engine CPU s of "
-    "the same requests' verifications and suffix prefills per output token, same draft length",
+    "the same requests' verifications and suffix prefills per output token, same draft length, "
+    "measured right after the sample; the median over a cell's samples",
     "verifier_serving_overhead": "verifier process CPU s / (its forward loop's CPU s + the "
-    "reference's suffix prefill CPU s), the same stream: serving's share, the machine's speed "
-    "cancelled",
+    "paired reference's suffix prefill CPU s), the same stream: serving's share, the machine's "
+    "speed cancelled",
+    "reference_cpu_s_per_token_range": "per draft length, the lowest and highest in-process "
+    "reference of the run: how far the machine's speed moved",
 }
 
 
-def summarize(cells: list[dict], reference: list[list[int]], engine: dict, spec) -> dict:
+def summarize(cells: list[dict], spec) -> dict:
     by_name = {cell["name"]: cell for cell in cells}
     vericache = [c for c in cells if c["mode"] == "vericache" and not c["latency_s"]]
 
@@ -399,12 +408,9 @@ def summarize(cells: list[dict], reference: list[list[int]], engine: dict, spec)
     over = {c["name"]: c["tokens_per_s"] / best_full(c["num_drafters"]) for c in vericache}
     headline = Cell("vericache", **HEADLINE).name
     rpcs = max(_rpcs_per_round(c) for c in vericache)
-    overhead = {
-        c["name"]: _verifier_overhead(c, engine["full_kv_cpu_s_per_token"][str(c["draft_len"])])
-        for c in vericache
-        if str(c["draft_len"]) in engine["full_kv_cpu_s_per_token"]
-    }
-    serving = {c["name"]: _serving_overhead(c, engine) for c in vericache if c["name"] in overhead}
+    paired = [c for c in vericache if all("reference" in s for s in c["samples"])]
+    overhead = {c["name"]: statistics.median(_verifier_overheads(c)) for c in paired}
+    serving = {c["name"]: _serving_overhead(c) for c in paired}
     rtt = _rtt_ratios(cells, spec)
     summary = {
         "vericache_over_best_full": over.get(headline),
@@ -417,15 +423,13 @@ def summarize(cells: list[dict], reference: list[list[int]], engine: dict, spec)
         "verifier_overhead": max(overhead.values()) if overhead else None,
         "verifier_overhead_by_cell": overhead,
         "verifier_overhead_range_by_cell": {
-            c["name"]: _verifier_overhead_range(c, engine)
-            for c in vericache
-            if c["name"] in overhead
+            c["name"]: [min(_verifier_overheads(c)), max(_verifier_overheads(c))] for c in paired
         },
+        "reference_cpu_s_per_token_range": reference_spread(cells),
         "verifier_serving_overhead": max(serving.values()) if serving else None,
         "verifier_serving_overhead_by_cell": serving,
         "identical": all(c["outputs_match"] for c in cells if c["mode"] != "lossy")
-        and engine["outputs"] == reference
-        and engine["outputs_agree"],
+        and all(s.get("reference_outputs_match", True) for c in cells for s in c["samples"]),
     }
     summary["meets_targets"] = {
         "rpcs_per_round": rpcs <= TARGETS["rpcs_per_round"],
@@ -441,29 +445,21 @@ def _rpcs_per_round(cell: dict) -> float:
     return calls / max(1.0, sum(s["verified_rounds"] for s in cell["samples"]))
 
 
-def _verifier_cpu_s_per_token(cell: dict) -> list[float]:
-    return [s["cpu_s"]["verifiers"] / s["num_tokens"] for s in cell["samples"]]
+def _verifier_overheads(cell: dict) -> list[float]:
+    """Each sample's verifier CPU s per output token over its own paired reference's."""
+    return [
+        s["cpu_s"]["verifiers"] / s["num_tokens"] / s["reference"]["cpu_s_per_token"]
+        for s in cell["samples"]
+    ]
 
 
-def _verifier_overhead(cell: dict, engine_cpu_s_per_token: float) -> float:
-    return statistics.median(_verifier_cpu_s_per_token(cell)) / engine_cpu_s_per_token
-
-
-def _verifier_overhead_range(cell: dict, engine: dict) -> list[float]:
-    """The lowest and highest of the cell's samples over the lowest and highest reference run."""
-    per_token = _verifier_cpu_s_per_token(cell)
-    runs = engine["full_kv_cpu_s_per_token_by_run"]
-    references = [run[str(cell["draft_len"])] for run in runs]
-    return [min(per_token) / max(references), max(per_token) / min(references)]
-
-
-def _serving_overhead(cell: dict, engine: dict) -> float:
-    """The verifier's CPU over its own forward loop's plus the suffix prefills' (the reference's
-    mean), per sample, median: what serving adds, measured in the same process and stream, so
-    that the machine's speed, which moves between the stream and the reference, cancels."""
-    prefill_s = statistics.mean(engine["suffix_prefill_cpu_s_by_run"])
+def _serving_overhead(cell: dict) -> float:
+    """The verifier's CPU over its own forward loop's plus the suffix prefills' (from the paired
+    reference), per sample, median: what serving adds, measured in the same process and stream."""
     ratios = [
-        s["cpu_s"]["verifiers"] / (s["verifier_forward_cpu_s"] + prefill_s) for s in cell["samples"]
+        s["cpu_s"]["verifiers"]
+        / (s["verifier_forward_cpu_s"] + s["reference"]["suffix_prefill_cpu_s"])
+        for s in cell["samples"]
     ]
     return statistics.median(ratios)
 

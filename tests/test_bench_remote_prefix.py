@@ -84,12 +84,24 @@ def test_a_stream_record_sums_its_requests():
     assert stream_record(1.0, [_result([1])])["mean_accepted_per_round"] is None
 
 
-def _cell(cell: Cell, *rates: float, calls=0, rounds=1, cpu=1.0, match=True) -> dict:
+def _cell(
+    cell: Cell, *rates: float, calls=0, rounds=1, cpu=1.0, match=True, references=(0.1,)
+) -> dict:
+    """A cell's record; a VERICACHE sample without latency is paired with a reference run (CPU s
+    per token, in turn from `references`), as the benchmark pairs them."""
     samples = [
         {"tokens_per_s": r, "round_calls": calls, "verified_rounds": rounds, "num_tokens": 10,
          "cpu_s": {"verifiers": cpu}, "verifier_forward_cpu_s": 0.75 * cpu}
         for r in rates
     ]  # fmt: skip
+    if cell.mode == "vericache" and not cell.latency_s:
+        for i, sample in enumerate(samples):
+            per_token = references[i % len(references)]
+            sample["reference"] = {
+                "draft_len": cell.draft_len, "cpu_s_per_token": per_token,
+                "suffix_prefill_cpu_s": 0.5,
+            }  # fmt: skip
+            sample["reference_outputs_match"] = match
     return cell_record(cell, samples) | {"outputs_match": match}
 
 
@@ -108,35 +120,24 @@ def _table(vericache_per_request=30.0, full_both=20.0, match=True) -> list[dict]
     ]
 
 
-def _reference_run(per_token: dict, outputs, prefill_s: float = 1.0) -> dict:
-    """One run of the in-process reference, as engine_verification returns it."""
-    return {"full_kv_cpu_s_per_token": per_token, "suffix_prefill_cpu_s": prefill_s,
-            "outputs": outputs}  # fmt: skip
-
-
-ENGINE = remote_prefix.engine_reference([_reference_run({"30": 0.1, "8": 0.1}, [[1]], 0.5)])
-
-
-def test_the_reference_runs_are_averaged_and_must_agree():
-    engine = remote_prefix.engine_reference(
-        [_reference_run({"30": 0.1}, [[1]]), _reference_run({"30": 0.3}, [[1]])]
-    )
-    assert engine["full_kv_cpu_s_per_token"] == {"30": pytest.approx(0.2)}
-    assert engine["outputs_agree"] and engine["full_kv_cpu_s_per_token_by_run"][1] == {"30": 0.3}
+def test_each_sample_is_set_against_its_own_reference():
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
-    summary = remote_prefix.summarize(_table(), [[1]], engine, spec)
-    assert summary["verifier_overhead"] == pytest.approx(0.2 / 0.2)
+    drifting = _cell(Cell("vericache", 1, 30), 1, 2, 3, cpu=2.0, references=(0.1, 0.2, 0.25))
+    table = [*_table()[:5], drifting]
+    summary = remote_prefix.summarize(table, spec)
+    # 0.2 s/token against 0.1, 0.2 and 0.25: 2.0, 1.0 and 0.8, median 1.0.
+    assert summary["verifier_overhead"] == pytest.approx(1.0)
     low, high = summary["verifier_overhead_range_by_cell"]["vericache x=30 d=1 per-request"]
-    assert low == pytest.approx(0.2 / 0.3) and high == pytest.approx(0.2 / 0.1)
-    disagreeing = remote_prefix.engine_reference(
-        [_reference_run({"30": 0.1}, [[1]]), _reference_run({"30": 0.1}, [[2]])]
-    )
-    assert not remote_prefix.summarize(_table(), [[1]], disagreeing, spec)["identical"]
+    assert low == pytest.approx(0.8) and high == pytest.approx(2.0)
+    assert summary["reference_cpu_s_per_token_range"] == {"30": [0.1, 0.25]}
+    disagreeing = _cell(Cell("vericache", 1, 30), 1, cpu=2.0)
+    disagreeing["samples"][0]["reference_outputs_match"] = False
+    assert not remote_prefix.summarize([*_table()[:5], disagreeing], spec)["identical"]
 
 
 def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_workers():
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
-    summary = remote_prefix.summarize(_table(), [[1]], ENGINE, spec)
+    summary = remote_prefix.summarize(_table(), spec)
     assert summary["headline_cell"] == "vericache x=30 d=1 per-request"
     assert summary["vericache_over_best_full"] == pytest.approx(30 / 20)  # over FULL_BOTH
     assert summary["vericache_over_best_full_by_cell"]["vericache x=30 d=2 per-request"] == (
@@ -154,14 +155,13 @@ def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_wo
         "rpcs_per_round": True, "rtt20_over_rtt0": False, "verifier_overhead": False,
     }  # fmt: skip
     # FULL_LOCAL the best: one full-KV cell beats the others on the same workers.
-    slow_both = remote_prefix.summarize(_table(full_both=5), [[1]], ENGINE, spec)
+    slow_both = remote_prefix.summarize(_table(full_both=5), spec)
     assert slow_both["vericache_over_best_full"] == pytest.approx(30 / 15)
 
 
-def test_one_mismatched_cell_or_engine_output_is_not_identical():
+def test_one_mismatched_cell_is_not_identical():
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
-    assert not remote_prefix.summarize(_table(match=False), [[1]], ENGINE, spec)["identical"]
-    assert not remote_prefix.summarize(_table(), [[2]], ENGINE, spec)["identical"]
+    assert not remote_prefix.summarize(_table(match=False), spec)["identical"]
 
 
 def test_a_cell_reports_its_median_and_spread(tmp_path):
@@ -171,7 +171,7 @@ def test_a_cell_reports_its_median_and_spread(tmp_path):
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
     result = {
         "cells": _table(),
-        "summary": remote_prefix.summarize(_table(), [[1]], ENGINE, spec),
+        "summary": remote_prefix.summarize(_table(), spec),
         "config": {"num_requests": 4, "num_prefixes": 2, "concurrency": 2, "max_tokens": 8,
                    "compressor": "c", "repeats": 3},
         "bandwidth_bytes_per_s": 5e6,
