@@ -16,7 +16,7 @@ from vericache.sim.profiles import ModelProfile, device_profile
 
 TINY = ModelProfile(
     name="tiny", source="test", num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4,
-    num_kv_heads=2, head_dim=16, vocab_size=256, num_params=200_000,
+    num_kv_heads=2, head_dim=16, vocab_size=256, num_params=200_000, max_positions=4096,
 )  # fmt: skip
 PLAN = CalibrationPlan(
     num_layers=4, product_rows=(1, 2, 8), contexts=(64, 96), batches=(1, 2), verify_tokens=(5, 9),

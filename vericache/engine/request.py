@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from vericache.compress import Compressor
 from vericache.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # requests and rounds stay torch-free: the simulator runs them (vericache.sim)
+    from vericache.compress import Compressor
 
 
 class DecodeMode(str, enum.Enum):

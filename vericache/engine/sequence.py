@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vericache.engine.request import DecodeMode, Request, RequestStats
 from vericache.engine.stops import StopChecker
-from vericache.kv.cache import KVCache
-from vericache.kv.compressed import CompressedKV
+
+if TYPE_CHECKING:  # rounds stay torch-free: the simulator runs them too (vericache.sim)
+    from vericache.kv.cache import KVCache
+    from vericache.kv.compressed import CompressedKV
 
 
 def num_accepted(draft_ids: list[int], verified_ids: list[int]) -> int:

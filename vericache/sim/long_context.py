@@ -8,7 +8,10 @@ the loads of the verifications that start in it (a stall, if the link is behind)
 forward: a draft row for each drafting request over its compressed KV and a row of x+1 tokens for
 each verification over its full KV, as the engine batches them. The forward's time is what the cost
 model gives (cost.py); the scheduler sees it as the iteration's measured time. Each verification
-accepts what a recorded round accepts (workload.py).
+accepts what a recorded round accepts (workload.py), and every round begins and commits through
+the engine's own round (decoding.py): a round near a request's end drafts only what its budget
+allows, and the next round's length is set as the long-context engine sets it. Neither side is
+charged the prompt's prefill.
 
 The compressed KV is token-dropped to `kv_budget` of the prompt's tokens (KVzip's c); tokens the
 request commits join it exactly, as VeriCache appends them.
@@ -32,6 +35,7 @@ from vericache.errors import InvalidRequestError
 from vericache.scheduler import BaseScheduler, CostModel
 from vericache.scheduler.records import IterationPlan, SchedulerRequest
 from vericache.sim.cost import Row, forward_cost
+from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
@@ -56,6 +60,11 @@ class LongContextScenario:
             raise InvalidRequestError("a scenario needs a prompt, kv_budget in (0, 1], x >= 1")
         if not self.arrivals or not 0 <= self.activation_reserve < 1:
             raise InvalidRequestError("a scenario needs arrivals and a reserve in [0, 1)")
+        if self.prompt_tokens >= self.model.max_positions:
+            raise InvalidRequestError(
+                f"a prompt of {self.prompt_tokens} tokens leaves no room in {self.model.name}'s "
+                f"context of {self.model.max_positions}"
+            )
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -119,23 +128,22 @@ class SimReport:
 
 
 class _Request:
-    def __init__(self, request_id: str, arrival_s: float, num_output_tokens: int):
+    def __init__(self, request_id: str, arrival_s: float, seq: SimSequence, max_output: int):
         self.request_id = request_id
         self.arrival_s = arrival_s
-        self.num_output_tokens = num_output_tokens
-        self.num_emitted = 0
-
-    @property
-    def is_finished(self) -> bool:
-        return self.num_emitted >= self.num_output_tokens
+        self.seq = seq
+        self.max_output_tokens = max_output  # the most it can emit: the KV it may come to hold
 
 
 def _requests(scenario: LongContextScenario) -> deque[_Request]:
     rng = random.Random(scenario.seed)
-    return deque(
-        _Request(f"r{i}", arrival, scenario.output_lengths.draw(rng))
-        for i, arrival in enumerate(sorted(scenario.arrivals))
-    )
+    prompt, context = scenario.prompt_tokens, scenario.model.max_positions
+    requests = deque()
+    for i, arrival in enumerate(sorted(scenario.arrivals)):
+        num_tokens = scenario.output_lengths.draw(rng)
+        seq = SimSequence(prompt, num_tokens, context)
+        requests.append(_Request(f"r{i}", arrival, seq, min(num_tokens, context - prompt)))
+    return requests
 
 
 def simulate_vericache(
@@ -202,8 +210,8 @@ class _VeriCacheRun:
             self.scheduler.add_request(
                 SchedulerRequest(
                     request.request_id,
-                    full_kv_bytes=scenario.full_kv_bytes(request.num_output_tokens),
-                    compressed_kv_bytes=scenario.compressed_kv_bytes(request.num_output_tokens),
+                    full_kv_bytes=scenario.full_kv_bytes(request.max_output_tokens),
+                    compressed_kv_bytes=scenario.compressed_kv_bytes(request.max_output_tokens),
                     draft_len=scenario.draft_len,
                 )
             )
@@ -223,38 +231,61 @@ class _VeriCacheRun:
         if self.sim.now > since:
             self.report.num_stalls += 1
             self.report.stall_s += self.sim.now - since
-        rows = [self._draft_row(rid) for rid in plan.draft_ids]
-        rows += [self._verify_row(v.request_id, v.num_draft_tokens) for v in plan.verify_starts]
+        drafting = self._drafting(plan)
+        rows = [self._draft_row(seq) for seq in drafting]
+        rows += [self._verify_row(self.live[v.request_id].seq) for v in plan.verify_starts]
         seconds = self.scenario.forward_s(rows) if rows else 0.0
         self.report.num_forwards += bool(rows)
-        self.device.submit(seconds, lambda: self._finish(plan, seconds))
+        self.device.submit(seconds, lambda: self._finish(plan, drafting, seconds))
 
-    def _draft_row(self, request_id: str) -> Row:
-        scenario, request = self.scenario, self.live[request_id]
-        kept = scenario.kept_prompt_tokens + request.num_emitted
-        return Row(1, kept, scenario.kv_bytes_per_token)
+    def _drafting(self, plan: IterationPlan) -> list[SimSequence]:
+        """The plan's draft steps, as the long-context engine takes them: a round begins at the
+        scheduler's draft length, and a sequence whose round has its drafts takes no step."""
+        drafting = []
+        for request_id in plan.draft_ids:
+            seq = self.live[request_id].seq
+            if not seq.in_round:
+                seq.begin_round(
+                    self.scheduler.request_state(request_id).reservation.num_draft_tokens
+                )
+            if seq.wants_draft_step:
+                drafting.append(seq)
+        return drafting
 
-    def _verify_row(self, request_id: str, num_drafts: int) -> Row:
-        scenario, request = self.scenario, self.live[request_id]
-        context = scenario.prompt_tokens + request.num_emitted
-        return Row(num_drafts + 1, context, scenario.kv_bytes_per_token)
+    def _draft_row(self, seq: SimSequence) -> Row:
+        """A draft step over the compressed KV: the kept prompt, the output and the drafts."""
+        kept = self.scenario.kept_prompt_tokens + seq.num_output_tokens + seq.num_drafts
+        return Row(1, kept, self.scenario.kv_bytes_per_token)
 
-    def _finish(self, plan: IterationPlan, seconds: float) -> None:
+    def _verify_row(self, seq: SimSequence) -> Row:
+        context = self.scenario.prompt_tokens + seq.num_output_tokens
+        return Row(seq.num_drafts + 1, context, self.scenario.kv_bytes_per_token)
+
+    def _finish(self, plan: IterationPlan, drafting: list[SimSequence], seconds: float) -> None:
+        for seq in drafting:
+            seq.draft_step()
         for verify in plan.verifies:
-            request = self.live[verify.request_id]
-            accepted = self.scenario.acceptance.accepted(verify.num_draft_tokens, self.rng)
-            emitted = min(accepted + 1, request.num_output_tokens - request.num_emitted)
-            request.num_emitted += emitted
-            self.report.num_output_tokens += emitted
-            self.report.accepted_per_round.append(accepted)
-            self.report.draft_lens.append(verify.num_draft_tokens)
-            self.loaded.discard(verify.request_id)
-            self.scheduler.on_verified(verify.request_id, accepted, request.is_finished)
-            if request.is_finished:
-                self.report.latencies_s.append(self.sim.now - request.arrival_s)
-                del self.live[verify.request_id]
+            self._verified(verify.request_id)
         self.scheduler.end_iteration(seconds if seconds else None)
         self._iteration()
+
+    def _verified(self, request_id: str) -> None:
+        request = self.live[request_id]
+        seq, num_drafts = request.seq, request.seq.num_drafts
+        outcome = seq.verify(self.scenario.acceptance.accepted(num_drafts, self.rng))
+        accepted = seq.seq.stats.accepted_per_round[-1]
+        self.report.num_output_tokens += len(outcome.committed)
+        self.report.accepted_per_round.append(accepted)
+        self.report.draft_lens.append(num_drafts)
+        self.loaded.discard(request_id)
+        self.scheduler.on_verified(request_id, accepted, seq.is_finished)
+        if seq.is_finished:
+            self.report.latencies_s.append(self.sim.now - request.arrival_s)
+            del self.live[request_id]
+        else:  # the next round's length within the budget, as the engine sets it
+            self.scheduler.set_draft_len(
+                request_id, max(1, seq.drafts_wanted(self.scenario.draft_len))
+            )
 
 
 def simulate_full_kv(scenario: LongContextScenario) -> SimReport:
@@ -266,25 +297,24 @@ def simulate_full_kv(scenario: LongContextScenario) -> SimReport:
         while requests and requests[0].arrival_s <= now and _fits(scenario, running, requests[0]):
             running.append(requests.popleft())
         if not running:
-            if scenario.full_kv_bytes(requests[0].num_output_tokens) > scenario.kv_room_bytes:
+            if scenario.full_kv_bytes(requests[0].max_output_tokens) > scenario.kv_room_bytes:
                 raise InvalidRequestError("one request's full KV does not fit the device")
             now = max(now, requests[0].arrival_s)
             continue
         kv = scenario.kv_bytes_per_token
-        rows = [Row(1, scenario.prompt_tokens + r.num_emitted, kv) for r in running]
+        rows = [Row(1, scenario.prompt_tokens + r.seq.num_output_tokens, kv) for r in running]
         seconds = scenario.forward_s(rows)
         now, busy = now + seconds, busy + seconds
         report.num_forwards += 1
         for request in running:
-            request.num_emitted += 1
-            report.num_output_tokens += 1
-            if request.is_finished:
+            report.num_output_tokens += request.seq.decode_step()
+            if request.seq.is_finished:
                 report.latencies_s.append(now - request.arrival_s)
-        running = [r for r in running if not r.is_finished]
+        running = [r for r in running if not r.seq.is_finished]
     report.elapsed_s, report.device_busy_s = now, busy
     return report
 
 
 def _fits(scenario: LongContextScenario, running: list[_Request], request: _Request) -> bool:
-    used = sum(scenario.full_kv_bytes(r.num_output_tokens) for r in running)
-    return used + scenario.full_kv_bytes(request.num_output_tokens) <= scenario.kv_room_bytes
+    used = sum(scenario.full_kv_bytes(r.max_output_tokens) for r in running)
+    return used + scenario.full_kv_bytes(request.max_output_tokens) <= scenario.kv_room_bytes

@@ -33,10 +33,12 @@ class ModelProfile:
     head_dim: int
     vocab_size: int
     num_params: int
+    max_positions: int  # the context: max_position_embeddings
 
     def __post_init__(self):
         _check_positive(self, ("num_layers", "hidden_size", "num_heads", "num_kv_heads"))
         _check_positive(self, ("head_dim", "vocab_size", "num_params", "intermediate_size"))
+        _check_positive(self, ("max_positions",))
         if self.num_heads % self.num_kv_heads:
             raise InvalidRequestError(f"{self.name}: query heads are not a multiple of KV heads")
 

@@ -5,10 +5,12 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
 - VERICACHE, per-request rounds (the coordinator's default): a request's drafter fetches its
   prefix's compressed KV over the network unless it holds it (an LRU in its memory beside the
   weights); its verifier loads the prefix's full KV from the store and prefills the rest of the
-  prompt, and the prompt's exact KV crosses to the drafter. Then rounds back to back: the drafter
-  drafts min(x, tokens left - 1) tokens, one step each, batched with its other requests; the
-  draft call crosses back (latency); the verifier verifies x+1 tokens in one forward, batched with
-  whatever else is due; the committed tokens' exact KV crosses with the next draft call.
+  prompt, and the prompt's exact KV crosses to the drafter. Then rounds back to back, each begun
+  and committed by the engine's own round (decoding.py): the drafter drafts what the token budget
+  and the context allow (up to x), one step each, batched with its other requests; the draft call
+  crosses back (latency); the verifier verifies them and one more token in one forward, batched
+  with whatever else is due; the committed tokens' exact KV crosses with the next draft call. A
+  round with no drafts to make (one token left) calls the verifier alone, as the coordinator does.
 - FULL_LOCAL: the verifiers decode alone over the full KV from the store.
 - FULL_REMOTE: the drafters fetch full KV over the network (their LRU holds what fits) and decode.
 - FULL_BOTH: every device serves full KV at once; a router sends each request to the pool that
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from vericache.errors import InvalidRequestError
 from vericache.sim.batch_loop import SimBatchLoop, SimJob
 from vericache.sim.cost import Row, forward_cost
+from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
 from vericache.sim.long_context import SimReport
 from vericache.sim.profiles import DeviceProfile, ModelProfile
@@ -60,6 +63,11 @@ class RemotePrefixScenario:
             raise InvalidRequestError("a scenario needs workers, prefixes, a suffix and requests")
         if not 0 < self.compressed_ratio <= 1 or self.network_latency_s < 0:
             raise InvalidRequestError("compressed_ratio lies in (0, 1], latency >= 0")
+        if self.prefix_tokens + self.suffix_tokens >= self.model.max_positions:
+            raise InvalidRequestError(
+                f"a prompt of {self.prefix_tokens + self.suffix_tokens} tokens leaves no room in "
+                f"{self.model.name}'s context of {self.model.max_positions}"
+            )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -145,6 +153,12 @@ class _Run:
         self.report.link_bytes = sum(w.link.bytes_delivered for w in workers)
         return self.report
 
+    def sequence(self, num_tokens: int) -> SimSequence:
+        """A request's tokens: its prompt is the prefix and the suffix."""
+        scenario = self.scenario
+        prompt_tokens = scenario.prefix_tokens + scenario.suffix_tokens
+        return SimSequence(prompt_tokens, num_tokens, scenario.model.max_positions)
+
     def emit(self, num_tokens: int) -> None:
         self.report.num_output_tokens += num_tokens
 
@@ -167,17 +181,15 @@ def simulate_vericache(scenario: RemotePrefixScenario) -> SimReport:
 class _VeriCacheRequest:
     run: _Run
     prefix: int
-    num_tokens: int
+    seq: SimSequence
     arrival_s: float
     drafter: _Worker
     verifier: _Worker
-    num_emitted: int = 0
-    num_drafts: int = 0
 
     @classmethod
     def start(cls, run: _Run, prefix: int, num_tokens: int, arrival_s: float) -> None:
         drafter, verifier = _least_busy(run.drafters), _least_busy(run.verifiers)
-        request = cls(run, prefix, num_tokens, arrival_s, drafter, verifier)
+        request = cls(run, prefix, run.sequence(num_tokens), arrival_s, drafter, verifier)
         compressed = run.scenario.prefix_bytes(compressed=True)
         drafter.prefixes.ensure(prefix, compressed, drafter.link, request._open)
 
@@ -190,42 +202,48 @@ class _VeriCacheRequest:
         self.verifier.loop.submit(SimJob(lambda: row, 1, self._first_token))
 
     def _first_token(self) -> None:
-        self._commit(1, exact_tokens=self.run.scenario.suffix_tokens + 1)
+        self._committed(self.seq.first_token(), exact_tokens=self.run.scenario.suffix_tokens + 1)
 
-    def _commit(self, num_tokens: int, exact_tokens: int) -> None:
+    def _committed(self, num_tokens: int, exact_tokens: int) -> None:
         """Emits tokens; their exact KV crosses to the drafter with the next draft call."""
-        num_tokens = min(num_tokens, self.num_tokens - self.num_emitted)
-        self.num_emitted += num_tokens
         self.run.emit(num_tokens)
-        if self.num_emitted >= self.num_tokens:
+        if self.seq.is_finished:
             self.run.finish(self.verifier, self.arrival_s)
             self.drafter.num_requests -= 1
             return
+        num_drafts = self.seq.begin_round(self.run.scenario.draft_len)
+        if num_drafts == 0:  # the budget leaves one token: the verifier alone chooses it
+            self._verify()
+            return
         exact_bytes = exact_tokens * self.run.scenario.kv_bytes_per_token
-        self.drafter.link.send(exact_bytes, self._draft)
+        self.drafter.link.send(exact_bytes, lambda: self._draft(num_drafts))
 
-    def _draft(self) -> None:
-        self.num_drafts = min(self.run.scenario.draft_len, self.num_tokens - self.num_emitted - 1)
-        self.drafter.loop.submit(SimJob(self._draft_row, self.num_drafts, self._drafted))
+    def _draft(self, num_drafts: int) -> None:
+        job = SimJob(self._draft_row, num_drafts, self._drafted, on_step=self.seq.draft_step)
+        self.drafter.loop.submit(job)
 
     def _drafted(self) -> None:
         """The drafts cross to the verifier: a call, small enough to cost only latency."""
         self.run.sim.after(self.run.scenario.network_latency_s, self._verify)
 
+    def _after_prefix(self) -> int:
+        """Exact tokens a cache holds after the prefix: the suffix and the committed output."""
+        return self.run.scenario.suffix_tokens + self.seq.num_output_tokens
+
     def _draft_row(self) -> Row:
-        after_prefix = self.run.scenario.suffix_tokens + self.num_emitted
-        return self.run.scenario.row(1, after_prefix, compressed=True)
+        """A draft step over the compressed KV, which holds this round's drafts so far too."""
+        return self.run.scenario.row(1, self._after_prefix() + self.seq.num_drafts, compressed=True)
 
     def _verify(self) -> None:
-        after_prefix = self.run.scenario.suffix_tokens + self.num_emitted
-        row = self.run.scenario.row(self.num_drafts + 1, after_prefix, compressed=False)
+        row = self.run.scenario.row(self.seq.num_drafts + 1, self._after_prefix(), compressed=False)
         self.verifier.loop.submit(SimJob(lambda: row, 1, self._verified))
 
     def _verified(self) -> None:
-        accepted = self.run.scenario.acceptance.accepted(self.num_drafts, self.run.rng)
-        self.run.report.accepted_per_round.append(accepted)
-        self.run.report.draft_lens.append(self.num_drafts)
-        self._commit(accepted + 1, exact_tokens=accepted + 1)
+        num_drafts = self.seq.num_drafts
+        outcome = self.seq.verify(self.run.scenario.acceptance.accepted(num_drafts, self.run.rng))
+        self.run.report.accepted_per_round.append(self.seq.seq.stats.accepted_per_round[-1])
+        self.run.report.draft_lens.append(num_drafts)
+        self._committed(len(outcome.committed), exact_tokens=len(outcome.committed))
 
 
 class FullPool(enum.Enum):
@@ -246,16 +264,15 @@ def simulate_full(
 @dataclass(eq=False)
 class _FullRequest:
     run: _Run
-    num_tokens: int
+    seq: SimSequence
     arrival_s: float
     worker: _Worker
-    num_emitted: int = 0
 
     @classmethod
     def start(cls, run, prefix, num_tokens, arrival_s, pool: FullPool, rates) -> None:
         local = pool is FullPool.LOCAL or (pool is FullPool.BOTH and _route_local(run, rates))
         worker = _least_busy(run.verifiers if local else run.drafters)
-        request = cls(run, num_tokens, arrival_s, worker)
+        request = cls(run, run.sequence(num_tokens), arrival_s, worker)
         scenario = run.scenario
         full = scenario.prefix_bytes(compressed=False)
         if local:  # from the store, for every request
@@ -268,17 +285,19 @@ class _FullRequest:
         self.worker.loop.submit(SimJob(lambda: row, 1, self._decode))
 
     def _decode(self) -> None:
-        self._emitted()
-        job = SimJob(self._row, self.num_tokens - 1, self._finish, on_step=self._emitted)
+        self.run.emit(self.seq.first_token())
+        num_steps = (
+            0 if self.seq.is_finished else self.seq.decode_target(self.seq.seq.num_remaining)
+        )
+        job = SimJob(self._row, num_steps, self._finish, on_step=self._decoded)
         self.worker.loop.submit(job)
 
     def _row(self) -> Row:
-        after_prefix = self.run.scenario.suffix_tokens + self.num_emitted
+        after_prefix = self.run.scenario.suffix_tokens + self.seq.num_output_tokens
         return self.run.scenario.row(1, after_prefix, compressed=False)
 
-    def _emitted(self) -> None:
-        self.num_emitted += 1
-        self.run.emit(1)
+    def _decoded(self) -> None:
+        self.run.emit(self.seq.decode_step())
 
     def _finish(self) -> None:
         self.run.finish(self.worker, self.arrival_s)
