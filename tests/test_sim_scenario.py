@@ -12,7 +12,8 @@ from vericache.cli.main import main
 from vericache.errors import InvalidRequestError
 from vericache.sim.scenario import load_scenario, run_scenario
 
-EXAMPLE = Path(__file__).parents[1] / "bench" / "scenarios" / "pipeline1_llama70b.yaml"
+SCENARIOS = Path(__file__).parents[1] / "bench" / "scenarios"
+EXAMPLE = SCENARIOS / "pipeline1_llama70b.yaml"
 
 SMALL = {
     "pipeline": "long-context", "model": "qwen2.5-32b", "device": "h100-sxm",
@@ -52,13 +53,14 @@ def test_both_schedulers_and_a_recorded_trace_run(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"colour": "blue"}, "unknown scenario fields: \\['colour'\\]"),
+        ({"colour": "blue"}, "unknown scenario fields for long-context: \\['colour'\\]"),
+        ({"drafters": 4}, "unknown scenario fields for long-context: \\['drafters'\\]"),
         ({"requests": {"count": 2, "burst": 3}}, "unknown fields of 'requests'"),
         ({"prompt_tokens": "many"}, "'prompt_tokens' must be an integer"),
         ({"kv_budget": "half"}, "wrong type"),
         ({"kv_budget": 1.5}, "kv_budget"),
         ({"scheduler": "fifo"}, "staggered or lockstep"),
-        ({"pipeline": "remote-prefix"}, "pipeline must be long-context"),
+        ({"pipeline": "remote"}, "pipeline must be long-context or remote-prefix"),
         ({"model": "gpt-5"}, "no model profile"),
         ({"acceptance": 0.9}, "'acceptance' must be a mapping"),
     ],
@@ -77,3 +79,45 @@ def test_a_missing_field_or_a_broken_file_is_refused(tmp_path, capsys):
         assert main(["sim", "--scenario", str(path)]) == 2
         assert "vericache: error:" in capsys.readouterr().err
     assert main(["sim", "--scenario", str(tmp_path / "absent.yaml")]) == 2
+
+
+REMOTE = {
+    "pipeline": "remote-prefix", "model": "qwen2.5-32b", "device": "h100-sxm", "verifiers": 1,
+    "drafters": 2, "prefix_tokens": 8192, "prefixes": 3, "suffix_tokens": 64,
+    "compressed_ratio": 0.27, "store_gb_per_s": 40, "network_gb_per_s": 1.2,
+    "network_latency_ms": 10, "draft_len": 16, "requests": {"count": 6}, "output_tokens": [48],
+    "acceptance": {"mean_accepted": 12, "at_draft_len": 16}, "seed": 2,
+}  # fmt: skip
+
+
+def test_a_remote_prefix_scenario_is_set_against_the_best_full_kv_configuration(capsys):
+    result = run_scenario(REMOTE)
+    assert result["baselines"] == ["full_local", "full_remote", "full_both"]
+    rates = {name: result[name]["tokens_per_s"] for name in ["vericache", *result["baselines"]]}
+    assert result["speedup"] == pytest.approx(
+        rates["vericache"] / max(rates[name] for name in result["baselines"])
+    )
+    assert {result[name]["num_output_tokens"] for name in rates} == {6 * 48}
+    assert main(["sim", "--scenario", str(SCENARIOS / "pipeline2_qwen32b.yaml")]) == 0
+    printed = capsys.readouterr().out
+    assert "full_both:" in printed and "best full-KV configuration" in printed
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"kv_budget": 0.2}, "unknown scenario fields for remote-prefix: \\['kv_budget'\\]"),
+        ({"drafters": 0}, "needs workers"),
+        ({"network_gb_per_s": "fast"}, "wrong type"),
+        ({"compressed_ratio": 2}, "compressed_ratio"),
+        ({"prefix_tokens": 40000}, "context of 32768"),
+    ],
+)
+def test_a_bad_remote_prefix_field_is_refused(change, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        run_scenario({**REMOTE, **change})
+
+
+def test_a_remote_prefix_scenario_lacking_a_field_names_it():
+    with pytest.raises(InvalidRequestError, match="lacks the field 'store_gb_per_s'"):
+        run_scenario({k: v for k, v in REMOTE.items() if k != "store_gb_per_s"})

@@ -1,6 +1,8 @@
 """A simulation described in a YAML (or JSON) file: `vericache sim --scenario FILE.yaml`.
 
-    pipeline: long-context          # Pipeline 1 (Pipeline 2 is to come)
+Pipeline 1, long-context decoding on one device (or tensor-parallel group):
+
+    pipeline: long-context
     model: llama-3.1-70b            # a bundled model profile, or a JSON file
     device: h100-nvl                # a bundled device profile, or a calibration's JSON
     tensor_parallel: 2
@@ -13,8 +15,26 @@
     acceptance: {mean_accepted: 18, at_draft_len: 25}   # published; or {first_mismatch: [...]}
     seed: 0
 
-Every field is checked, unknown ones refused. The result sets VeriCache against full-KV decoding
-on the same device and memory, and names the sources of its profiles and acceptance.
+Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's default):
+
+    pipeline: remote-prefix
+    model: qwen2.5-32b
+    device: h100-sxm                # every verifier and drafter
+    verifiers: 1                    # beside the full-KV store
+    drafters: 4                     # across the slow network
+    prefix_tokens: 16384
+    prefixes: 8                     # each request's drawn uniformly
+    suffix_tokens: 64               # the prompt after its prefix
+    compressed_ratio: 0.27          # compressed KV bytes / full (KIVI 4-bit)
+    store_gb_per_s: 40              # the store to each verifier
+    network_gb_per_s: 1.2           # the store side to each drafter
+    network_latency_ms: 10          # one way
+    draft_len: 40
+    requests, output_tokens, acceptance, seed: as above
+
+Every field is checked, unknown ones refused. The result sets VeriCache against full-KV serving on
+the same devices and memory (Pipeline 1: full-KV decoding; Pipeline 2: FULL_LOCAL, FULL_REMOTE and
+FULL_BOTH, the best of them the baseline), and names the sources of its profiles and acceptance.
 """
 
 from __future__ import annotations
@@ -32,6 +52,7 @@ from vericache.sim.long_context import (
     simulate_vericache,
 )
 from vericache.sim.profiles import device_profile, model_profile
+from vericache.sim.remote_prefix import FullPool, RemotePrefixScenario, compare
 from vericache.sim.workload import (
     AcceptanceTrace,
     OutputLengths,
@@ -39,9 +60,23 @@ from vericache.sim.workload import (
     rate_for_mean_accepted,
 )
 
+_COMMON = {
+    "pipeline",
+    "model",
+    "device",
+    "draft_len",
+    "requests",
+    "output_tokens",
+    "acceptance",
+    "seed",
+}
 _FIELDS = {
-    "pipeline", "model", "device", "tensor_parallel", "prompt_tokens", "kv_budget", "draft_len",
-    "scheduler", "requests", "output_tokens", "acceptance", "seed", "activation_reserve",
+    "long-context": _COMMON
+    | {"tensor_parallel", "prompt_tokens", "kv_budget", "scheduler", "activation_reserve"},
+    "remote-prefix": _COMMON | {
+        "verifiers", "drafters", "prefix_tokens", "prefixes", "suffix_tokens", "compressed_ratio",
+        "store_gb_per_s", "network_gb_per_s", "network_latency_ms",
+    },
 }  # fmt: skip
 
 
@@ -60,22 +95,47 @@ def load_scenario(path: Path) -> dict:
 
 
 def run_scenario(data: dict) -> dict:
-    """Simulates the scenario: VeriCache with its scheduler, and full-KV decoding."""
-    unknown = sorted(set(data) - _FIELDS)
+    """Simulates the scenario: VeriCache, and full-KV serving on the same devices. The result
+    holds a summary per configuration, `baselines` (the full-KV ones) and `speedup`, VeriCache
+    over the best baseline."""
+    pipeline = data.get("pipeline", "long-context")
+    if pipeline not in _FIELDS:
+        raise InvalidRequestError(
+            f"pipeline must be long-context or remote-prefix, not {pipeline!r}"
+        )
+    unknown = sorted(set(data) - _FIELDS[pipeline])
     if unknown:
-        raise InvalidRequestError(f"unknown scenario fields: {unknown}")
-    if data.get("pipeline", "long-context") != "long-context":
-        raise InvalidRequestError("pipeline must be long-context (remote-prefix is to come)")
-    scenario = _long_context(data)
-    make_scheduler = _scheduler(data.get("scheduler", "staggered"), scenario.draft_len)
-    vericache, full = simulate_vericache(scenario, make_scheduler), simulate_full_kv(scenario)
+        raise InvalidRequestError(f"unknown scenario fields for {pipeline}: {unknown}")
+    if pipeline == "long-context":
+        scenario = _build(_long_context, data)
+        make_scheduler = _scheduler(data.get("scheduler", "staggered"), scenario.draft_len)
+        reports = {
+            "vericache": simulate_vericache(scenario, make_scheduler),
+            "full_kv": simulate_full_kv(scenario),
+        }
+    else:
+        scenario = _build(_remote_prefix, data)
+        compared = compare(scenario)
+        reports = {name: compared[name] for name in ("vericache", *(p.value for p in FullPool))}
+    baselines = [name for name in reports if name != "vericache"]
+    best = max(reports[name].tokens_per_s for name in baselines)
     return {
         "scenario": data,
-        "vericache": _summary(vericache),
-        "full_kv": _summary(full),
-        "speedup": vericache.tokens_per_s / full.tokens_per_s,
+        **{name: _summary(report) for name, report in reports.items()},
+        "baselines": baselines,
+        "speedup": reports["vericache"].tokens_per_s / best,
         "sources": {"device": scenario.device.source, "acceptance": scenario.acceptance.source},
     }
+
+
+def _build(make, data: dict):
+    """A scenario record from the file's fields, a missing or mistyped field a clear error."""
+    try:
+        return make(data)
+    except KeyError as exc:
+        raise InvalidRequestError(f"the scenario lacks the field {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"a scenario field has the wrong type: {exc}") from None
 
 
 def _scheduler(name: str, draft_len: int):
@@ -89,33 +149,56 @@ def _scheduler(name: str, draft_len: int):
 
 
 def _long_context(data: dict) -> LongContextScenario:
+    return LongContextScenario(
+        model=model_profile(str(data["model"])),
+        device=device_profile(str(data["device"])),
+        prompt_tokens=_int(data, "prompt_tokens"),
+        kv_budget=float(data["kv_budget"]),
+        draft_len=_int(data, "draft_len"),
+        arrivals=_arrivals(data),
+        output_lengths=_output_lengths(data),
+        acceptance=_acceptance(data, _int(data, "draft_len")),
+        tensor_parallel=int(data.get("tensor_parallel", 1)),
+        activation_reserve=float(data.get("activation_reserve", 0.1)),
+        seed=int(data.get("seed", 0)),
+    )
+
+
+def _remote_prefix(data: dict) -> RemotePrefixScenario:
+    return RemotePrefixScenario(
+        model=model_profile(str(data["model"])),
+        device=device_profile(str(data["device"])),
+        num_verifiers=_int(data, "verifiers"),
+        num_drafters=_int(data, "drafters"),
+        prefix_tokens=_int(data, "prefix_tokens"),
+        num_prefixes=_int(data, "prefixes"),
+        suffix_tokens=_int(data, "suffix_tokens"),
+        compressed_ratio=float(data["compressed_ratio"]),
+        store_bytes_per_s=float(data["store_gb_per_s"]) * 1e9,
+        network_bytes_per_s=float(data["network_gb_per_s"]) * 1e9,
+        network_latency_s=float(data.get("network_latency_ms", 0.0)) / 1e3,
+        draft_len=_int(data, "draft_len"),
+        arrivals=_arrivals(data),
+        output_lengths=_output_lengths(data),
+        acceptance=_acceptance(data, _int(data, "draft_len")),
+        seed=int(data.get("seed", 0)),
+    )
+
+
+def _arrivals(data: dict) -> tuple[float, ...]:
     requests = _mapping(data, "requests", {"count", "rate_per_s"})
     count = _int(requests, "count")
-    seed = int(data.get("seed", 0))
     if "rate_per_s" in requests:
-        arrivals = tuple(poisson_arrivals(float(requests["rate_per_s"]), count, seed))
-    else:
-        arrivals = (0.0,) * count
+        return tuple(
+            poisson_arrivals(float(requests["rate_per_s"]), count, int(data.get("seed", 0)))
+        )
+    return (0.0,) * count
+
+
+def _output_lengths(data: dict) -> OutputLengths:
     lengths = data.get("output_tokens", [256])
     lengths = lengths if isinstance(lengths, list) else [lengths]
-    try:
-        return LongContextScenario(
-            model=model_profile(str(data["model"])),
-            device=device_profile(str(data["device"])),
-            prompt_tokens=_int(data, "prompt_tokens"),
-            kv_budget=float(data["kv_budget"]),
-            draft_len=_int(data, "draft_len"),
-            arrivals=arrivals,
-            output_lengths=OutputLengths(tuple(int(n) for n in lengths)),
-            acceptance=_acceptance(data, _int(data, "draft_len")),
-            tensor_parallel=int(data.get("tensor_parallel", 1)),
-            activation_reserve=float(data.get("activation_reserve", 0.1)),
-            seed=seed,
-        )
-    except KeyError as exc:
-        raise InvalidRequestError(f"the scenario lacks the field {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"a scenario field has the wrong type: {exc}") from None
+    return OutputLengths(tuple(int(n) for n in lengths))
 
 
 def _acceptance(data: dict, draft_len: int) -> AcceptanceTrace:
