@@ -3,10 +3,9 @@ the context cut drafts and commits as in every driver, and both pipelines' round
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
+from tests.sim_scenarios import remote_prefix_scenario
 from vericache.engine.sequence import Sequence
 from vericache.errors import InvalidRequestError
 from vericache.scheduler import StaggeredScheduler
@@ -75,14 +74,8 @@ def test_both_pipelines_round_through_the_engines_sequence(monkeypatch):
 
 
 def _remote_prefix_scenario(**changes) -> remote_prefix.RemotePrefixScenario:
-    scenario = remote_prefix.RemotePrefixScenario(
-        model=model_profile("qwen2.5-32b"), device=device_profile("h100-sxm"),
-        num_verifiers=1, num_drafters=2, prefix_tokens=8192, num_prefixes=2, suffix_tokens=64,
-        compressed_ratio=0.27, store_bytes_per_s=40e9, network_bytes_per_s=1.2e9,
-        network_latency_s=0.01, draft_len=40, arrivals=(0.0,) * 6,
-        output_lengths=OutputLengths((64,)), acceptance=TRACE, seed=3,
-    )  # fmt: skip
-    return dataclasses.replace(scenario, **changes)
+    small = dict(num_drafters=2, prefix_tokens=8192, num_prefixes=2, arrivals=(0.0,) * 6)
+    return remote_prefix_scenario(**(small | {"output_lengths": OutputLengths((64,))} | changes))
 
 
 def test_remote_prefix_requests_stop_at_the_models_context_in_every_configuration():

@@ -3,35 +3,20 @@ result."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
+from tests.sim_scenarios import remote_prefix_scenario
 from vericache.errors import InvalidRequestError
 from vericache.sim.events import Link, Simulation
-from vericache.sim.profiles import device_profile, model_profile
 from vericache.sim.remote_prefix import (
     FullPool,
     PrefixCache,
-    RemotePrefixScenario,
     compare,
     simulate_full,
     simulate_vericache,
 )
-from vericache.sim.workload import AcceptanceTrace, OutputLengths, rate_for_mean_accepted
 
-TRACE = AcceptanceTrace.from_rate(rate_for_mean_accepted(19.0, 30), "test: 19 of 30", seed=2)
-
-
-def _scenario(**changes) -> RemotePrefixScenario:
-    scenario = RemotePrefixScenario(
-        model=model_profile("qwen2.5-32b"), device=device_profile("h100-sxm"),
-        num_verifiers=1, num_drafters=4, prefix_tokens=16384, num_prefixes=8, suffix_tokens=64,
-        compressed_ratio=0.27, store_bytes_per_s=40e9, network_bytes_per_s=1.2e9,
-        network_latency_s=0.01, draft_len=40, arrivals=(0.0,) * 32,
-        output_lengths=OutputLengths((64, 256)), acceptance=TRACE, seed=3,
-    )  # fmt: skip
-    return dataclasses.replace(scenario, **changes)
+_scenario = remote_prefix_scenario
 
 
 def test_every_configuration_serves_every_token():

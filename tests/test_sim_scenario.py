@@ -111,6 +111,7 @@ def test_a_remote_prefix_scenario_is_set_against_the_best_full_kv_configuration(
         ({"network_gb_per_s": "fast"}, "wrong type"),
         ({"compressed_ratio": 2}, "compressed_ratio"),
         ({"prefix_tokens": 40000}, "context of 32768"),
+        ({"scheduling": "round-robin"}, "per-request, staggered or lockstep"),
     ],
 )
 def test_a_bad_remote_prefix_field_is_refused(change, message):
@@ -121,3 +122,14 @@ def test_a_bad_remote_prefix_field_is_refused(change, message):
 def test_a_remote_prefix_scenario_lacking_a_field_names_it():
     with pytest.raises(InvalidRequestError, match="lacks the field 'store_gb_per_s'"):
         run_scenario({k: v for k, v in REMOTE.items() if k != "store_gb_per_s"})
+
+
+def test_a_remote_prefix_scenario_runs_with_each_scheduling():
+    results = {
+        name: run_scenario({**REMOTE, "scheduling": name})
+        for name in ("per-request", "staggered", "lockstep")
+    }
+    tokens = {name: r["vericache"]["num_output_tokens"] for name, r in results.items()}
+    assert set(tokens.values()) == {6 * 48}
+    assert results["staggered"]["vericache"] != results["per-request"]["vericache"]
+    assert results["staggered"]["full_local"] == results["per-request"]["full_local"]

@@ -15,9 +15,12 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
 - FULL_REMOTE: the drafters fetch full KV over the network (their LRU holds what fits) and decode.
 - FULL_BOTH: every device serves full KV at once; a router sends each request to the pool that
   would finish it first, given the throughput each measured alone.
-Assumptions, stated: a verifier keeps every session it serves resident (its memory holds the
-requests in flight); a compressed prefix keeps every token at `compressed_ratio` of the full
-bytes (quantization, KIVI); the network link of each drafter is its own.
+Scheduled rounds, each verifier's loads and verifications planned by the real scheduler within
+its memory, are remote_prefix_scheduled.py's.
+Assumptions, stated: with per-request rounds and in the full-KV configurations, a worker keeps
+every session it serves resident (its memory holds the requests in flight, unbounded); a
+compressed prefix keeps every token at `compressed_ratio` of the full bytes (quantization, KIVI);
+the network link of each drafter is its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vericache.errors import InvalidRequestError
 from vericache.sim.batch_loop import SimBatchLoop, SimJob
@@ -36,6 +40,9 @@ from vericache.sim.events import Device, Link, Simulation
 from vericache.sim.long_context import SimReport
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
+
+if TYPE_CHECKING:
+    from vericache.sim.remote_prefix_scheduled import VerifierSchedule
 
 
 @dataclass(frozen=True)
@@ -87,13 +94,16 @@ class RemotePrefixScenario:
         return forward_cost(self.model, self.device, rows).seconds
 
 
-class _Worker:
-    def __init__(self, run: _Run, name: str, inbound_bytes_per_s: float, latency_s: float):
+class Worker:
+    """A verifier or a drafter: its device's batch loop, its inbound link, the prefixes it holds."""
+
+    def __init__(self, run: Run, name: str, inbound_bytes_per_s: float, latency_s: float):
         self.loop = SimBatchLoop(Device(run.sim, name), run.scenario.forward_s)
         self.link = Link(run.sim, f"{name}-in", inbound_bytes_per_s, latency_s)
         self.num_requests = 0  # in flight here
         room = run.scenario.device.memory_bytes - run.scenario.model.weights_bytes()
         self.prefixes = PrefixCache(max(0, room))
+        self.schedule: VerifierSchedule | None = None  # a verifier's, with scheduled rounds
 
 
 class PrefixCache:
@@ -122,22 +132,22 @@ class PrefixCache:
             then()
 
 
-class _Run:
+class Run:
     def __init__(self, scenario: RemotePrefixScenario):
         self.scenario = scenario
         self.sim = Simulation()
         self.rng = random.Random(scenario.seed + 1)
         self.verifiers = [
-            _Worker(self, f"verifier{i}", scenario.store_bytes_per_s, 0.0)
+            Worker(self, f"verifier{i}", scenario.store_bytes_per_s, 0.0)
             for i in range(scenario.num_verifiers)
         ]
         self.drafters = [
-            _Worker(self, f"drafter{i}", scenario.network_bytes_per_s, scenario.network_latency_s)
+            Worker(self, f"drafter{i}", scenario.network_bytes_per_s, scenario.network_latency_s)
             for i in range(scenario.num_drafters)
         ]
         self.report = SimReport(sources=(scenario.device.source, scenario.acceptance.source))
 
-    def serve(self, start: Callable[[_Run, int, int, float], None]) -> SimReport:
+    def serve(self, start: Callable[[Run, int, int, float], None]) -> SimReport:
         """Starts each request at its arrival with its prefix and output length (the same draws
         in every configuration of a scenario)."""
         draws = random.Random(self.scenario.seed)
@@ -162,32 +172,32 @@ class _Run:
     def emit(self, num_tokens: int) -> None:
         self.report.num_output_tokens += num_tokens
 
-    def finish(self, worker: _Worker, arrival_s: float) -> None:
+    def finish(self, worker: Worker, arrival_s: float) -> None:
         worker.num_requests -= 1
         self.report.latencies_s.append(self.sim.now - arrival_s)
 
 
-def _least_busy(workers: list[_Worker]) -> _Worker:
+def _least_busy(workers: list[Worker]) -> Worker:
     worker = min(workers, key=lambda w: w.num_requests)
     worker.num_requests += 1
     return worker
 
 
 def simulate_vericache(scenario: RemotePrefixScenario) -> SimReport:
-    return _Run(scenario).serve(_VeriCacheRequest.start)
+    return Run(scenario).serve(VeriCacheRequest.start)
 
 
 @dataclass(eq=False)
-class _VeriCacheRequest:
-    run: _Run
+class VeriCacheRequest:
+    run: Run
     prefix: int
     seq: SimSequence
     arrival_s: float
-    drafter: _Worker
-    verifier: _Worker
+    drafter: Worker
+    verifier: Worker
 
     @classmethod
-    def start(cls, run: _Run, prefix: int, num_tokens: int, arrival_s: float) -> None:
+    def start(cls, run: Run, prefix: int, num_tokens: int, arrival_s: float) -> None:
         drafter, verifier = _least_busy(run.drafters), _least_busy(run.verifiers)
         request = cls(run, prefix, run.sequence(num_tokens), arrival_s, drafter, verifier)
         compressed = run.scenario.prefix_bytes(compressed=True)
@@ -258,15 +268,15 @@ def simulate_full(
     """Full-KV serving on a pool; BOTH routes by `rates`, the tokens/s each pool served alone."""
     if pool is FullPool.BOTH and not rates:
         raise InvalidRequestError("routing over both pools needs each pool's rate")
-    return _Run(scenario).serve(lambda *args: _FullRequest.start(*args, pool=pool, rates=rates))
+    return Run(scenario).serve(lambda *args: _FullRequest.start(*args, pool=pool, rates=rates))
 
 
 @dataclass(eq=False)
 class _FullRequest:
-    run: _Run
+    run: Run
     seq: SimSequence
     arrival_s: float
-    worker: _Worker
+    worker: Worker
 
     @classmethod
     def start(cls, run, prefix, num_tokens, arrival_s, pool: FullPool, rates) -> None:
@@ -303,7 +313,7 @@ class _FullRequest:
         self.run.finish(self.worker, self.arrival_s)
 
 
-def _route_local(run: _Run, rates: dict[FullPool, float]) -> bool:
+def _route_local(run: Run, rates: dict[FullPool, float]) -> bool:
     """Whether the verifiers' pool would finish one more request first: its requests in flight
     (with this one) over its throughput, against the drafters'."""
     local = sum(w.num_requests for w in run.verifiers) + 1
@@ -311,13 +321,17 @@ def _route_local(run: _Run, rates: dict[FullPool, float]) -> bool:
     return local / rates[FullPool.LOCAL] <= remote / rates[FullPool.REMOTE]
 
 
-def compare(scenario: RemotePrefixScenario) -> dict:
-    """VERICACHE against FULL_LOCAL, FULL_REMOTE and FULL_BOTH on the same workers."""
+def compare(
+    scenario: RemotePrefixScenario,
+    vericache: Callable[[RemotePrefixScenario], SimReport] = simulate_vericache,
+) -> dict:
+    """VERICACHE (per-request rounds, or the simulation given) against FULL_LOCAL, FULL_REMOTE
+    and FULL_BOTH on the same workers."""
     local = simulate_full(scenario, FullPool.LOCAL)
     remote = simulate_full(scenario, FullPool.REMOTE)
     rates = {FullPool.LOCAL: local.tokens_per_s, FullPool.REMOTE: remote.tokens_per_s}
     both = simulate_full(scenario, FullPool.BOTH, rates)
-    vericache = simulate_vericache(scenario)
+    vericache = vericache(scenario)
     best = max(local.tokens_per_s, remote.tokens_per_s, both.tokens_per_s)
     return {
         "vericache": vericache,

@@ -30,6 +30,7 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
     network_gb_per_s: 1.2           # the store side to each drafter
     network_latency_ms: 10          # one way
     draft_len: 40
+    scheduling: per-request         # or staggered, lockstep: each verifier's scheduler plans
     requests, output_tokens, acceptance, seed: as above
 
 Every field is checked, unknown ones refused. The result sets VeriCache against full-KV serving on
@@ -53,6 +54,8 @@ from vericache.sim.long_context import (
 )
 from vericache.sim.profiles import device_profile, model_profile
 from vericache.sim.remote_prefix import FullPool, RemotePrefixScenario, compare
+from vericache.sim.remote_prefix import simulate_vericache as simulate_vericache_per_request
+from vericache.sim.remote_prefix_scheduled import simulate_vericache_scheduled
 from vericache.sim.workload import (
     AcceptanceTrace,
     OutputLengths,
@@ -75,7 +78,7 @@ _FIELDS = {
     | {"tensor_parallel", "prompt_tokens", "kv_budget", "scheduler", "activation_reserve"},
     "remote-prefix": _COMMON | {
         "verifiers", "drafters", "prefix_tokens", "prefixes", "suffix_tokens", "compressed_ratio",
-        "store_gb_per_s", "network_gb_per_s", "network_latency_ms",
+        "store_gb_per_s", "network_gb_per_s", "network_latency_ms", "scheduling",
     },
 }  # fmt: skip
 
@@ -115,7 +118,7 @@ def run_scenario(data: dict) -> dict:
         }
     else:
         scenario = _build(_remote_prefix, data)
-        compared = compare(scenario)
+        compared = compare(scenario, _remote_prefix_vericache(data, scenario.draft_len))
         reports = {name: compared[name] for name in ("vericache", *(p.value for p in FullPool))}
     baselines = [name for name in reports if name != "vericache"]
     best = max(reports[name].tokens_per_s for name in baselines)
@@ -136,6 +139,20 @@ def _build(make, data: dict):
         raise InvalidRequestError(f"the scenario lacks the field {exc.args[0]!r}") from None
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"a scenario field has the wrong type: {exc}") from None
+
+
+def _remote_prefix_vericache(data: dict, draft_len: int):
+    """The simulation of VeriCache's rounds the scenario names: per-request, or each verifier's
+    rounds planned by a scheduler."""
+    name = data.get("scheduling", "per-request")
+    if name not in ("per-request", "staggered", "lockstep"):
+        raise InvalidRequestError(
+            f"scheduling must be per-request, staggered or lockstep: {name!r}"
+        )
+    if name == "per-request":
+        return simulate_vericache_per_request
+    make_scheduler = _scheduler(name, draft_len)
+    return lambda scenario: simulate_vericache_scheduled(scenario, make_scheduler)
 
 
 def _scheduler(name: str, draft_len: int):

@@ -1,0 +1,224 @@
+"""Pipeline 2 simulated with scheduled rounds: one real scheduler per verifier (`StaggeredScheduler`
+or `LockstepScheduler`) plans that verifier's verifications and full-KV loads, as the coordinator's
+scheduled rounds do (serve/scheduled.py), while the drafters draft whole rounds on their own.
+
+A request opens as in per-request rounds (remote_prefix.py): the drafter fetches the compressed
+prefix unless it holds it, the verifier loads the full prefix and prefills the suffix, and the first
+token is committed. Then the verifier's scheduler takes it, and each iteration of the verifier's
+clock (a draft step long, refined by every draft the drafters report):
+- starts the plan's full-KV loads on the store link; the full KV is on the verifier's device only
+  from its load to its verification, as the scheduler's memory ring plans it (unlike per-request
+  rounds, no session stays resident between rounds);
+- begins the round of each request whose first draft iteration it is: one draft call of the
+  reserved length (within the budget and the context, the engine's round decides), which carries
+  the last round's exact KV across the network, drafts step by step batched with the drafter's other
+  requests, and crosses back (latency);
+- starts the verifications due, as one batched verifier forward once their drafts and loads are in;
+- waits for the verifications that end in it, commits them through the engine's round and reports
+  them to the scheduler, then lasts at least the clock's iteration while work is in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vericache.scheduler import BaseScheduler, CostModel, SchedulerRequest
+from vericache.scheduler.records import IterationPlan
+from vericache.sim.batch_loop import SimJob
+from vericache.sim.long_context import SimReport
+from vericache.sim.remote_prefix import RemotePrefixScenario, Run, VeriCacheRequest, Worker
+
+ACTIVATION_RESERVE = 0.1  # the verifier's memory kept from the scheduler's plan, as in Pipeline 1
+
+
+def simulate_vericache_scheduled(
+    scenario: RemotePrefixScenario, make_scheduler: Callable[[CostModel], BaseScheduler]
+) -> SimReport:
+    """VeriCache with each verifier's rounds planned by `make_scheduler(costs)`."""
+    run = Run(scenario)
+    for verifier in run.verifiers:
+        verifier.schedule = VerifierSchedule(run, verifier, make_scheduler)
+    return run.serve(_ScheduledRequest.start)
+
+
+@dataclass(eq=False)
+class _ScheduledRequest(VeriCacheRequest):
+    exact_tokens: int = 0  # committed since the last draft call: their exact KV goes with the next
+    drafted: bool = False
+    loaded: bool = False
+    batch: _Batch | None = None
+
+    @property
+    def request_id(self) -> str:
+        return f"r{id(self)}"
+
+    def _first_token(self) -> None:
+        self.run.emit(self.seq.first_token())
+        if self.seq.is_finished:
+            self.finished()
+            return
+        self.exact_tokens = self.run.scenario.suffix_tokens + 1
+        self.verifier.schedule.add(self)
+
+    def finished(self) -> None:
+        self.run.finish(self.verifier, self.arrival_s)
+        self.drafter.num_requests -= 1
+
+    def begin_round(self, reserved: int) -> None:
+        """One draft call of the reserved length, cut by the engine's round."""
+        num_drafts = self.seq.begin_round(reserved)
+        self.drafted = False
+        if num_drafts == 0:  # the budget leaves one token: the verification chooses it
+            self._ready()
+            return
+        exact_bytes = self.exact_tokens * self.run.scenario.kv_bytes_per_token
+        self.exact_tokens = 0
+        self.drafter.link.send(exact_bytes, lambda: self._call_drafter(num_drafts))
+
+    def _call_drafter(self, num_drafts: int) -> None:
+        started = self.run.sim.now
+
+        def drafted() -> None:
+            step_s = (self.run.sim.now - started) / num_drafts
+            self.verifier.schedule.scheduler.costs.observe_iteration(step_s)
+            self.run.sim.after(self.run.scenario.network_latency_s, self._ready)
+
+        job = SimJob(self._draft_row, num_drafts, drafted, on_step=self.seq.draft_step)
+        self.drafter.loop.submit(job)
+
+    def _ready(self) -> None:
+        self.drafted = True
+        if self.batch is not None:
+            self.batch.check()
+
+    def on_loaded(self) -> None:
+        self.loaded = True
+        if self.batch is not None:
+            self.batch.check()
+
+    def verify_job(self, done: Callable[[], None]) -> SimJob:
+        scenario = self.run.scenario
+        row = scenario.row(self.seq.num_drafts + 1, self._after_prefix(), compressed=False)
+        return SimJob(lambda: row, 1, done)
+
+    def report(self) -> tuple[int, bool]:
+        """Commits the verified round; returns the accepted drafts and whether it finished."""
+        num_drafts = self.seq.num_drafts
+        outcome = self.seq.verify(self.run.scenario.acceptance.accepted(num_drafts, self.run.rng))
+        accepted = self.seq.seq.stats.accepted_per_round[-1]
+        self.run.report.accepted_per_round.append(accepted)
+        self.run.report.draft_lens.append(num_drafts)
+        self.run.emit(len(outcome.committed))
+        self.exact_tokens += len(outcome.committed)
+        self.batch, self.loaded = None, False
+        return accepted, self.seq.is_finished
+
+
+@dataclass(eq=False)
+class _Batch:
+    """Verifications that start in one iteration: one verifier forward once all are ready."""
+
+    schedule: VerifierSchedule
+    entries: list[_ScheduledRequest]
+    waiters: list[Callable[[], None]] = field(default_factory=list)
+    started_s: float | None = None
+    is_done: bool = False
+
+    def check(self) -> None:
+        if self.started_s is not None or not all(e.drafted and e.loaded for e in self.entries):
+            return
+        run = self.schedule.run
+        self.started_s, left = run.sim.now, [len(self.entries)]
+
+        def one_done() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self._done()
+
+        for entry in self.entries:  # submitted together: they share the next forward
+            self.schedule.verifier.loop.submit(entry.verify_job(one_done))
+
+    def _done(self) -> None:
+        self.is_done = True
+        costs = self.schedule.scheduler.costs
+        costs.observe_verification(max(1e-9, self.schedule.run.sim.now - self.started_s))
+        for then in self.waiters:
+            then()
+
+
+class VerifierSchedule:
+    """One verifier's scheduler and the clock of its iterations."""
+
+    def __init__(self, run: Run, verifier: Worker, make_scheduler):
+        scenario = run.scenario
+        self.run, self.verifier = run, verifier
+        step_s = scenario.forward_s([scenario.row(1, scenario.suffix_tokens, compressed=True)])
+        budget = int(scenario.device.memory_bytes * (1 - ACTIVATION_RESERVE))
+        costs = CostModel(
+            step_s, scenario.store_bytes_per_s, budget, scenario.model.weights_bytes()
+        )
+        self.scheduler = make_scheduler(costs)
+        self.entries: dict[str, _ScheduledRequest] = {}
+        self._ticking = False
+
+    def add(self, entry: _ScheduledRequest) -> None:
+        scenario = self.run.scenario
+        max_tokens = scenario.prefix_tokens + scenario.suffix_tokens + entry.seq.seq.num_remaining
+        full_kv_bytes = max_tokens * scenario.kv_bytes_per_token
+        request = SchedulerRequest(entry.request_id, full_kv_bytes, 0, scenario.draft_len)
+        self.scheduler.add_request(request)
+        self.entries[entry.request_id] = entry
+        if not self._ticking:
+            self._ticking = True
+            self._iteration()
+
+    def _iteration(self) -> None:
+        if not self.entries:
+            self._ticking = False
+            return
+        started = self.run.sim.now
+        plan = self.scheduler.schedule()
+        for load in plan.loads:
+            entry = self.entries[load.request_id]
+            self.verifier.link.send(load.num_bytes, entry.on_loaded)
+        for request_id in plan.draft_ids:
+            entry = self.entries[request_id]
+            if not entry.seq.in_round:
+                state = self.scheduler.request_state(request_id)
+                entry.begin_round(state.reservation.num_draft_tokens)
+        if plan.verify_starts:
+            batch = _Batch(self, [self.entries[v.request_id] for v in plan.verify_starts])
+            for entry in batch.entries:
+                entry.batch = batch
+            batch.check()
+        self._when_verified(plan, lambda: self._end(plan, started))
+
+    def _when_verified(self, plan: IterationPlan, then: Callable[[], None]) -> None:
+        """Calls `then` once every verification ending in this iteration is done."""
+        pending = [self.entries[v.request_id].batch for v in plan.verifies]
+        pending = [batch for batch in {id(b): b for b in pending}.values() if not batch.is_done]
+        if not pending:
+            then()
+            return
+        left = [len(pending)]
+
+        def one() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                then()
+
+        for batch in pending:
+            batch.waiters.append(one)
+
+    def _end(self, plan: IterationPlan, started: float) -> None:
+        for verify in plan.verifies:
+            entry = self.entries[verify.request_id]
+            accepted, finished = entry.report()
+            self.scheduler.on_verified(verify.request_id, accepted, is_finished=finished)
+            if finished:
+                del self.entries[verify.request_id]
+                entry.finished()
+        self.scheduler.end_iteration(None)  # the drafters time the steps
+        wait = started + self.scheduler.costs.iteration_s - self.run.sim.now
+        self.run.sim.after(max(0.0, wait), self._iteration)
