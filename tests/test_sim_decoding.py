@@ -12,6 +12,7 @@ from vericache.scheduler import StaggeredScheduler
 from vericache.sim import long_context, remote_prefix
 from vericache.sim.decoding import SimSequence
 from vericache.sim.profiles import device_profile, model_profile
+from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.workload import AcceptanceTrace, OutputLengths, rate_for_mean_accepted
 
 TRACE = AcceptanceTrace.from_rate(rate_for_mean_accepted(12.0, 16), "test: 12 of 16", seed=5)
@@ -73,7 +74,7 @@ def test_both_pipelines_round_through_the_engines_sequence(monkeypatch):
     assert len(calls) == len(report.accepted_per_round) > 0
 
 
-def _remote_prefix_scenario(**changes) -> remote_prefix.RemotePrefixScenario:
+def _remote_prefix_scenario(**changes) -> RemotePrefixScenario:
     small = dict(num_drafters=2, prefix_tokens=8192, num_prefixes=2, arrivals=(0.0,) * 6)
     return remote_prefix_scenario(**(small | {"output_lengths": OutputLengths((64,))} | changes))
 

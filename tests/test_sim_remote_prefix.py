@@ -8,13 +8,9 @@ import pytest
 from tests.sim_scenarios import remote_prefix_scenario
 from vericache.errors import InvalidRequestError
 from vericache.sim.events import Link, Simulation
-from vericache.sim.remote_prefix import (
-    FullPool,
-    PrefixCache,
-    compare,
-    simulate_full,
-    simulate_vericache,
-)
+from vericache.sim.profiles import device_profile
+from vericache.sim.remote_prefix import FullPool, compare, simulate_full, simulate_vericache
+from vericache.sim.remote_prefix_workers import Session, WorkerMemory
 
 _scenario = remote_prefix_scenario
 
@@ -29,34 +25,76 @@ def test_every_configuration_serves_every_token():
     assert len(vericache.latencies_s) == 32
     rounds = zip(vericache.accepted_per_round, vericache.draft_lens, strict=True)
     assert all(0 <= accepted <= drafts <= 40 for accepted, drafts in rounds)
-    # The verifier loads each request's full prefix from the store, once.
+    # The verifier holds every prefix's full KV (about 14 fit beside the weights): it loads each
+    # prefix from the store once, however many requests share it.
     local = simulate_full(scenario, FullPool.LOCAL)
-    assert local.link_bytes == 32 * scenario.prefix_bytes(compressed=False)
+    assert local.link_bytes == 8 * scenario.prefix_bytes(compressed=False)
+    assert 8 * scenario.prefix_bytes(compressed=False) <= local.peak_kv_bytes
+    assert local.peak_kv_bytes <= scenario.kv_room_bytes
     assert result["vericache_over_best_full"] == pytest.approx(
         vericache.tokens_per_s
         / max(result[name].tokens_per_s for name in ("full_local", "full_remote", "full_both"))
     )
 
 
-def test_a_drafters_prefixes_are_fetched_once_at_a_time_and_evicted_least_recent_first():
+def test_a_prefix_is_fetched_once_shared_and_evicted_least_recent_first_when_unreferenced():
     sim = Simulation()
-    link, cache, ready = Link(sim, "network", 100.0), PrefixCache(capacity_bytes=250), []
+    link = Link(sim, "network", 100.0)
+    memory, ready = WorkerMemory(capacity_bytes=250, link=link), []
+
+    def session(prefix: int) -> Session:
+        return Session(prefix, prefix_bytes=100, own_bytes=10)
+
     for prefix in (1, 1, 2):
-        cache.ensure(prefix, 100, link, lambda p=prefix: ready.append((p, sim.now)))
+        memory.admit(session(prefix), lambda p=prefix: ready.append((p, sim.now)))
     sim.run()
     assert ready == [(1, 1.0), (1, 1.0), (2, 2.0)] and link.bytes_sent == 200
-    cache.ensure(1, 100, link, lambda: ready.append((1, sim.now)))  # a hit: now the most recent
-    cache.ensure(3, 100, link, lambda: ready.append((3, sim.now)))  # 300 > 250: evicts 2
+    assert memory.used_bytes == 230
+    # A third prefix needs 110 more: it waits while both held prefixes are referenced...
+    memory.admit(session(3), lambda: ready.append((3, sim.now)))
     sim.run()
-    cache.ensure(2, 100, link, lambda: ready.append((2, sim.now)))
+    assert ready[-1][0] == 2 and memory.used_bytes == 230
+    for _ in range(2):
+        memory.release(session(1))  # ...and gets in once prefix 1, unreferenced, is evicted
     sim.run()
-    assert link.bytes_sent == 400 and ready[-1] == (2, 4.0)
+    assert ready[-1] == (3, 3.0) and link.bytes_sent == 300 and memory.used_bytes == 220
+    memory.release(session(2))
+    memory.admit(session(2), lambda: ready.append((2, sim.now)))  # still held: no fetch
+    sim.run()
+    assert ready[-1] == (2, 3.0) and link.bytes_sent == 300
+    with pytest.raises(InvalidRequestError, match="more than a worker's"):
+        memory.admit(Session(4, prefix_bytes=200, own_bytes=60), lambda: None)
+
+
+def test_sessions_wait_for_memory_first_come_first_served():
+    sim = Simulation()
+    memory, order = WorkerMemory(100, Link(sim, "store", 1e9)), []
+    for name, own in (("a", 60), ("b", 60), ("c", 10)):
+        memory.admit(Session(None, 0, own), lambda n=name: order.append(n))
+    assert order == ["a"]  # c would fit, but does not overtake b
+    memory.release(Session(None, 0, 60))
+    assert order == ["a", "b", "c"] and memory.peak_bytes == 70
 
 
 def test_a_slower_network_hurts_full_kv_on_the_drafters_more_than_vericache():
     fast, slow = (compare(_scenario(network_bytes_per_s=bandwidth)) for bandwidth in (12e9, 0.6e9))
     assert slow["full_remote"].tokens_per_s < 0.7 * fast["full_remote"].tokens_per_s
-    assert slow["vericache_over_best_full"] > fast["vericache_over_best_full"]
+
+    def over_remote(result):
+        return result["vericache"].tokens_per_s / result["full_remote"].tokens_per_s
+
+    assert over_remote(slow) > over_remote(fast)
+
+
+def test_a_worker_with_room_for_one_prefix_serves_one_prefix_at_a_time():
+    # Qwen2.5-32B on an 80 GB H100 leaves about 6.5 GB beside the weights: one 16k-token prefix
+    # (4.3 GB). Sessions over the other prefixes wait until it is unreferenced, then evict it.
+    roomy, tight = _scenario(), _scenario(device=device_profile("h100-sxm"))
+    local, cramped = simulate_full(roomy, FullPool.LOCAL), simulate_full(tight, FullPool.LOCAL)
+    assert cramped.num_output_tokens == local.num_output_tokens
+    assert cramped.tokens_per_s < 0.5 * local.tokens_per_s
+    assert cramped.peak_kv_bytes <= tight.kv_room_bytes < 2 * tight.prefix_bytes(compressed=False)
+    assert cramped.link_bytes > local.link_bytes  # evicted prefixes are loaded again
 
 
 def test_a_small_scenario_gives_its_golden_result_and_bad_input_is_refused():
@@ -70,11 +108,12 @@ def test_a_small_scenario_gives_its_golden_result_and_bad_input_is_refused():
     assert simulate_vericache(_scenario(arrivals=(0.0,))).num_output_tokens in (64, 256)
 
 
-# Pinned: a change to the event core, the batch loop, the cost model or the engine's round
-# (engine/sequence.py, which decodes every simulated request) moves these on purpose.
+# Pinned: a change to the event core, the batch loop, the cost model, the workers' memory or the
+# engine's round (engine/sequence.py, which decodes every simulated request) moves these on
+# purpose.
 GOLDEN = {
-    "vericache": 268.6089207893294,
-    "full_local": 329.6278657397559,
-    "full_remote": 208.06128643891407,
-    "full_both": 336.9114889219232,
+    "vericache": 326.79160001532193,
+    "full_local": 499.9743714220436,
+    "full_remote": 225.65564337891377,
+    "full_both": 490.0525153386491,
 }

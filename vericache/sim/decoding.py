@@ -47,6 +47,11 @@ class SimSequence:
         return self.seq.stats.num_output_tokens
 
     @property
+    def num_left(self) -> int:
+        """Output tokens it may still emit, within the budget and the context."""
+        return max(0, min(self.seq.num_remaining, self.seq.room))
+
+    @property
     def num_drafts(self) -> int:
         """Drafts of the round in progress."""
         return len(self.seq.draft_ids)

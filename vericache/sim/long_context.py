@@ -113,6 +113,7 @@ class SimReport:
     link_bytes: int = 0
     num_stalls: int = 0  # iterations that waited for a full-KV load
     stall_s: float = 0.0
+    peak_kv_bytes: int = 0  # the most KV one device (or worker) held or had reserved at once
     latencies_s: list[float] = field(default_factory=list)  # per request, arrival to last token
     accepted_per_round: list[int] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)  # of each round, as the scheduler chose
@@ -189,6 +190,8 @@ class _VeriCacheRun:
         self.report.elapsed_s = self.sim.now
         self.report.device_busy_s = self.device.busy_s
         self.report.link_bytes = self.link.bytes_delivered
+        peak = self.scheduler.metrics.peak_memory_bytes - self.scheduler.costs.weights_bytes
+        self.report.peak_kv_bytes = max(0, peak)
         return self.report
 
     def _iteration(self) -> None:
@@ -306,6 +309,8 @@ def simulate_full_kv(scenario: LongContextScenario) -> SimReport:
         seconds = scenario.forward_s(rows)
         now, busy = now + seconds, busy + seconds
         report.num_forwards += 1
+        held = sum(scenario.full_kv_bytes(r.max_output_tokens) for r in running)
+        report.peak_kv_bytes = max(report.peak_kv_bytes, held)
         for request in running:
             report.num_output_tokens += request.seq.decode_step()
             if request.seq.is_finished:

@@ -27,9 +27,9 @@ from vericache.scheduler import BaseScheduler, CostModel, SchedulerRequest
 from vericache.scheduler.records import IterationPlan
 from vericache.sim.batch_loop import SimJob
 from vericache.sim.long_context import SimReport
-from vericache.sim.remote_prefix import RemotePrefixScenario, Run, VeriCacheRequest, Worker
-
-ACTIVATION_RESERVE = 0.1  # the verifier's memory kept from the scheduler's plan, as in Pipeline 1
+from vericache.sim.remote_prefix import VeriCacheRequest
+from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
+from vericache.sim.remote_prefix_workers import Run, Session, Worker
 
 
 def simulate_vericache_scheduled(
@@ -53,6 +53,16 @@ class _ScheduledRequest(VeriCacheRequest):
     def request_id(self) -> str:
         return f"r{id(self)}"
 
+    def verifier_session(self) -> Session:
+        """Nothing kept between rounds: the full KV is loaded for each verification, within the
+        memory the verifier's scheduler plans."""
+        return Session(None, 0, 0)
+
+    def _open(self) -> None:
+        """The prefill needs the prefix's full KV on the verifier for its own forward."""
+        full = self.run.scenario.prefix_bytes(compressed=False)
+        self.verifier.link.send(full, self._prefill)
+
     def _first_token(self) -> None:
         self.run.emit(self.seq.first_token())
         if self.seq.is_finished:
@@ -60,10 +70,6 @@ class _ScheduledRequest(VeriCacheRequest):
             return
         self.exact_tokens = self.run.scenario.suffix_tokens + 1
         self.verifier.schedule.add(self)
-
-    def finished(self) -> None:
-        self.run.finish(self.verifier, self.arrival_s)
-        self.drafter.num_requests -= 1
 
     def begin_round(self, reserved: int) -> None:
         """One draft call of the reserved length, cut by the engine's round."""
@@ -154,18 +160,25 @@ class VerifierSchedule:
         scenario = run.scenario
         self.run, self.verifier = run, verifier
         step_s = scenario.forward_s([scenario.row(1, scenario.suffix_tokens, compressed=True)])
-        budget = int(scenario.device.memory_bytes * (1 - ACTIVATION_RESERVE))
         costs = CostModel(
-            step_s, scenario.store_bytes_per_s, budget, scenario.model.weights_bytes()
+            step_s,
+            link_bytes_per_s=scenario.store_bytes_per_s * scenario.tensor_parallel,
+            memory_budget_bytes=scenario.memory_budget_bytes,
+            weights_bytes=scenario.model.weights_bytes(),
         )
         self.scheduler = make_scheduler(costs)
         self.entries: dict[str, _ScheduledRequest] = {}
         self._ticking = False
 
+    @property
+    def peak_kv_bytes(self) -> int:
+        return max(0, self.scheduler.metrics.peak_memory_bytes - self.scheduler.costs.weights_bytes)
+
     def add(self, entry: _ScheduledRequest) -> None:
         scenario = self.run.scenario
-        max_tokens = scenario.prefix_tokens + scenario.suffix_tokens + entry.seq.seq.num_remaining
-        full_kv_bytes = max_tokens * scenario.kv_bytes_per_token
+        full_kv_bytes = scenario.prefix_bytes(compressed=False) + scenario.own_bytes(
+            entry.seq.num_left
+        )
         request = SchedulerRequest(entry.request_id, full_kv_bytes, 0, scenario.draft_len)
         self.scheduler.add_request(request)
         self.entries[entry.request_id] = entry

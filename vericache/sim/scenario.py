@@ -53,8 +53,9 @@ from vericache.sim.long_context import (
     simulate_vericache,
 )
 from vericache.sim.profiles import device_profile, model_profile
-from vericache.sim.remote_prefix import FullPool, RemotePrefixScenario, compare
+from vericache.sim.remote_prefix import FullPool, compare
 from vericache.sim.remote_prefix import simulate_vericache as simulate_vericache_per_request
+from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_scheduled import simulate_vericache_scheduled
 from vericache.sim.workload import (
     AcceptanceTrace,

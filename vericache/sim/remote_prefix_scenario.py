@@ -1,0 +1,93 @@
+"""A Pipeline 2 deployment to simulate: G_local verifiers beside the full-KV store and G_remote
+drafters across a slow network, each worker a device or a tensor-parallel group of them.
+
+Memory, stated: each worker keeps `activation_reserve` of its devices' memory from the KV, and the
+rest beside the weights is its KV room, shared by its sessions' own KV and the prefixes they share
+(remote_prefix_workers.WorkerMemory). With tensor
+parallelism over g devices a worker holds 1/g of the weights and of every KV on each device, and
+each device moves its share over its own link at once: the worker's links carry g times one
+device's bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vericache.errors import InvalidRequestError
+from vericache.sim.cost import Row, forward_cost
+from vericache.sim.profiles import DeviceProfile, ModelProfile
+from vericache.sim.workload import AcceptanceTrace, OutputLengths
+
+
+@dataclass(frozen=True)
+class RemotePrefixScenario:
+    model: ModelProfile
+    device: DeviceProfile  # every verifier and drafter
+    num_verifiers: int
+    num_drafters: int
+    prefix_tokens: int
+    num_prefixes: int  # each request's prefix is drawn uniformly (seeded)
+    suffix_tokens: int  # the prompt after its prefix
+    compressed_ratio: float  # compressed KV bytes / full KV bytes (KIVI 4-bit: about 0.27)
+    store_bytes_per_s: float  # the store to each verifier
+    network_bytes_per_s: float  # the store side to each drafter
+    network_latency_s: float
+    draft_len: int
+    arrivals: tuple[float, ...]
+    output_lengths: OutputLengths
+    acceptance: AcceptanceTrace
+    seed: int = 0
+    tensor_parallel: int = 1  # devices per worker
+    activation_reserve: float = 0.1  # share of each device's memory kept from the KV
+
+    def __post_init__(self):
+        counts = (self.num_verifiers, self.num_drafters, self.prefix_tokens, self.num_prefixes)
+        if min(*counts, self.suffix_tokens, self.draft_len) < 1 or not self.arrivals:
+            raise InvalidRequestError("a scenario needs workers, prefixes, a suffix and requests")
+        if not 0 < self.compressed_ratio <= 1 or self.network_latency_s < 0:
+            raise InvalidRequestError("compressed_ratio lies in (0, 1], latency >= 0")
+        if self.tensor_parallel < 1 or not 0 <= self.activation_reserve < 1:
+            raise InvalidRequestError("tensor_parallel >= 1, activation_reserve in [0, 1)")
+        if self.kv_room_bytes <= 0:
+            raise InvalidRequestError(
+                f"{self.model.name}'s weights leave no KV room on {self.tensor_parallel} x "
+                f"{self.device.name}: raise tensor_parallel"
+            )
+        if self.prefix_tokens + self.suffix_tokens >= self.model.max_positions:
+            raise InvalidRequestError(
+                f"a prompt of {self.prefix_tokens + self.suffix_tokens} tokens leaves no room in "
+                f"{self.model.name}'s context of {self.model.max_positions}"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token()
+
+    def prefix_bytes(self, compressed: bool) -> int:
+        ratio = self.compressed_ratio if compressed else 1.0
+        return int(self.prefix_tokens * self.kv_bytes_per_token * ratio)
+
+    def row(self, num_new: int, num_after_prefix: int, compressed: bool) -> Row:
+        """A row over the prefix (compressed or full) and `num_after_prefix` exact tokens."""
+        context = self.prefix_tokens + num_after_prefix
+        kv_bytes = self.prefix_bytes(compressed) + num_after_prefix * self.kv_bytes_per_token
+        return Row(num_new, context, kv_bytes / context)
+
+    @property
+    def kv_room_bytes(self) -> int:
+        """A worker's memory for KV once its weights are loaded, over its devices."""
+        memory = self.tensor_parallel * self.device.memory_bytes * (1 - self.activation_reserve)
+        return int(memory) - self.model.weights_bytes()
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        """What a scheduler plans within on a worker: its memory less the reserve."""
+        return self.kv_room_bytes + self.model.weights_bytes()
+
+    def own_bytes(self, num_output_tokens: int) -> int:
+        """The exact KV a session comes to hold of its own: its suffix and its output."""
+        return (self.suffix_tokens + num_output_tokens) * self.kv_bytes_per_token
+
+    def forward_s(self, rows: list[Row]) -> float:
+        cost = forward_cost(self.model, self.device, rows, tensor_parallel=self.tensor_parallel)
+        return cost.seconds
