@@ -133,3 +133,11 @@ def test_a_remote_prefix_scenario_runs_with_each_scheduling():
     assert set(tokens.values()) == {6 * 48}
     assert results["staggered"]["vericache"] != results["per-request"]["vericache"]
     assert results["staggered"]["full_local"] == results["per-request"]["full_local"]
+
+
+def test_a_model_too_big_for_one_device_per_worker_needs_tensor_parallelism():
+    llama = {**REMOTE, "model": "llama-3.1-70b", "device": "h100-sxm"}
+    with pytest.raises(InvalidRequestError, match="raise tensor_parallel"):
+        run_scenario(llama)
+    result = run_scenario({**llama, "tensor_parallel": 2})
+    assert result["vericache"]["num_output_tokens"] == 6 * 48

@@ -19,7 +19,8 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
 
     pipeline: remote-prefix
     model: qwen2.5-32b
-    device: h100-sxm                # every verifier and drafter
+    device: h200                    # every verifier and drafter
+    tensor_parallel: 1              # devices per worker (each moves its share on its own links)
     verifiers: 1                    # beside the full-KV store
     drafters: 4                     # across the slow network
     prefix_tokens: 16384
@@ -80,6 +81,7 @@ _FIELDS = {
     "remote-prefix": _COMMON | {
         "verifiers", "drafters", "prefix_tokens", "prefixes", "suffix_tokens", "compressed_ratio",
         "store_gb_per_s", "network_gb_per_s", "network_latency_ms", "scheduling",
+        "tensor_parallel", "activation_reserve",
     },
 }  # fmt: skip
 
@@ -200,6 +202,8 @@ def _remote_prefix(data: dict) -> RemotePrefixScenario:
         output_lengths=_output_lengths(data),
         acceptance=_acceptance(data, _int(data, "draft_len")),
         seed=int(data.get("seed", 0)),
+        tensor_parallel=int(data.get("tensor_parallel", 1)),
+        activation_reserve=float(data.get("activation_reserve", 0.1)),
     )
 
 
@@ -258,5 +262,6 @@ def _summary(report: SimReport) -> dict:
         "num_stalls": report.num_stalls,
         "stall_s": report.stall_s,
         "link_bytes": report.link_bytes,
+        "peak_kv_bytes": report.peak_kv_bytes,
         "mean_accepted_per_round": sum(rounds) / len(rounds) if rounds else None,
     }
