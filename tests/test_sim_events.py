@@ -107,7 +107,8 @@ def test_the_simulator_is_pure_python():
     code = (
         "import sys, vericache.sim.events, vericache.sim.cost, vericache.sim.profiles, "
         "vericache.sim.workload, vericache.sim.long_context, vericache.sim.scenario, "
-        "vericache.sim.remote_prefix, vericache.sim.decoding; "
+        "vericache.sim.remote_prefix, vericache.sim.decoding, "
+        "vericache.sim.remote_prefix_scheduled, vericache.sim.plan; "
         "print(sorted({'torch', 'numpy', 'ray', 'grpc'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vericache.cli import bench, calibrate, compressors, generate, kv_size, prefix, serve, sim
+from vericache.cli import (
+    bench,
+    calibrate,
+    compressors,
+    generate,
+    kv_size,
+    plan,
+    prefix,
+    serve,
+    sim,
+)
 from vericache.cli.parser import OneLineErrorParser
 from vericache.errors import VeriCacheError
 
@@ -21,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(commands)
     prefix.add_parser(commands)
     sim.add_parser(commands)
+    plan.add_parser(commands)
     return parser
 
 

@@ -6,3 +6,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def int_list(text: str) -> list[int]:
+    """An argument of comma-separated integers, e.g. "8,16,30"."""
+    return [int(item) for item in text.split(",") if item]

@@ -120,18 +120,23 @@ def run_scenario(data: dict) -> dict:
             "full_kv": simulate_full_kv(scenario),
         }
     else:
-        scenario = _build(_remote_prefix, data)
-        compared = compare(scenario, _remote_prefix_vericache(data, scenario.draft_len))
+        scenario = build_remote_prefix(data)
+        compared = compare(scenario, vericache_simulation(data, scenario.draft_len))
         reports = {name: compared[name] for name in ("vericache", *(p.value for p in FullPool))}
     baselines = [name for name in reports if name != "vericache"]
     best = max(reports[name].tokens_per_s for name in baselines)
     return {
         "scenario": data,
-        **{name: _summary(report) for name, report in reports.items()},
+        **{name: report_summary(report) for name, report in reports.items()},
         "baselines": baselines,
         "speedup": reports["vericache"].tokens_per_s / best,
         "sources": {"device": scenario.device.source, "acceptance": scenario.acceptance.source},
     }
+
+
+def build_remote_prefix(data: dict) -> RemotePrefixScenario:
+    """A Pipeline 2 scenario from a scenario file's fields."""
+    return _build(_remote_prefix, data)
 
 
 def _build(make, data: dict):
@@ -144,7 +149,7 @@ def _build(make, data: dict):
         raise InvalidRequestError(f"a scenario field has the wrong type: {exc}") from None
 
 
-def _remote_prefix_vericache(data: dict, draft_len: int):
+def vericache_simulation(data: dict, draft_len: int):
     """The simulation of VeriCache's rounds the scenario names: per-request, or each verifier's
     rounds planned by a scheduler."""
     name = data.get("scheduling", "per-request")
@@ -250,7 +255,7 @@ def _int(data: dict, name: str) -> int:
     return value
 
 
-def _summary(report: SimReport) -> dict:
+def report_summary(report: SimReport) -> dict:
     rounds = report.accepted_per_round
     return {
         "tokens_per_s": report.tokens_per_s,
