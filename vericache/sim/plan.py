@@ -1,4 +1,5 @@
-"""A deployment planner for remote prefix caching (Pipeline 2): `vericache plan`.
+"""Deployment planners: for remote prefix caching (Pipeline 2, `vericache plan`), and for
+long-context decoding (Pipeline 1, `plan_long_context`: the draft length and scheduler).
 
 Given a model, the GPUs beside the full-KV store (local) and across the slow network (remote),
 the links, and a workload (prefixes, prompts, output lengths, arrivals, and the compressors worth
@@ -30,7 +31,12 @@ from dataclasses import asdict, dataclass
 
 from vericache.errors import InvalidRequestError
 from vericache.sim.remote_prefix import FullPool, simulate_full
-from vericache.sim.scenario import build_remote_prefix, report_summary, vericache_simulation
+from vericache.sim.scenario import (
+    build_remote_prefix,
+    report_summary,
+    run_scenario,
+    vericache_simulation,
+)
 
 _WORKLOAD_FIELDS = {
     "prefix_tokens", "prefixes", "suffix_tokens", "output_tokens", "requests", "compressors",
@@ -173,3 +179,23 @@ def _compressors(workload: dict) -> dict:
                 f"compressor {name!r} needs exactly compressed_ratio and acceptance"
             )
     return compressors
+
+
+def plan_long_context(
+    data: dict, draft_lens: tuple[int, ...], schedulers: tuple[str, ...] = ("staggered", "lockstep")
+) -> dict:
+    """Pipeline 1: every draft length and scheduler simulated over a long-context scenario's
+    fields (whose acceptance names the draft length it was measured at), the fastest first."""
+    acceptance = data.get("acceptance")
+    if not isinstance(acceptance, dict) or not (
+        "first_mismatch" in acceptance or "at_draft_len" in acceptance
+    ):
+        raise InvalidRequestError("a plan over draft lengths needs acceptance.at_draft_len")
+    candidates = []
+    for draft_len in draft_lens:
+        for scheduler in schedulers:
+            result = run_scenario({**data, "draft_len": draft_len, "scheduler": scheduler})
+            summary = {"draft_len": draft_len, "scheduler": scheduler, **result["vericache"]}
+            candidates.append(summary | {"speedup": result["speedup"]})
+    candidates.sort(key=lambda c: c["tokens_per_s"], reverse=True)
+    return {"recommended": candidates[0], "candidates": candidates, "full_kv": result["full_kv"]}

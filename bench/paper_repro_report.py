@@ -1,0 +1,65 @@
+"""The paper-repro benchmark's table (markdown) and figure: each configuration of the paper beside
+what the simulator gives, with the best configuration the planners find."""
+
+from __future__ import annotations
+
+from vericache.bench.common import pyplot, save_figure
+
+
+def markdown_table(result: dict) -> str:
+    p1, p2, stagger = result["pipeline1"], result["pipeline2"], result["stagger"]
+    paper = result["paper"]
+    band1, band2 = paper["pipeline1"]["band"], paper["pipeline2"]["band"]
+    best1, best2 = p1["best"], p2["best"]
+    rows = [
+        "| configuration | paper | simulated | best found | its configuration |",
+        "| --- | --- | --- | --- | --- |",
+        f"| Pipeline 1: Llama-70B, 2 x H100 NVL, KVzip c=0.2, x=25 | {band1[0]}-{band1[1]}x | "
+        f"{p1['paper_config']['speedup']:.2f}x | {best1['speedup']:.2f}x | "
+        f"x={best1['draft_len']}, {best1['scheduler']} |",
+        f"| Pipeline 2: 1 local + 4 remote, KIVI 4-bit, x=40 (vs best full KV) | "
+        f"{band2[0]}-{band2[1]}x | {p2['paper_config']['speedup']:.2f}x "
+        f"(best full KV: {p2['paper_config']['best_full']}) | {best2['speedup']:.2f}x | "
+        f"x={best2['draft_len']}, {best2['num_verifiers']} verifier, {best2['scheduling']} |",
+        f"| Staggered over lock-step, Mistral-24B example | > 1 | "
+        f"{stagger['staggered_over_lockstep']:.2f}x | | |",
+    ]
+    sweeps = ["", "| sweep | value | simulated speedup | paper |", "| --- | --- | --- | --- |"]
+    for budget, run in p1["by_kv_budget"].items():
+        quoted = paper["pipeline1"]["kv_budget"].get(float(budget))
+        sweeps.append(f"| P1 KV budget | {budget} | {run['speedup']:.2f}x | {_quoted(quoted)} |")
+    for ratio, run in p1["by_bandwidth_ratio"].items():
+        quoted = paper["pipeline1"]["bandwidth_ratio"].get(int(ratio))
+        sweeps.append(f"| P1 HBM : link | {ratio} | {run['speedup']:.2f}x | {_quoted(quoted)} |")
+    for count, run in p2["by_remote_per_local"].items():
+        sweeps.append(f"| P2 remote per local | {count} | {run['speedup']:.2f}x | |")
+    for ratio, run in p2["by_load_ratio"].items():
+        sweeps.append(f"| P2 prefix load / reply decode | {ratio} | {run['speedup']:.2f}x | |")
+    sources = p1["paper_config"]["sources"]["device"]
+    return "\n".join([*rows, *sweeps, "", f"Device profiles: {sources} (and alike).", ""])
+
+
+def _quoted(value) -> str:
+    return f"{value}x" if value is not None else ""
+
+
+def plot(result: dict, path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    p1, p2 = result["pipeline1"], result["pipeline2"]
+    panels = [
+        (p1["by_kv_budget"], "P1: KV budget (c)", result["paper"]["pipeline1"]["kv_budget"]),
+        (p1["by_bandwidth_ratio"], "P1: HBM : host link", result["paper"]["pipeline1"]
+         ["bandwidth_ratio"]),
+        (p2["by_remote_per_local"], "P2: remote GPUs per local", {}),
+        (p2["by_load_ratio"], "P2: prefix load / reply decode", {}),
+    ]  # fmt: skip
+    for axis, (runs, label, paper) in zip(axes, panels):
+        xs = [float(x) for x in runs]
+        axis.plot(xs, [run["speedup"] for run in runs.values()], "o-", label="simulated")
+        if paper:
+            axis.plot([float(x) for x in paper], list(paper.values()), "s", label="paper")
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set(xlabel=label, ylabel="VeriCache / best full KV", ylim=(0, None))
+        axis.legend(fontsize=7)
+    save_figure(fig, path, "The paper's configurations in the simulator (datasheet profiles)")

@@ -1,0 +1,55 @@
+"""`bench paper-repro`: the paper's configurations from the committed scenario files, its sweeps,
+the planners' best beside them, a markdown table and a figure (a quick run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vericache.bench import paper_repro
+from vericache.cli.bench import parse_benchmark_args
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("paper")
+    module, args = parse_benchmark_args(
+        "paper-repro", ["--quick", "--markdown", str(folder / "table.md")]
+    )
+    assert module is paper_repro
+    return paper_repro.run(args), folder
+
+
+def test_the_summary_names_both_pipelines_and_the_bands(quick):
+    result, _ = quick
+    summary = result["summary"]
+    for pipeline in ("pipeline1", "pipeline2"):
+        speedup = summary[f"{pipeline}_speedup"]
+        assert speedup == result[pipeline]["paper_config"]["speedup"] > 0
+        low, high = paper_repro.PAPER[pipeline]["band"]
+        assert summary[f"{pipeline}_in_band"] == (low <= speedup <= high)
+        # The planners search a space that holds the paper's configuration's neighbours.
+        assert summary[f"{pipeline}_best_speedup"] > 0
+    assert summary["cpu_prediction_error"] is None  # bench sim-validate's to give
+    assert result["pipeline1"]["paper_config"]["sources"]["device"].startswith("datasheet")
+
+
+def test_the_sweeps_move_what_they_name(quick):
+    result, _ = quick
+    p1 = result["pipeline1"]
+    # A faster host link (a lower HBM : link ratio) helps VeriCache and not full KV.
+    fast, slow = p1["by_bandwidth_ratio"]["10"], p1["by_bandwidth_ratio"]["60"]
+    assert fast["speedup"] > slow["speedup"]
+    assert fast["full_kv_tokens_per_s"] == pytest.approx(slow["full_kv_tokens_per_s"])
+    # A slower network (more decode times per prefix load) hurts VeriCache's drafters.
+    loads = result["pipeline2"]["by_load_ratio"]
+    assert loads["10"]["vericache_tokens_per_s"] < loads["0.5"]["vericache_tokens_per_s"]
+    assert result["stagger"]["staggered_over_lockstep"] > 1
+
+
+def test_the_table_and_the_figure_are_written(quick, tmp_path):
+    result, folder = quick
+    table = (folder / "table.md").read_text()
+    assert "| Pipeline 1: Llama-70B" in table and "| P2 remote per local |" in table
+    path = tmp_path / "paper.png"
+    paper_repro.plot(result, path)
+    assert path.stat().st_size > 1000
