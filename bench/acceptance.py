@@ -1,45 +1,54 @@
-"""Accepted draft tokens per round, by compressor and draft length, on real long contexts.
+"""Accepted draft tokens per round, by compressor and draft length, on real long contexts, recorded
+as traces the simulator replays.
 
-Code: Python standard-library modules of 3-4k tokens as the context, a HumanEval prompt and a
-question about the module. Tools: BFCL function catalogues of 3k+ tokens, BFCL questions. Math:
-short word problems. Every registered compressor at 2x/4x/8x (8/4/2 bits) by default. Every
-vericache output is also checked against full-KV decoding of the same prompt.
+Workloads: code (Python standard-library modules of 3-4k tokens, each asked a HumanEval prompt and
+a question about the module), tools (BFCL function catalogues of 3k+ tokens, BFCL questions), math
+(short word problems). `--prompts-per-kind` (20) code and tool prompts; the math set has 8.
 
-The headline metric counts rounds that drafted the full x tokens (a round cut short by the token
-budget or an end token drafts fewer and would bias the mean down); all rounds are reported too.
+Every request decodes `--max-tokens` (256) tokens at x = 64, the longest draft the simulator
+replays, and every round records the position of its first draft that the full KV rejects (64
+when none is): a round at any x <= 64 would have accepted min(first mismatch, x), since the
+drafts before the first mismatch do not depend on how many follow. A round cut short (by the
+token budget or an end token) with every draft accepted tells no first mismatch and is left out.
+Each record also keeps the prompt kind, the compressor and its ratio or bits, and the context
+length. The table replays the traces at every x of `--draft-lens`: the mean accepted per round
+and its 95% confidence interval over prompts (a prompt's rounds are not independent of each
+other, its mean is). Every vericache output is also checked against full-KV decoding.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
+from vericache.bench.acceptance_report import (  # noqa: F401 - plot: the CLI's
+    TARGET_KINDS,
+    TARGET_X30,
+    best_at_4x,
+    markdown,
+    plot,
+    replay_table,
+)
 from vericache.bench.common import (
     compressor_from_label,
     compressor_labels,
     environment,
     int_list,
     progress,
-    pyplot,
 )
 from vericache.bench.workloads import standard_workloads
 from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.model.loader import DEFAULT_MODEL
-
-TARGET_X30 = 20.0
-TARGET_KINDS = ("code", "tools")
+from vericache.sim.workload import MAX_DRAFT_LEN
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument(
-        "--compressors",
-        help="comma-separated labels, `all` (default: every compressor at 2x/4x/8x) or `all-4x` "
-        "(the default when quick)",
+        "--compressors", help="comma-separated labels, `all-4x` (default) or `all` (2x/4x/8x)"
     )
-    parser.add_argument("--draft-lens", type=int_list, default=[10, 20, 30, 40])
-    parser.add_argument("--max-tokens", type=int, help="output tokens per request (128; quick 64)")
+    parser.add_argument("--draft-lens", type=int_list, default=[10, 20, 30, 40, 64])
+    parser.add_argument("--max-tokens", type=int, help="output tokens per request (256; quick 64)")
+    parser.add_argument("--prompts-per-kind", type=int, help="code and tool prompts (20; quick 2)")
     parser.add_argument("--draft-kv", choices=["verifier", "drafter", "both"], default="verifier")
     parser.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
     parser.add_argument(
@@ -51,116 +60,96 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
-    max_tokens = args.max_tokens or (64 if args.quick else 128)
-    labels = compressor_labels(args.compressors or ("all-4x" if args.quick else "all"))
+    max_tokens = args.max_tokens or (64 if args.quick else 256)
+    per_kind = args.prompts_per_kind or (2 if args.quick else 20)
+    labels = compressor_labels(args.compressors or "all-4x")
     compressors = [compressor_from_label(label) for label in labels]
     engine = Engine.from_pretrained(
         args.model, dtype=args.dtype, config=EngineConfig(prefix_cache_bytes=16 << 30)
     )
-    prompts = _prompts(engine.tokenizer, args.quick)
+    prompts = _prompts(engine.tokenizer, args.quick, per_kind)
     params = SamplingParams(max_new_tokens=max_tokens)
     references = engine.generate(
-        [Request(p.token_ids, p.num_prefix_tokens, params, DecodeMode.FULL) for _, p in prompts]
+        [Request(p.token_ids, p.num_prefix_tokens, params, DecodeMode.FULL) for *_, p in prompts]
     )
     sources = list(DraftKVSource) if args.draft_kv == "both" else [DraftKVSource(args.draft_kv)]
     records = []
     for source in sources:
         config = EngineConfig(draft_kv_source=source, prefix_cache_bytes=16 << 30)
         engine = Engine(engine.runner, engine.tokenizer, config, engine.prefix_store)
-        for draft_len in args.draft_lens:
-            batch = [
-                (
-                    kind,
-                    compressor,
-                    reference,
-                    Request(
-                        prompt.token_ids,
-                        prompt.num_prefix_tokens,
-                        params,
-                        DecodeMode.VERICACHE,
-                        compressor,
-                        draft_len,
-                    ),
-                )
-                for (kind, prompt), reference in zip(prompts, references)
-                for compressor in compressors
-            ]
-            outputs = []
-            chunks = range(0, len(batch), args.batch_size)
-            description = f"{source.value} KV, x={draft_len}"
-            for start in progress(chunks, description, unit="batch"):
-                chunk = batch[start : start + args.batch_size]
-                outputs += engine.generate([request for *_, request in chunk])
-            for (kind, compressor, reference, _), out in zip(batch, outputs):
-                records.append(
-                    {
-                        "kind": kind,
-                        "compressor": compressor.label,
-                        "draft_len": draft_len,
-                        "draft_kv": source.value,
-                        "identical": out.token_ids == reference.token_ids,
-                        "drafted_per_round": out.stats.drafted_per_round,
-                        "accepted_per_round": out.stats.accepted_per_round,
-                    }
-                )
-            print(f"[acceptance] draft_kv={source.value} x={draft_len}: {len(batch)} requests done")
+        batch = [
+            (kind, name, compressor, prompt, reference)
+            for (kind, name, prompt), reference in zip(prompts, references)
+            for compressor in compressors
+        ]
+        outputs = []
+        chunks = range(0, len(batch), args.batch_size)
+        for start in progress(chunks, f"{source.value} KV, x={MAX_DRAFT_LEN}", unit="batch"):
+            chunk = batch[start : start + args.batch_size]
+            outputs += engine.generate([_request(*item[2:4], params) for item in chunk])
+        for (kind, name, compressor, prompt, reference), out in zip(batch, outputs):
+            record = trace_record(kind, name, compressor, out.stats, source.value)
+            record["identical"] = out.token_ids == reference.token_ids
+            record["context_tokens"] = prompt.num_prefix_tokens
+            records.append(record)
+        print(f"[acceptance] draft_kv={source.value}: {len(batch)} requests done")
     return _result(records, labels, args, max_tokens, len(prompts))
 
 
-def _prompts(tokenizer, quick: bool):
+def _request(compressor, prompt, params: SamplingParams) -> Request:
+    return Request(
+        prompt.token_ids, prompt.num_prefix_tokens, params, DecodeMode.VERICACHE, compressor,
+        MAX_DRAFT_LEN,
+    )  # fmt: skip
+
+
+def _prompts(tokenizer, quick: bool, per_kind: int):
+    """(kind, workload name, prompt ids) of every prompt."""
     return [
-        (workload.kind, build_chat_prompt(tokenizer, workload.context, prompt))
-        for workload in standard_workloads(tokenizer, quick)
+        (workload.kind, workload.name, build_chat_prompt(tokenizer, workload.context, prompt))
+        for workload in standard_workloads(tokenizer, quick, per_kind)
         for prompt in workload.prompts
     ]
 
 
-def _aggregate(records: list[dict]) -> dict:
-    """Per (draft_kv, kind, compressor, x): accepted per full round, per round, acceptance rate."""
-    groups = defaultdict(list)
-    for record in records:
-        groups[
-            record["draft_kv"], record["kind"], record["compressor"], record["draft_len"]
-        ].append(record)
-    table = {}
-    for (source, kind, label, draft_len), group in sorted(groups.items()):
-        drafted = [d for r in group for d in r["drafted_per_round"]]
-        accepted = [a for r in group for a in r["accepted_per_round"]]
-        full_rounds = [a for d, a in zip(drafted, accepted) if d == draft_len]
-        table.setdefault(source, {}).setdefault(kind, {}).setdefault(label, {})[draft_len] = {
-            "mean_accepted_per_full_round": _mean(full_rounds),
-            "mean_accepted_per_round": _mean(accepted),
-            "acceptance_rate": sum(accepted) / sum(drafted) if sum(drafted) else None,
-            "num_full_rounds": len(full_rounds),
-            "num_rounds": len(accepted),
-        }
-    return table
+def first_mismatches(drafted: list[int], accepted: list[int], draft_len: int) -> list[int]:
+    """Each round's first rejected draft (draft_len: none was), where the round tells it: it
+    rejected a draft, or drafted all draft_len and kept them."""
+    return [a for d, a in zip(drafted, accepted) if a < d or d == draft_len]
 
 
-def _mean(values):
-    return sum(values) / len(values) if values else None
+def trace_record(kind: str, workload: str, compressor, stats, draft_kv: str) -> dict:
+    params = compressor.spec()["params"]
+    return {
+        "kind": kind,
+        "workload": workload,
+        "compressor": compressor.label,
+        "ratio": params.get("ratio"),
+        "bits": params.get("bits"),
+        "draft_kv": draft_kv,
+        "drafted_per_round": stats.drafted_per_round,
+        "accepted_per_round": stats.accepted_per_round,
+        "first_mismatch": first_mismatches(
+            stats.drafted_per_round, stats.accepted_per_round, MAX_DRAFT_LEN
+        ),
+    }
 
 
 def _result(records, labels, args, max_tokens, num_prompts) -> dict:
-    table = _aggregate(records)
+    table = replay_table(records, args.draft_lens)
     default = (
         DraftKVSource.VERIFIER.value if DraftKVSource.VERIFIER.value in table else args.draft_kv
     )
 
-    def at_x30(source, kind):
-        cells = table[source].get(kind, {})
-        return {
-            label: cells[label][30]["mean_accepted_per_full_round"]
-            for label in labels
-            if 30 in cells.get(label, {})
-        }
+    def at_x30(kind):
+        cells = table[default].get(kind, {})
+        return {label: cells[label]["30"] for label in labels if "30" in cells.get(label, {})}
 
-    x30 = at_x30(default, "code")
-    best = {kind: _best_at_4x(at_x30(default, kind)) for kind in TARGET_KINDS}
+    best = {kind: best_at_4x(at_x30(kind)) for kind in TARGET_KINDS}
     summary = {
-        "x30": x30,
-        "x30_tools": at_x30(default, "tools"),
-        "x30_math": at_x30(default, "math"),
+        "x30": {label: cell["mean"] for label, cell in at_x30("code").items()},
+        "x30_tools": {label: cell["mean"] for label, cell in at_x30("tools").items()},
+        "x30_math": {label: cell["mean"] for label, cell in at_x30("math").items()},
         "best_4x_x30": best,
         "identical": all(record["identical"] for record in records),
         "identical_rate": sum(record["identical"] for record in records) / len(records),
@@ -168,100 +157,40 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
         "draft_kv": default,
         "meets_target": _meets_target(best),
     }
-    if len(table) > 1:
-        summary["x30_by_draft_kv"] = {source: at_x30(source, "code") for source in table}
     return {
         "benchmark": "acceptance",
         "summary": summary,
-        "definitions": {
-            "x30": "mean accepted draft tokens per round that drafted 30 tokens, code contexts",
-            "best_4x_x30": "per workload kind, the 4x (4-bit) compressor with the most x30",
-            "target": f"best_4x_x30 >= {TARGET_X30:g} on code and on tools (3k+ token contexts)",
-        },
+        "definitions": DEFINITIONS,
         "config": {
             "max_tokens": max_tokens,
             "num_prompts": num_prompts,
             "quick": args.quick,
+            "trace_draft_len": MAX_DRAFT_LEN,
             "draft_lens": args.draft_lens,
             "model": args.model,
             "dtype": args.dtype,
-        },
+        },  # fmt: skip
         "environment": environment(),
         "table": table,
-        "table_markdown": _markdown(table, args.draft_lens),
+        "table_markdown": markdown(table, args.draft_lens),
         "records": records,
     }
 
 
-def _best_at_4x(x30: dict) -> dict | None:
-    """{label, x30} of the 4x (or 4-bit) compressor that accepts the most at x=30."""
-    at_4x = {
-        label: value
-        for label, value in x30.items()
-        if value is not None and label.endswith(("-4x", "-4bit"))
-    }
-    if not at_4x:
-        return None
-    label = max(at_4x, key=at_4x.get)
-    return {"label": label, "x30": at_4x[label]}
+DEFINITIONS = {
+    "first_mismatch": f"per round at x={MAX_DRAFT_LEN}: the first draft the full KV rejects "
+    f"({MAX_DRAFT_LEN}: none)",
+    "x30": "mean accepted per round at x=30, replayed from the traces (min(first mismatch, 30)), "
+    "code contexts",
+    "ci95": "95% confidence interval of the mean over prompts (t distribution)",
+    "best_4x_x30": "per workload kind, the 4x (4-bit) compressor with the most x30; `separated`: "
+    "its interval lies above the runner-up's",
+    "target": f"best_4x_x30 >= {TARGET_X30:g} on code and on tools (3k+ token contexts)",
+}
 
 
 def _meets_target(best: dict) -> bool | None:
-    """None when the run did not measure a 4x compressor at x=30 on both kinds."""
+    """None when the run did not measure a 4x compressor on both kinds."""
     if any(best[kind] is None for kind in TARGET_KINDS):
         return None
     return all(best[kind]["x30"] >= TARGET_X30 for kind in TARGET_KINDS)
-
-
-def _markdown(table: dict, draft_lens: list[int]) -> str:
-    lines = []
-    for source, kinds in table.items():
-        lines.append(f"Mean accepted tokens per full round (draft KV: {source})\n")
-        lines.append("| workload | compressor | " + " | ".join(f"x={x}" for x in draft_lens) + " |")
-        lines.append("|---|---|" + "---|" * len(draft_lens))
-        for kind, compressors in kinds.items():
-            for label, cells in compressors.items():
-                values = [cells.get(x, {}).get("mean_accepted_per_full_round") for x in draft_lens]
-                shown = " | ".join("-" if v is None else f"{v:.1f}" for v in values)
-                lines.append(f"| {kind} | {label} | {shown} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-STRENGTH_ROWS = {"2x": ("-2x", "-8bit"), "4x": ("-4x", "-4bit"), "8x": ("-8x", "-2bit")}
-
-
-def plot(result: dict, path) -> None:
-    """Accepted per round against draft length: a column per workload kind, a row per strength
-    (2x/4x/8x, i.e. 8/4/2 bits), a line per compressor; labels of other strengths get a row too."""
-    plt = pyplot()
-    table = result["table"][result["summary"]["draft_kv"]]
-    labels = sorted({label for compressors in table.values() for label in compressors})
-    rows = {
-        name: [label for label in labels if label.endswith(suffixes)]
-        for name, suffixes in STRENGTH_ROWS.items()
-    }
-    rows["other"] = [label for label in labels if not any(label in r for r in rows.values())]
-    rows = {name: row for name, row in rows.items() if row}
-    colors = {label.rsplit("-", 1)[0]: None for label in labels}
-    colors = {name: f"C{index % 10}" for index, name in enumerate(colors)}
-    fig, axes = plt.subplots(
-        len(rows), len(table), figsize=(4.5 * len(table) + 2, 3.2 * len(rows)), squeeze=False
-    )
-    for axes_row, (strength, row_labels) in zip(axes, rows.items()):
-        for axis, (kind, compressors) in zip(axes_row, table.items()):
-            for label in row_labels:
-                cells = compressors.get(label, {})
-                xs = sorted(cells, key=int)
-                values = [cells[x]["mean_accepted_per_full_round"] for x in xs]
-                color = colors[label.rsplit("-", 1)[0]]
-                axis.plot([int(x) for x in xs], values, marker="o", color=color, label=label)
-            top = max(int(x) for cells in compressors.values() for x in cells)
-            axis.plot([0, top], [0, top], color="grey", linestyle=":")
-            axis.plot([30], [TARGET_X30], "r*", markersize=10)
-            axis.set(title=f"{kind}, {strength}", xlabel="draft length x", ylim=(0, top + 2))
-            axis.set_ylabel("accepted per round")
-        axes_row[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    fig.suptitle("dotted: every draft accepted; star: the target at x=30", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

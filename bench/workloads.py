@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import random
 import sysconfig
 from dataclasses import dataclass
@@ -315,12 +316,22 @@ def math_workload() -> Workload:
     return Workload("math", "math", MATH_CONTEXT, tuple(p.prompt for p in MATH_PROBLEMS))
 
 
-def standard_workloads(tokenizer, quick: bool) -> list[Workload]:
+def standard_workloads(
+    tokenizer, quick: bool, prompts_per_kind: int | None = None
+) -> list[Workload]:
     """The acceptance benchmark's workloads: stdlib modules of 3-4k tokens, each asked one HumanEval
-    prompt and one prompt about the module; BFCL catalogues of 3k+ tokens, each asked two questions.
-    3 code + 2 tools workloads, or 1 + 1 when quick (the first of each of the full set), and the
-    short math problems (4 when quick)."""
-    num_code, num_tools = (1, 1) if quick else (3, 2)
+    prompt and one prompt about the module; BFCL catalogues of 3k+ tokens, each asked questions.
+    3 code + 2 tools workloads of two prompts each, or 1 + 1 when quick (the first of each of the
+    full set); or, with `prompts_per_kind`, as many code prompts (two per module) and as many tool
+    prompts (over up to the 4 catalogues BFCL has, one per 5 prompts); and the short math
+    problems (4 when quick)."""
+    if prompts_per_kind is None:
+        num_code, num_tools = (1, 1) if quick else (3, 2)
+        per_catalogue = 2
+    else:
+        num_code = math.ceil(prompts_per_kind / 2)
+        num_tools = min(4, max(1, prompts_per_kind // 5))
+        per_catalogue = math.ceil(prompts_per_kind / num_tools)
     contexts = code_contexts(tokenizer, 3000, 4000, count=num_code)
     humaneval = humaneval_prompts(num_code, seed=0)
     workloads = []
@@ -328,9 +339,9 @@ def standard_workloads(tokenizer, quick: bool) -> list[Workload]:
         prompts = (humaneval[i], CONTEXT_PROMPTS[i % len(CONTEXT_PROMPTS)])
         workloads.append(Workload(f"code:{ctx.name}", "code", ctx.text, prompts))
     for tools in tool_contexts(tokenizer, 3000, count=num_tools):
-        prompts = tools.questions[:2]
+        prompts = tools.questions[:per_catalogue]
         workloads.append(Workload(f"tools:{tools.name}", "tools", tools.context, prompts))
-    math = math_workload()
+    math_set = math_workload()
     if quick:
-        math = Workload(math.name, math.kind, math.context, math.prompts[:4])
-    return [*workloads, math]
+        math_set = Workload(math_set.name, math_set.kind, math_set.context, math_set.prompts[:4])
+    return [*workloads, math_set]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 import torch
 
-from vericache.bench import acceptance, decode_speed
+from vericache.bench import decode_speed
 from vericache.bench.common import compressor_from_label, compressor_labels, progress
 from vericache.compress import COMPRESSORS, KIVI, StreamingLLM
 from vericache.errors import InvalidRequestError
@@ -24,49 +22,6 @@ def test_compressor_labels_round_trip():
     for bad in ("kivi4", "snapkv-4x-int8", "kivi-4bit-bf16"):
         with pytest.raises(InvalidRequestError):
             compressor_from_label(bad)
-
-
-def _record(kind, label, draft_len, drafted, accepted, source="verifier"):
-    return {
-        "kind": kind,
-        "compressor": label,
-        "draft_len": draft_len,
-        "draft_kv": source,
-        "identical": True,
-        "drafted_per_round": drafted,
-        "accepted_per_round": accepted,
-    }
-
-
-def test_acceptance_counts_only_full_rounds_in_the_headline(tmp_path):
-    records = [
-        _record("code", "kivi-4bit", 30, [30, 30, 12], [30, 10, 12]),
-        _record("code", "kivi-4bit", 30, [30], [20]),
-        _record("tools", "kivi-4bit", 30, [30, 5], [0, 5]),
-        _record("code", "streamingllm-4x", 30, [30, 30], [17, 18]),
-    ]
-    args = argparse.Namespace(
-        draft_kv="verifier", quick=True, draft_lens=[30], model="m", dtype="float32"
-    )
-    labels = ["kivi-4bit", "streamingllm-4x"]
-    result = acceptance._result(records, labels, args, max_tokens=64, num_prompts=3)
-    cell = result["table"]["verifier"]["code"]["kivi-4bit"][30]
-    assert cell["mean_accepted_per_full_round"] == pytest.approx(20.0)  # (30 + 10 + 20) / 3
-    assert cell["mean_accepted_per_round"] == pytest.approx(18.0)  # (30 + 10 + 12 + 20) / 4
-    assert cell["acceptance_rate"] == pytest.approx(72 / 102)
-    assert result["summary"]["x30"] == {
-        "kivi-4bit": pytest.approx(20.0),
-        "streamingllm-4x": pytest.approx(17.5),
-    }
-    assert result["summary"]["x30_tools"] == {"kivi-4bit": 0.0}
-    best = result["summary"]["best_4x_x30"]
-    assert best["code"] == {"label": "kivi-4bit", "x30": pytest.approx(20.0)}
-    assert result["summary"]["meets_target"] is False  # tools: the best 4x accepts 0
-    assert acceptance._meets_target({"code": best["code"], "tools": None}) is None
-    assert acceptance._meets_target({"code": best["code"], "tools": best["code"]}) is True
-    assert "| code | kivi-4bit | 20.0 |" in result["table_markdown"]
-    acceptance.plot(result, tmp_path / "acceptance.png")
-    assert (tmp_path / "acceptance.png").stat().st_size > 1000
 
 
 def test_compressor_labels_cover_the_registry_at_each_strength():

@@ -141,3 +141,22 @@ def test_a_model_too_big_for_one_device_per_worker_needs_tensor_parallelism():
         run_scenario(llama)
     result = run_scenario({**llama, "tensor_parallel": 2})
     assert result["vericache"]["num_output_tokens"] == 6 * 48
+
+
+def test_acceptance_from_a_bench_acceptance_result(tmp_path):
+    records = [
+        {"kind": "code", "compressor": "kivi-4bit", "draft_kv": "verifier",
+         "first_mismatch": [12, 64, 30]},
+        {"kind": "code", "compressor": "kivi-4bit", "draft_kv": "verifier", "first_mismatch": [5]},
+        {"kind": "tools", "compressor": "kivi-4bit", "draft_kv": "verifier", "first_mismatch": [0]},
+    ]  # fmt: skip
+    path = tmp_path / "acceptance.json"
+    path.write_text(json.dumps({"records": records, "config": {"model": "smollm2-135m"}}))
+    spec = {"bench": str(path), "kind": "code", "compressor": "kivi-4bit"}
+    result = run_scenario({**SMALL, "acceptance": spec})
+    source = result["sources"]["acceptance"]
+    assert source.startswith("measured: bench acceptance, code prompts, kivi-4bit, smollm2-135m")
+    assert "4 rounds over 2 prompts" in source
+    assert 0 < result["vericache"]["mean_accepted_per_round"] <= 16
+    with pytest.raises(InvalidRequestError, match="no first-mismatch rounds of math"):
+        run_scenario({**SMALL, "acceptance": {**spec, "kind": "math"}})

@@ -131,6 +131,17 @@ def test_standard_workloads(tokenizer, quick, num_code, num_tools):
         assert found == [full[0], full[3]]  # math popped from `found`
 
 
+def test_prompts_per_kind_spreads_them_over_modules_and_catalogues(tokenizer):
+    found = workloads.standard_workloads(tokenizer, quick=False, prompts_per_kind=20)
+    code = [w for w in found if w.kind == "code"]
+    tools = [w for w in found if w.kind == "tools"]
+    assert len(code) == 10 and sum(len(w.prompts) for w in code) == 20
+    assert len(tools) == 4 and sum(len(w.prompts) for w in tools) == 20
+    assert len({w.context for w in code}) == 10
+    few = workloads.standard_workloads(tokenizer, quick=True, prompts_per_kind=2)
+    assert [w.kind for w in few] == ["code", "tools", "math"]
+
+
 def test_math_workload_has_fixed_problems():
     workload = workloads.math_workload()
     assert workload.kind == "math" and len(workload.prompts) >= 6

@@ -188,7 +188,7 @@ def plan_long_context(
     fields (whose acceptance names the draft length it was measured at), the fastest first."""
     acceptance = data.get("acceptance")
     if not isinstance(acceptance, dict) or not (
-        "first_mismatch" in acceptance or "at_draft_len" in acceptance
+        {"first_mismatch", "at_draft_len", "bench"} & set(acceptance)
     ):
         raise InvalidRequestError("a plan over draft lengths needs acceptance.at_draft_len")
     candidates = []

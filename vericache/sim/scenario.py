@@ -12,7 +12,8 @@ Pipeline 1, long-context decoding on one device (or tensor-parallel group):
     scheduler: staggered            # or lockstep
     requests: {count: 64, rate_per_s: 0.5}     # Poisson; or {count: 64} all at t=0
     output_tokens: [256, 512]       # drawn per request
-    acceptance: {mean_accepted: 18, at_draft_len: 25}   # published; or {first_mismatch: [...]}
+    acceptance: {mean_accepted: 18, at_draft_len: 25}   # published; or {first_mismatch: [...]},
+                                    # or {bench: acceptance.json, kind: code, compressor: kivi-4bit}
     seed: 0
 
 Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's default):
@@ -63,6 +64,7 @@ from vericache.sim.workload import (
     OutputLengths,
     poisson_arrivals,
     rate_for_mean_accepted,
+    trace_from_bench,
 )
 
 _COMMON = {
@@ -229,7 +231,14 @@ def _output_lengths(data: dict) -> OutputLengths:
 
 
 def _acceptance(data: dict, draft_len: int) -> AcceptanceTrace:
-    spec = _mapping(data, "acceptance", {"mean_accepted", "at_draft_len", "first_mismatch"})
+    spec = _mapping(
+        data,
+        "acceptance",
+        {"mean_accepted", "at_draft_len", "first_mismatch", "bench", "kind", "compressor"},
+    )
+    if "bench" in spec:  # a `bench acceptance` result: its rounds of one kind and compressor
+        result = load_scenario(Path(spec["bench"]))
+        return trace_from_bench(result, str(spec["kind"]), str(spec["compressor"]))
     if "first_mismatch" in spec:
         return AcceptanceTrace("measured: the scenario's rounds", tuple(spec["first_mismatch"]))
     at = int(spec.get("at_draft_len", draft_len))

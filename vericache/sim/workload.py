@@ -60,6 +60,28 @@ class AcceptanceTrace:
         return cls(f"published: {source}", tuple(rounds))
 
 
+def trace_from_bench(result: dict, kind: str, compressor: str, draft_kv: str = "verifier"):
+    """The rounds `bench acceptance` recorded for one prompt kind and compressor (its JSON
+    result, parsed), as a trace labelled with where it was measured."""
+    records = [
+        r
+        for r in result.get("records", ())
+        if (r.get("kind"), r.get("compressor"), r.get("draft_kv")) == (kind, compressor, draft_kv)
+        and "first_mismatch" in r
+    ]
+    rounds = tuple(p for r in records for p in r["first_mismatch"])
+    if not rounds:
+        raise InvalidRequestError(
+            f"the acceptance result has no first-mismatch rounds of {kind} with {compressor}"
+        )
+    model = result.get("config", {}).get("model", "?")
+    source = (
+        f"measured: bench acceptance, {kind} prompts, {compressor}, {model}, "
+        f"{len(rounds)} rounds over {len(records)} prompts"
+    )
+    return AcceptanceTrace(source, rounds)
+
+
 def rate_for_mean_accepted(mean: float, draft_len: int) -> float:
     """The per-token rate r whose rounds of `draft_len` accept `mean` drafts on average:
     r (1 - r^x) / (1 - r) = mean (solved by bisection)."""

@@ -1,0 +1,85 @@
+"""The acceptance benchmark's traces: first mismatches from rounds at x=64, replayed at any
+x <= 64 with a 95% interval over prompts; the ranking says whether it is told apart from noise."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vericache.bench import acceptance
+from vericache.bench.acceptance_report import best_at_4x, mean_ci95, replay_table
+
+
+def test_a_round_tells_its_first_mismatch_unless_cut_short_with_every_draft_kept():
+    drafted = [64, 64, 12, 30, 5]
+    accepted = [64, 10, 12, 3, 5]
+    # 64 kept: none rejected (64); 10 of 64: the 11th rejected (10); 12 of 12 and 5 of 5: cut
+    # short with all kept, no mismatch seen; 3 of 30: the 4th rejected.
+    assert acceptance.first_mismatches(drafted, accepted, 64) == [64, 10, 3]
+
+
+def _record(kind, label, mismatches, source="verifier"):
+    return {"kind": kind, "compressor": label, "draft_kv": source, "identical": True,
+            "first_mismatch": mismatches}  # fmt: skip
+
+
+def test_the_replay_is_the_mean_over_prompts_of_min_first_mismatch_and_x():
+    records = [
+        _record("code", "kivi-4bit", [64, 10]),  # at x=30: (30 + 10) / 2 = 20
+        _record("code", "kivi-4bit", [20, 40]),  # (20 + 30) / 2 = 25
+        _record("code", "kivi-4bit", []),  # no round told a mismatch: not counted
+    ]
+    table = replay_table(records, [10, 30, 64])
+    cells = table["verifier"]["code"]["kivi-4bit"]
+    assert cells["10"]["mean"] == pytest.approx(10.0)
+    assert cells["30"]["mean"] == pytest.approx(22.5) and cells["30"]["num_prompts"] == 2
+    assert cells["64"]["mean"] == pytest.approx((37 + 30) / 2)
+    low, high = cells["30"]["ci95"]
+    assert low < 22.5 < high
+    assert cells["30"]["num_rounds"] == 4
+
+
+def test_the_interval_narrows_with_more_prompts_and_uses_t_quantiles():
+    mean, (low, high) = mean_ci95([10.0, 20.0])
+    assert mean == 15 and high - mean == pytest.approx(12.706 * 7.0710678 / 1.4142136, rel=1e-4)
+    _, wide = mean_ci95([10.0, 20.0] * 2)
+    _, narrow = mean_ci95([10.0, 20.0] * 20)
+    assert narrow[1] - narrow[0] < wide[1] - wide[0]
+    assert mean_ci95([3.0]) == (3.0, None)
+
+
+def test_the_best_at_4x_says_whether_the_ranking_is_told_apart():
+    apart = {
+        "kivi-4bit": {"mean": 25, "ci95": [24, 26]},
+        "snapkv-4x": {"mean": 20, "ci95": [19, 21]},
+    }
+    close = {
+        "kivi-4bit": {"mean": 25, "ci95": [22, 28]},
+        "snapkv-4x": {"mean": 24, "ci95": [21, 27]},
+    }
+    assert best_at_4x(apart) == {"label": "kivi-4bit", "x30": 25, "ci95": [24, 26],
+                                 "runner_up": "snapkv-4x", "separated": True}  # fmt: skip
+    assert best_at_4x(close)["separated"] is False
+    assert best_at_4x({"snapkv-2x": {"mean": 30, "ci95": None}}) is None
+
+
+def test_the_result_summarizes_replayed_cells_and_plots(tmp_path):
+    records = [
+        _record("code", "kivi-4bit", [64, 10]),
+        _record("code", "kivi-4bit", [20, 40]),
+        _record("tools", "kivi-4bit", [0, 5]),
+        _record("code", "streamingllm-4x", [17, 18]),
+    ]
+    args = argparse.Namespace(draft_kv="verifier", quick=True, draft_lens=[10, 30], model="m",
+                              dtype="float32")  # fmt: skip
+    result = acceptance._result(records, ["kivi-4bit", "streamingllm-4x"], args, 64, 3)
+    summary = result["summary"]
+    assert summary["x30"] == {"kivi-4bit": pytest.approx(22.5), "streamingllm-4x": 17.5}
+    assert summary["x30_tools"] == {"kivi-4bit": pytest.approx(2.5)}
+    assert summary["best_4x_x30"]["code"]["label"] == "kivi-4bit"
+    assert summary["meets_target"] is False  # tools: the best 4x accepts 2.5
+    assert "| code | kivi-4bit | 10.0 (10.0-10.0) | 22.5 (" in result["table_markdown"]
+    assert result["config"]["trace_draft_len"] == 64
+    acceptance.plot(result, tmp_path / "acceptance.png")
+    assert (tmp_path / "acceptance.png").stat().st_size > 1000
