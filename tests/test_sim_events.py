@@ -113,3 +113,14 @@ def test_the_simulator_is_pure_python():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_links_moved_bytes_count_the_transfer_in_progress():
+    sim = Simulation()
+    link, seen = Link(sim, "wire", 100.0, latency_s=1.0), []
+    link.send(200, lambda: None)
+    for at in (0.5, 1.0, 2.0, 3.5):
+        sim.at(at, lambda: seen.append((link.bytes_moved, link.bytes_delivered)))
+    sim.run()
+    # 100 bytes/s: half way at 0.5 s... all 200 gone at 2 s, delivered a second later.
+    assert seen == [(50, 0), (100, 0), (200, 0), (200, 200)]

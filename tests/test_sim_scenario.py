@@ -160,3 +160,17 @@ def test_acceptance_from_a_bench_acceptance_result(tmp_path):
     assert 0 < result["vericache"]["mean_accepted_per_round"] <= 16
     with pytest.raises(InvalidRequestError, match="no first-mismatch rounds of math"):
         run_scenario({**SMALL, "acceptance": {**spec, "kind": "math"}})
+
+
+def test_the_timeline_follows_the_run_and_plots(tmp_path, capsys):
+    result = run_scenario(REMOTE)
+    for name in ("vericache", *result["baselines"]):
+        timeline = result[name]["timeline"]
+        assert timeline["output_tokens"][-1] == result[name]["num_output_tokens"]
+        assert timeline["t_s"] == sorted(timeline["t_s"])
+        assert len(timeline["t_s"]) <= 201
+        assert min(timeline["kv_bytes"]) >= 0 and max(timeline["kv_bytes"]) > 0
+    path = tmp_path / "timeline.png"
+    example = SCENARIOS / "pipeline1_llama70b.yaml"
+    assert main(["sim", "--scenario", str(example), "--plot", str(path)]) == 0
+    assert path.stat().st_size > 1000

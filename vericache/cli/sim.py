@@ -12,11 +12,16 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("sim", help="simulate a deployment described in a scenario file")
     parser.add_argument("--scenario", type=Path, required=True, help="FILE.yaml (or .json)")
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    parser.add_argument("--plot", type=Path, help="PNG: throughput, link and KV over time")
     parser.set_defaults(handler=run)
 
 
 def run(args) -> int:
     result = run_scenario(load_scenario(args.scenario))
+    if args.plot:
+        from vericache.sim.timeline_plot import plot_timelines
+
+        plot_timelines(result, args.plot)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

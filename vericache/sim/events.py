@@ -145,6 +145,8 @@ class Link:
         self.bytes_sent = 0  # handed to the link
         self.bytes_delivered = 0
         self.busy_s = 0.0  # seconds the link spent moving bytes
+        self._bytes_moved = 0  # of transfers whose last byte has left
+        self._current: tuple[float, int] | None = None  # (start, bytes) of the one moving now
 
     def send(self, nbytes: int, delivered: Action) -> None:
         """Queues `nbytes`; `delivered` runs when the last of them has arrived."""
@@ -159,6 +161,15 @@ class Link:
     def bytes_in_flight(self) -> int:
         return self.bytes_sent - self.bytes_delivered
 
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes that have left so far, the transfer moving now counted as far as it has gone:
+        the link's traffic as a rate over time shows it, not lumps at each arrival."""
+        if self._current is None:
+            return self._bytes_moved
+        start, nbytes = self._current
+        return self._bytes_moved + min(nbytes, int((self.sim.now - start) * self.bytes_per_s))
+
     def seconds_for(self, nbytes: int) -> float:
         """How long `nbytes` take on an idle link, latency included."""
         return nbytes / self.bytes_per_s + self.latency_s
@@ -168,10 +179,13 @@ class Link:
         self._sending = True
         seconds = transfer.nbytes / self.bytes_per_s
         self.busy_s += seconds
+        self._current = (self.sim.now, transfer.nbytes)
         self.sim.after(seconds, lambda: self._sent(transfer))
 
     def _sent(self, transfer: _Transfer) -> None:
         self._sending = False
+        self._current = None
+        self._bytes_moved += transfer.nbytes
         if self._queue:
             self._start_next()
         self.sim.after(self.latency_s, lambda: self._arrive(transfer))

@@ -118,6 +118,11 @@ class SimReport:
     accepted_per_round: list[int] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)  # of each round, as the scheduler chose
     sources: tuple[str, ...] = ()
+    # (seconds, output tokens so far, link bytes moved so far, KV bytes held), at each emission
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+
+    def sample(self, now: float, link_bytes: int, kv_bytes: int) -> None:
+        self.timeline.append((now, self.num_output_tokens, link_bytes, kv_bytes))
 
     @property
     def tokens_per_s(self) -> float:
@@ -278,6 +283,10 @@ class _VeriCacheRun:
         outcome = seq.verify(self.scenario.acceptance.accepted(num_drafts, self.rng))
         accepted = seq.seq.stats.accepted_per_round[-1]
         self.report.num_output_tokens += len(outcome.committed)
+        kv_bytes = self.scheduler.memory_in_use(self.scheduler.iteration)
+        self.report.sample(
+            self.sim.now, self.link.bytes_moved, kv_bytes - self.scheduler.costs.weights_bytes
+        )
         self.report.accepted_per_round.append(accepted)
         self.report.draft_lens.append(num_drafts)
         self.loaded.discard(request_id)
@@ -315,6 +324,7 @@ def simulate_full_kv(scenario: LongContextScenario) -> SimReport:
             report.num_output_tokens += request.seq.decode_step()
             if request.seq.is_finished:
                 report.latencies_s.append(now - request.arrival_s)
+        report.sample(now, 0, held)  # full-KV decoding loads nothing over the link
         running = [r for r in running if not r.seq.is_finished]
     report.elapsed_s, report.device_busy_s = now, busy
     return report

@@ -171,6 +171,11 @@ class VerifierSchedule:
         self._ticking = False
 
     @property
+    def kv_bytes(self) -> int:
+        """The full KV planned onto the verifier in the iteration being served."""
+        return self.scheduler.full_kv_reserved_bytes(self.scheduler.iteration)
+
+    @property
     def peak_kv_bytes(self) -> int:
         return max(0, self.scheduler.metrics.peak_memory_bytes - self.scheduler.costs.weights_bytes)
 

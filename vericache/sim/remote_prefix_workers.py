@@ -34,6 +34,12 @@ class Worker:
         self.schedule: VerifierSchedule | None = None  # a verifier's, with scheduled rounds
 
     @property
+    def kv_bytes(self) -> int:
+        """The KV it holds now: its sessions' and prefixes', and what its scheduler planned."""
+        planned = self.schedule.kv_bytes if self.schedule is not None else 0
+        return self.memory.used_bytes + planned
+
+    @property
     def peak_kv_bytes(self) -> int:
         """The most KV it held: its sessions' and prefixes', or what its scheduler planned."""
         planned = self.schedule.peak_kv_bytes if self.schedule is not None else 0
@@ -80,6 +86,9 @@ class Run:
 
     def emit(self, num_tokens: int) -> None:
         self.report.num_output_tokens += num_tokens
+        workers = self.verifiers + self.drafters
+        link_bytes = sum(w.link.bytes_moved for w in workers)
+        self.report.sample(self.sim.now, link_bytes, sum(w.kv_bytes for w in workers))
 
     def finish(self, worker: Worker, arrival_s: float) -> None:
         worker.num_requests -= 1

@@ -278,4 +278,19 @@ def report_summary(report: SimReport) -> dict:
         "link_bytes": report.link_bytes,
         "peak_kv_bytes": report.peak_kv_bytes,
         "mean_accepted_per_round": sum(rounds) / len(rounds) if rounds else None,
+        "timeline": _downsampled(report.timeline),
     }
+
+
+TIMELINE_POINTS = 200
+
+
+def _downsampled(timeline: list[tuple[float, int, int, int]]) -> dict:
+    """At most TIMELINE_POINTS samples, evenly spaced in the record, the last one kept: seconds,
+    output tokens, link bytes (cumulative) and KV bytes held."""
+    step = max(1, -(-len(timeline) // TIMELINE_POINTS))  # ceiling division
+    kept = timeline[::step]
+    if timeline and kept[-1] is not timeline[-1]:
+        kept.append(timeline[-1])
+    names = ("t_s", "output_tokens", "link_bytes", "kv_bytes")
+    return {name: [sample[i] for sample in kept] for i, name in enumerate(names)}
