@@ -130,5 +130,5 @@ def test_full_kv_decoding_batches_what_memory_holds():
         _mistral(prompt_tokens=2_000_000)
     # 30k tokens fit the context, but not the 3.6 GB left beside the weights.
     huge = _mistral(prompt_tokens=30_000, activation_reserve=0.64)
-    with pytest.raises(InvalidRequestError, match="does not fit"):
+    with pytest.raises(InvalidRequestError, match="more than a worker's"):
         simulate_full_kv(huge)

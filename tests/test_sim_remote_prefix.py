@@ -8,9 +8,9 @@ import pytest
 from tests.sim_scenarios import remote_prefix_scenario
 from vericache.errors import InvalidRequestError
 from vericache.sim.events import Link, Simulation
+from vericache.sim.kv_memory import Session, WorkerMemory
 from vericache.sim.profiles import device_profile
 from vericache.sim.remote_prefix import FullPool, compare, simulate_full, simulate_vericache
-from vericache.sim.remote_prefix_workers import Session, WorkerMemory
 
 _scenario = remote_prefix_scenario
 
@@ -112,8 +112,8 @@ def test_a_small_scenario_gives_its_golden_result_and_bad_input_is_refused():
 # engine's round (engine/sequence.py, which decodes every simulated request) moves these on
 # purpose.
 GOLDEN = {
-    "vericache": 326.79160001532193,
-    "full_local": 499.9743714220436,
+    "vericache": 307.03282436858933,
+    "full_local": 499.59484707956506,
     "full_remote": 225.65564337891377,
     "full_both": 490.0525153386491,
 }

@@ -39,8 +39,9 @@ class SimBatchLoop:
             job.done()
             return
         self._arrived.append(job)
-        if not self._running:
-            self._step()
+        if not self._running:  # after whatever else is due now: jobs arriving together batch
+            self._running = True
+            self.device.sim.after(0.0, self._step)
 
     @property
     def num_jobs(self) -> int:

@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 from vericache.errors import InvalidRequestError
 from vericache.scheduler import BaseScheduler, CostModel
 from vericache.scheduler.records import IterationPlan, SchedulerRequest
+from vericache.sim.batch_loop import SimBatchLoop, SimJob
 from vericache.sim.cost import Row, forward_cost
 from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
+from vericache.sim.kv_memory import Session, WorkerMemory
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
 
@@ -301,35 +303,34 @@ class _VeriCacheRun:
 
 
 def simulate_full_kv(scenario: LongContextScenario) -> SimReport:
-    """Full-KV decoding at the same memory: continuous batching of every request whose full KV
-    fits beside the weights and the others'; one token per request per step."""
-    requests, report = _requests(scenario), SimReport(sources=(scenario.device.source,))
-    now, busy, running = 0.0, 0.0, []
-    while requests or running:
-        while requests and requests[0].arrival_s <= now and _fits(scenario, running, requests[0]):
-            running.append(requests.popleft())
-        if not running:
-            if scenario.full_kv_bytes(requests[0].max_output_tokens) > scenario.kv_room_bytes:
-                raise InvalidRequestError("one request's full KV does not fit the device")
-            now = max(now, requests[0].arrival_s)
-            continue
-        kv = scenario.kv_bytes_per_token
-        rows = [Row(1, scenario.prompt_tokens + r.seq.num_output_tokens, kv) for r in running]
-        seconds = scenario.forward_s(rows)
-        now, busy = now + seconds, busy + seconds
-        report.num_forwards += 1
-        held = sum(scenario.full_kv_bytes(r.max_output_tokens) for r in running)
-        report.peak_kv_bytes = max(report.peak_kv_bytes, held)
-        for request in running:
-            report.num_output_tokens += request.seq.decode_step()
-            if request.seq.is_finished:
-                report.latencies_s.append(now - request.arrival_s)
-        report.sample(now, 0, held)  # full-KV decoding loads nothing over the link
-        running = [r for r in running if not r.seq.is_finished]
-    report.elapsed_s, report.device_busy_s = now, busy
+    """Full-KV decoding at the same memory: continuous batching (batch_loop.py) of every request
+    whose full KV fits beside the weights and the others' (kv_memory.py, first come first
+    served); one token per request per step."""
+    sim, report = Simulation(), SimReport(sources=(scenario.device.source,))
+    device = Device(sim, "device")
+    loop = SimBatchLoop(device, scenario.forward_s)
+    memory = WorkerMemory(scenario.kv_room_bytes)
+    for request in _requests(scenario):
+        sim.at(request.arrival_s, lambda r=request: _decode_full(scenario, r, loop, memory, report))
+    sim.run()
+    report.elapsed_s, report.device_busy_s = sim.now, device.busy_s
+    report.num_forwards, report.peak_kv_bytes = loop.num_forwards, memory.peak_bytes
     return report
 
 
-def _fits(scenario: LongContextScenario, running: list[_Request], request: _Request) -> bool:
-    used = sum(scenario.full_kv_bytes(r.max_output_tokens) for r in running)
-    return used + scenario.full_kv_bytes(request.max_output_tokens) <= scenario.kv_room_bytes
+def _decode_full(scenario, request: _Request, loop: SimBatchLoop, memory, report) -> None:
+    seq, kv = request.seq, scenario.kv_bytes_per_token
+    session = Session(None, 0, scenario.full_kv_bytes(request.max_output_tokens))
+
+    def row() -> Row:
+        return Row(1, scenario.prompt_tokens + seq.num_output_tokens, kv)
+
+    def step() -> None:
+        report.num_output_tokens += seq.decode_step()
+        report.sample(loop.device.sim.now, 0, memory.used_bytes)  # no link: nothing loads
+
+    def done() -> None:
+        report.latencies_s.append(loop.device.sim.now - request.arrival_s)
+        memory.release(session)
+
+    memory.admit(session, lambda: loop.submit(SimJob(row, seq.num_left, done, on_step=step)))

@@ -36,9 +36,10 @@ from vericache.errors import InvalidRequestError
 from vericache.sim.batch_loop import SimJob
 from vericache.sim.cost import Row
 from vericache.sim.decoding import SimSequence
+from vericache.sim.kv_memory import Session
 from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
-from vericache.sim.remote_prefix_workers import Run, Session, Worker, least_busy
+from vericache.sim.remote_prefix_workers import Run, Worker, least_busy
 
 
 def simulate_vericache(scenario: RemotePrefixScenario) -> SimReport:

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from vericache.scheduler import BaseScheduler, CostModel, SchedulerRequest
 from vericache.scheduler.records import IterationPlan
 from vericache.sim.batch_loop import SimJob
+from vericache.sim.kv_memory import Session
 from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix import VeriCacheRequest
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
-from vericache.sim.remote_prefix_workers import Run, Session, Worker
+from vericache.sim.remote_prefix_workers import Run, Worker
 
 
 def simulate_vericache_scheduled(
