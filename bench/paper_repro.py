@@ -69,6 +69,11 @@ def run(args) -> dict:
         "pipeline2_speedup": pipeline2["paper_config"]["speedup"],
         "pipeline2_in_band": _in_band(pipeline2["paper_config"]["speedup"], "pipeline2"),
         "pipeline2_best_speedup": pipeline2["best"]["speedup"],
+        "pipeline2_speedup_by_variant": {
+            name: run["speedup"]
+            for name, run in pipeline2["variants"].items()
+            if isinstance(run, dict)
+        },
         "staggered_over_lockstep": stagger["staggered_over_lockstep"],
         # The simulator's error against measured CPU runs comes from `bench sim-validate`.
         "cpu_prediction_error": None,
@@ -156,13 +161,38 @@ def _pipeline2(base: dict, quick: bool) -> dict:
         }
     }
     best = plan(base["model"], hardware, workload, (4, 8, 16) if quick else (4, 8, 16, 24, 40))
+    paper_config = _p2(base)
     return {
-        "paper_config": _p2(base),
+        "paper_config": paper_config,
+        "variants": _p2_variants(base, paper_config),
         "by_remote_per_local": {str(n): _p2(base | {"drafters": n}) for n in remote},
         "by_load_ratio": by_load_ratio,
         "reply_decode_s": reply_s,
         "best": best["recommended"],
         "best_baselines": best["baselines"],
+    }
+
+
+def _p2_variants(base: dict, paper_config: dict) -> dict:
+    """The paper's configuration with each verifier's rounds planned by the staggered scheduler
+    (the full KV loaded from the store for every round, as the paper's model of a round has it),
+    and without prefix caching (every session fetches its own prefix, as the paper's accounting
+    of a request has it). The bound: what the store link allows when every round loads its
+    request's full KV, at the configuration's tokens per round."""
+    scenario = build_remote_prefix(base)
+    tokens_per_round = (paper_config["mean_accepted_per_round"] or 0.0) + 1
+    loads_per_s = (
+        scenario.num_verifiers
+        * scenario.store_bytes_per_s
+        / scenario.prefix_bytes(compressed=False)
+    )
+    return {
+        "staggered": _p2(base | {"scheduling": "staggered"}),
+        "without_prefix_caching": _p2(base | {"prefix_caching": False}),
+        "staggered_without_prefix_caching": _p2(
+            base | {"scheduling": "staggered", "prefix_caching": False}
+        ),
+        "store_link_bound_tokens_per_s": loads_per_s * tokens_per_round,
     }
 
 

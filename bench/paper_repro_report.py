@@ -35,6 +35,11 @@ def markdown_table(result: dict) -> str:
         sweeps.append(f"| P2 remote per local | {count} | {run['speedup']:.2f}x | |")
     for ratio, run in p2["by_load_ratio"].items():
         sweeps.append(f"| P2 prefix load / reply decode | {ratio} | {run['speedup']:.2f}x | |")
+    for name, run in p2["variants"].items():
+        if isinstance(run, dict):
+            sweeps.append(f"| P2 variant | {name} | {run['speedup']:.2f}x | |")
+    bound = p2["variants"]["store_link_bound_tokens_per_s"]
+    sweeps.append(f"| P2 store-link bound, a full-KV load per round | | {bound:.0f} tokens/s | |")
     sources = p1["paper_config"]["sources"]["device"]
     return "\n".join([*rows, *sweeps, "", f"Device profiles: {sources} (and alike).", ""])
 

@@ -44,6 +44,10 @@ def test_the_sweeps_move_what_they_name(quick):
     loads = result["pipeline2"]["by_load_ratio"]
     assert loads["10"]["vericache_tokens_per_s"] < loads["0.5"]["vericache_tokens_per_s"]
     assert result["stagger"]["staggered_over_lockstep"] > 1
+    # A full-KV load per round cannot outrun the store link.
+    variants = result["pipeline2"]["variants"]
+    bound = variants["store_link_bound_tokens_per_s"]
+    assert variants["staggered"]["vericache_tokens_per_s"] <= 1.05 * bound
 
 
 def test_the_table_and_the_figure_are_written(quick, tmp_path):

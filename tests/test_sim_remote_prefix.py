@@ -117,3 +117,18 @@ GOLDEN = {
     "full_remote": 225.65564337891377,
     "full_both": 490.0525153386491,
 }
+
+
+def test_without_prefix_caching_every_session_fetches_its_own_prefix():
+    scenario = _scenario(prefix_caching=False)
+    local = simulate_full(scenario, FullPool.LOCAL)
+    assert local.link_bytes == 32 * scenario.prefix_bytes(compressed=False)
+    remote = simulate_full(scenario, FullPool.REMOTE)
+    assert remote.link_bytes == 32 * scenario.prefix_bytes(compressed=False)
+    vericache = simulate_vericache(scenario)
+    fetched = 32 * (
+        scenario.prefix_bytes(compressed=False) + scenario.prefix_bytes(compressed=True)
+    )
+    assert vericache.link_bytes > fetched  # and the exact KV of committed tokens
+    cached = compare(_scenario())
+    assert compare(scenario)["full_remote"].tokens_per_s < cached["full_remote"].tokens_per_s

@@ -112,6 +112,7 @@ def test_a_remote_prefix_scenario_is_set_against_the_best_full_kv_configuration(
         ({"compressed_ratio": 2}, "compressed_ratio"),
         ({"prefix_tokens": 40000}, "context of 32768"),
         ({"scheduling": "round-robin"}, "per-request, staggered or lockstep"),
+        ({"prefix_caching": "no"}, "'prefix_caching' must be true or false"),
     ],
 )
 def test_a_bad_remote_prefix_field_is_refused(change, message):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
@@ -14,7 +14,7 @@ from vericache.sim.events import Link
 class Session:
     """What a session holds on a worker: a prefix, shared, and KV of its own."""
 
-    prefix: int | None  # None: none to share (its own bytes hold all it needs)
+    prefix: Hashable | None  # None: none to share (its own bytes hold all it needs)
     prefix_bytes: int
     own_bytes: int  # its suffix and output, and its own copy of anything it does not share
 
@@ -28,14 +28,17 @@ class WorkerMemory:
     its `then` runs once its prefix has arrived. A memory without a link serves sessions that
     share no prefix."""
 
-    def __init__(self, capacity_bytes: int, link: Link | None = None):
+    def __init__(self, capacity_bytes: int, link: Link | None = None, caches_prefixes: bool = True):
         self.capacity_bytes = capacity_bytes
         self.link = link
+        self.caches_prefixes = caches_prefixes  # False: a prefix goes when its last session does
         self.peak_bytes = 0
         self._own_bytes = 0  # of admitted sessions
-        self._held: OrderedDict[int, int] = OrderedDict()  # prefix -> bytes, arrived or fetching
-        self._refs: dict[int, int] = {}  # prefix -> sessions admitted over it
-        self._fetching: dict[int, list[Callable[[], None]]] = {}
+        self._held: OrderedDict[Hashable, int] = (
+            OrderedDict()
+        )  # prefix -> bytes, arrived or fetching
+        self._refs: dict[Hashable, int] = {}  # prefix -> sessions admitted over it
+        self._fetching: dict[Hashable, list[Callable[[], None]]] = {}
         self._waiting: deque[tuple[Session, Callable[[], None]]] = deque()
 
     @property
@@ -55,9 +58,11 @@ class WorkerMemory:
         self._own_bytes -= session.own_bytes
         if session.prefix is not None:
             self._refs[session.prefix] -= 1
+            if not self.caches_prefixes and not self._refs[session.prefix]:
+                del self._held[session.prefix], self._refs[session.prefix]
         self._admit_waiting()
 
-    def holds(self, prefix: int) -> bool:
+    def holds(self, prefix: Hashable) -> bool:
         return prefix in self._held and prefix not in self._fetching
 
     def _admit_waiting(self) -> None:
@@ -96,6 +101,6 @@ class WorkerMemory:
             self._fetching[prefix] = [then]
             self.link.send(session.prefix_bytes, lambda: self._arrived(prefix))
 
-    def _arrived(self, prefix: int) -> None:
+    def _arrived(self, prefix: Hashable) -> None:
         for then in self._fetching.pop(prefix):
             then()

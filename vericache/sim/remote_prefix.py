@@ -71,13 +71,15 @@ class VeriCacheRequest:
         """Over the prefix's full KV, which verifications attend over."""
         scenario = self.run.scenario
         own = scenario.own_bytes(self.seq.num_left)
-        return Session(self.prefix, scenario.prefix_bytes(compressed=False), own)
+        key = self.run.prefix_key(self.prefix, self)
+        return Session(key, scenario.prefix_bytes(compressed=False), own)
 
     def drafter_session(self) -> Session:
         """Over the prefix's compressed KV, beside the exact KV of its own tokens."""
         scenario = self.run.scenario
         own = scenario.own_bytes(self.seq.num_left)
-        return Session(self.prefix, scenario.prefix_bytes(compressed=True), own)
+        key = self.run.prefix_key(self.prefix, self)
+        return Session(key, scenario.prefix_bytes(compressed=True), own)
 
     def finished(self) -> None:
         self.verifier.memory.release(self.verifier_session())
@@ -172,7 +174,8 @@ class _FullRequest:
     def session(self) -> Session:
         scenario = self.run.scenario
         own = scenario.own_bytes(self.seq.num_left)
-        return Session(self.prefix, scenario.prefix_bytes(compressed=False), own)
+        key = self.run.prefix_key(self.prefix, self)
+        return Session(key, scenario.prefix_bytes(compressed=False), own)
 
     def _prefill(self) -> None:
         row = self.run.scenario.row(self.run.scenario.suffix_tokens, 0, compressed=False)

@@ -38,6 +38,9 @@ class RemotePrefixScenario:
     acceptance: AcceptanceTrace
     seed: int = 0
     tensor_parallel: int = 1  # devices per worker
+    # True: a worker keeps a prefix's KV for every session over it, and after them (a paged
+    # server's prefix caching); False: every session fetches its own copy (the paper's accounting)
+    prefix_caching: bool = True
     activation_reserve: float = 0.1  # share of each device's memory kept from the KV
 
     def __post_init__(self):

@@ -5,7 +5,7 @@ which serves a scenario's requests over them."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 from vericache.sim.batch_loop import SimBatchLoop
@@ -28,7 +28,8 @@ class Worker:
         self.loop = SimBatchLoop(Device(run.sim, name), run.scenario.forward_s)
         self.link = Link(run.sim, f"{name}-in", inbound_bytes_per_s, latency_s)
         self.num_requests = 0  # in flight here, admitted or waiting for memory
-        self.memory = WorkerMemory(run.scenario.kv_room_bytes, self.link)
+        caching = run.scenario.prefix_caching
+        self.memory = WorkerMemory(run.scenario.kv_room_bytes, self.link, caching)
         self.schedule: VerifierSchedule | None = None  # a verifier's, with scheduled rounds
 
     @property
@@ -81,6 +82,11 @@ class Run:
         scenario = self.scenario
         prompt_tokens = scenario.prefix_tokens + scenario.suffix_tokens
         return SimSequence(prompt_tokens, num_tokens, scenario.model.max_positions)
+
+    def prefix_key(self, prefix: int, request: object) -> Hashable:
+        """What a session's prefix is held under: the prefix, shared, or without prefix caching
+        a copy of the session's own."""
+        return prefix if self.scenario.prefix_caching else (prefix, id(request))
 
     def emit(self, num_tokens: int) -> None:
         self.report.num_output_tokens += num_tokens

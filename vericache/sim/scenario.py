@@ -33,6 +33,7 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
     network_latency_ms: 10          # one way
     draft_len: 40
     scheduling: per-request         # or staggered, lockstep: each verifier's scheduler plans
+    prefix_caching: true            # false: every session fetches its own copy of its prefix
     requests, output_tokens, acceptance, seed: as above
 
 Every field is checked, unknown ones refused. The result sets VeriCache against full-KV serving on
@@ -83,7 +84,7 @@ _FIELDS = {
     "remote-prefix": _COMMON | {
         "verifiers", "drafters", "prefix_tokens", "prefixes", "suffix_tokens", "compressed_ratio",
         "store_gb_per_s", "network_gb_per_s", "network_latency_ms", "scheduling",
-        "tensor_parallel", "activation_reserve",
+        "tensor_parallel", "activation_reserve", "prefix_caching",
     },
 }  # fmt: skip
 
@@ -211,7 +212,15 @@ def _remote_prefix(data: dict) -> RemotePrefixScenario:
         seed=int(data.get("seed", 0)),
         tensor_parallel=int(data.get("tensor_parallel", 1)),
         activation_reserve=float(data.get("activation_reserve", 0.1)),
+        prefix_caching=_bool(data, "prefix_caching", True),
     )
+
+
+def _bool(data: dict, name: str, default: bool) -> bool:
+    value = data.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"the scenario's {name!r} must be true or false, got {value!r}")
+    return value
 
 
 def _arrivals(data: dict) -> tuple[float, ...]:
