@@ -82,3 +82,32 @@ def test_the_command_writes_a_profile_and_refuses_what_it_cannot_do(tmp_path, ca
     assert "no model profile 'gpt-5'" in capsys.readouterr().err
     missing = tmp_path / "nowhere" / "cpu.json"
     assert main(["calibrate", "--device", "cpu", "--arch", str(arch), "--out", str(missing)]) == 2
+
+
+def test_the_attention_fit_recovers_known_attention_rates():
+    # Forwards timed on a made-up device whose attention streams KV at half the products'
+    # bandwidth and computes at a hundredth of their flops, with a known overhead.
+    start = dataclasses.replace(
+        device_profile("h200"), forward_overhead_s=0.0, layer_overhead_s=0.0
+    )
+    truth = dataclasses.replace(
+        start, attention_bytes_per_s=start.bytes_per_s / 2, attention_flops=start.flops / 100,
+        forward_overhead_s=2e-4, layer_overhead_s=1e-5,
+    )  # fmt: skip
+    forwards = [
+        {"num_layers": layers, "new_tokens": tokens, "context": context, "batch": batch}
+        for layers in (2, 4)
+        for tokens, batch in ((1, 1), (1, 8), (31, 1))
+        for context in (20000, 60000)
+    ]
+    for forward in forwards:
+        forward["seconds"] = calibration._predict(truth, TINY, forward, 2)
+    fitted = calibration._with_attention_bandwidth(start, TINY, forwards, 2)
+    assert fitted.attention_bytes_per_s == pytest.approx(truth.attention_bytes_per_s, rel=1e-6)
+    fitted = calibration._with_overhead(fitted, TINY, forwards, 2)
+    assert fitted.forward_overhead_s == pytest.approx(2e-4, rel=1e-6)
+    assert fitted.layer_overhead_s == pytest.approx(1e-5, rel=1e-6)
+    fitted = calibration._with_attention_compute(fitted, TINY, forwards, 2)
+    assert fitted.attention_flops == pytest.approx(truth.attention_flops, rel=1e-6)
+    for forward in forwards:
+        assert calibration._predict(fitted, TINY, forward, 2) == pytest.approx(forward["seconds"])

@@ -7,8 +7,11 @@ layers where the whole does not fit) and times:
   at one row is the sustained bandwidth, their flops at the most rows the sustained compute;
 - host-to-device copies (pinned on CUDA; a copy between buffers on CPU), alone and beside compute;
 - whole forwards through the engine's forward loop: decode steps at several contexts and batches,
-  and verifications of x+1 tokens. What the cost model does not predict from bandwidth and compute
-  is overhead: its part that grows with the layer count is the overhead per layer, the rest the
+  and verifications of x+1 tokens. From them come attention's own rates, where they differ from
+  the products' (a CPU's attention kernel streams KV slower): the KV bandwidth from how decode
+  steps grow with the batch (each row adds its KV and nearly nothing else), the attention compute
+  from what verifications leave unexplained. What the cost model then does not predict is
+  overhead: its part that grows with the layer count is the overhead per layer, the rest the
   overhead per forward (fitted from forwards of two slices of different depth).
 Every forward is then predicted with the fitted profile beside its measurement, so the JSON shows
 how well the cost model fits the device it was measured on.
@@ -32,7 +35,7 @@ from vericache.model.config import ModelConfig, RopeConfig
 from vericache.model.linear import Linear
 from vericache.model.runner import ModelRunner
 from vericache.model.weights import LayerWeights, ModelWeights
-from vericache.sim.cost import Row, forward_cost
+from vericache.sim.cost import Row, attention_flops, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 
 MAX_WEIGHT_COPIES = 256  # enough for any real model's layer to stream; tiny test shapes stay fast
@@ -108,7 +111,9 @@ def calibrate(
         layer_overhead_s=0.0,
         allreduce_latency_s=base.allreduce_latency_s if base else 0.0,
     )
+    profile = _with_attention_bandwidth(profile, model, forwards, element_size)
     profile = _with_overhead(profile, model, forwards, element_size)
+    profile = _with_attention_compute(profile, model, forwards, element_size)
     for forward in forwards:
         forward["predicted_s"] = _predict(profile, model, forward, element_size)
     return {
@@ -231,15 +236,71 @@ def _filled_cache(runner: ModelRunner, context: int, room: int):
 # --- Fitting ----------------------------------------------------------------------------------
 
 
-def _predict(profile: DeviceProfile, model: ModelProfile, forward: dict, element_size: int):
+def _sliced(model: ModelProfile, forward: dict, element_size: int):
+    """The slice a forward ran (its layers, and what it reads of the weights) and its rows."""
     sliced = dataclasses.replace(
         model,
         num_layers=forward["num_layers"],
         num_params=_params_read(model, forward["num_layers"], element_size),
     )
     kv = sliced.kv_bytes_per_token(element_size)
-    rows = [Row(forward["new_tokens"], forward["context"], kv)] * forward["batch"]
-    return forward_cost(sliced, profile, rows, weight_element_size=element_size).seconds
+    return sliced, [Row(forward["new_tokens"], forward["context"], kv)] * forward["batch"]
+
+
+def _cost(profile: DeviceProfile, model: ModelProfile, forward: dict, element_size: int):
+    sliced, rows = _sliced(model, forward, element_size)
+    return forward_cost(sliced, profile, rows, weight_element_size=element_size)
+
+
+def _predict(profile: DeviceProfile, model: ModelProfile, forward: dict, element_size: int):
+    return _cost(profile, model, forward, element_size).seconds
+
+
+def _with_attention_bandwidth(profile: DeviceProfile, model, forwards: list[dict], element_size):
+    """Attention's KV bandwidth: between the smallest and the largest batch of decode steps at one
+    depth and context, the seconds added over the KV added, less what the products add (the
+    median over depths and contexts; the products' rate where no batch grew)."""
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for forward in forwards:
+        if forward["new_tokens"] == 1:
+            groups.setdefault((forward["num_layers"], forward["context"]), []).append(forward)
+    rates = []
+    for group in groups.values():
+        small, large = min(group, key=_batch), max(group, key=_batch)
+        if large["batch"] == small["batch"]:
+            continue
+        small_cost, large_cost = (_cost(profile, model, f, element_size) for f in (small, large))
+        seconds_added = (
+            large["seconds"] - small["seconds"] - (large_cost.dense_s - small_cost.dense_s)
+        )
+        kv_added = large_cost.kv_bytes - small_cost.kv_bytes
+        if seconds_added > 0:
+            rates.append(kv_added / seconds_added)
+    if not rates:
+        return profile
+    return dataclasses.replace(profile, attention_bytes_per_s=statistics.median(rates))
+
+
+def _with_attention_compute(profile: DeviceProfile, model, forwards: list[dict], element_size):
+    """Attention's compute: in each verification, its attention flops over the seconds the
+    products, the overhead and its KV's streaming leave (the median; unchanged where they leave
+    none, attention then bound by its bytes)."""
+    rates = []
+    for forward in forwards:
+        if forward["new_tokens"] == 1:
+            continue
+        cost = _cost(profile, model, forward, element_size)
+        left = forward["seconds"] - cost.dense_s - cost.overhead_s - cost.communication_s
+        kv_s = cost.kv_bytes / profile.attention_read_bytes_per_s
+        if left > kv_s:
+            rates.append(attention_flops(*_sliced(model, forward, element_size)) / left)
+    if not rates:
+        return profile
+    return dataclasses.replace(profile, attention_flops=statistics.median(rates))
+
+
+def _batch(forward: dict) -> int:
+    return forward["batch"]
 
 
 def _with_overhead(profile: DeviceProfile, model, forwards: list[dict], element_size: int):

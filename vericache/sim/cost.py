@@ -1,9 +1,16 @@
 """The cost of one forward on one device (or one tensor-parallel group), from first principles.
 
-t = max(bytes / sustained bandwidth, flops / sustained compute) + overhead + communication, where
-- bytes are the weights (read once per forward, whatever the batch) plus every row's KV read;
-- flops are 2 x parameters per new token, plus attention: 4 x heads x head size per (query, key)
-  pair and layer (QK^T and PV, a multiply and an add each);
+t = max(weight bytes / bandwidth, dense flops / compute)
+  + max(KV bytes / attention bandwidth, attention flops / attention compute)
+  + overhead + communication, where
+- weight bytes are read once per forward, whatever the batch, and dense flops are 2 x parameters
+  per new token: the products;
+- KV bytes are every row's KV read and written, and attention flops 4 x heads x head size per
+  (query, key) pair and layer (QK^T and PV, a multiply and an add each): attention. The two run
+  one after the other in every layer, so their times add; each is bound by whichever of its
+  bytes or flops takes longer. Attention's rates are the device's own where `vericache
+  calibrate` measured them (a CPU's attention kernel streams KV slower than its products stream
+  weights), else the products' rates;
 - overhead is the device's fixed cost per forward plus its cost per layer;
 - with tensor parallelism over g devices, each holds 1/g of the weights and of the KV heads, and
   runs two all-reduces per layer of [new tokens, hidden] in the activations' dtype: a ring moves
@@ -41,10 +48,13 @@ class Row:
 @dataclass(frozen=True)
 class ForwardCost:
     seconds: float
-    bytes_read: float  # per device
-    flops: float  # per device
-    memory_s: float  # bytes_read / sustained bandwidth
-    compute_s: float  # flops / sustained compute
+    bytes_read: float  # per device: weights and KV
+    kv_bytes: float  # per device: the KV attention streams
+    flops: float  # per device: products and attention
+    memory_s: float  # the weights' and the KV's bytes at their rates
+    compute_s: float  # the products' and attention's flops at their rates
+    dense_s: float  # the products: the larger of their bytes' and their flops' time
+    attention_s: float  # attention: likewise
     overhead_s: float
     communication_s: float
 
@@ -70,17 +80,30 @@ def forward_cost(
         )
     group = tensor_parallel
     new_tokens = sum(row.num_new_tokens for row in rows)
-    kv_read = sum(row.context_tokens * row.kv_bytes_per_token for row in rows)
-    kv_written = sum(row.num_new_tokens * row.kv_bytes_per_token for row in rows)
-    bytes_read = (model.weights_bytes(weight_element_size) + kv_read + kv_written) / group
-    attention_pairs = sum(_pairs(row) for row in rows)  # (query, key) pairs in one layer
-    attention_flops = 4 * model.num_layers * model.num_heads * model.head_dim * attention_pairs
-    flops = (2 * model.num_params * new_tokens + attention_flops) / group
-    memory_s, compute_s = bytes_read / device.bytes_per_s, flops / device.flops
+    kv_bytes = sum(
+        (row.context_tokens + row.num_new_tokens) * row.kv_bytes_per_token for row in rows
+    )
+    weight_bytes = model.weights_bytes(weight_element_size) / group
+    attention = attention_flops(model, rows)
+    dense_flops = 2 * model.num_params * new_tokens / group
+    weights_s, dense_compute_s = weight_bytes / device.bytes_per_s, dense_flops / device.flops
+    kv_s = kv_bytes / group / device.attention_read_bytes_per_s
+    attention_compute_s = attention / group / device.attention_flops_per_s
+    dense_s, attention_s = max(weights_s, dense_compute_s), max(kv_s, attention_compute_s)
     overhead_s = device.forward_overhead_s + device.layer_overhead_s * model.num_layers
     communication_s = _allreduce_s(model, device, new_tokens, activation_element_size, group)
-    seconds = max(memory_s, compute_s) + overhead_s + communication_s
-    return ForwardCost(seconds, bytes_read, flops, memory_s, compute_s, overhead_s, communication_s)
+    return ForwardCost(
+        seconds=dense_s + attention_s + overhead_s + communication_s,
+        bytes_read=weight_bytes + kv_bytes / group,
+        kv_bytes=kv_bytes / group,
+        flops=dense_flops + attention / group,
+        memory_s=weights_s + kv_s,
+        compute_s=dense_compute_s + attention_compute_s,
+        dense_s=dense_s,
+        attention_s=attention_s,
+        overhead_s=overhead_s,
+        communication_s=communication_s,
+    )
 
 
 def weights_fit(
@@ -89,6 +112,12 @@ def weights_fit(
     """Device memory left for KV per device once the weights' share is loaded (< 0: they don't
     fit)."""
     return device.memory_bytes - model.weights_bytes(element_size) // tensor_parallel
+
+
+def attention_flops(model: ModelProfile, rows: Sequence[Row]) -> float:
+    """QK^T and PV over every (query, key) pair of every row, in every layer."""
+    pairs = sum(_pairs(row) for row in rows)
+    return 4 * model.num_layers * model.num_heads * model.head_dim * pairs
 
 
 def _pairs(row: Row) -> int:

@@ -64,6 +64,9 @@ class DeviceProfile:
     forward_overhead_s: float  # a forward's fixed cost (launch, scheduling, sampling)
     layer_overhead_s: float  # and per layer (kernel launches)
     allreduce_latency_s: float = 0.0  # one all-reduce's fixed cost
+    # Attention's own sustained rates, where measured (None: the products' rates above)
+    attention_bytes_per_s: float | None = None  # KV streamed by the attention kernel
+    attention_flops: float | None = None
 
     def __post_init__(self):
         _check_positive(self, ("memory_bytes", "hbm_bytes_per_s", "peak_flops"))
@@ -74,6 +77,10 @@ class DeviceProfile:
         for name in ("forward_overhead_s", "layer_overhead_s", "allreduce_latency_s"):
             if getattr(self, name) < 0:
                 raise InvalidRequestError(f"{self.name}: {name} must be >= 0")
+        for name in ("attention_bytes_per_s", "attention_flops"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise InvalidRequestError(f"{self.name}: {name} must be > 0 or absent")
 
     @property
     def bytes_per_s(self) -> float:
@@ -84,6 +91,14 @@ class DeviceProfile:
     def flops(self) -> float:
         """Sustained compute."""
         return self.peak_flops * self.compute_efficiency
+
+    @property
+    def attention_read_bytes_per_s(self) -> float:
+        return self.attention_bytes_per_s or self.bytes_per_s
+
+    @property
+    def attention_flops_per_s(self) -> float:
+        return self.attention_flops or self.flops
 
     @property
     def is_measured(self) -> bool:
