@@ -87,3 +87,25 @@ def test_the_command_line_prints_a_recommendation_and_json(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert len(result["candidates"]) == 2 * 1 * 1 * 2
     assert main([*argv[:-2], "--draft-lens", "0"]) == 2
+
+
+def test_the_long_context_plan_tries_adaptive_draft_lengths_and_ranks_by_throughput():
+    from vericache.sim.plan import plan_long_context
+
+    data = {
+        "pipeline": "long-context", "model": "qwen2.5-32b", "device": "h100-sxm",
+        "prompt_tokens": 16384, "kv_budget": 0.2, "draft_len": 16, "requests": {"count": 6},
+        "output_tokens": [48], "acceptance": {"mean_accepted": 12, "at_draft_len": 16},
+    }  # fmt: skip
+    result = plan_long_context(data, (8, 16))
+    kinds = {
+        (c["draft_len"], c["scheduler"], c["adaptive_draft_len"]) for c in result["candidates"]
+    }
+    assert kinds == {(x, s, False) for x in (8, 16) for s in ("staggered", "lockstep")} | {
+        (8, "staggered", True),
+        (16, "staggered", True),
+    }
+    rates = [c["tokens_per_s"] for c in result["candidates"]]
+    assert rates == sorted(rates, reverse=True) and result["recommended"] == result["candidates"][0]
+    with pytest.raises(InvalidRequestError, match="at_draft_len"):
+        plan_long_context({**data, "acceptance": {"mean_accepted": 12}}, (8,))

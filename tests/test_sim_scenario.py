@@ -175,3 +175,13 @@ def test_the_timeline_follows_the_run_and_plots(tmp_path, capsys):
     example = SCENARIOS / "pipeline1_llama70b.yaml"
     assert main(["sim", "--scenario", str(example), "--plot", str(path)]) == 0
     assert path.stat().st_size > 1000
+
+
+def test_adaptive_draft_lengths_run_on_the_staggered_scheduler_only():
+    adaptive = run_scenario({**SMALL, "adaptive_draft_len": True})
+    assert (
+        adaptive["vericache"]["num_output_tokens"]
+        == run_scenario(SMALL)["vericache"]["num_output_tokens"]
+    )
+    with pytest.raises(InvalidRequestError, match="needs the staggered scheduler"):
+        run_scenario({**SMALL, "adaptive_draft_len": True, "scheduler": "lockstep"})

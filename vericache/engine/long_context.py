@@ -77,7 +77,7 @@ from vericache.scheduler import (
     StaggeredScheduler,
     Verify,
 )
-from vericache.scheduler.adaptive import AdaptiveDraftLen
+from vericache.scheduler.adaptive import bounded_adaptive_draft_len
 
 
 class LongContextEngine(Engine):
@@ -357,9 +357,7 @@ class LongContextEngine(Engine):
         seq = self._running[state.request_id]
         if not seq.request.adaptive_draft_len:
             return state.draft_len
-        # Tokens per second of a round is unimodal in its length: the best length within the
-        # bound is the bound or the unbounded best, whichever is shorter.
-        return min(self._adaptive(state), state.draft_len)
+        return self._adaptive(state)
 
     # -- iterations -----------------------------------------------------------------------------
 
@@ -484,8 +482,7 @@ class LongContextEngine(Engine):
         if lc.lockstep_draft_len is not None:
             return LockstepScheduler(costs, lc.lockstep_draft_len, lc.scheduler)
         scheduler = StaggeredScheduler(costs, lc.scheduler)
-        # ADMIT places a round within the window: no draft can be longer.
-        self._adaptive = AdaptiveDraftLen(scheduler, scheduler.config.window - 1)
+        self._adaptive = bounded_adaptive_draft_len(scheduler)
         scheduler.choose_draft_len = self._choose_draft_len
         return scheduler
 

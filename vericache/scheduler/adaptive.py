@@ -27,7 +27,7 @@ Pure Python: the engine and the schedulers both use it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
@@ -270,3 +270,17 @@ class AdaptiveDraftLen:
         iteration_s = costs.iteration_s
         load_s = costs.load_s(request.full_kv_bytes)
         return RoundCosts(iteration_s, iteration_s * verify_steps, 0.0, load_s=load_s)
+
+
+def bounded_adaptive_draft_len(scheduler: BaseScheduler) -> Callable[[RequestState], int]:
+    """A scheduler's draft-length policy for adaptive requests: the length their acceptance and
+    the scheduler's costs favour, at most the request's preferred one (its upper bound). Tokens
+    per second of a round is unimodal in its length, so the best within the bound is the bound
+    or the unbounded best, whichever is shorter. ADMIT places a round within the window: no draft
+    is longer than it allows."""
+    adaptive = AdaptiveDraftLen(scheduler, scheduler.config.window - 1)
+
+    def choose(state: RequestState) -> int:
+        return min(adaptive(state), state.draft_len)
+
+    return choose

@@ -185,17 +185,19 @@ def plan_long_context(
     data: dict, draft_lens: tuple[int, ...], schedulers: tuple[str, ...] = ("staggered", "lockstep")
 ) -> dict:
     """Pipeline 1: every draft length and scheduler simulated over a long-context scenario's
-    fields (whose acceptance names the draft length it was measured at), the fastest first."""
+    fields (whose acceptance names the draft length it was measured at), and the staggered
+    scheduler with adaptive draft lengths bounded by each; the fastest first."""
     acceptance = data.get("acceptance")
     if not isinstance(acceptance, dict) or not (
         {"first_mismatch", "at_draft_len", "bench"} & set(acceptance)
     ):
         raise InvalidRequestError("a plan over draft lengths needs acceptance.at_draft_len")
     candidates = []
-    for draft_len in draft_lens:
-        for scheduler in schedulers:
-            result = run_scenario({**data, "draft_len": draft_len, "scheduler": scheduler})
-            summary = {"draft_len": draft_len, "scheduler": scheduler, **result["vericache"]}
-            candidates.append(summary | {"speedup": result["speedup"]})
+    choices = [(x, scheduler, False) for x in draft_lens for scheduler in schedulers]
+    choices += [(x, "staggered", True) for x in draft_lens if "staggered" in schedulers]
+    for draft_len, scheduler, adaptive in choices:
+        fields = {"draft_len": draft_len, "scheduler": scheduler, "adaptive_draft_len": adaptive}
+        result = run_scenario(data | fields)
+        candidates.append(fields | result["vericache"] | {"speedup": result["speedup"]})
     candidates.sort(key=lambda c: c["tokens_per_s"], reverse=True)
     return {"recommended": candidates[0], "candidates": candidates, "full_kv": result["full_kv"]}

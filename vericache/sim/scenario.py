@@ -10,6 +10,7 @@ Pipeline 1, long-context decoding on one device (or tensor-parallel group):
     kv_budget: 0.2                  # compressed KV: this share of the prompt's tokens
     draft_len: 25
     scheduler: staggered            # or lockstep
+    adaptive_draft_len: false       # true: each round's length from its acceptance (<= draft_len)
     requests: {count: 64, rate_per_s: 0.5}     # Poisson; or {count: 64} all at t=0
     output_tokens: [256, 512]       # drawn per request
     acceptance: {mean_accepted: 18, at_draft_len: 25}   # published; or {first_mismatch: [...]},
@@ -48,7 +49,8 @@ from pathlib import Path
 import yaml
 
 from vericache.errors import InvalidRequestError
-from vericache.scheduler import LockstepScheduler, StaggeredScheduler
+from vericache.scheduler import CostModel, LockstepScheduler, StaggeredScheduler
+from vericache.scheduler.adaptive import bounded_adaptive_draft_len
 from vericache.sim.long_context import (
     LongContextScenario,
     SimReport,
@@ -80,7 +82,8 @@ _COMMON = {
 }
 _FIELDS = {
     "long-context": _COMMON
-    | {"tensor_parallel", "prompt_tokens", "kv_budget", "scheduler", "activation_reserve"},
+    | {"tensor_parallel", "prompt_tokens", "kv_budget", "scheduler", "activation_reserve"}
+    | {"adaptive_draft_len"},
     "remote-prefix": _COMMON | {
         "verifiers", "drafters", "prefix_tokens", "prefixes", "suffix_tokens", "compressed_ratio",
         "store_gb_per_s", "network_gb_per_s", "network_latency_ms", "scheduling",
@@ -117,7 +120,10 @@ def run_scenario(data: dict) -> dict:
         raise InvalidRequestError(f"unknown scenario fields for {pipeline}: {unknown}")
     if pipeline == "long-context":
         scenario = _build(_long_context, data)
-        make_scheduler = _scheduler(data.get("scheduler", "staggered"), scenario.draft_len)
+        adaptive = _bool(data, "adaptive_draft_len", False)
+        make_scheduler = _scheduler(
+            data.get("scheduler", "staggered"), scenario.draft_len, adaptive
+        )
         reports = {
             "vericache": simulate_vericache(scenario, make_scheduler),
             "full_kv": simulate_full_kv(scenario),
@@ -166,14 +172,25 @@ def vericache_simulation(data: dict, draft_len: int):
     return lambda scenario: simulate_vericache_scheduled(scenario, make_scheduler)
 
 
-def _scheduler(name: str, draft_len: int):
-    """The scheduler the scenario names: staggered, or lock-step with its loads overlapping the
-    drafts (the stronger lock-step baseline)."""
+def _scheduler(name: str, draft_len: int, adaptive: bool = False):
+    """The scheduler the scenario names: staggered (with every round's length chosen from its
+    request's acceptance and the costs, if adaptive, as the long-context engine does), or
+    lock-step with its loads overlapping the drafts (the stronger lock-step baseline)."""
+    if adaptive and name != "staggered":
+        raise InvalidRequestError("adaptive_draft_len needs the staggered scheduler")
+    if name == "staggered" and adaptive:
+        return _adaptive_staggered
     if name == "staggered":
         return StaggeredScheduler
     if name == "lockstep":
         return lambda costs: LockstepScheduler(costs, draft_len, overlap_loads=True)
     raise InvalidRequestError(f"scheduler must be staggered or lockstep, got {name!r}")
+
+
+def _adaptive_staggered(costs: CostModel) -> StaggeredScheduler:
+    scheduler = StaggeredScheduler(costs)
+    scheduler.choose_draft_len = bounded_adaptive_draft_len(scheduler)
+    return scheduler
 
 
 def _long_context(data: dict) -> LongContextScenario:
