@@ -132,3 +132,16 @@ def test_without_prefix_caching_every_session_fetches_its_own_prefix():
     assert vericache.link_bytes > fetched  # and the exact KV of committed tokens
     cached = compare(_scenario())
     assert compare(scenario)["full_remote"].tokens_per_s < cached["full_remote"].tokens_per_s
+
+
+def test_a_closed_loop_keeps_its_concurrency_in_flight():
+    one_at_a_time = _scenario(concurrency=1, arrivals=(0.0,) * 6)
+    for simulate in (simulate_vericache, lambda s: simulate_full(s, FullPool.LOCAL)):
+        report = simulate(one_at_a_time)
+        assert len(report.latencies_s) == 6
+        # Each request starts as the one before it ends: their latencies add up to the run.
+        assert sum(report.latencies_s) == pytest.approx(report.elapsed_s)
+    two = simulate_vericache(_scenario(concurrency=2, arrivals=(0.0,) * 6))
+    assert two.elapsed_s < simulate_vericache(one_at_a_time).elapsed_s
+    with pytest.raises(InvalidRequestError, match="concurrency"):
+        _scenario(concurrency=0)

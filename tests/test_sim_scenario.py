@@ -113,6 +113,7 @@ def test_a_remote_prefix_scenario_is_set_against_the_best_full_kv_configuration(
         ({"prefix_tokens": 40000}, "context of 32768"),
         ({"scheduling": "round-robin"}, "per-request, staggered or lockstep"),
         ({"prefix_caching": "no"}, "'prefix_caching' must be true or false"),
+        ({"requests": {"count": 4, "concurrency": 2, "rate_per_s": 1}}, "not both"),
     ],
 )
 def test_a_bad_remote_prefix_field_is_refused(change, message):
@@ -185,3 +186,10 @@ def test_adaptive_draft_lengths_run_on_the_staggered_scheduler_only():
     )
     with pytest.raises(InvalidRequestError, match="needs the staggered scheduler"):
         run_scenario({**SMALL, "adaptive_draft_len": True, "scheduler": "lockstep"})
+
+
+def test_a_closed_loop_is_for_remote_prefix_scenarios():
+    closed = run_scenario({**REMOTE, "requests": {"count": 6, "concurrency": 2}})
+    assert closed["vericache"]["num_output_tokens"] == 6 * 48
+    with pytest.raises(InvalidRequestError, match="closed loop"):
+        run_scenario({**SMALL, "requests": {"count": 6, "concurrency": 2}})

@@ -33,7 +33,7 @@ class RemotePrefixScenario:
     network_bytes_per_s: float  # the store side to each drafter
     network_latency_s: float
     draft_len: int
-    arrivals: tuple[float, ...]
+    arrivals: tuple[float, ...]  # one per request (ignored but for their count with concurrency)
     output_lengths: OutputLengths
     acceptance: AcceptanceTrace
     seed: int = 0
@@ -41,6 +41,7 @@ class RemotePrefixScenario:
     # True: a worker keeps a prefix's KV for every session over it, and after them (a paged
     # server's prefix caching); False: every session fetches its own copy (the paper's accounting)
     prefix_caching: bool = True
+    concurrency: int | None = None  # a closed loop of this many requests in flight
     activation_reserve: float = 0.1  # share of each device's memory kept from the KV
 
     def __post_init__(self):
@@ -49,6 +50,8 @@ class RemotePrefixScenario:
             raise InvalidRequestError("a scenario needs workers, prefixes, a suffix and requests")
         if not 0 < self.compressed_ratio <= 1 or self.network_latency_s < 0:
             raise InvalidRequestError("compressed_ratio lies in (0, 1], latency >= 0")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise InvalidRequestError("concurrency must be >= 1")
         if self.tensor_parallel < 1 or not 0 <= self.activation_reserve < 1:
             raise InvalidRequestError("tensor_parallel >= 1, activation_reserve in [0, 1)")
         if self.kv_room_bytes <= 0:

@@ -59,15 +59,27 @@ class Run:
             for i in range(scenario.num_drafters)
         ]
         self.report = SimReport(sources=(scenario.device.source, scenario.acceptance.source))
+        self._pending: list[tuple[int, int]] = []  # (prefix, output tokens), a closed loop's next
+        self._start: Callable[[Run, int, int, float], None] | None = None
 
     def serve(self, start: Callable[[Run, int, int, float], None]) -> SimReport:
-        """Starts each request at its arrival with its prefix and output length (the same draws
-        in every configuration of a scenario)."""
+        """Starts each request with its prefix and output length (the same draws in every
+        configuration of a scenario): at its arrival, or with a concurrency, the first that many
+        at once and each of the others when one finishes (a closed loop, as a load generator
+        with that many clients runs)."""
         draws = random.Random(self.scenario.seed)
+        jobs = []
         for arrival in sorted(self.scenario.arrivals):
             num_tokens = self.scenario.output_lengths.draw(draws)
-            prefix = draws.randrange(self.scenario.num_prefixes)
-            self.sim.at(arrival, lambda p=prefix, n=num_tokens, t=arrival: start(self, p, n, t))
+            jobs.append((arrival, draws.randrange(self.scenario.num_prefixes), num_tokens))
+        if self.scenario.concurrency is None:
+            for arrival, prefix, num_tokens in jobs:
+                self.sim.at(arrival, lambda p=prefix, n=num_tokens, t=arrival: start(self, p, n, t))
+        else:
+            self._pending = [(prefix, num_tokens) for _, prefix, num_tokens in reversed(jobs)]
+            self._start = start
+            for _ in range(self.scenario.concurrency):
+                self._start_next()
         self.sim.run()
         self.report.elapsed_s = self.sim.now
         workers = self.verifiers + self.drafters
@@ -97,6 +109,14 @@ class Run:
     def finish(self, worker: Worker, arrival_s: float) -> None:
         worker.num_requests -= 1
         self.report.latencies_s.append(self.sim.now - arrival_s)
+        if self.scenario.concurrency is not None:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        if self._pending:
+            prefix, num_tokens = self._pending.pop()
+            now = self.sim.now
+            self.sim.at(now, lambda: self._start(self, prefix, num_tokens, now))
 
 
 def least_busy(workers: list[Worker]) -> Worker:

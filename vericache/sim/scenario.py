@@ -35,7 +35,8 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
     draft_len: 40
     scheduling: per-request         # or staggered, lockstep: each verifier's scheduler plans
     prefix_caching: true            # false: every session fetches its own copy of its prefix
-    requests, output_tokens, acceptance, seed: as above
+    requests: {count: 64, concurrency: 8}   # or a rate_per_s: a closed loop of 8 clients
+    output_tokens, acceptance, seed: as above
 
 Every field is checked, unknown ones refused. The result sets VeriCache against full-KV serving on
 the same devices and memory (Pipeline 1: full-KV decoding; Pipeline 2: FULL_LOCAL, FULL_REMOTE and
@@ -230,6 +231,7 @@ def _remote_prefix(data: dict) -> RemotePrefixScenario:
         tensor_parallel=int(data.get("tensor_parallel", 1)),
         activation_reserve=float(data.get("activation_reserve", 0.1)),
         prefix_caching=_bool(data, "prefix_caching", True),
+        concurrency=_concurrency(data),
     )
 
 
@@ -240,8 +242,19 @@ def _bool(data: dict, name: str, default: bool) -> bool:
     return value
 
 
+def _concurrency(data: dict) -> int | None:
+    requests = _mapping(data, "requests", {"count", "rate_per_s", "concurrency"})
+    if "concurrency" not in requests:
+        return None
+    if "rate_per_s" in requests:
+        raise InvalidRequestError("requests take a rate_per_s or a concurrency, not both")
+    return _int(requests, "concurrency")
+
+
 def _arrivals(data: dict) -> tuple[float, ...]:
-    requests = _mapping(data, "requests", {"count", "rate_per_s"})
+    requests = _mapping(data, "requests", {"count", "rate_per_s", "concurrency"})
+    if "concurrency" in requests and data.get("pipeline") == "long-context":
+        raise InvalidRequestError("a closed loop (requests.concurrency) is for remote-prefix")
     count = _int(requests, "count")
     if "rate_per_s" in requests:
         return tuple(
