@@ -31,12 +31,11 @@ import torch
 
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.errors import InvalidRequestError
-from vericache.model.config import ModelConfig, RopeConfig
 from vericache.model.linear import Linear
 from vericache.model.runner import ModelRunner
-from vericache.model.weights import LayerWeights, ModelWeights
 from vericache.sim.cost import Row, attention_flops, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile
+from vericache.sim.random_weights import params_per_layer, random_runner
 
 MAX_WEIGHT_COPIES = 256  # enough for any real model's layer to stream; tiny test shapes stay fast
 
@@ -323,62 +322,17 @@ def _with_overhead(profile: DeviceProfile, model, forwards: list[dict], element_
     return dataclasses.replace(profile, forward_overhead_s=fixed, layer_overhead_s=per_layer)
 
 
-def _params_per_layer(model: ModelProfile) -> int:
-    h, i = model.hidden_size, model.intermediate_size
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h  # attention, MLP, two norms
-
-
 def _params_read(model: ModelProfile, num_layers: int, element_size: int) -> int:
     """What a forward of the random runner reads, counted in parameters of `element_size`: its
     layers and its LM head, which the engine keeps in float32 (a forward looks up only its own
     rows of the embedding table)."""
     head = model.vocab_size * model.hidden_size * 4 // element_size
-    return _params_per_layer(model) * num_layers + head
-
-
-def random_runner(model: ModelProfile, num_layers: int, device, dtype) -> ModelRunner:
-    """The engine's model runner over random weights of `model`'s shapes, `num_layers` deep."""
-    config = ModelConfig(
-        model_type="llama", vocab_size=model.vocab_size, hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size, num_layers=num_layers,
-        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0),
-        tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-        layer_windows=(None,) * num_layers, eos_token_ids=(0,),
-    )  # fmt: skip
-
-    def linear(out_features: int, in_features: int, weight_dtype=dtype) -> Linear:
-        weight = torch.randn(out_features, in_features, device=device) * in_features**-0.5
-        return Linear(weight.to(weight_dtype))
-
-    h, q, kv = (
-        model.hidden_size,
-        model.num_heads * model.head_dim,
-        model.num_kv_heads * model.head_dim,
-    )
-    ones = torch.ones(h, device=device, dtype=dtype)
-    layers = [
-        LayerWeights(
-            input_norm=ones,
-            qkv=linear(q + 2 * kv, h),
-            q_norm=None,
-            k_norm=None,
-            o_proj=linear(h, q),
-            post_attention_norm=ones,
-            gate_up=linear(2 * model.intermediate_size, h),
-            down=linear(h, model.intermediate_size),
-        )  # fmt: skip
-        for _ in range(num_layers)
-    ]
-    embed = torch.randn(model.vocab_size, h, device=device).to(dtype)
-    head = linear(model.vocab_size, h, torch.float32)
-    return ModelRunner(config, ModelWeights(embed, layers, ones, head), device)
+    return params_per_layer(model) * num_layers + head
 
 
 def _layers_that_fit(model: ModelProfile, free_bytes: float, bytes_per_param: int) -> int:
     """The deepest slice whose weights take at most `free_bytes` (at least 2 layers)."""
-    per_layer = bytes_per_param * _params_per_layer(model)
+    per_layer = bytes_per_param * params_per_layer(model)
     head = (bytes_per_param + 4) * model.vocab_size * model.hidden_size  # embedding, float32 head
     return max(2, min(model.num_layers, int((free_bytes - head) // per_layer)))
 

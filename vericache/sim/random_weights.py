@@ -1,0 +1,57 @@
+"""The engine's model runner over random weights of a model profile's shapes: what `vericache
+calibrate` times, since no weights of a 24-70B model are on the device (or may be fetched)."""
+
+from __future__ import annotations
+
+import torch
+
+from vericache.model.config import ModelConfig, RopeConfig
+from vericache.model.linear import Linear
+from vericache.model.runner import ModelRunner
+from vericache.model.weights import LayerWeights, ModelWeights
+from vericache.sim.profiles import ModelProfile
+
+
+def params_per_layer(model: ModelProfile) -> int:
+    h, i = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h  # attention, MLP, two norms
+
+
+def random_runner(model: ModelProfile, num_layers: int, device, dtype) -> ModelRunner:
+    """The engine's model runner over random weights of `model`'s shapes, `num_layers` deep."""
+    config = ModelConfig(
+        model_type="llama", vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size, num_layers=num_layers,
+        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope=RopeConfig(theta=500000.0),
+        tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+        layer_windows=(None,) * num_layers, eos_token_ids=(0,),
+    )  # fmt: skip
+
+    def linear(out_features: int, in_features: int, weight_dtype=dtype) -> Linear:
+        weight = torch.randn(out_features, in_features, device=device) * in_features**-0.5
+        return Linear(weight.to(weight_dtype))
+
+    h, q, kv = (
+        model.hidden_size,
+        model.num_heads * model.head_dim,
+        model.num_kv_heads * model.head_dim,
+    )
+    ones = torch.ones(h, device=device, dtype=dtype)
+    layers = [
+        LayerWeights(
+            input_norm=ones,
+            qkv=linear(q + 2 * kv, h),
+            q_norm=None,
+            k_norm=None,
+            o_proj=linear(h, q),
+            post_attention_norm=ones,
+            gate_up=linear(2 * model.intermediate_size, h),
+            down=linear(h, model.intermediate_size),
+        )  # fmt: skip
+        for _ in range(num_layers)
+    ]
+    embed = torch.randn(model.vocab_size, h, device=device).to(dtype)
+    head = linear(model.vocab_size, h, torch.float32)
+    return ModelRunner(config, ModelWeights(embed, layers, ones, head), device)
