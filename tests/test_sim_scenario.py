@@ -114,6 +114,7 @@ def test_a_remote_prefix_scenario_is_set_against_the_best_full_kv_configuration(
         ({"scheduling": "round-robin"}, "per-request, staggered or lockstep"),
         ({"prefix_caching": "no"}, "'prefix_caching' must be true or false"),
         ({"requests": {"count": 4, "concurrency": 2, "rate_per_s": 1}}, "not both"),
+        ({"dtype": "int3"}, "dtype must be one of"),
     ],
 )
 def test_a_bad_remote_prefix_field_is_refused(change, message):
@@ -193,3 +194,11 @@ def test_a_closed_loop_is_for_remote_prefix_scenarios():
     assert closed["vericache"]["num_output_tokens"] == 6 * 48
     with pytest.raises(InvalidRequestError, match="closed loop"):
         run_scenario({**SMALL, "requests": {"count": 6, "concurrency": 2}})
+
+
+def test_float32_doubles_what_the_weights_and_the_kv_cost():
+    h200 = {**REMOTE, "model": "mistral-small-24b", "device": "h200"}  # 94 GB in float32
+    half = run_scenario(h200)
+    full = run_scenario({**h200, "dtype": "float32"})
+    assert full["full_local"]["tokens_per_s"] < 0.7 * half["full_local"]["tokens_per_s"]
+    assert full["full_local"]["peak_kv_bytes"] == 2 * half["full_local"]["peak_kv_bytes"]

@@ -56,6 +56,7 @@ class LongContextScenario:
     tensor_parallel: int = 1
     activation_reserve: float = 0.1  # share of device memory kept from the KV
     seed: int = 0
+    element_size: int = 2  # bytes per weight, activation and KV element (bf16; float32: 4)
 
     def __post_init__(self):
         if self.prompt_tokens < 1 or not 0 < self.kv_budget <= 1 or self.draft_len < 1:
@@ -71,11 +72,11 @@ class LongContextScenario:
     @property
     def kv_bytes_per_token(self) -> float:
         """Full KV of one token on one device of the group."""
-        return self.model.kv_bytes_per_token() / self.tensor_parallel
+        return self.model.kv_bytes_per_token(self.element_size) / self.tensor_parallel
 
     @property
     def weights_bytes(self) -> int:
-        return self.model.weights_bytes() // self.tensor_parallel
+        return self.model.weights_bytes(self.element_size) // self.tensor_parallel
 
     @property
     def memory_budget_bytes(self) -> int:
@@ -100,7 +101,10 @@ class LongContextScenario:
         return math.ceil((self.kept_prompt_tokens + num_output_tokens) * self.kv_bytes_per_token)
 
     def forward_s(self, rows: list[Row]) -> float:
-        cost = forward_cost(self.model, self.device, rows, tensor_parallel=self.tensor_parallel)
+        cost = forward_cost(
+            self.model, self.device, rows, self.element_size, self.element_size,
+            self.tensor_parallel,
+        )  # fmt: skip
         return cost.seconds
 
 

@@ -42,6 +42,7 @@ class RemotePrefixScenario:
     # server's prefix caching); False: every session fetches its own copy (the paper's accounting)
     prefix_caching: bool = True
     concurrency: int | None = None  # a closed loop of this many requests in flight
+    element_size: int = 2  # bytes per weight, activation and KV element (bf16; float32: 4)
     activation_reserve: float = 0.1  # share of each device's memory kept from the KV
 
     def __post_init__(self):
@@ -67,7 +68,7 @@ class RemotePrefixScenario:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.model.kv_bytes_per_token()
+        return self.model.kv_bytes_per_token(self.element_size)
 
     def prefix_bytes(self, compressed: bool) -> int:
         ratio = self.compressed_ratio if compressed else 1.0
@@ -83,17 +84,25 @@ class RemotePrefixScenario:
     def kv_room_bytes(self) -> int:
         """A worker's memory for KV once its weights are loaded, over its devices."""
         memory = self.tensor_parallel * self.device.memory_bytes * (1 - self.activation_reserve)
-        return int(memory) - self.model.weights_bytes()
+        return int(memory) - self.weights_bytes
 
     @property
     def memory_budget_bytes(self) -> int:
         """What a scheduler plans within on a worker: its memory less the reserve."""
-        return self.kv_room_bytes + self.model.weights_bytes()
+        return self.kv_room_bytes + self.weights_bytes
+
+    @property
+    def weights_bytes(self) -> int:
+        """A worker's weights, over its devices."""
+        return self.model.weights_bytes(self.element_size)
 
     def own_bytes(self, num_output_tokens: int) -> int:
         """The exact KV a session comes to hold of its own: its suffix and its output."""
         return (self.suffix_tokens + num_output_tokens) * self.kv_bytes_per_token
 
     def forward_s(self, rows: list[Row]) -> float:
-        cost = forward_cost(self.model, self.device, rows, tensor_parallel=self.tensor_parallel)
+        cost = forward_cost(
+            self.model, self.device, rows, self.element_size, self.element_size,
+            self.tensor_parallel,
+        )  # fmt: skip
         return cost.seconds

@@ -165,7 +165,7 @@ class VerifierSchedule:
             step_s,
             link_bytes_per_s=scenario.store_bytes_per_s * scenario.tensor_parallel,
             memory_budget_bytes=scenario.memory_budget_bytes,
-            weights_bytes=scenario.model.weights_bytes(),
+            weights_bytes=scenario.weights_bytes,
         )
         self.scheduler = make_scheduler(costs)
         self.entries: dict[str, _ScheduledRequest] = {}

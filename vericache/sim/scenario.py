@@ -6,6 +6,7 @@ Pipeline 1, long-context decoding on one device (or tensor-parallel group):
     model: llama-3.1-70b            # a bundled model profile, or a JSON file
     device: h100-nvl                # a bundled device profile, or a calibration's JSON
     tensor_parallel: 2
+    dtype: bfloat16                 # or float16, float32, fp8: weights, activations and KV
     prompt_tokens: 32768
     kv_budget: 0.2                  # compressed KV: this share of the prompt's tokens
     draft_len: 25
@@ -72,6 +73,7 @@ from vericache.sim.workload import (
 )
 
 _COMMON = {
+    "dtype",
     "pipeline",
     "model",
     "device",
@@ -155,6 +157,8 @@ def _build(make, data: dict):
         return make(data)
     except KeyError as exc:
         raise InvalidRequestError(f"the scenario lacks the field {exc.args[0]!r}") from None
+    except InvalidRequestError:
+        raise  # already says which field and why
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"a scenario field has the wrong type: {exc}") from None
 
@@ -207,6 +211,7 @@ def _long_context(data: dict) -> LongContextScenario:
         tensor_parallel=int(data.get("tensor_parallel", 1)),
         activation_reserve=float(data.get("activation_reserve", 0.1)),
         seed=int(data.get("seed", 0)),
+        element_size=_element_size(data),
     )
 
 
@@ -232,7 +237,18 @@ def _remote_prefix(data: dict) -> RemotePrefixScenario:
         activation_reserve=float(data.get("activation_reserve", 0.1)),
         prefix_caching=_bool(data, "prefix_caching", True),
         concurrency=_concurrency(data),
+        element_size=_element_size(data),
     )
+
+
+ELEMENT_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+
+
+def _element_size(data: dict) -> int:
+    dtype = data.get("dtype", "bfloat16")
+    if dtype not in ELEMENT_SIZES:
+        raise InvalidRequestError(f"dtype must be one of {sorted(ELEMENT_SIZES)}, got {dtype!r}")
+    return ELEMENT_SIZES[dtype]
 
 
 def _bool(data: dict, name: str, default: bool) -> bool:
