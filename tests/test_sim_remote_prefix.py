@@ -145,3 +145,17 @@ def test_a_closed_loop_keeps_its_concurrency_in_flight():
     assert two.elapsed_s < simulate_vericache(one_at_a_time).elapsed_s
     with pytest.raises(InvalidRequestError, match="concurrency"):
         _scenario(concurrency=0)
+
+
+def test_a_token_dropper_drafts_over_the_tokens_it_keeps():
+    scenario = _scenario(compressed_ratio=0.25, compressed_token_share=0.25)
+    quantized = _scenario(compressed_ratio=0.25)
+    dropped_row, quantized_row = (s.row(1, 64, compressed=True) for s in (scenario, quantized))
+    assert dropped_row.context_tokens == 16384 // 4 + 64
+    assert quantized_row.context_tokens == 16384 + 64
+    # The same bytes either way: the dropper's kept tokens are full-width.
+    assert dropped_row.context_tokens * dropped_row.kv_bytes_per_token == pytest.approx(
+        quantized_row.context_tokens * quantized_row.kv_bytes_per_token
+    )
+    with pytest.raises(InvalidRequestError, match="compressed_token_share"):
+        _scenario(compressed_token_share=0.0)

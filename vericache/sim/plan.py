@@ -22,6 +22,7 @@ Workload file (YAML):
     requests: {count: 64, rate_per_s: 4}
     compressors:
       kivi-4bit: {compressed_ratio: 0.27, acceptance: {mean_accepted: 19, at_draft_len: 30}}
+      snapkv-4x: {compressed_ratio: 0.25, compressed_token_share: 0.25, acceptance: {...}}
     seed: 0
 """
 
@@ -161,6 +162,7 @@ def _scenario(model, hardware: Hardware, workload: dict, compressor: dict, candi
         "draft_len": candidate.draft_len if candidate else 1,
         "scheduling": candidate.scheduling if candidate else "per-request",
         "compressed_ratio": compressor["compressed_ratio"],
+        "compressed_token_share": compressor.get("compressed_token_share", 1.0),
         "acceptance": compressor["acceptance"],
         **{k: v for k, v in workload.items() if k != "compressors"},
     }
@@ -174,9 +176,11 @@ def _compressors(workload: dict) -> dict:
     if not isinstance(compressors, dict) or not compressors:
         raise InvalidRequestError("the workload names its compressors: {name: {...}}")
     for name, spec in compressors.items():
-        if not isinstance(spec, dict) or set(spec) != {"compressed_ratio", "acceptance"}:
+        required, optional = {"compressed_ratio", "acceptance"}, {"compressed_token_share"}
+        if not isinstance(spec, dict) or not required <= set(spec) <= required | optional:
             raise InvalidRequestError(
-                f"compressor {name!r} needs exactly compressed_ratio and acceptance"
+                f"compressor {name!r} needs compressed_ratio and acceptance (and may give "
+                "compressed_token_share), nothing else"
             )
     return compressors
 

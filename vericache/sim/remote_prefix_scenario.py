@@ -11,6 +11,7 @@ device's bandwidth.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
@@ -43,6 +44,9 @@ class RemotePrefixScenario:
     prefix_caching: bool = True
     concurrency: int | None = None  # a closed loop of this many requests in flight
     element_size: int = 2  # bytes per weight, activation and KV element (bf16; float32: 4)
+    # The prefix's tokens the compressed KV keeps: all (1.0) where it quantizes, 1/ratio where it
+    # drops tokens; drafts attend over these, at compressed_ratio of the full bytes in all.
+    compressed_token_share: float = 1.0
     activation_reserve: float = 0.1  # share of each device's memory kept from the KV
 
     def __post_init__(self):
@@ -51,6 +55,8 @@ class RemotePrefixScenario:
             raise InvalidRequestError("a scenario needs workers, prefixes, a suffix and requests")
         if not 0 < self.compressed_ratio <= 1 or self.network_latency_s < 0:
             raise InvalidRequestError("compressed_ratio lies in (0, 1], latency >= 0")
+        if not 0 < self.compressed_token_share <= 1:
+            raise InvalidRequestError("compressed_token_share lies in (0, 1]")
         if self.concurrency is not None and self.concurrency < 1:
             raise InvalidRequestError("concurrency must be >= 1")
         if self.tensor_parallel < 1 or not 0 <= self.activation_reserve < 1:
@@ -75,8 +81,10 @@ class RemotePrefixScenario:
         return int(self.prefix_tokens * self.kv_bytes_per_token * ratio)
 
     def row(self, num_new: int, num_after_prefix: int, compressed: bool) -> Row:
-        """A row over the prefix (compressed or full) and `num_after_prefix` exact tokens."""
-        context = self.prefix_tokens + num_after_prefix
+        """A row over the prefix (the tokens its compressed KV keeps, or all of them) and
+        `num_after_prefix` exact tokens."""
+        share = self.compressed_token_share if compressed else 1.0
+        context = math.ceil(self.prefix_tokens * share) + num_after_prefix
         kv_bytes = self.prefix_bytes(compressed) + num_after_prefix * self.kv_bytes_per_token
         return Row(num_new, context, kv_bytes / context)
 

@@ -30,6 +30,7 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
     prefixes: 8                     # each request's drawn uniformly
     suffix_tokens: 64               # the prompt after its prefix
     compressed_ratio: 0.27          # compressed KV bytes / full (KIVI 4-bit)
+    compressed_token_share: 1.0     # prefix tokens it keeps (token dropping at 4x: 0.25)
     store_gb_per_s: 40              # the store to each verifier
     network_gb_per_s: 1.2           # the store side to each drafter
     network_latency_ms: 10          # one way
@@ -90,7 +91,7 @@ _FIELDS = {
     "remote-prefix": _COMMON | {
         "verifiers", "drafters", "prefix_tokens", "prefixes", "suffix_tokens", "compressed_ratio",
         "store_gb_per_s", "network_gb_per_s", "network_latency_ms", "scheduling",
-        "tensor_parallel", "activation_reserve", "prefix_caching",
+        "tensor_parallel", "activation_reserve", "prefix_caching", "compressed_token_share",
     },
 }  # fmt: skip
 
@@ -225,6 +226,7 @@ def _remote_prefix(data: dict) -> RemotePrefixScenario:
         num_prefixes=_int(data, "prefixes"),
         suffix_tokens=_int(data, "suffix_tokens"),
         compressed_ratio=float(data["compressed_ratio"]),
+        compressed_token_share=float(data.get("compressed_token_share", 1.0)),
         store_bytes_per_s=float(data["store_gb_per_s"]) * 1e9,
         network_bytes_per_s=float(data["network_gb_per_s"]) * 1e9,
         network_latency_s=float(data.get("network_latency_ms", 0.0)) / 1e3,
