@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from vericache.cli.parser import int_list  # noqa: F401 - the benchmarks' argument type
 from vericache.compress import COMPRESSORS, CompressionKind, Compressor, build_compressor
 from vericache.compress.base import STORAGE_DTYPES
 from vericache.errors import InvalidRequestError
@@ -53,10 +54,6 @@ def compressor_labels(spec: str) -> list[str]:
             f"{name}-{bits}bit" if quantized else f"{name}-{ratio}x" for ratio, bits in strengths
         ]
     return labels
-
-
-def int_list(text: str) -> list[int]:
-    return [int(item) for item in text.split(",") if item]
 
 
 def environment() -> dict:

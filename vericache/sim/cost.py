@@ -106,6 +106,18 @@ def forward_cost(
     )
 
 
+def forward_seconds(
+    model: ModelProfile,
+    device: DeviceProfile,
+    rows: Sequence[Row],
+    element_size: int = 2,
+    tensor_parallel: int = 1,
+) -> float:
+    """The seconds of a forward whose weights, activations and KV share one element size."""
+    cost = forward_cost(model, device, rows, element_size, element_size, tensor_parallel)
+    return cost.seconds
+
+
 def weights_fit(
     model: ModelProfile, device: DeviceProfile, tensor_parallel: int, element_size: int = 2
 ) -> int:

@@ -35,7 +35,7 @@ from vericache.errors import InvalidRequestError
 from vericache.scheduler import BaseScheduler, CostModel
 from vericache.scheduler.records import IterationPlan, SchedulerRequest
 from vericache.sim.batch_loop import SimBatchLoop, SimJob
-from vericache.sim.cost import Row, forward_cost
+from vericache.sim.cost import Row, forward_seconds
 from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
 from vericache.sim.kv_memory import Session, WorkerMemory
@@ -101,11 +101,9 @@ class LongContextScenario:
         return math.ceil((self.kept_prompt_tokens + num_output_tokens) * self.kv_bytes_per_token)
 
     def forward_s(self, rows: list[Row]) -> float:
-        cost = forward_cost(
-            self.model, self.device, rows, self.element_size, self.element_size,
-            self.tensor_parallel,
-        )  # fmt: skip
-        return cost.seconds
+        return forward_seconds(
+            self.model, self.device, rows, self.element_size, self.tensor_parallel
+        )
 
 
 @dataclass

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
-from vericache.sim.cost import Row, forward_cost
+from vericache.sim.cost import Row, forward_seconds
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
 
@@ -109,8 +109,6 @@ class RemotePrefixScenario:
         return (self.suffix_tokens + num_output_tokens) * self.kv_bytes_per_token
 
     def forward_s(self, rows: list[Row]) -> float:
-        cost = forward_cost(
-            self.model, self.device, rows, self.element_size, self.element_size,
-            self.tensor_parallel,
-        )  # fmt: skip
-        return cost.seconds
+        return forward_seconds(
+            self.model, self.device, rows, self.element_size, self.tensor_parallel
+        )
