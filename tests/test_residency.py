@@ -3,9 +3,12 @@ tokens after the prefix), and their buffers reused only once no call uses them."
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from vericache.errors import WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
@@ -65,3 +68,30 @@ def test_eviction_keeps_the_tail_and_frees_the_prefix_for_the_next_session():
     with sessions.using("a") as (session, loaded):  # b is evicted in turn; a reloads
         assert session.cache.num_tokens == len(PREFIX) + 1 and loaded.store_bytes > 0
     assert sessions.residency().peak_bytes <= budget
+
+
+def test_a_call_waiting_for_room_is_refused_when_the_worker_shuts_down():
+    """A load that waits for room while another call holds the budget must not wait forever
+    once the worker clears its sessions (its shutdown waits for every call's thread)."""
+    slot_bytes = LAYERS * 2 * HEADS * DIM * 4
+    sessions = _sessions(budget_bytes=CAPACITY * slot_bytes)  # one session's full KV
+    sessions.add("a", Session(PREFIX, CAPACITY))
+    sessions.add("b", Session(PREFIX, CAPACITY))
+    outcome: list[BaseException] = []
+
+    def load_b() -> None:
+        try:
+            with sessions.using("b"):
+                pass
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    with sessions.using("a"):
+        waiter = threading.Thread(target=load_b)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # "a" is in use: "b" waits for room
+        sessions.clear()
+        waiter.join(10)
+    assert not waiter.is_alive()
+    assert isinstance(outcome[0], WorkerUnavailableError)

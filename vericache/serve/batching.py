@@ -17,6 +17,7 @@ import threading
 from concurrent.futures import Future
 
 from vericache.engine.forward_loop import ForwardLoop, Job
+from vericache.errors import WorkerUnavailableError
 from vericache.model.runner import ModelRunner
 
 
@@ -24,6 +25,10 @@ class BatchLoop:
     def __init__(self, runner: ModelRunner, name: str):
         self.forward_loop = ForwardLoop(runner)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Set once stop() has queued the loop's end: a job queued after it would wait forever,
+        # and with it the thread (and the worker's shutdown, which waits for its threads).
+        self._stopped = False
+        self._accepting = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -36,13 +41,18 @@ class BatchLoop:
         iteration's batch must not be split between two forwards); returns their choices."""
         arrivals = [(job, Future()) for job in jobs if not job.done]
         if arrivals:
-            self._inbox.put(arrivals)
+            with self._accepting:
+                if self._stopped:
+                    raise WorkerUnavailableError("the worker is shutting down")
+                self._inbox.put(arrivals)
         for _, finished in arrivals:
             finished.result()  # raises the step's error, if any
         return [job.choices for job in jobs]
 
     def stop(self) -> None:
-        self._inbox.put(None)
+        with self._accepting:
+            self._stopped = True
+            self._inbox.put(None)  # after every job already queued: each gets its error
         self._thread.join(30)
 
     def _run(self) -> None:
@@ -57,7 +67,7 @@ class BatchLoop:
             arrivals = [arrival for group in groups if group is not None for arrival in group]
             if None in groups:
                 for _, finished in active + arrivals:
-                    finished.set_exception(RuntimeError("the worker is shutting down"))
+                    finished.set_exception(WorkerUnavailableError("the worker is shutting down"))
                 return
             active += arrivals
             active = self._step(active)

@@ -87,6 +87,7 @@ class DistributedBackend:
             self._probe.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe
+        await asyncio.gather(*(schedule.close() for schedule in self.schedules.values()))
         await asyncio.gather(*(w.shutdown() for w in [*self.drafters, *self.verifiers]))
 
     def _catalog_verifier(self) -> VerifierAPI:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from vericache.errors import WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
@@ -52,6 +53,7 @@ class ResidentSessions:
         self._room = threading.Condition(self._lock)  # signalled when full KV may have freed
         self._loading_bytes = 0  # full KV of the loads in progress, not resident yet
         self._peak_bytes = 0
+        self._is_closed = False  # the worker shut down: calls waiting for room give up
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -70,8 +72,11 @@ class ResidentSessions:
             self._room.notify_all()
 
     def clear(self) -> None:
+        """Forgets every session, for good: calls waiting for room are woken and refused."""
         with self._lock:
             self._sessions.clear()
+            self._is_closed = True
+            self._room.notify_all()
 
     def _release(self, session: Session) -> None:
         if session.cache is not None:
@@ -126,6 +131,8 @@ class ResidentSessions:
         the full KV in use, pinned or loading does not leave room; a session larger than the
         budget loads once no other full KV is held. Called with the lock held."""
         while incoming:
+            if self._is_closed:
+                raise WorkerUnavailableError("the worker is shutting down")
             self._evict_beyond_budget(incoming)
             held = self._resident_bytes() + self._loading_bytes
             if held + incoming <= self.budget_bytes or held == 0:

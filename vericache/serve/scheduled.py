@@ -23,10 +23,12 @@ across the slow link.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from vericache.errors import WorkerUnavailableError
 from vericache.kv.exact import ExactKV
 from vericache.scheduler import (
     BaseScheduler,
@@ -118,6 +120,18 @@ class ScheduledRounds:
                 self.scheduler.abort(session_id)
             _drop(entry.draft)
             _drop(entry.load)
+
+    async def close(self) -> None:
+        """Stops the schedule before its workers shut down: no call starts after that."""
+        stopping = WorkerUnavailableError("the server is stopping")
+        for entry in self._entries.values():
+            for task in entry.tasks():
+                _drop(task)
+            entry.outbox.put_nowait(stopping)
+        if self._loop is not None and not self._loop.done():
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
 
     async def _run(self) -> None:
         while self._entries:
