@@ -3,6 +3,7 @@ length, batch or stop condition."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -225,3 +226,33 @@ def test_stop_string_ends_both_modes_at_the_same_token(tiny_chat_checkpoint):
     assert results[0].token_ids == results[1].token_ids
     assert results[0].text == results[1].text == free.text[: free.text.find(stop)]
     assert results[0].finish_reason == results[1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("compressor", pick("h2o", "kivi", "tova"), ids=row_id)
+def test_a_known_output_stops_drafts_at_their_first_rejection(
+    tiny_engine, full_outputs, compressor
+):
+    """With the full-KV output known, a round drafts only up to its first rejected draft: the
+    same tokens, the same first mismatches, at a fraction of the draft steps. Online compressors
+    (h2o, tova) see the same committed queries, so they keep the same tokens."""
+    draft_len = 30
+    engine = tiny_engine()
+    drafting_on = engine.generate(requests(DecodeMode.VERICACHE, compressor, draft_len))
+    known = [
+        dataclasses.replace(request, expected_ids=tuple(reference))
+        for request, reference in zip(
+            requests(DecodeMode.VERICACHE, compressor, draft_len), full_outputs
+        )
+    ]
+    stopping = engine.generate(known)
+    for on, stop, expected in zip(drafting_on, stopping, full_outputs):
+        assert stop.token_ids == on.token_ids == expected
+        rejected = [
+            a for a, d in zip(on.stats.accepted_per_round, on.stats.drafted_per_round) if a < d
+        ]
+        assert stop.stats.accepted_per_round == on.stats.accepted_per_round
+        # A rejected round drafted one past its accepted drafts, and no more.
+        for a, d in zip(stop.stats.accepted_per_round, stop.stats.drafted_per_round):
+            assert d == draft_len or d == a + 1 or a == d
+        if rejected:
+            assert stop.stats.draft_tokens < on.stats.draft_tokens

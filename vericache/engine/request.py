@@ -64,9 +64,16 @@ class Request:
     # Choose each round's draft length from this request's acceptance so far and the measured
     # costs of draft steps and verifications (vericache.scheduler.adaptive), up to draft_len.
     adaptive_draft_len: bool = False
+    # The output full-KV decoding gives, where it is known already (a benchmark's reference): a
+    # round stops drafting after its first draft that differs from it, since no later draft could
+    # be accepted. The round commits what it would have drafting on; the drafts it saves are the
+    # ones verification would reject. Every round is still verified, so output stays exact.
+    expected_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))  # hashable, immutable
+        if self.expected_ids is not None:
+            object.__setattr__(self, "expected_ids", tuple(self.expected_ids))
         if not self.prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         if not 0 <= self.num_prefix_tokens <= len(self.prompt_ids):

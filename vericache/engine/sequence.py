@@ -107,9 +107,19 @@ class Sequence:
 
     @property
     def wants_draft_step(self) -> bool:
-        """The round in progress drafts on: fewer drafts than wanted, and no end token yet."""
+        """The round in progress drafts on: fewer drafts than wanted, no end token yet, and no
+        draft known to be rejected (`Request.expected_ids`)."""
         ended = bool(self.draft_ids) and self.draft_ids[-1] in self.stop_checker.end_ids
-        return len(self.draft_ids) < self.draft_target and not ended
+        return len(self.draft_ids) < self.draft_target and not ended and not self._diverged
+
+    @property
+    def _diverged(self) -> bool:
+        """The newest draft differs from the known full-KV output at its position."""
+        expected = self.request.expected_ids
+        if expected is None or not self.draft_ids:
+            return False
+        position = len(self.output_ids) + len(self.draft_ids) - 1
+        return position < len(expected) and self.draft_ids[-1] != expected[position]
 
     def finish_round(self, verified: list[int]) -> RoundOutcome:
         """Commits a verified round. verified: the verifier's greedy choice after each of the
