@@ -12,6 +12,7 @@ BENCHMARKS = {
     "paper-repro": "vericache.bench.paper_repro",
     "remote-prefix": "vericache.bench.remote_prefix",
     "serve-stagger": "vericache.bench.serve_stagger",
+    "sim-validate": "vericache.bench.sim_validate",
     "soak": "vericache.bench.soak",
     "stagger": "vericache.bench.stagger",
 }

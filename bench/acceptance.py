@@ -12,8 +12,7 @@ the first mismatch do not depend on how many follow. A round cut short (by the t
 end token) with every draft accepted tells no first mismatch and is left out. Each record also keeps
 the prompt kind, the compressor and its ratio or bits, and the context length. Since the full-KV
 output is decoded first (the reference), a round drafts only up to its first rejected draft: the
-drafts after it would be thrown away, and skipping them makes the run two to
-three times cheaper
+drafts after it would be thrown away, and skipping them makes the run two to three times cheaper
 without changing a trace. The table replays the traces at every x of `--draft-lens`: the mean
 accepted per round and its 95% confidence interval over prompts (a prompt's rounds are not
 independent of each other, its mean is). Every vericache output is also checked against full-KV

@@ -41,7 +41,11 @@ def markdown_table(result: dict) -> str:
     bound = p2["variants"]["store_link_bound_tokens_per_s"]
     sweeps.append(f"| P2 store-link bound, a full-KV load per round | | {bound:.0f} tokens/s | |")
     sources = p1["paper_config"]["sources"]["device"]
-    return "\n".join([*rows, *sweeps, "", f"Device profiles: {sources} (and alike).", ""])
+    notes = ["", f"Device profiles: {sources} (and alike)."]
+    reason = result["summary"].get("pipeline2_miss_reason")
+    if reason:
+        notes += ["", f"Pipeline 2 outside the paper's band: {reason}"]
+    return "\n".join([*rows, *sweeps, *notes, ""])
 
 
 def _quoted(value) -> str:

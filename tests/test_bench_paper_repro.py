@@ -29,6 +29,7 @@ def test_the_summary_names_both_pipelines_and_the_bands(quick):
         assert summary[f"{pipeline}_in_band"] == (low <= speedup <= high)
         # The planners search a space that holds the paper's configuration's neighbours.
         assert summary[f"{pipeline}_best_speedup"] > 0
+    assert (summary["pipeline2_miss_reason"] is None) == summary["pipeline2_in_band"]
     assert summary["cpu_prediction_error"] is None  # bench sim-validate's to give
     assert result["pipeline1"]["paper_config"]["sources"]["device"].startswith("datasheet")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vericache.errors import InvalidRequestError
 from vericache.sim.events import Link
@@ -28,10 +28,21 @@ class WorkerMemory:
     its `then` runs once its prefix has arrived. A memory without a link serves sessions that
     share no prefix."""
 
-    def __init__(self, capacity_bytes: int, link: Link | None = None, caches_prefixes: bool = True):
+    def __init__(
+        self,
+        capacity_bytes: int,
+        link: Link | None = None,
+        caches_prefixes: bool = True,
+        lru_bytes: int | None = None,
+    ):
         self.capacity_bytes = capacity_bytes
         self.link = link
         self.caches_prefixes = caches_prefixes  # False: a prefix goes when its last session does
+        # None: sessions share the prefix they are over (above). A number: each session holds its
+        # own copy of its prefix, made from an LRU of the prefixes fetched, of at most that many
+        # bytes (VeriCache's drafter, whose LRU is DrafterConfig.kv_cache_bytes; 0: no LRU, every
+        # session fetches, as VeriCache's verifier loads each session's prefix from the store).
+        self.lru_bytes = lru_bytes
         self.peak_bytes = 0
         self._own_bytes = 0  # of admitted sessions
         self._held: OrderedDict[Hashable, int] = (
@@ -46,15 +57,22 @@ class WorkerMemory:
         return self._own_bytes + sum(self._held.values())
 
     def admit(self, session: Session, then: Callable[[], None]) -> None:
-        if session.own_bytes + session.prefix_bytes > self.capacity_bytes:
+        needed = session.own_bytes + session.prefix_bytes
+        if needed > self.capacity_bytes:
             raise InvalidRequestError(
-                f"a session needs {session.own_bytes + session.prefix_bytes} bytes of KV, more "
-                f"than a worker's {self.capacity_bytes}: raise tensor_parallel or shorten it"
+                f"a session needs {needed} bytes of KV, more than a worker's "
+                f"{self.capacity_bytes}: raise tensor_parallel or shorten it"
             )
+        if self._is_private(session):  # its copy of the prefix is its own
+            session = replace(session, own_bytes=needed)
         self._waiting.append((session, then))
         self._admit_waiting()
 
     def release(self, session: Session) -> None:
+        if self._is_private(session):
+            self._own_bytes -= session.own_bytes + session.prefix_bytes
+            self._admit_waiting()
+            return
         self._own_bytes -= session.own_bytes
         if session.prefix is not None:
             self._refs[session.prefix] -= 1
@@ -71,6 +89,8 @@ class WorkerMemory:
             self._own_bytes += session.own_bytes
             if session.prefix is None:
                 then()
+            elif self._is_private(session):
+                self._copy_from_lru(session.prefix, session.prefix_bytes, then)
             else:
                 self._refs[session.prefix] = self._refs.get(session.prefix, 0) + 1
                 self._ensure(session, then)
@@ -80,6 +100,9 @@ class WorkerMemory:
         """Evicts unreferenced prefixes, least recent first, until the session fits; whether it
         does."""
         needed = session.own_bytes
+        if self._is_private(session):
+            self._evict_lru(self.used_bytes + needed - self.capacity_bytes)
+            return self.used_bytes + needed <= self.capacity_bytes
         if session.prefix is not None and session.prefix not in self._held:
             needed += session.prefix_bytes
         for prefix in list(self._held):
@@ -104,3 +127,38 @@ class WorkerMemory:
     def _arrived(self, prefix: Hashable) -> None:
         for then in self._fetching.pop(prefix):
             then()
+
+    # --- Private copies from an LRU (lru_bytes set) -----------------------------------------------
+
+    def _is_private(self, session: Session) -> bool:
+        return self.lru_bytes is not None and session.prefix is not None
+
+    def _copy_from_lru(self, prefix: Hashable, num_bytes: int, then: Callable[[], None]) -> None:
+        """The session's copy of its prefix: at once from the LRU, else once its fetch (its own,
+        or one already on the way) has arrived; a fetched prefix joins the LRU if it fits.
+        Without an LRU every session makes its own fetch, as each verifier session loads its own
+        copy from the store."""
+        if not self.lru_bytes:
+            self.link.send(num_bytes, then)
+        elif prefix in self._fetching:
+            self._fetching[prefix].append(then)
+        elif prefix in self._held:
+            self._held.move_to_end(prefix)
+            then()
+        else:
+            self._fetching[prefix] = [then]
+            self.link.send(num_bytes, lambda: self._arrived_for_lru(prefix, num_bytes))
+
+    def _arrived_for_lru(self, prefix: Hashable, num_bytes: int) -> None:
+        if num_bytes <= self.lru_bytes:
+            self._evict_lru(sum(self._held.values()) + num_bytes - self.lru_bytes)
+            room = self.capacity_bytes - self.used_bytes
+            if num_bytes <= room:
+                self._held[prefix] = num_bytes
+        self._arrived(prefix)
+
+    def _evict_lru(self, num_bytes: int) -> None:
+        """Drops the least recently used prefixes of the LRU until `num_bytes` are free."""
+        while num_bytes > 0 and self._held:
+            _, freed = self._held.popitem(last=False)
+            num_bytes -= freed

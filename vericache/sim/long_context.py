@@ -57,8 +57,13 @@ class LongContextScenario:
     activation_reserve: float = 0.1  # share of device memory kept from the KV
     seed: int = 0
     element_size: int = 2  # bytes per weight, activation and KV element (bf16; float32: 4)
+    # Bytes per element of the prompt tokens the compressed KV keeps (None: element_size); e.g.
+    # 2 where a float32 model keeps them in bfloat16, as the CPU benchmarks' "-bf16" labels do.
+    compressed_element_size: int | None = None
 
     def __post_init__(self):
+        if self.compressed_element_size is not None and self.compressed_element_size < 1:
+            raise InvalidRequestError("compressed_element_size must be >= 1")
         if self.prompt_tokens < 1 or not 0 < self.kv_budget <= 1 or self.draft_len < 1:
             raise InvalidRequestError("a scenario needs a prompt, kv_budget in (0, 1], x >= 1")
         if not self.arrivals or not 0 <= self.activation_reserve < 1:
@@ -96,9 +101,16 @@ class LongContextScenario:
         """A request's full KV at its end, on one device of the group."""
         return math.ceil((self.prompt_tokens + num_output_tokens) * self.kv_bytes_per_token)
 
+    @property
+    def kept_kv_bytes_per_token(self) -> float:
+        """KV of one kept prompt token in the compressed KV, on one device of the group."""
+        size = self.compressed_element_size or self.element_size
+        return self.model.kv_bytes_per_token(size) / self.tensor_parallel
+
     def compressed_kv_bytes(self, num_output_tokens: int) -> int:
         """Its compressed KV at its end: the kept prompt tokens and every output token, exact."""
-        return math.ceil((self.kept_prompt_tokens + num_output_tokens) * self.kv_bytes_per_token)
+        kept = self.kept_prompt_tokens * self.kept_kv_bytes_per_token
+        return math.ceil(kept + num_output_tokens * self.kv_bytes_per_token)
 
     def forward_s(self, rows: list[Row]) -> float:
         return forward_seconds(
@@ -266,8 +278,14 @@ class _VeriCacheRun:
 
     def _draft_row(self, seq: SimSequence) -> Row:
         """A draft step over the compressed KV: the kept prompt, the output and the drafts."""
-        kept = self.scenario.kept_prompt_tokens + seq.num_output_tokens + seq.num_drafts
-        return Row(1, kept, self.scenario.kv_bytes_per_token)
+        scenario = self.scenario
+        exact = seq.num_output_tokens + seq.num_drafts
+        context = scenario.kept_prompt_tokens + exact
+        kv_bytes = (
+            scenario.kept_prompt_tokens * scenario.kept_kv_bytes_per_token
+            + exact * scenario.kv_bytes_per_token
+        )
+        return Row(1, context, kv_bytes / context)
 
     def _verify_row(self, seq: SimSequence) -> Row:
         context = self.scenario.prompt_tokens + seq.num_output_tokens

@@ -27,7 +27,7 @@ class RemotePrefixScenario:
     num_verifiers: int
     num_drafters: int
     prefix_tokens: int
-    num_prefixes: int  # each request's prefix is drawn uniformly (seeded)
+    num_prefixes: int  # each request's prefix is drawn uniformly (seeded), or in turn
     suffix_tokens: int  # the prompt after its prefix
     compressed_ratio: float  # compressed KV bytes / full KV bytes (KIVI 4-bit: about 0.27)
     store_bytes_per_s: float  # the store to each verifier
@@ -48,6 +48,13 @@ class RemotePrefixScenario:
     # drops tokens; drafts attend over these, at compressed_ratio of the full bytes in all.
     compressed_token_share: float = 1.0
     activation_reserve: float = 0.1  # share of each device's memory kept from the KV
+    # Where set, a role's workers keep prefixes as VeriCache's do, not as a paged server shares
+    # them: each session holds its own copy of its prefix, made from an LRU of at most this many
+    # bytes of the prefixes fetched (kv_memory.WorkerMemory.lru_bytes). VeriCache's drafter keeps
+    # DrafterConfig.kv_cache_bytes; its verifier 0, loading every session's prefix from the store.
+    verifier_prefix_lru_bytes: int | None = None
+    drafter_prefix_lru_bytes: int | None = None
+    prefixes_in_turn: bool = False  # request i asks prefix i % num_prefixes (bench remote-prefix)
 
     def __post_init__(self):
         counts = (self.num_verifiers, self.num_drafters, self.prefix_tokens, self.num_prefixes)
@@ -59,6 +66,9 @@ class RemotePrefixScenario:
             raise InvalidRequestError("compressed_token_share lies in (0, 1]")
         if self.concurrency is not None and self.concurrency < 1:
             raise InvalidRequestError("concurrency must be >= 1")
+        lru = (self.verifier_prefix_lru_bytes, self.drafter_prefix_lru_bytes)
+        if any(size is not None and size < 0 for size in lru):
+            raise InvalidRequestError("a prefix LRU's bytes must be >= 0")
         if self.tensor_parallel < 1 or not 0 <= self.activation_reserve < 1:
             raise InvalidRequestError("tensor_parallel >= 1, activation_reserve in [0, 1)")
         if self.kv_room_bytes <= 0:

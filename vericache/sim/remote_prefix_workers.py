@@ -22,14 +22,22 @@ if TYPE_CHECKING:
 class Worker:
     """A verifier or a drafter: its device's batch loop, its inbound link, its KV memory."""
 
-    def __init__(self, run: Run, name: str, inbound_bytes_per_s: float, latency_s: float):
+    def __init__(
+        self,
+        run: Run,
+        name: str,
+        inbound_bytes_per_s: float,
+        latency_s: float,
+        prefix_lru_bytes: int | None,
+    ):
         # Each device of a tensor-parallel group moves its share over its own link at once.
         inbound_bytes_per_s *= run.scenario.tensor_parallel
         self.loop = SimBatchLoop(Device(run.sim, name), run.scenario.forward_s)
         self.link = Link(run.sim, f"{name}-in", inbound_bytes_per_s, latency_s)
         self.num_requests = 0  # in flight here, admitted or waiting for memory
         caching = run.scenario.prefix_caching
-        self.memory = WorkerMemory(run.scenario.kv_room_bytes, self.link, caching)
+        room = run.scenario.kv_room_bytes
+        self.memory = WorkerMemory(room, self.link, caching, prefix_lru_bytes)
         self.schedule: VerifierSchedule | None = None  # a verifier's, with scheduled rounds
 
     @property
@@ -51,13 +59,19 @@ class Run:
         self.sim = Simulation()
         self.rng = random.Random(scenario.seed + 1)
         self.verifiers = [
-            Worker(self, f"verifier{i}", scenario.store_bytes_per_s, 0.0)
+            Worker(
+                self, f"verifier{i}", scenario.store_bytes_per_s, 0.0,
+                scenario.verifier_prefix_lru_bytes,
+            )
             for i in range(scenario.num_verifiers)
-        ]
+        ]  # fmt: skip
         self.drafters = [
-            Worker(self, f"drafter{i}", scenario.network_bytes_per_s, scenario.network_latency_s)
+            Worker(
+                self, f"drafter{i}", scenario.network_bytes_per_s, scenario.network_latency_s,
+                scenario.drafter_prefix_lru_bytes,
+            )
             for i in range(scenario.num_drafters)
-        ]
+        ]  # fmt: skip
         self.report = SimReport(sources=(scenario.device.source, scenario.acceptance.source))
         self._pending: list[tuple[int, int]] = []  # (prefix, output tokens), a closed loop's next
         self._start: Callable[[Run, int, int, float], None] | None = None
@@ -69,9 +83,11 @@ class Run:
         with that many clients runs)."""
         draws = random.Random(self.scenario.seed)
         jobs = []
-        for arrival in sorted(self.scenario.arrivals):
+        num_prefixes, in_turn = self.scenario.num_prefixes, self.scenario.prefixes_in_turn
+        for index, arrival in enumerate(sorted(self.scenario.arrivals)):
             num_tokens = self.scenario.output_lengths.draw(draws)
-            jobs.append((arrival, draws.randrange(self.scenario.num_prefixes), num_tokens))
+            drawn = draws.randrange(num_prefixes)  # drawn either way: the same lengths follow
+            jobs.append((arrival, index % num_prefixes if in_turn else drawn, num_tokens))
         if self.scenario.concurrency is None:
             for arrival, prefix, num_tokens in jobs:
                 self.sim.at(arrival, lambda p=prefix, n=num_tokens, t=arrival: start(self, p, n, t))

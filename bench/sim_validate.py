@@ -1,0 +1,119 @@
+"""The simulator against measurement: small versions of the CPU benchmarks run for real, the same
+workloads simulated with the CPU profile calibrated in the same run, and predicted tokens/s set
+against measured ones per configuration.
+
+In one run, on one torch thread per worker (the Ray workers' setting, and the calibration's):
+1. `vericache calibrate`'s measurements on this CPU give the device profile (vericache/sim).
+2. `bench remote-prefix --quick`: FULL_LOCAL, FULL_REMOTE, FULL_BOTH and VERICACHE at two draft
+   lengths and over a link with latency, served through the SDK on Ray workers.
+3. `bench long-context --quick`: full-KV decoding and VERICACHE at one memory budget.
+4. Each configuration simulated (bench/sim_validate_scenarios.py): the stream, the link, the
+   memory and the accepted drafts per round from the benchmark's own result, the device from the
+   profile. Nothing is fitted to the throughput.
+
+Headline `cpu_prediction_error`: the largest |predicted / measured - 1| over the configurations
+(target <= 0.20). Stagger and serve-stagger, and the committed H200 runs, are not predicted yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from vericache.bench import long_context, remote_prefix
+from vericache.bench.common import environment, pyplot, save_figure
+from vericache.bench.sim_validate_scenarios import (
+    Prediction,
+    long_context_predictions,
+    remote_prefix_predictions,
+)
+from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
+
+TARGET = 0.20
+ARCH = "smollm2-135m"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+
+
+def run(args) -> dict:
+    import torch
+
+    from vericache.sim.calibrate import CalibrationPlan, calibrate
+    from vericache.sim.profiles import DeviceProfile, model_profile
+
+    torch.set_num_threads(1)  # a worker's thread, as the benchmarks' workers run
+    model = model_profile(ARCH)
+    device = torch.device("cpu")
+    calibration = calibrate(model, device, CalibrationPlan.for_device(device, model))
+    profile = DeviceProfile(**calibration["profile"])
+    print(f"[sim-validate] calibrated: {profile.hbm_bytes_per_s / 1e9:.1f} GB/s")
+    measured = {
+        "remote-prefix": remote_prefix.run(_quick_args(remote_prefix, args.model)),
+        "long-context": long_context.run(_quick_args(long_context, args.model, device="cpu")),
+    }
+    tokenizer = load_tokenizer(resolve_model_dir(args.model))
+    predictions = remote_prefix_predictions(measured["remote-prefix"], model, profile, tokenizer)
+    predictions += long_context_predictions(measured["long-context"], model, profile)
+    for p in predictions:
+        print(
+            f"[sim-validate] {p.benchmark} {p.configuration}: measured "
+            f"{p.measured_tokens_per_s:.2f}, predicted {p.predicted_tokens_per_s:.2f} tokens/s"
+        )
+    return result(predictions, calibration, measured)
+
+
+def result(predictions: list[Prediction], calibration: dict, measured: dict) -> dict:
+    error = max(abs(p.relative_error) for p in predictions)
+    return {
+        "benchmark": "sim-validate",
+        "summary": {
+            "cpu_prediction_error": error,
+            "meets_target": error <= TARGET,
+            "relative_error_by_configuration": {
+                f"{p.benchmark}: {p.configuration}": p.relative_error for p in predictions
+            },
+        },
+        "definitions": {
+            "relative_error": "predicted tokens/s / measured - 1, one configuration",
+            "cpu_prediction_error": f"the largest |relative_error| (target <= {TARGET:g})",
+        },
+        "predictions": [
+            dataclasses.asdict(p) | {"relative_error": p.relative_error} for p in predictions
+        ],
+        "profile": calibration["profile"],
+        "measured_summaries": {name: r["summary"] for name, r in measured.items()},
+        "measured": measured,
+        "environment": environment(),
+    }
+
+
+def _quick_args(module, model: str, **overrides) -> argparse.Namespace:
+    """The benchmark's own defaults, reduced (--quick)."""
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    args = parser.parse_args([])
+    args.quick, args.model = True, model
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+def plot(result: dict, path) -> None:
+    plt = pyplot()
+    predictions = result["predictions"]
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    measured = [p["measured_tokens_per_s"] for p in predictions]
+    predicted = [p["predicted_tokens_per_s"] for p in predictions]
+    axes.scatter(measured, predicted, color="tab:blue")
+    for p, x, y in zip(predictions, measured, predicted):
+        axes.annotate(f"{p['benchmark']}: {p['configuration']}", (x, y), fontsize=7)
+    high = max(measured + predicted) * 1.1
+    axes.plot([0, high], [0, high], color="tab:gray", linewidth=1)
+    band = [0, high * (1 - TARGET)], [0, high * (1 + TARGET)]
+    axes.fill_between([0, high], band[0], band[1], color="tab:gray", alpha=0.1)
+    axes.set_xlabel("measured tokens/s")
+    axes.set_ylabel("simulated tokens/s")
+    error = result["summary"]["cpu_prediction_error"]
+    save_figure(figure, path, f"simulator against this CPU: largest error {error:.0%}")

@@ -1,0 +1,193 @@
+"""The simulator's scenarios for workloads a CPU benchmark has just served for real: every setting
+read from the benchmark's own result (its stream, link, memory and acceptance), the device's from
+the profile calibrated in the same run. No constant is fitted to the measured throughput."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+
+from vericache.bench.common import compressor_from_label
+from vericache.bench.workloads import CONTEXT_PROMPTS
+from vericache.engine.prompt import build_chat_prompt
+from vericache.scheduler import StaggeredScheduler
+from vericache.sim import long_context as sim_long_context
+from vericache.sim.long_context import LongContextScenario, SimReport
+from vericache.sim.profiles import DeviceProfile, ModelProfile
+from vericache.sim.remote_prefix import FullPool, simulate_full
+from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
+from vericache.sim.scenario import vericache_simulation
+from vericache.sim.workload import AcceptanceTrace, OutputLengths, rate_for_mean_accepted
+
+ELEMENT_SIZE = 4  # the CPU benchmarks run the model in float32
+
+
+@dataclass(frozen=True)
+class Prediction:
+    benchmark: str
+    configuration: str
+    measured_tokens_per_s: float
+    predicted_tokens_per_s: float
+
+    @property
+    def relative_error(self) -> float:
+        return self.predicted_tokens_per_s / self.measured_tokens_per_s - 1
+
+
+def measured_acceptance(mean_accepted: float | None, draft_len: int, what: str) -> AcceptanceTrace:
+    """Rounds whose drafts are each accepted at the rate that gives the measured mean at x."""
+    mean = min(mean_accepted or 0.0, draft_len - 1e-6)
+    rounds = AcceptanceTrace.from_rate(rate_for_mean_accepted(mean, draft_len), what)
+    return AcceptanceTrace(f"measured in this run: {what}", rounds.first_mismatch)
+
+
+# --- Remote prefix ---------------------------------------------------------------------------
+
+
+def remote_prefix_predictions(
+    result: dict, model: ModelProfile, device: DeviceProfile, tokenizer
+) -> list[Prediction]:
+    """Each cell of a `bench remote-prefix` result, simulated."""
+    base = _remote_prefix_base(result, model, device, tokenizer)
+    rates = {}
+    predictions = []
+    for cell in result["cells"]:  # FULL_LOCAL and FULL_REMOTE come before FULL_BOTH
+        scenario = replace(
+            base,
+            num_drafters=cell["num_drafters"],
+            draft_len=cell["draft_len"] or 30,
+            network_latency_s=cell["latency_s"],
+            acceptance=_cell_acceptance(cell),
+        )
+        predicted = _steady_tokens_per_s(scenario, _simulation(cell, rates))
+        if cell["mode"] in ("full_local", "full_remote"):
+            rates[(cell["mode"], cell["num_drafters"])] = predicted
+        predictions.append(
+            Prediction("remote-prefix", cell["name"], cell["tokens_per_s"], predicted)
+        )
+    return predictions
+
+
+def _remote_prefix_base(result: dict, model, device, tokenizer) -> RemotePrefixScenario:
+    config, prefixes = result["config"], result["prefixes"]
+    full_local = next(c for c in result["cells"] if c["mode"] == "full_local")
+    samples = full_local["samples"]
+    num_tokens = statistics.mean(s["num_tokens"] for s in samples) / config["num_requests"]
+    store_bytes = sum(s["store_bytes"] for s in samples)
+    store_s = sum(s["store_wait_s"] for s in samples)
+    ratio = statistics.mean(p["compressed_wire_bytes"] / p["full_wire_bytes"] for p in prefixes)
+    params = compressor_from_label(config["compressor"]).spec()["params"]
+    return RemotePrefixScenario(
+        model=model,
+        device=device,
+        num_verifiers=1,
+        num_drafters=1,
+        prefix_tokens=round(statistics.mean(p["num_tokens"] for p in prefixes)),
+        num_prefixes=config["num_prefixes"],
+        suffix_tokens=_suffix_tokens(tokenizer),
+        compressed_ratio=ratio,
+        # The verifier's loads from its store, as the stream measured them.
+        store_bytes_per_s=store_bytes / store_s
+        if store_s > 0
+        else device.host_to_device_bytes_per_s,
+        network_bytes_per_s=result["bandwidth_bytes_per_s"],
+        network_latency_s=0.0,
+        draft_len=30,
+        arrivals=(0.0,) * config["num_requests"],
+        output_lengths=OutputLengths((max(1, round(num_tokens)),)),
+        acceptance=AcceptanceTrace("unset", (0,)),
+        concurrency=config["concurrency"],
+        element_size=ELEMENT_SIZE,
+        compressed_token_share=1 / params["ratio"] if params.get("ratio") else 1.0,
+        verifier_prefix_lru_bytes=0,
+        drafter_prefix_lru_bytes=result["drafter_kv_cache_bytes"],
+        prefixes_in_turn=True,
+    )
+
+
+def _suffix_tokens(tokenizer) -> int:
+    """The prompt's tokens after its prefix: the chat template's turn and a question."""
+    lengths = []
+    for prompt in CONTEXT_PROMPTS:
+        ids = build_chat_prompt(tokenizer, "context", prompt)
+        lengths.append(len(ids.token_ids) - ids.num_prefix_tokens)
+    return round(statistics.mean(lengths))
+
+
+def _cell_acceptance(cell: dict) -> AcceptanceTrace:
+    if cell["mode"] != "vericache":
+        return AcceptanceTrace("full-KV decoding drafts nothing", (0,))
+    means = [s["mean_accepted_per_round"] for s in cell["samples"]]
+    return measured_acceptance(statistics.mean(means), cell["draft_len"], cell["name"])
+
+
+def _simulation(cell: dict, rates: dict):
+    """How the cell's configuration is simulated: its scheduling, or its full-KV pool (FULL_BOTH
+    routed by the rates the pools' own simulations gave, as the benchmark routes by measured
+    ones)."""
+    if cell["mode"] == "vericache":
+        return vericache_simulation({"scheduling": cell["scheduling"]}, cell["draft_len"])
+    if cell["mode"] == "full_both":
+        pools = {
+            FullPool.LOCAL: rates[("full_local", 1)],
+            FullPool.REMOTE: rates[("full_remote", cell["num_drafters"])],
+        }
+        return lambda scenario: simulate_full(scenario, FullPool.BOTH, pools)
+    pool = FullPool.LOCAL if cell["mode"] == "full_local" else FullPool.REMOTE
+    return lambda scenario: simulate_full(scenario, pool)
+
+
+def _steady_tokens_per_s(scenario: RemotePrefixScenario, simulate) -> float:
+    """Tokens/s of the stream after a first wave of `concurrency` requests, as the benchmark
+    serves that wave untimed first: the stream behind the wave less the wave alone."""
+    wave = scenario.concurrency or 1
+    stream = len(scenario.arrivals)
+    with_wave = simulate(replace(scenario, arrivals=(0.0,) * (wave + stream)))
+    alone = simulate(replace(scenario, arrivals=(0.0,) * wave))
+    tokens = with_wave.num_output_tokens - alone.num_output_tokens
+    return tokens / (with_wave.elapsed_s - alone.elapsed_s)
+
+
+# --- Long context ----------------------------------------------------------------------------
+
+
+def long_context_predictions(
+    result: dict, model: ModelProfile, device: DeviceProfile
+) -> list[Prediction]:
+    """Both modes of a `bench long-context` result, simulated at its memory budget and link."""
+    config = result["config"]
+    runs = result["runs"]
+    label = config["compressor"]
+    params = compressor_from_label(label).spec()["params"]
+    # The budget's room for KV as the engine had it: the budget less the weights it measured.
+    kv_room = config["budget_bytes"] - config["weights_bytes"]
+    scenario = LongContextScenario(
+        model=model,
+        device=replace(
+            device,
+            memory_bytes=kv_room + model.weights_bytes(ELEMENT_SIZE),
+            host_to_device_bytes_per_s=config["pcie_bandwidth_bytes_per_s"],
+        ),
+        prompt_tokens=round(statistics.mean(config["prompt_tokens"])),
+        kv_budget=1 / params["ratio"],
+        draft_len=config["draft_len"],
+        arrivals=(0.0,) * config["num_requests"],
+        output_lengths=OutputLengths((config["max_tokens"],)),
+        acceptance=measured_acceptance(
+            runs["vericache"]["mean_accepted_per_round"], config["draft_len"], label
+        ),
+        activation_reserve=0.0,  # the budget is the engine's, weights and KV
+        element_size=ELEMENT_SIZE,
+        compressed_element_size=2 if label.endswith("-bf16") else None,
+    )
+    vericache = sim_long_context.simulate_vericache(scenario, StaggeredScheduler)
+    full = sim_long_context.simulate_full_kv(scenario)
+    return [
+        _long_context_prediction("full", runs["full"], full),
+        _long_context_prediction("vericache", runs["vericache"], vericache),
+    ]
+
+
+def _long_context_prediction(mode: str, run: dict, report: SimReport) -> Prediction:
+    measured = run["stats"]["decode_tokens_per_s"]
+    return Prediction("long-context", mode, measured, report.tokens_per_s)

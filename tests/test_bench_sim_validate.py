@@ -1,0 +1,126 @@
+"""bench sim-validate's predictions: every configuration a CPU benchmark served is simulated from
+the benchmark's own record (stream, link, memory, acceptance) and the calibrated profile, and the
+error is the largest over them. The benchmarks themselves are exercised by their own tests."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from vericache.bench import sim_validate
+from vericache.bench.sim_validate_scenarios import (
+    long_context_predictions,
+    remote_prefix_predictions,
+)
+from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
+from vericache.sim.profiles import DeviceProfile, model_profile
+
+MODEL = model_profile("smollm2-135m")
+CPU = DeviceProfile(
+    name="cpu", source="a 2-core CPU, as calibrated", memory_bytes=24 << 30,
+    hbm_bytes_per_s=20e9, peak_flops=1.6e11, host_to_device_bytes_per_s=18e9,
+    interconnect_bytes_per_s=18e9, bandwidth_efficiency=1.0, compute_efficiency=1.0,
+    forward_overhead_s=6e-4, layer_overhead_s=6e-4, allreduce_latency_s=0.0,
+    attention_bytes_per_s=9e9, attention_flops=7e10,
+)  # fmt: skip
+
+
+def _sample(tokens_per_s: float, accepted: float | None = None, store: bool = False) -> dict:
+    return {
+        "tokens_per_s": tokens_per_s, "num_tokens": 4 * 32, "mean_accepted_per_round": accepted,
+        "store_bytes": 40_000_000 if store else 0, "store_wait_s": 0.04 if store else 0.0,
+    }  # fmt: skip
+
+
+def _cell(mode: str, tokens_per_s: float, draft_len=None, accepted=None, latency_s=0.0) -> dict:
+    name = mode if draft_len is None else f"{mode} x={draft_len} rtt={latency_s}"
+    return {
+        "mode": mode, "num_drafters": 1, "draft_len": draft_len, "scheduling": "per-request",
+        "latency_s": latency_s, "name": name, "tokens_per_s": tokens_per_s,
+        "samples": [_sample(tokens_per_s, accepted, store=mode == "full_local")],
+    }  # fmt: skip
+
+
+REMOTE_PREFIX = {
+    "config": {"compressor": "snapkv-4x-bf16", "num_prefixes": 2, "num_requests": 4,
+               "concurrency": 2},
+    "prefixes": [
+        {"num_tokens": 1200, "compressed_wire_bytes": 7_000_000, "full_wire_bytes": 55_000_000},
+        {"num_tokens": 1400, "compressed_wire_bytes": 8_000_000, "full_wire_bytes": 64_000_000},
+    ],
+    "bandwidth_bytes_per_s": 30e6,
+    "drafter_kv_cache_bytes": 90_000_000,
+    "cells": [
+        _cell("full_local", 40.0), _cell("full_remote", 30.0), _cell("full_both", 45.0),
+        _cell("vericache", 50.0, 8, 5.0), _cell("vericache", 40.0, 30, 12.0),
+        _cell("vericache", 38.0, 30, 12.0, latency_s=0.02),
+    ],
+}  # fmt: skip
+
+LONG_CONTEXT = {
+    "config": {
+        "compressor": "snapkv-4x-bf16", "num_requests": 6, "prompt_tokens": [1400] * 6,
+        "max_tokens": 24, "draft_len": 30, "weights_bytes": 651_306_240,
+        "budget_bytes": 651_306_240 + 4 * 80_000_000, "pcie_bandwidth_bytes_per_s": 2e9,
+    },
+    "runs": {
+        "full": {"stats": {"decode_tokens_per_s": 30.0}, "mean_accepted_per_round": 0.0},
+        "vericache": {"stats": {"decode_tokens_per_s": 60.0}, "mean_accepted_per_round": 10.0},
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model_dir(DEFAULT_MODEL))
+
+
+def test_every_served_configuration_is_predicted(tokenizer):
+    predictions = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)
+    predictions += long_context_predictions(LONG_CONTEXT, MODEL, CPU)
+    names = [p.configuration for p in predictions]
+    assert names == [c["name"] for c in REMOTE_PREFIX["cells"]] + ["full", "vericache"]
+    assert all(p.predicted_tokens_per_s > 0 for p in predictions)
+    for p in predictions:
+        assert p.relative_error == pytest.approx(
+            p.predicted_tokens_per_s / p.measured_tokens_per_s - 1
+        )
+    by_name = {p.configuration: p for p in predictions}
+    # Latency on the link toward the drafter only slows VERICACHE down.
+    near, far = by_name["vericache x=30 rtt=0.0"], by_name["vericache x=30 rtt=0.02"]
+    assert far.predicted_tokens_per_s < near.predicted_tokens_per_s
+
+
+def test_predictions_follow_the_measured_acceptance_and_the_link(tokenizer):
+    base = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)
+    changed = copy.deepcopy(REMOTE_PREFIX)
+    changed["cells"][4]["samples"][0]["mean_accepted_per_round"] = 2.0
+    changed["bandwidth_bytes_per_s"] = 3e6  # FULL_REMOTE's prefixes crawl in
+    lower = remote_prefix_predictions(changed, MODEL, CPU, tokenizer)
+    assert lower[4].predicted_tokens_per_s < base[4].predicted_tokens_per_s
+    assert lower[1].predicted_tokens_per_s < base[1].predicted_tokens_per_s
+
+
+def test_the_summary_gives_the_largest_error():
+    predictions = long_context_predictions(LONG_CONTEXT, MODEL, CPU)
+    result = sim_validate.result(predictions, {"profile": {}}, {"long-context": LONG_CONTEXT | {
+        "summary": {}}})  # fmt: skip
+    summary = result["summary"]
+    largest = max(abs(p.relative_error) for p in predictions)
+    assert summary["cpu_prediction_error"] == largest
+    assert summary["meets_target"] == (largest <= sim_validate.TARGET)
+    assert set(summary["relative_error_by_configuration"]) == {
+        "long-context: full",
+        "long-context: vericache",
+    }
+
+
+def test_the_benchmarks_run_at_their_quick_settings():
+    from vericache.bench import long_context, remote_prefix
+
+    args = sim_validate._quick_args(remote_prefix, DEFAULT_MODEL)
+    spec = remote_prefix.stream_spec(args)
+    assert args.quick and spec.num_requests == 4 and spec.repeats == 1
+    args = sim_validate._quick_args(long_context, DEFAULT_MODEL, device="cpu")
+    assert args.quick and args.device == "cpu" and args.compressor == "snapkv-4x-bf16"
