@@ -6,13 +6,14 @@ In one run, on one torch thread per worker (the Ray workers' setting, and the ca
 1. `vericache calibrate`'s measurements on this CPU give the device profile (vericache/sim).
 2. `bench remote-prefix --quick`: FULL_LOCAL, FULL_REMOTE, FULL_BOTH and VERICACHE at two draft
    lengths and over a link with latency, served through the SDK on Ray workers.
-3. `bench long-context --quick`: full-KV decoding and VERICACHE at one memory budget.
+3. `bench long-context --quick`: full-KV decoding and VERICACHE at one memory budget, and
+   `bench stagger --quick`: lock-step against staggered scheduling over a slow link.
 4. Each configuration simulated (bench/sim_validate_scenarios.py): the stream, the link, the
    memory and the accepted drafts per round from the benchmark's own result, the device from the
    profile. Nothing is fitted to the throughput.
 
 Headline `cpu_prediction_error`: the largest |predicted / measured - 1| over the configurations
-(target <= 0.20). Stagger and serve-stagger, and the committed H200 runs, are not predicted yet.
+(target <= 0.20). Serve-stagger and the committed H200 runs are not predicted yet.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from vericache.bench import long_context, remote_prefix
+from vericache.bench import long_context, remote_prefix, stagger
 from vericache.bench.common import environment, pyplot, save_figure
 from vericache.bench.sim_validate_scenarios import (
     Prediction,
     long_context_predictions,
     remote_prefix_predictions,
+    stagger_predictions,
 )
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 
@@ -52,10 +54,12 @@ def run(args) -> dict:
     measured = {
         "remote-prefix": remote_prefix.run(_quick_args(remote_prefix, args.model)),
         "long-context": long_context.run(_quick_args(long_context, args.model, device="cpu")),
+        "stagger": stagger.run(_quick_args(stagger, args.model, device="cpu")),
     }
     tokenizer = load_tokenizer(resolve_model_dir(args.model))
     predictions = remote_prefix_predictions(measured["remote-prefix"], model, profile, tokenizer)
     predictions += long_context_predictions(measured["long-context"], model, profile)
+    predictions += stagger_predictions(measured["stagger"], model, profile)
     for p in predictions:
         print(
             f"[sim-validate] {p.benchmark} {p.configuration}: measured "

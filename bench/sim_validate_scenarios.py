@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from vericache.bench.common import compressor_from_label
 from vericache.bench.workloads import CONTEXT_PROMPTS
 from vericache.engine.prompt import build_chat_prompt
-from vericache.scheduler import StaggeredScheduler
+from vericache.scheduler import LockstepScheduler, SchedulerConfig, StaggeredScheduler
 from vericache.sim import long_context as sim_long_context
 from vericache.sim.long_context import LongContextScenario, SimReport
 from vericache.sim.profiles import DeviceProfile, ModelProfile
@@ -155,39 +155,63 @@ def long_context_predictions(
     result: dict, model: ModelProfile, device: DeviceProfile
 ) -> list[Prediction]:
     """Both modes of a `bench long-context` result, simulated at its memory budget and link."""
-    config = result["config"]
-    runs = result["runs"]
-    label = config["compressor"]
-    params = compressor_from_label(label).spec()["params"]
+    config, runs = result["config"], result["runs"]
     # The budget's room for KV as the engine had it: the budget less the weights it measured.
     kv_room = config["budget_bytes"] - config["weights_bytes"]
-    scenario = LongContextScenario(
+    device = replace(
+        device,
+        memory_bytes=kv_room + model.weights_bytes(ELEMENT_SIZE),
+        host_to_device_bytes_per_s=config["pcie_bandwidth_bytes_per_s"],
+    )
+    # The budget is the engine's, weights and KV: no reserve beside it.
+    scenario = _long_context_scenario(config, runs["vericache"], model, device, reserve=0.0)
+    vericache = sim_long_context.simulate_vericache(scenario, StaggeredScheduler)
+    full = sim_long_context.simulate_full_kv(scenario)
+    return [
+        _long_context_prediction("long-context", "full", runs["full"], full),
+        _long_context_prediction("long-context", "vericache", runs["vericache"], vericache),
+    ]
+
+
+def stagger_predictions(
+    result: dict, model: ModelProfile, device: DeviceProfile
+) -> list[Prediction]:
+    """Both schedulings of a `bench stagger` result, simulated over its link (no memory limit),
+    each by the scheduler the engine ran with its settings."""
+    config, runs = result["config"], result["runs"]
+    device = replace(device, host_to_device_bytes_per_s=config["link_bytes_per_s"])
+    settings = SchedulerConfig(window=config["window"], load_slack=config["load_slack"])
+    schedulers = {
+        "lockstep": lambda costs: LockstepScheduler(costs, config["draft_len"], settings),
+        "staggered": lambda costs: StaggeredScheduler(costs, settings),
+    }
+    predictions = []
+    for name, make_scheduler in schedulers.items():
+        scenario = _long_context_scenario(config, runs[name], model, device)
+        report = sim_long_context.simulate_vericache(scenario, make_scheduler)
+        predictions.append(_long_context_prediction("stagger", name, runs[name], report))
+    return predictions
+
+
+def _long_context_scenario(
+    config: dict, run: dict, model: ModelProfile, device: DeviceProfile, reserve: float = 0.1
+) -> LongContextScenario:
+    label = config["compressor"]
+    params = compressor_from_label(label).spec()["params"]
+    return LongContextScenario(
         model=model,
-        device=replace(
-            device,
-            memory_bytes=kv_room + model.weights_bytes(ELEMENT_SIZE),
-            host_to_device_bytes_per_s=config["pcie_bandwidth_bytes_per_s"],
-        ),
+        device=device,
         prompt_tokens=round(statistics.mean(config["prompt_tokens"])),
         kv_budget=1 / params["ratio"],
         draft_len=config["draft_len"],
         arrivals=(0.0,) * config["num_requests"],
         output_lengths=OutputLengths((config["max_tokens"],)),
-        acceptance=measured_acceptance(
-            runs["vericache"]["mean_accepted_per_round"], config["draft_len"], label
-        ),
-        activation_reserve=0.0,  # the budget is the engine's, weights and KV
+        acceptance=measured_acceptance(run["mean_accepted_per_round"], config["draft_len"], label),
+        activation_reserve=reserve,
         element_size=ELEMENT_SIZE,
         compressed_element_size=2 if label.endswith("-bf16") else None,
     )
-    vericache = sim_long_context.simulate_vericache(scenario, StaggeredScheduler)
-    full = sim_long_context.simulate_full_kv(scenario)
-    return [
-        _long_context_prediction("full", runs["full"], full),
-        _long_context_prediction("vericache", runs["vericache"], vericache),
-    ]
 
 
-def _long_context_prediction(mode: str, run: dict, report: SimReport) -> Prediction:
-    measured = run["stats"]["decode_tokens_per_s"]
-    return Prediction("long-context", mode, measured, report.tokens_per_s)
+def _long_context_prediction(benchmark: str, mode: str, run: dict, report: SimReport):
+    return Prediction(benchmark, mode, run["stats"]["decode_tokens_per_s"], report.tokens_per_s)

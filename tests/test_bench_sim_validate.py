@@ -12,6 +12,7 @@ from vericache.bench import sim_validate
 from vericache.bench.sim_validate_scenarios import (
     long_context_predictions,
     remote_prefix_predictions,
+    stagger_predictions,
 )
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 from vericache.sim.profiles import DeviceProfile, model_profile
@@ -71,6 +72,19 @@ LONG_CONTEXT = {
 }  # fmt: skip
 
 
+STAGGER = {
+    "config": {
+        "compressor": "snapkv-4x", "num_requests": 8, "prompt_tokens": [1000] * 8,
+        "max_tokens": 32, "draft_len": 12, "link_bytes_per_s": 2e8, "window": 160,
+        "load_slack": 1,
+    },
+    "runs": {
+        name: {"stats": {"decode_tokens_per_s": 40.0}, "mean_accepted_per_round": 8.0}
+        for name in ("lockstep", "staggered")
+    },
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(resolve_model_dir(DEFAULT_MODEL))
@@ -124,3 +138,10 @@ def test_the_benchmarks_run_at_their_quick_settings():
     assert args.quick and spec.num_requests == 4 and spec.repeats == 1
     args = sim_validate._quick_args(long_context, DEFAULT_MODEL, device="cpu")
     assert args.quick and args.device == "cpu" and args.compressor == "snapkv-4x-bf16"
+
+
+def test_both_schedulings_are_simulated_by_their_own_scheduler():
+    lockstep, staggered = stagger_predictions(STAGGER, MODEL, CPU)
+    assert (lockstep.configuration, staggered.configuration) == ("lockstep", "staggered")
+    # Over a link where a load takes longer than the drafts hide, staggering wins.
+    assert staggered.predicted_tokens_per_s > lockstep.predicted_tokens_per_s
