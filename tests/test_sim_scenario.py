@@ -10,7 +10,7 @@ import yaml
 
 from vericache.cli.main import main
 from vericache.errors import InvalidRequestError
-from vericache.sim.scenario import load_scenario, run_scenario
+from vericache.sim.scenario import build_long_context, load_scenario, run_scenario
 
 SCENARIOS = Path(__file__).parents[1] / "bench" / "scenarios"
 EXAMPLE = SCENARIOS / "pipeline1_llama70b.yaml"
@@ -202,3 +202,26 @@ def test_float32_doubles_what_the_weights_and_the_kv_cost():
     full = run_scenario({**h200, "dtype": "float32"})
     assert full["full_local"]["tokens_per_s"] < 0.7 * half["full_local"]["tokens_per_s"]
     assert full["full_local"]["peak_kv_bytes"] == 2 * half["full_local"]["peak_kv_bytes"]
+
+
+def test_vericaches_own_prefix_keeping_and_a_narrow_compressed_dtype_are_scenario_fields():
+    """Workers as VeriCache builds them (each session its own prefix copy, the drafter's from a
+    bounded LRU, the verifier's from the store) move more bytes than a paged server's sharing."""
+    shared = run_scenario(REMOTE)
+    own = run_scenario(
+        {
+            **REMOTE,
+            "verifier_prefix_lru_gb": 0,
+            "drafter_prefix_lru_gb": 1,
+            "prefixes_in_turn": True,
+        }
+    )
+    assert own["full_local"]["link_bytes"] > shared["full_local"]["link_bytes"]
+    with pytest.raises(InvalidRequestError, match="must be >= 0"):
+        run_scenario({**REMOTE, "drafter_prefix_lru_gb": -1})
+    narrow = build_long_context({**SMALL, "compressed_dtype": "fp8"})
+    wide = build_long_context(SMALL)
+    assert 2 * narrow.compressed_kv_bytes(0) == wide.compressed_kv_bytes(0)
+    assert narrow.full_kv_bytes(0) == wide.full_kv_bytes(0)
+    with pytest.raises(InvalidRequestError, match="compressed_dtype must be one of"):
+        run_scenario({**SMALL, "compressed_dtype": "int3"})

@@ -10,6 +10,7 @@ Pipeline 1, long-context decoding on one device (or tensor-parallel group):
     prompt_tokens: 32768
     kv_budget: 0.2                  # compressed KV: this share of the prompt's tokens
     draft_len: 25
+    compressed_dtype: fp8           # optional: the kept tokens' dtype (default: dtype)
     scheduler: staggered            # or lockstep
     adaptive_draft_len: false       # true: each round's length from its acceptance (<= draft_len)
     requests: {count: 64, rate_per_s: 0.5}     # Poisson; or {count: 64} all at t=0
@@ -37,6 +38,9 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
     draft_len: 40
     scheduling: per-request         # or staggered, lockstep: each verifier's scheduler plans
     prefix_caching: true            # false: every session fetches its own copy of its prefix
+    verifier_prefix_lru_gb: 0       # set: VeriCache's workers as built, each session its own
+    drafter_prefix_lru_gb: 2.5      #   copy from an LRU this big (the verifier's 0: from the store)
+    prefixes_in_turn: false         # true: request i asks prefix i % prefixes
     requests: {count: 64, concurrency: 8}   # or a rate_per_s: a closed loop of 8 clients
     output_tokens, acceptance, seed: as above
 
@@ -87,11 +91,12 @@ _COMMON = {
 _FIELDS = {
     "long-context": _COMMON
     | {"tensor_parallel", "prompt_tokens", "kv_budget", "scheduler", "activation_reserve"}
-    | {"adaptive_draft_len"},
+    | {"adaptive_draft_len", "compressed_dtype"},
     "remote-prefix": _COMMON | {
         "verifiers", "drafters", "prefix_tokens", "prefixes", "suffix_tokens", "compressed_ratio",
         "store_gb_per_s", "network_gb_per_s", "network_latency_ms", "scheduling",
         "tensor_parallel", "activation_reserve", "prefix_caching", "compressed_token_share",
+        "verifier_prefix_lru_gb", "drafter_prefix_lru_gb", "prefixes_in_turn",
     },
 }  # fmt: skip
 
@@ -123,7 +128,7 @@ def run_scenario(data: dict) -> dict:
     if unknown:
         raise InvalidRequestError(f"unknown scenario fields for {pipeline}: {unknown}")
     if pipeline == "long-context":
-        scenario = _build(_long_context, data)
+        scenario = build_long_context(data)
         adaptive = _bool(data, "adaptive_draft_len", False)
         make_scheduler = _scheduler(
             data.get("scheduler", "staggered"), scenario.draft_len, adaptive
@@ -145,6 +150,11 @@ def run_scenario(data: dict) -> dict:
         "speedup": reports["vericache"].tokens_per_s / best,
         "sources": {"device": scenario.device.source, "acceptance": scenario.acceptance.source},
     }
+
+
+def build_long_context(data: dict) -> LongContextScenario:
+    """A Pipeline 1 scenario from a scenario file's fields."""
+    return _build(_long_context, data)
 
 
 def build_remote_prefix(data: dict) -> RemotePrefixScenario:
@@ -213,6 +223,9 @@ def _long_context(data: dict) -> LongContextScenario:
         activation_reserve=float(data.get("activation_reserve", 0.1)),
         seed=int(data.get("seed", 0)),
         element_size=_element_size(data),
+        compressed_element_size=(
+            _element_size(data, "compressed_dtype") if "compressed_dtype" in data else None
+        ),
     )
 
 
@@ -240,16 +253,23 @@ def _remote_prefix(data: dict) -> RemotePrefixScenario:
         prefix_caching=_bool(data, "prefix_caching", True),
         concurrency=_concurrency(data),
         element_size=_element_size(data),
+        verifier_prefix_lru_bytes=_gigabytes(data, "verifier_prefix_lru_gb"),
+        drafter_prefix_lru_bytes=_gigabytes(data, "drafter_prefix_lru_gb"),
+        prefixes_in_turn=_bool(data, "prefixes_in_turn", False),
     )
+
+
+def _gigabytes(data: dict, name: str) -> int | None:
+    return None if data.get(name) is None else int(float(data[name]) * 1e9)
 
 
 ELEMENT_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 
 
-def _element_size(data: dict) -> int:
-    dtype = data.get("dtype", "bfloat16")
+def _element_size(data: dict, name: str = "dtype") -> int:
+    dtype = data.get(name, "bfloat16")
     if dtype not in ELEMENT_SIZES:
-        raise InvalidRequestError(f"dtype must be one of {sorted(ELEMENT_SIZES)}, got {dtype!r}")
+        raise InvalidRequestError(f"{name} must be one of {sorted(ELEMENT_SIZES)}, got {dtype!r}")
     return ELEMENT_SIZES[dtype]
 
 
