@@ -215,3 +215,39 @@ def _long_context_scenario(
 
 def _long_context_prediction(benchmark: str, mode: str, run: dict, report: SimReport):
     return Prediction(benchmark, mode, run["stats"]["decode_tokens_per_s"], report.tokens_per_s)
+
+
+# --- The committed H200 runs -----------------------------------------------------------------
+
+
+def gpu_profile(decode_speed: dict, datasheet: DeviceProfile, model: ModelProfile) -> DeviceProfile:
+    """A 135M profile of the H200 from the committed `bench decode-speed` run on it: the
+    datasheet's rates, and the overheads that run's steps leave: a forward alone at batch 1 and
+    what each row of batch 8 adds, with the fast kernels, and what the batch-invariant kernels
+    add to a row. The 135M engine on an H200 is bound by them, not by bandwidth."""
+    steps = decode_speed["step_ms"]
+    context = decode_speed["context"]["tokens"]
+    kv_row = (context + 1) * model.kv_bytes_per_token(ELEMENT_SIZE)
+    weights_s = model.weights_bytes(ELEMENT_SIZE) / datasheet.bytes_per_s
+    row_s = (steps["full_fast_batch8"] - steps["full_fast"]) / 7 / 1e3
+    row_s -= kv_row / datasheet.attention_read_bytes_per_s
+    fixed_s = steps["full_fast"] / 1e3 - weights_s - row_s - kv_row / datasheet.bytes_per_s
+    return replace(
+        datasheet,
+        name=f"{datasheet.name}-135m",
+        source=f"{datasheet.source}; overheads from the committed decode-speed run on it",
+        forward_overhead_s=max(0.0, fixed_s),
+        layer_overhead_s=0.0,
+        row_overhead_s=max(0.0, row_s) / model.num_layers,
+        exact_row_overhead_s=max(0.0, steps["full_invariant"] - steps["full_fast"])
+        / 1e3
+        / model.num_layers,
+    )
+
+
+def gpu_predictions(results: dict, model: ModelProfile, datasheet: DeviceProfile):
+    """The committed long-context and stagger runs on the H200, simulated with `gpu_profile`."""
+    device = gpu_profile(results["decode_speed_cuda"], datasheet, model)
+    predictions = long_context_predictions(results["long_context_cuda"], model, device)
+    predictions += stagger_predictions(results["stagger_cuda"], model, device)
+    return [replace(p, benchmark=f"{p.benchmark} (H200)") for p in predictions], device

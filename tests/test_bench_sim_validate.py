@@ -10,14 +10,16 @@ import pytest
 
 from vericache.bench import sim_validate
 from vericache.bench.sim_validate_scenarios import (
+    gpu_predictions,
     long_context_predictions,
     remote_prefix_predictions,
     stagger_predictions,
 )
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
-from vericache.sim.profiles import DeviceProfile, model_profile
+from vericache.sim.profiles import DeviceProfile, device_profile, model_profile
 
 MODEL = model_profile("smollm2-135m")
+H200 = device_profile("h200")
 CPU = DeviceProfile(
     name="cpu", source="a 2-core CPU, as calibrated", memory_bytes=24 << 30,
     hbm_bytes_per_s=20e9, peak_flops=1.6e11, host_to_device_bytes_per_s=18e9,
@@ -118,16 +120,30 @@ def test_predictions_follow_the_measured_acceptance_and_the_link(tokenizer):
 
 def test_the_summary_gives_the_largest_error():
     predictions = long_context_predictions(LONG_CONTEXT, MODEL, CPU)
-    result = sim_validate.result(predictions, {"profile": {}}, {"long-context": LONG_CONTEXT | {
-        "summary": {}}})  # fmt: skip
+    gpu, gpu_device = gpu_predictions(sim_validate.committed_gpu_runs(), MODEL, H200)
+    measured = {"long-context": LONG_CONTEXT | {"summary": {}}}
+    result = sim_validate.result(predictions, gpu, {"profile": {}}, {}, measured)
     summary = result["summary"]
     largest = max(abs(p.relative_error) for p in predictions)
     assert summary["cpu_prediction_error"] == largest
     assert summary["meets_target"] == (largest <= sim_validate.TARGET)
-    assert set(summary["relative_error_by_configuration"]) == {
-        "long-context: full",
-        "long-context: vericache",
-    }
+    assert summary["gpu_prediction_error"] == max(abs(p.relative_error) for p in gpu)
+    assert {"long-context: full", "long-context: vericache"} < set(
+        summary["relative_error_by_configuration"]
+    )
+
+
+def test_the_h200_profile_takes_its_overheads_from_the_committed_decode_speed_run():
+    """The 135M engine on an H200 is bound by its overheads: a forward's, a row's, and what the
+    batch-invariant kernels add to a row, each from the committed step times."""
+    runs = sim_validate.committed_gpu_runs()
+    gpu, device = gpu_predictions(runs, MODEL, H200)
+    steps = runs["decode_speed_cuda"]["step_ms"]
+    assert device.exact_row_overhead_s * MODEL.num_layers * 1e3 == pytest.approx(
+        steps["full_invariant"] - steps["full_fast"]
+    )
+    assert device.forward_overhead_s > 10 * H200.forward_overhead_s > 0
+    assert [p.benchmark for p in gpu] == ["long-context (H200)"] * 2 + ["stagger (H200)"] * 2
 
 
 def test_the_benchmarks_run_at_their_quick_settings():

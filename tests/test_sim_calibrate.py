@@ -86,28 +86,53 @@ def test_the_command_writes_a_profile_and_refuses_what_it_cannot_do(tmp_path, ca
 
 def test_the_attention_fit_recovers_known_attention_rates():
     # Forwards timed on a made-up device whose attention streams KV at half the products'
-    # bandwidth and computes at a hundredth of their flops, with a known overhead.
+    # bandwidth and computes at a hundredth of their flops, with a known overhead (per forward,
+    # per layer, and per row and layer).
     start = dataclasses.replace(
         device_profile("h200"), forward_overhead_s=0.0, layer_overhead_s=0.0
     )
     truth = dataclasses.replace(
         start, attention_bytes_per_s=start.bytes_per_s / 2, attention_flops=start.flops / 100,
-        forward_overhead_s=2e-4, layer_overhead_s=1e-5,
+        forward_overhead_s=2e-4, layer_overhead_s=1e-5, row_overhead_s=3e-6,
+        exact_row_overhead_s=4e-6,
     )  # fmt: skip
     forwards = [
-        {"num_layers": layers, "new_tokens": tokens, "context": context, "batch": batch}
+        {"num_layers": layers, "new_tokens": tokens, "context": context, "batch": batch,
+         "exact": exact}
         for layers in (2, 4)
-        for tokens, batch in ((1, 1), (1, 8), (31, 1))
+        for tokens, batch, exact in ((1, 1, False), (1, 8, False), (1, 8, True), (31, 1, True))
         for context in (20000, 60000)
-    ]
+    ]  # fmt: skip
     for forward in forwards:
         forward["seconds"] = calibration._predict(truth, TINY, forward, 2)
     fitted = calibration._with_attention_bandwidth(start, TINY, forwards, 2)
     assert fitted.attention_bytes_per_s == pytest.approx(truth.attention_bytes_per_s, rel=1e-6)
+    assert fitted.row_overhead_s == pytest.approx(truth.row_overhead_s, rel=1e-6)
     fitted = calibration._with_overhead(fitted, TINY, forwards, 2)
     assert fitted.forward_overhead_s == pytest.approx(2e-4, rel=1e-6)
     assert fitted.layer_overhead_s == pytest.approx(1e-5, rel=1e-6)
+    fitted = calibration._with_exact_rows(fitted, TINY, forwards, 2)
+    assert fitted.exact_row_overhead_s == pytest.approx(truth.exact_row_overhead_s, rel=1e-6)
     fitted = calibration._with_attention_compute(fitted, TINY, forwards, 2)
     assert fitted.attention_flops == pytest.approx(truth.attention_flops, rel=1e-6)
     for forward in forwards:
         assert calibration._predict(fitted, TINY, forward, 2) == pytest.approx(forward["seconds"])
+
+
+def test_rows_of_one_size_fit_the_bandwidth_alone():
+    """With a single context the rows' overhead cannot be told from their KV: the bandwidth
+    takes both, and the rows' overhead stays 0."""
+    start = dataclasses.replace(
+        device_profile("h200"), forward_overhead_s=0.0, layer_overhead_s=0.0
+    )
+    truth = dataclasses.replace(start, attention_bytes_per_s=start.bytes_per_s / 2)
+    forwards = [
+        {"num_layers": layers, "new_tokens": 1, "context": 20000, "batch": batch}
+        for layers in (2, 4)
+        for batch in (1, 8)
+    ]
+    for forward in forwards:
+        forward["seconds"] = calibration._predict(truth, TINY, forward, 2)
+    fitted = calibration._with_attention_bandwidth(start, TINY, forwards, 2)
+    assert fitted.row_overhead_s == 0.0
+    assert fitted.attention_bytes_per_s == pytest.approx(truth.attention_bytes_per_s, rel=1e-6)

@@ -72,7 +72,7 @@ class CalibrationPlan:
             )
         # float32, and the CPU linear kernel keeps a second, packed copy of every weight.
         layers = _layers_that_fit(model, _memory_bytes(device) * 0.25, bytes_per_param=8)
-        return cls(layers, contexts=(4096,), batches=(1, 4), repeats=3)
+        return cls(layers, contexts=(1024, 4096), batches=(1, 4), repeats=3)
 
 
 def calibrate(
@@ -112,6 +112,7 @@ def calibrate(
     )
     profile = _with_attention_bandwidth(profile, model, forwards, element_size)
     profile = _with_overhead(profile, model, forwards, element_size)
+    profile = _with_exact_rows(profile, model, forwards, element_size)
     profile = _with_attention_compute(profile, model, forwards, element_size)
     for forward in forwards:
         forward["predicted_s"] = _predict(profile, model, forward, element_size)
@@ -194,16 +195,18 @@ def _forwards(model: ModelProfile, num_layers: int, device, dtype, plan) -> list
     each shape whose KV fits beside the weights."""
     runner = random_runner(model, num_layers, device, dtype)
     loop, out = ForwardLoop(runner), []
-    shapes = [(1, context, batch) for context in plan.contexts for batch in plan.batches]
-    shapes += [(tokens, plan.contexts[0], 1) for tokens in plan.verify_tokens]
+    shapes = [(1, c, batch, False) for c in plan.contexts for batch in plan.batches]
+    # Full-KV decode steps on the batch-invariant kernels too, at the first context: what an
+    # exact row costs over a fast one.
+    shapes += [(1, plan.contexts[0], batch, True) for batch in plan.batches]
+    shapes += [(tokens, plan.contexts[0], 1, True) for tokens in plan.verify_tokens]
     kv_per_token = runner.config.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
-    for new_tokens, context, batch in shapes:
+    for new_tokens, context, batch, exact in shapes:
         if batch * (context + new_tokens) * kv_per_token > _free_bytes(device) * 0.8:
             continue
         caches = [_filled_cache(runner, context, new_tokens) for _ in range(batch)]
 
-        def step(caches=caches, new_tokens=new_tokens, context=context):
-            exact = new_tokens > 1
+        def step(caches=caches, new_tokens=new_tokens, context=context, exact=exact):
             jobs = [Job(c, [1] * new_tokens, num_logits=new_tokens, exact=exact) for c in caches]
             loop.step(jobs)
             for cache in caches:
@@ -212,7 +215,7 @@ def _forwards(model: ModelProfile, num_layers: int, device, dtype, plan) -> list
         seconds = _timed(step, device, plan.repeats)
         out.append(
             {"num_layers": num_layers, "new_tokens": new_tokens, "context": context,
-             "batch": batch, "seconds": seconds}
+             "batch": batch, "exact": exact, "seconds": seconds}
         )  # fmt: skip
         del caches
     return out
@@ -243,7 +246,17 @@ def _sliced(model: ModelProfile, forward: dict, element_size: int):
         num_params=_params_read(model, forward["num_layers"], element_size),
     )
     kv = sliced.kv_bytes_per_token(element_size)
-    return sliced, [Row(forward["new_tokens"], forward["context"], kv)] * forward["batch"]
+    row = Row(forward["new_tokens"], forward["context"], kv, exact=_is_exact(forward))
+    return sliced, [row] * forward["batch"]
+
+
+def _is_exact(forward: dict) -> bool:
+    """On the batch-invariant kernels: verifications always, decode steps where recorded so."""
+    return forward.get("exact", forward["new_tokens"] > 1)
+
+
+def _is_fast_step(forward: dict) -> bool:
+    return forward["new_tokens"] == 1 and not _is_exact(forward)
 
 
 def _cost(profile: DeviceProfile, model: ModelProfile, forward: dict, element_size: int):
@@ -256,28 +269,56 @@ def _predict(profile: DeviceProfile, model: ModelProfile, forward: dict, element
 
 
 def _with_attention_bandwidth(profile: DeviceProfile, model, forwards: list[dict], element_size):
-    """Attention's KV bandwidth: between the smallest and the largest batch of decode steps at one
-    depth and context, the seconds added over the KV added, less what the products add (the
-    median over depths and contexts; the products' rate where no batch grew)."""
+    """Attention's KV bandwidth and the overhead of a row: between the smallest and the largest
+    batch of decode steps at one depth and context, each added row costs its KV over the
+    bandwidth plus the row's overhead in every layer (less what the products add). With rows of
+    several KV sizes both are fitted (least squares); with one, or a fit that makes either
+    negative, the bandwidth alone (the median), the rows' overhead then inside it."""
     groups: dict[tuple[int, int], list[dict]] = {}
     for forward in forwards:
-        if forward["new_tokens"] == 1:
+        if _is_fast_step(forward):
             groups.setdefault((forward["num_layers"], forward["context"]), []).append(forward)
-    rates = []
-    for group in groups.values():
+    points = []  # (KV bytes of a row, layers, seconds a row adds)
+    for (layers, _), group in groups.items():
         small, large = min(group, key=_batch), max(group, key=_batch)
         if large["batch"] == small["batch"]:
             continue
         small_cost, large_cost = (_cost(profile, model, f, element_size) for f in (small, large))
+        added_rows = large["batch"] - small["batch"]
         seconds_added = (
             large["seconds"] - small["seconds"] - (large_cost.dense_s - small_cost.dense_s)
         )
         kv_added = large_cost.kv_bytes - small_cost.kv_bytes
         if seconds_added > 0:
-            rates.append(kv_added / seconds_added)
-    if not rates:
+            points.append((kv_added / added_rows, layers, seconds_added / added_rows))
+    if not points:
         return profile
+    fitted = _bandwidth_and_row_overhead(points)
+    if fitted is not None:
+        rate, row_overhead_s = fitted
+        return dataclasses.replace(
+            profile, attention_bytes_per_s=rate, row_overhead_s=row_overhead_s
+        )
+    rates = [kv / seconds for kv, _, seconds in points]
     return dataclasses.replace(profile, attention_bytes_per_s=statistics.median(rates))
+
+
+def _bandwidth_and_row_overhead(points: list[tuple[float, int, float]]):
+    """Least squares of seconds = kv / rate + row_overhead x layers over the points; (rate,
+    row_overhead) if both come out positive (the KV sizes must differ), else None."""
+    sxx = sum(kv * kv for kv, _, _ in points)
+    sxl = sum(kv * layers for kv, layers, _ in points)
+    sll = sum(layers * layers for _, layers, _ in points)
+    sxy = sum(kv * s for kv, _, s in points)
+    sly = sum(layers * s for _, layers, s in points)
+    determinant = sxx * sll - sxl * sxl
+    if determinant <= 1e-9 * sxx * sll:  # every row the same size over its layers
+        return None
+    per_byte = (sxy * sll - sly * sxl) / determinant
+    row_overhead_s = (sxx * sly - sxl * sxy) / determinant
+    if per_byte <= 0 or row_overhead_s < 0:
+        return None
+    return 1 / per_byte, row_overhead_s
 
 
 def _with_attention_compute(profile: DeviceProfile, model, forwards: list[dict], element_size):
@@ -298,6 +339,24 @@ def _with_attention_compute(profile: DeviceProfile, model, forwards: list[dict],
     return dataclasses.replace(profile, attention_flops=statistics.median(rates))
 
 
+def _with_exact_rows(profile: DeviceProfile, model, forwards: list[dict], element_size: int):
+    """What a row on the batch-invariant kernels adds per layer: each exact decode step over the
+    fast one of its shape, per row and layer (the median; never below zero)."""
+    fast = {_shape(f): f["seconds"] for f in forwards if _is_fast_step(f)}
+    extras = [
+        (f["seconds"] - fast[_shape(f)]) / (f["batch"] * f["num_layers"])
+        for f in forwards
+        if f["new_tokens"] == 1 and _is_exact(f) and _shape(f) in fast
+    ]
+    if not extras:
+        return profile
+    return dataclasses.replace(profile, exact_row_overhead_s=max(0.0, statistics.median(extras)))
+
+
+def _shape(forward: dict) -> tuple[int, int, int]:
+    return forward["num_layers"], forward["context"], forward["batch"]
+
+
 def _batch(forward: dict) -> int:
     return forward["batch"]
 
@@ -307,7 +366,7 @@ def _with_overhead(profile: DeviceProfile, model, forwards: list[dict], element_
     the decode steps of the two slices (never below zero)."""
     residual: dict[int, list[float]] = {}
     for forward in forwards:
-        if forward["new_tokens"] == 1:
+        if _is_fast_step(forward):
             unexplained = forward["seconds"] - _predict(profile, model, forward, element_size)
             residual.setdefault(forward["num_layers"], []).append(unexplained)
     if not residual:  # no decode step fitted beside the weights

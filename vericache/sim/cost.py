@@ -11,7 +11,8 @@ t = max(weight bytes / bandwidth, dense flops / compute)
   bytes or flops takes longer. Attention's rates are the device's own where `vericache
   calibrate` measured them (a CPU's attention kernel streams KV slower than its products stream
   weights), else the products' rates;
-- overhead is the device's fixed cost per forward plus its cost per layer;
+- overhead is the device's fixed cost per forward, plus its cost per layer and per row and
+  layer, more for a row on the batch-invariant kernels (`Row.exact`);
 - with tensor parallelism over g devices, each holds 1/g of the weights and of the KV heads, and
   runs two all-reduces per layer of [new tokens, hidden] in the activations' dtype: a ring moves
   2 (g - 1) / g of that per device. The assumption stated: communication does not overlap
@@ -39,6 +40,9 @@ class Row:
     num_new_tokens: int  # 1: a decode or draft step; x + 1: a verification; a chunk: prefill
     context_tokens: int  # tokens its cache holds before the forward (those it keeps, if dropped)
     kv_bytes_per_token: float  # of its cache, every layer: full, or quantized
+    # Over full KV with the batch-invariant kernels (verifications, full-KV decoding, whose bits
+    # must not depend on the batch), which cost more per row than the drafts' fast kernels.
+    exact: bool = False
 
     def __post_init__(self):
         if self.num_new_tokens < 1 or self.context_tokens < 0 or self.kv_bytes_per_token <= 0:
@@ -91,6 +95,9 @@ def forward_cost(
     attention_compute_s = attention / group / device.attention_flops_per_s
     dense_s, attention_s = max(weights_s, dense_compute_s), max(kv_s, attention_compute_s)
     overhead_s = device.forward_overhead_s + device.layer_overhead_s * model.num_layers
+    num_exact = sum(row.exact for row in rows)
+    row_s = device.row_overhead_s * len(rows) + device.exact_row_overhead_s * num_exact
+    overhead_s += row_s * model.num_layers
     communication_s = _allreduce_s(model, device, new_tokens, activation_element_size, group)
     return ForwardCost(
         seconds=dense_s + attention_s + overhead_s + communication_s,

@@ -289,7 +289,7 @@ class _VeriCacheRun:
 
     def _verify_row(self, seq: SimSequence) -> Row:
         context = self.scenario.prompt_tokens + seq.num_output_tokens
-        return Row(seq.num_drafts + 1, context, self.scenario.kv_bytes_per_token)
+        return Row(seq.num_drafts + 1, context, self.scenario.kv_bytes_per_token, exact=True)
 
     def _finish(self, plan: IterationPlan, drafting: list[SimSequence], seconds: float) -> None:
         for seq in drafting:
@@ -343,7 +343,7 @@ def _decode_full(scenario, request: _Request, loop: SimBatchLoop, memory, report
     session = Session(None, 0, scenario.full_kv_bytes(request.max_output_tokens))
 
     def row() -> Row:
-        return Row(1, scenario.prompt_tokens + seq.num_output_tokens, kv)
+        return Row(1, scenario.prompt_tokens + seq.num_output_tokens, kv, exact=True)
 
     def step() -> None:
         report.num_output_tokens += seq.decode_step()

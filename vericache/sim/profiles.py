@@ -67,6 +67,11 @@ class DeviceProfile:
     # Attention's own sustained rates, where measured (None: the products' rates above)
     attention_bytes_per_s: float | None = None  # KV streamed by the attention kernel
     attention_flops: float | None = None
+    # Per row of a batch and per layer: what the engine does for each sequence (its own
+    # attention call, its cache's bookkeeping), which a large model's forward hides and a small
+    # one's does not (the 135M engine on an H200: about 8 ms a row over its 30 layers).
+    row_overhead_s: float = 0.0
+    exact_row_overhead_s: float = 0.0  # what a row on the batch-invariant kernels adds, per layer
 
     def __post_init__(self):
         _check_positive(self, ("memory_bytes", "hbm_bytes_per_s", "peak_flops"))
@@ -74,7 +79,9 @@ class DeviceProfile:
         for name in ("bandwidth_efficiency", "compute_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise InvalidRequestError(f"{self.name}: {name} must lie in (0, 1]")
-        for name in ("forward_overhead_s", "layer_overhead_s", "allreduce_latency_s"):
+        overheads = ("forward_overhead_s", "layer_overhead_s", "row_overhead_s")
+        overheads += ("exact_row_overhead_s",)
+        for name in (*overheads, "allreduce_latency_s"):
             if getattr(self, name) < 0:
                 raise InvalidRequestError(f"{self.name}: {name} must be >= 0")
         for name in ("attention_bytes_per_s", "attention_flops"):

@@ -96,7 +96,7 @@ class RemotePrefixScenario:
         share = self.compressed_token_share if compressed else 1.0
         context = math.ceil(self.prefix_tokens * share) + num_after_prefix
         kv_bytes = self.prefix_bytes(compressed) + num_after_prefix * self.kv_bytes_per_token
-        return Row(num_new, context, kv_bytes / context)
+        return Row(num_new, context, kv_bytes / context, exact=not compressed)
 
     @property
     def kv_room_bytes(self) -> int:
