@@ -5,7 +5,8 @@ against measured ones per configuration.
 In one run, on one torch thread per worker (the Ray workers' setting, and the calibration's):
 1. `vericache calibrate`'s measurements on this CPU give the device profile (vericache/sim).
 2. `bench remote-prefix --quick`: FULL_LOCAL, FULL_REMOTE, FULL_BOTH and VERICACHE at two draft
-   lengths and over a link with latency, served through the SDK on Ray workers.
+   lengths and over a link with latency, served through the SDK on Ray workers, each cell the
+   median of `--repeats` (3) serves.
 3. `bench long-context --quick`: full-KV decoding and VERICACHE at one memory budget, and
    `bench stagger --quick`: lock-step against staggered scheduling over a slow link.
 4. Each configuration simulated (bench/sim_validate_scenarios.py): the stream, the link, the
@@ -43,6 +44,9 @@ ARCH = "smollm2-135m"
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="serves per remote-prefix cell (the median)"
+    )
 
 
 def run(args) -> dict:
@@ -58,7 +62,9 @@ def run(args) -> dict:
     profile = DeviceProfile(**calibration["profile"])
     print(f"[sim-validate] calibrated: {profile.hbm_bytes_per_s / 1e9:.1f} GB/s")
     measured = {
-        "remote-prefix": remote_prefix.run(_quick_args(remote_prefix, args.model)),
+        "remote-prefix": remote_prefix.run(
+            _quick_args(remote_prefix, args.model, repeats=args.repeats)
+        ),
         "long-context": long_context.run(_quick_args(long_context, args.model, device="cpu")),
         "stagger": stagger.run(_quick_args(stagger, args.model, device="cpu")),
     }
