@@ -41,7 +41,7 @@ from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.model.loader import DEFAULT_MODEL
-from vericache.sim.workload import MAX_DRAFT_LEN
+from vericache.sim.workload import MAX_DRAFT_LEN, first_mismatches
 
 
 def add_arguments(parser) -> None:
@@ -115,12 +115,6 @@ def _prompts(tokenizer, quick: bool, per_kind: int):
         for workload in standard_workloads(tokenizer, quick, per_kind)
         for prompt in workload.prompts
     ]
-
-
-def first_mismatches(drafted: list[int], accepted: list[int], draft_len: int) -> list[int]:
-    """Each round's first rejected draft (draft_len: none was), where the round tells it: it
-    rejected a draft, or drafted all draft_len and kept them."""
-    return [a for d, a in zip(drafted, accepted) if a < d or d == draft_len]
 
 
 def trace_record(kind: str, workload: str, compressor, stats, draft_kv: str) -> dict:

@@ -41,6 +41,7 @@ from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.model.loader import DEFAULT_MODEL, LoadedModel, load_model
 from vericache.model.runner import ModelRunner
+from vericache.sim.workload import first_mismatches
 
 TARGET = 1.8
 
@@ -196,6 +197,14 @@ def run_engine(runner, tokenizer, requests, long_context: LongContextConfig) -> 
         "mean_accepted_per_round": _mean(
             [a for out in outputs for a in out.stats.accepted_per_round]
         ),
+        # Each round's first rejected draft, where the round tells it (bench/acceptance.py).
+        "first_mismatch": [
+            position
+            for out in outputs
+            for position in first_mismatches(
+                out.stats.drafted_per_round, out.stats.accepted_per_round, _draft_len(requests)
+            )
+        ],
         "iterations": {
             "count": len(iterations),
             "mean_draft_batch": _mean([it.num_drafting for it in iterations if it.num_drafting]),
@@ -205,6 +214,10 @@ def run_engine(runner, tokenizer, requests, long_context: LongContextConfig) -> 
         },
         "token_ids": [out.token_ids for out in outputs],
     }
+
+
+def _draft_len(requests: list[Request]) -> int:
+    return max(request.draft_len for request in requests)
 
 
 def without_tokens(run: dict) -> dict:

@@ -153,6 +153,7 @@ def stream_record(wall_s: float, results: list[Result], cpu_s: dict | None = Non
         "mean_latency_s": sum(s["total_s"] for s in stats) / len(stats),
         "rounds": sum(s["rounds"] for s in stats),
         "mean_accepted_per_round": sum(accepted) / len(accepted) if accepted else None,
+        "accepted_per_round_by_request": [list(s["accepted_per_round"]) for s in stats],
         "cpu_s": cpu_s,
     }
 

@@ -17,7 +17,12 @@ from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.remote_prefix import FullPool, simulate_full
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.scenario import vericache_simulation
-from vericache.sim.workload import AcceptanceTrace, OutputLengths, rate_for_mean_accepted
+from vericache.sim.workload import (
+    AcceptanceTrace,
+    OutputLengths,
+    first_mismatches,
+    rate_for_mean_accepted,
+)
 
 ELEMENT_SIZE = 4  # the CPU benchmarks run the model in float32
 
@@ -34,11 +39,31 @@ class Prediction:
         return self.predicted_tokens_per_s / self.measured_tokens_per_s - 1
 
 
-def measured_acceptance(mean_accepted: float | None, draft_len: int, what: str) -> AcceptanceTrace:
-    """Rounds whose drafts are each accepted at the rate that gives the measured mean at x."""
-    mean = min(mean_accepted or 0.0, draft_len - 1e-6)
+def measured_acceptance(run: dict, draft_len: int, what: str) -> AcceptanceTrace:
+    """The run's own rounds: each one's first rejected draft where the run recorded them (rounds
+    cut short by the token budget with every draft kept tell none and are left out, as in bench
+    acceptance), else rounds drawn at the per-draft rate that gives its mean accepted."""
+    source = f"measured in this run: {what}"
+    if run.get("first_mismatch"):
+        return AcceptanceTrace(source, tuple(run["first_mismatch"]))
+    mean = min(run["mean_accepted_per_round"] or 0.0, draft_len - 1e-6)
     rounds = AcceptanceTrace.from_rate(rate_for_mean_accepted(mean, draft_len), what)
-    return AcceptanceTrace(f"measured in this run: {what}", rounds.first_mismatch)
+    return AcceptanceTrace(source, rounds.first_mismatch)
+
+
+def served_first_mismatches(
+    accepted_by_request: list[list[int]], draft_len: int, max_tokens: int
+) -> list[int]:
+    """First mismatches of served requests, whose stats give each round's accepted drafts but not
+    how many it drafted: a round drafts what the budget leaves (x, or fewer near the end)."""
+    positions = []
+    for accepted in accepted_by_request:
+        emitted = 1  # the prefill's token
+        for num_accepted in accepted:
+            drafted = max(0, min(draft_len, max_tokens - emitted - 1))
+            positions += first_mismatches([drafted], [num_accepted], draft_len)
+            emitted += num_accepted + 1
+    return positions
 
 
 # --- Remote prefix ---------------------------------------------------------------------------
@@ -57,7 +82,7 @@ def remote_prefix_predictions(
             num_drafters=cell["num_drafters"],
             draft_len=cell["draft_len"] or 30,
             network_latency_s=cell["latency_s"],
-            acceptance=_cell_acceptance(cell),
+            acceptance=_cell_acceptance(cell, result["config"]["max_tokens"]),
         )
         predicted = _steady_tokens_per_s(scenario, _simulation(cell, rates))
         if cell["mode"] in ("full_local", "full_remote"):
@@ -102,7 +127,22 @@ def _remote_prefix_base(result: dict, model, device, tokenizer) -> RemotePrefixS
         verifier_prefix_lru_bytes=0,
         drafter_prefix_lru_bytes=result["drafter_kv_cache_bytes"],
         prefixes_in_turn=True,
+        network_receive_bytes_per_s=_receive_bytes_per_s(result["cells"]),
     )
+
+
+def _receive_bytes_per_s(cells: list[dict]) -> float | None:
+    """What taking in fetched KV costs a drafter, from the run: the drafters' CPU in FULL_REMOTE
+    beyond the verifier's in FULL_LOCAL for the same stream (the same decoding), per byte the
+    link delivered. None where the run fetched nothing or shows no cost."""
+    by_mode = {(c["mode"], c["num_drafters"]): c["samples"] for c in cells}
+    local, remote = by_mode.get(("full_local", 1)), by_mode.get(("full_remote", 1))
+    if not local or not remote:
+        return None
+    decoding_s = statistics.mean(s["cpu_s"]["verifiers"] for s in local)
+    extra_s = statistics.mean(s["cpu_s"]["drafters"] for s in remote) - decoding_s
+    fetched = statistics.mean(s["link_bytes"] for s in remote)
+    return fetched / extra_s if extra_s > 0 and fetched > 0 else None
 
 
 def _suffix_tokens(tokenizer) -> int:
@@ -114,11 +154,19 @@ def _suffix_tokens(tokenizer) -> int:
     return round(statistics.mean(lengths))
 
 
-def _cell_acceptance(cell: dict) -> AcceptanceTrace:
+def _cell_acceptance(cell: dict, max_tokens: int) -> AcceptanceTrace:
     if cell["mode"] != "vericache":
         return AcceptanceTrace("full-KV decoding drafts nothing", (0,))
-    means = [s["mean_accepted_per_round"] for s in cell["samples"]]
-    return measured_acceptance(statistics.mean(means), cell["draft_len"], cell["name"])
+    samples = cell["samples"]
+    record = {"mean_accepted_per_round": statistics.mean(
+        s["mean_accepted_per_round"] for s in samples
+    )}  # fmt: skip
+    if all("accepted_per_round_by_request" in s for s in samples):
+        by_request = [a for s in samples for a in s["accepted_per_round_by_request"]]
+        record["first_mismatch"] = served_first_mismatches(
+            by_request, cell["draft_len"], max_tokens
+        )
+    return measured_acceptance(record, cell["draft_len"], cell["name"])
 
 
 def _simulation(cell: dict, rates: dict):
@@ -206,7 +254,7 @@ def _long_context_scenario(
         draft_len=config["draft_len"],
         arrivals=(0.0,) * config["num_requests"],
         output_lengths=OutputLengths((config["max_tokens"],)),
-        acceptance=measured_acceptance(run["mean_accepted_per_round"], config["draft_len"], label),
+        acceptance=measured_acceptance(run, config["draft_len"], label),
         activation_reserve=reserve,
         element_size=ELEMENT_SIZE,
         compressed_element_size=2 if label.endswith("-bf16") else None,

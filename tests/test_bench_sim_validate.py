@@ -13,6 +13,7 @@ from vericache.bench.sim_validate_scenarios import (
     gpu_predictions,
     long_context_predictions,
     remote_prefix_predictions,
+    served_first_mismatches,
     stagger_predictions,
 )
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
@@ -29,10 +30,15 @@ CPU = DeviceProfile(
 )  # fmt: skip
 
 
-def _sample(tokens_per_s: float, accepted: float | None = None, store: bool = False) -> dict:
+def _sample(mode: str, tokens_per_s: float, accepted: float | None = None) -> dict:
+    # The drafter's CPU in FULL_REMOTE beyond the verifier's in FULL_LOCAL: taking in 120 MB.
+    cpu = {"full_local": (0.0, 3.0), "full_remote": (5.0, 0.5)}.get(mode, (3.0, 2.0))
     return {
         "tokens_per_s": tokens_per_s, "num_tokens": 4 * 32, "mean_accepted_per_round": accepted,
-        "store_bytes": 40_000_000 if store else 0, "store_wait_s": 0.04 if store else 0.0,
+        "store_bytes": 40_000_000 if mode == "full_local" else 0,
+        "store_wait_s": 0.04 if mode == "full_local" else 0.0,
+        "link_bytes": 120_000_000 if mode == "full_remote" else 0,
+        "cpu_s": {"drafters": cpu[0], "verifiers": cpu[1]},
     }  # fmt: skip
 
 
@@ -41,13 +47,13 @@ def _cell(mode: str, tokens_per_s: float, draft_len=None, accepted=None, latency
     return {
         "mode": mode, "num_drafters": 1, "draft_len": draft_len, "scheduling": "per-request",
         "latency_s": latency_s, "name": name, "tokens_per_s": tokens_per_s,
-        "samples": [_sample(tokens_per_s, accepted, store=mode == "full_local")],
+        "samples": [_sample(mode, tokens_per_s, accepted)],
     }  # fmt: skip
 
 
 REMOTE_PREFIX = {
     "config": {"compressor": "snapkv-4x-bf16", "num_prefixes": 2, "num_requests": 4,
-               "concurrency": 2},
+               "max_tokens": 32, "concurrency": 2},
     "prefixes": [
         {"num_tokens": 1200, "compressed_wire_bytes": 7_000_000, "full_wire_bytes": 55_000_000},
         {"num_tokens": 1400, "compressed_wire_bytes": 8_000_000, "full_wire_bytes": 64_000_000},
@@ -161,3 +167,20 @@ def test_both_schedulings_are_simulated_by_their_own_scheduler():
     assert (lockstep.configuration, staggered.configuration) == ("lockstep", "staggered")
     # Over a link where a load takes longer than the drafts hide, staggering wins.
     assert staggered.predicted_tokens_per_s > lockstep.predicted_tokens_per_s
+
+
+def test_taking_fetched_kv_in_costs_the_drafter_what_the_run_measured(tokenizer):
+    """The drafters' CPU beyond the verifier's for the same stream, per byte fetched, slows the
+    simulated FULL_REMOTE; none measured, none charged."""
+    charged = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)[1]
+    free = copy.deepcopy(REMOTE_PREFIX)
+    free["cells"][1]["samples"][0]["cpu_s"]["drafters"] = 1.0  # less than decoding alone
+    uncharged = remote_prefix_predictions(free, MODEL, CPU, tokenizer)[1]
+    assert charged.predicted_tokens_per_s < uncharged.predicted_tokens_per_s
+
+
+def test_served_rounds_give_first_mismatches_without_the_rounds_the_budget_cut():
+    # x=4, 12 tokens: rounds accept 4 of 4, 1 of 4 (its second rejected), then 3 of the 3 the
+    # budget leaves: that one tells no mismatch.
+    assert served_first_mismatches([[4, 1, 3]], 4, 12) == [4, 1]
+    assert served_first_mismatches([[0, 0]], 8, 3) == [0]

@@ -5,9 +5,16 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from vericache.errors import InvalidRequestError
-from vericache.sim.events import Link
+
+
+class Inbound(Protocol):
+    """Where a worker's prefixes come from: a link (events.Link), or one whose arrivals also cost
+    the worker's device time."""
+
+    def send(self, nbytes: int, delivered: Callable[[], None]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,7 @@ class WorkerMemory:
     def __init__(
         self,
         capacity_bytes: int,
-        link: Link | None = None,
+        link: Inbound | None = None,
         caches_prefixes: bool = True,
         lru_bytes: int | None = None,
     ):

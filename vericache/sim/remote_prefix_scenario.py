@@ -55,6 +55,10 @@ class RemotePrefixScenario:
     verifier_prefix_lru_bytes: int | None = None
     drafter_prefix_lru_bytes: int | None = None
     prefixes_in_turn: bool = False  # request i asks prefix i % num_prefixes (bench remote-prefix)
+    # How fast a drafter takes in a prefix fetched over the network (decoding its wire format,
+    # checking it) on its own device, between forwards, in bytes/s; None: at once, off the device
+    # (a GPU's copy engines beside compute).
+    network_receive_bytes_per_s: float | None = None
 
     def __post_init__(self):
         counts = (self.num_verifiers, self.num_drafters, self.prefix_tokens, self.num_prefixes)
@@ -66,6 +70,9 @@ class RemotePrefixScenario:
             raise InvalidRequestError("compressed_token_share lies in (0, 1]")
         if self.concurrency is not None and self.concurrency < 1:
             raise InvalidRequestError("concurrency must be >= 1")
+        receive = self.network_receive_bytes_per_s
+        if receive is not None and not receive > 0:
+            raise InvalidRequestError("network_receive_bytes_per_s must be > 0")
         lru = (self.verifier_prefix_lru_bytes, self.drafter_prefix_lru_bytes)
         if any(size is not None and size < 0 for size in lru):
             raise InvalidRequestError("a prefix LRU's bytes must be >= 0")

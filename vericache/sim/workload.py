@@ -60,6 +60,12 @@ class AcceptanceTrace:
         return cls(f"published: {source}", tuple(rounds))
 
 
+def first_mismatches(drafted: list[int], accepted: list[int], draft_len: int) -> list[int]:
+    """Each round's first rejected draft (draft_len: none was), where the round tells it: it
+    rejected a draft, or drafted all draft_len and kept them."""
+    return [a for d, a in zip(drafted, accepted) if a < d or d == draft_len]
+
+
 def trace_from_bench(result: dict, kind: str, compressor: str, draft_kv: str = "verifier"):
     """The rounds `bench acceptance` recorded for one prompt kind and compressor (its JSON
     result, parsed), as a trace labelled with where it was measured."""
