@@ -13,6 +13,10 @@ In one run, on one torch thread per worker (the Ray workers' setting, and the ca
    memory and the accepted drafts per round from the benchmark's own result, the device from the
    profile. Nothing is fitted to the throughput.
 
+`--from-json` simulates an earlier run's measurements again with the simulator as it is now (a
+change to the simulator checked in seconds, nothing run for real); the result keeps the machine
+the measurements came from (`measured_environment`).
+
 Headline `cpu_prediction_error`: the largest |predicted / measured - 1| over the configurations
 (target <= 0.20). The committed H200 runs (long-context and stagger) are predicted too, from the
 H200 datasheet with the overheads of the committed decode-speed run on it:
@@ -47,20 +51,44 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="serves per remote-prefix cell (the median)"
     )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        help="an earlier sim-validate result: its profile and measurements simulated again by "
+        "the simulator as it is now, nothing run for real",
+    )
 
 
 def run(args) -> dict:
+    if args.from_json is not None:
+        earlier = json.loads(args.from_json.read_text())
+        calibration, measured = {"profile": earlier["profile"]}, earlier["measured"]
+        measured_on = earlier.get("measured_environment", earlier["environment"])
+    else:
+        calibration, measured = _measure(args)
+        measured_on = environment()
+    predictions, gpu, gpu_device = _predict(calibration, measured, args.model)
+    for p in predictions + gpu:
+        print(
+            f"[sim-validate] {p.benchmark} {p.configuration}: measured "
+            f"{p.measured_tokens_per_s:.2f}, predicted {p.predicted_tokens_per_s:.2f} tokens/s"
+        )
+    record = result(predictions, gpu, calibration, dataclasses.asdict(gpu_device), measured)
+    return record | {"measured_environment": measured_on}
+
+
+def _measure(args) -> tuple[dict, dict]:
+    """This CPU's profile (one torch thread, as a worker runs) and the quick benchmarks run."""
     import torch
 
     from vericache.sim.calibrate import CalibrationPlan, calibrate
-    from vericache.sim.profiles import DeviceProfile, device_profile, model_profile
+    from vericache.sim.profiles import model_profile
 
-    torch.set_num_threads(1)  # a worker's thread, as the benchmarks' workers run
+    torch.set_num_threads(1)
     model = model_profile(ARCH)
     device = torch.device("cpu")
     calibration = calibrate(model, device, CalibrationPlan.for_device(device, model))
-    profile = DeviceProfile(**calibration["profile"])
-    print(f"[sim-validate] calibrated: {profile.hbm_bytes_per_s / 1e9:.1f} GB/s")
+    print(f"[sim-validate] calibrated: {calibration['profile']['hbm_bytes_per_s'] / 1e9:.1f} GB/s")
     measured = {
         "remote-prefix": remote_prefix.run(
             _quick_args(remote_prefix, args.model, repeats=args.repeats)
@@ -68,17 +96,19 @@ def run(args) -> dict:
         "long-context": long_context.run(_quick_args(long_context, args.model, device="cpu")),
         "stagger": stagger.run(_quick_args(stagger, args.model, device="cpu")),
     }
-    tokenizer = load_tokenizer(resolve_model_dir(args.model))
+    return calibration, measured
+
+
+def _predict(calibration: dict, measured: dict, model_name: str):
+    from vericache.sim.profiles import DeviceProfile, device_profile, model_profile
+
+    model, profile = model_profile(ARCH), DeviceProfile(**calibration["profile"])
+    tokenizer = load_tokenizer(resolve_model_dir(model_name))
     predictions = remote_prefix_predictions(measured["remote-prefix"], model, profile, tokenizer)
     predictions += long_context_predictions(measured["long-context"], model, profile)
     predictions += stagger_predictions(measured["stagger"], model, profile)
     gpu, gpu_device = gpu_predictions(committed_gpu_runs(), model, device_profile("h200"))
-    for p in predictions + gpu:
-        print(
-            f"[sim-validate] {p.benchmark} {p.configuration}: measured "
-            f"{p.measured_tokens_per_s:.2f}, predicted {p.predicted_tokens_per_s:.2f} tokens/s"
-        )
-    return result(predictions, gpu, calibration, dataclasses.asdict(gpu_device), measured)
+    return predictions, gpu, gpu_device
 
 
 def committed_gpu_runs() -> dict:
@@ -118,7 +148,7 @@ def result(
         ],
         "profile": calibration["profile"],
         "gpu_profile": gpu_profile,
-        "measured_summaries": {name: r["summary"] for name, r in measured.items()},
+        "measured_summaries": {name: r.get("summary") for name, r in measured.items()},
         "measured": measured,
         "environment": environment(),
     }
@@ -138,17 +168,19 @@ def _quick_args(module, model: str, **overrides) -> argparse.Namespace:
 def plot(result: dict, path) -> None:
     plt = pyplot()
     predictions = result["predictions"]
-    figure, axes = plt.subplots(figsize=(8, 4.5))
-    measured = [p["measured_tokens_per_s"] for p in predictions]
-    predicted = [p["predicted_tokens_per_s"] for p in predictions]
-    axes.scatter(measured, predicted, color="tab:blue")
-    for p, x, y in zip(predictions, measured, predicted):
-        axes.annotate(f"{p['benchmark']}: {p['configuration']}", (x, y), fontsize=7)
-    high = max(measured + predicted) * 1.1
-    axes.plot([0, high], [0, high], color="tab:gray", linewidth=1)
-    band = [0, high * (1 - TARGET)], [0, high * (1 + TARGET)]
-    axes.fill_between([0, high], band[0], band[1], color="tab:gray", alpha=0.1)
-    axes.set_xlabel("measured tokens/s")
-    axes.set_ylabel("simulated tokens/s")
-    error = result["summary"]["cpu_prediction_error"]
-    save_figure(figure, path, f"simulator against this CPU: largest error {error:.0%}")
+    names = [f"{p['benchmark']}: {p['configuration']}" for p in predictions]
+    errors = [100 * p["relative_error"] for p in predictions]
+    figure, axes = plt.subplots(figsize=(9, 0.35 * len(names) + 1.2))
+    colors = ["tab:blue" if "H200" not in name else "tab:green" for name in names]
+    axes.barh(names, errors, color=colors)
+    axes.axvspan(-100 * TARGET, 100 * TARGET, color="tab:gray", alpha=0.15)
+    axes.axvline(0, color="black", linewidth=0.8)
+    axes.invert_yaxis()
+    axes.tick_params(axis="y", labelsize=8)
+    axes.set_xlabel("simulated / measured tokens/s - 1, % (band: the 20% target)")
+    summary = result["summary"]
+    title = (
+        f"largest error: this CPU {summary['cpu_prediction_error']:.0%} (blue), "
+        f"the committed H200 runs {summary['gpu_prediction_error']:.0%} (green)"
+    )
+    save_figure(figure, path, title)

@@ -5,6 +5,8 @@ error is the largest over them. The benchmarks themselves are exercised by their
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 
 import pytest
 
@@ -184,3 +186,21 @@ def test_served_rounds_give_first_mismatches_without_the_rounds_the_budget_cut()
     # budget leaves: that one tells no mismatch.
     assert served_first_mismatches([[4, 1, 3]], 4, 12) == [4, 1]
     assert served_first_mismatches([[0, 0]], 8, 3) == [0]
+
+
+def test_an_earlier_runs_measurements_are_simulated_again(tmp_path):
+    from vericache.cli.bench import parse_benchmark_args
+
+    earlier = {
+        "profile": dataclasses.asdict(CPU),
+        "measured": {"remote-prefix": REMOTE_PREFIX, "long-context": LONG_CONTEXT,
+                     "stagger": STAGGER},
+        "environment": {"cpu": "the machine that measured"},
+    }  # fmt: skip
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    module, args = parse_benchmark_args("sim-validate", ["--from-json", str(path)])
+    result = module.run(args)
+    assert result["measured_environment"] == {"cpu": "the machine that measured"}
+    assert len(result["predictions"]) == len(REMOTE_PREFIX["cells"]) + 2 + 2 + 4  # 4: H200
+    assert result["summary"]["cpu_prediction_error"] >= 0
