@@ -62,7 +62,8 @@ def add_arguments(parser) -> None:
 def run(args) -> dict:
     if args.from_json is not None:
         earlier = json.loads(args.from_json.read_text())
-        calibration, measured = {"profile": earlier["profile"]}, earlier["measured"]
+        calibration = {**earlier.get("calibration", {}), "profile": earlier["profile"]}
+        measured = earlier["measured"]
         measured_on = earlier.get("measured_environment", earlier["environment"])
     else:
         calibration, measured = _measure(args)
@@ -147,6 +148,9 @@ def result(
             dataclasses.asdict(p) | {"relative_error": p.relative_error} for p in predictions + gpu
         ],
         "profile": calibration["profile"],
+        # What the profile was fitted from (products, copies, forwards), so that a later fit can
+        # be tried on the same measurements.
+        "calibration": {k: v for k, v in calibration.items() if k != "profile"},
         "gpu_profile": gpu_profile,
         "measured_summaries": {name: r.get("summary") for name, r in measured.items()},
         "measured": measured,
