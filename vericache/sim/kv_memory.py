@@ -121,15 +121,24 @@ class WorkerMemory:
 
     def _ensure(self, session: Session, then: Callable[[], None]) -> None:
         prefix = session.prefix
+
+        def fetch() -> None:  # held from now on: its bytes are reserved while it arrives
+            self._held[prefix] = session.prefix_bytes
+            self.link.send(session.prefix_bytes, lambda: self._arrived(prefix))
+
+        self._when_held(prefix, then, fetch)
+
+    def _when_held(self, prefix: Hashable, then: Callable[[], None], fetch) -> None:
+        """Runs `then` once `prefix` is held: at once, when the fetch on its way arrives, or
+        after a fetch `fetch` starts (whose arrival calls `_arrived`)."""
         if prefix in self._fetching:
             self._fetching[prefix].append(then)
         elif prefix in self._held:
             self._held.move_to_end(prefix)
             then()
         else:
-            self._held[prefix] = session.prefix_bytes
             self._fetching[prefix] = [then]
-            self.link.send(session.prefix_bytes, lambda: self._arrived(prefix))
+            fetch()
 
     def _arrived(self, prefix: Hashable) -> None:
         for then in self._fetching.pop(prefix):
@@ -147,14 +156,12 @@ class WorkerMemory:
         copy from the store."""
         if not self.lru_bytes:
             self.link.send(num_bytes, then)
-        elif prefix in self._fetching:
-            self._fetching[prefix].append(then)
-        elif prefix in self._held:
-            self._held.move_to_end(prefix)
-            then()
-        else:
-            self._fetching[prefix] = [then]
+            return
+
+        def fetch() -> None:  # joins the LRU on arrival, if it fits
             self.link.send(num_bytes, lambda: self._arrived_for_lru(prefix, num_bytes))
+
+        self._when_held(prefix, then, fetch)
 
     def _arrived_for_lru(self, prefix: Hashable, num_bytes: int) -> None:
         if num_bytes <= self.lru_bytes:

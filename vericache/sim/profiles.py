@@ -79,9 +79,11 @@ class DeviceProfile:
         for name in ("bandwidth_efficiency", "compute_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise InvalidRequestError(f"{self.name}: {name} must lie in (0, 1]")
-        overheads = ("forward_overhead_s", "layer_overhead_s", "row_overhead_s")
-        overheads += ("exact_row_overhead_s",)
-        for name in (*overheads, "allreduce_latency_s"):
+        overheads = (
+            "forward_overhead_s", "layer_overhead_s", "row_overhead_s", "exact_row_overhead_s",
+            "allreduce_latency_s",
+        )  # fmt: skip
+        for name in overheads:
             if getattr(self, name) < 0:
                 raise InvalidRequestError(f"{self.name}: {name} must be >= 0")
         for name in ("attention_bytes_per_s", "attention_flops"):
