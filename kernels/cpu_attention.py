@@ -3,12 +3,14 @@ per layer (kernels/cpu_attention.cpp), and the store of their new tokens' KV int
 (kernels/cpu_store.cpp). Each query row is computed on its own, in a fixed order over the slots it
 sees, so its result does not depend on what else shares the call: the runner uses it for draft
 steps (one token each) and, being batch-invariant by construction, for every exact forward on CPU
-(full decode steps and verifications alike).
+(full decode steps and verifications alike). A third op attends over the packed codes of a KIVI
+layer (kernels/cpu_packed_attention.cpp), for draft steps over a quantized cache.
 
 The C++ ops are compiled on first use for this machine's vector width (torch's cpp_extension,
-cached under TORCH_EXTENSIONS_DIR) and registered as torch.ops.vericache_cpu.attention and
-.store_kv. Where they cannot be built (no compiler or ninja), `accepts` says no once a warning has
-been logged, and callers use library attention and append sequence by sequence.
+cached under TORCH_EXTENSIONS_DIR) and registered as torch.ops.vericache_cpu.attention,
+.store_kv and .packed_attention_state. Where they cannot be built (no compiler or ninja),
+`accepts` and `accepts_packed` say no once a warning has been logged, and callers use library
+attention, append sequence by sequence, and dequantize packed layers block by block.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_store.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_attention.cpp", "cpu_store.cpp", "cpu_packed_attention.cpp")
+]
 # Vector flags per capability torch reports (x86). The capability is part of the extension's name,
 # so a build cached for one CPU is never loaded on a machine with narrower vectors.
 _ISA_FLAGS = {
@@ -98,3 +103,28 @@ def store_kv(
     _ops().store_kv(
         new_keys, new_values, new_positions, keys, values, positions, first_rows, starts, counts
     )
+
+
+def packed_attention_state(
+    rows: torch.Tensor, packed
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online-softmax state of rows [H, R, D] float32 (pre-scaled query rows per KV head) over every
+    slot of `packed` (a kernels.packed_attention.PackedKV, all of it visible to every row):
+    (max [H, R], sum of exp [H, R], weighted value sum [H, R, D]). Call only where
+    `accepts_packed` said yes."""
+    return _ops().packed_attention_state(
+        rows.contiguous(),
+        packed.key_codes.contiguous(),
+        packed.key_scale.contiguous(),
+        packed.key_zero.contiguous(),
+        packed.value_codes.contiguous(),
+        packed.value_scale.contiguous(),
+        packed.value_zero.contiguous(),
+        packed.bits,
+        packed.group_size,
+    )
+
+
+def accepts_packed(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `packed_attention_state` serves a packed layer cached on `device` in `dtype`."""
+    return device.type == "cpu" and dtype == torch.float32 and _ops() is not None

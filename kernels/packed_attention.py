@@ -8,18 +8,21 @@ vericache.model.kernels.attention.
 `packed_attention_reference` never materialises the dequantized layer: it dequantizes `block_size`
 slots at a time and folds each block into a running softmax (running max, running sum, weighted
 value sum, as in FlashAttention), all in float32. `packed_attention` is the one public entry: it
-runs the fused Triton kernel (kernels/triton_ops.py) on CUDA when Triton is installed, and the
-reference otherwise.
+runs the fused Triton kernel (kernels/triton_ops.py) on CUDA when Triton is installed; on CPU the
+C++ kernel (kernels/cpu_packed_attention.cpp) attends over the packed codes of the slots every new
+token sees, and the reference's running softmax goes on from its state over the rest; the
+reference alone serves everything else.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 
 import torch
 
-from vericache.kernels import triton_attention, triton_ops
+from vericache.kernels import cpu_attention, triton_attention, triton_ops
 from vericache.kernels.quant import codes_per_byte, dequantize_packed
 
 DEFAULT_BLOCK_SIZE = 1024  # slots dequantized at a time by the reference (fastest on CPU)
@@ -108,13 +111,20 @@ def packed_attention(
     [R, H, D], the newest slots (the n new tokens are the last n of the Tq + R slots);
     window_mask: optional [H, n, Tq + R] bool, False where a sliding window hides a slot.
     Returns [n, Hq * D] in q's dtype. `block_size` only shapes the reference's loop."""
+    _check(q, packed, residual_keys, residual_values, window_mask)
     if q.is_cuda and triton_ops.available():
-        _check(q, packed, residual_keys, residual_values, window_mask)
         return triton_attention.packed_attention(
             q, packed, residual_keys, residual_values, window_mask
         )
-    return packed_attention_reference(
-        q, packed, residual_keys, residual_values, window_mask, block_size
+    # The kernel takes no mask: every packed slot must be older than the first new token.
+    by_kernel = (
+        window_mask is None
+        and packed.num_slots > 0
+        and q.shape[0] <= residual_keys.shape[0] + 1
+        and cpu_attention.accepts_packed(q.device, residual_keys.dtype)
+    )
+    return _attend_blocks(
+        q, packed, residual_keys, residual_values, window_mask, block_size, by_kernel
     )
 
 
@@ -128,6 +138,14 @@ def packed_attention_reference(
 ) -> torch.Tensor:
     """Pure-torch `packed_attention` (any device): same arguments, same result."""
     _check(q, packed, residual_keys, residual_values, window_mask)
+    return _attend_blocks(q, packed, residual_keys, residual_values, window_mask, block_size, False)
+
+
+def _attend_blocks(
+    q, packed: PackedKV, residual_keys, residual_values, window_mask, block_size, packed_by_kernel
+) -> torch.Tensor:
+    """The running softmax over every block; its state over the packed part comes from the C++
+    kernel when `packed_by_kernel` (every packed slot visible to every row, float32 on CPU)."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     num_new, num_heads, head_dim = q.shape
@@ -138,25 +156,36 @@ def packed_attention_reference(
     rows = (q.float() * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
     rows = rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
     softmax = _OnlineSoftmax(num_kv_heads, group * num_new, head_dim, q.device)
-    for start, keys, values in _blocks(packed, residual_keys, residual_values, block_size):
+    blocks = _residual_blocks(packed.num_slots, residual_keys, residual_values, block_size)
+    if packed_by_kernel:
+        softmax.max, softmax.sum, softmax.acc = cpu_attention.packed_attention_state(rows, packed)
+    else:
+        blocks = itertools.chain(_packed_blocks(packed, residual_keys.dtype, block_size), blocks)
+    for start, keys, values in blocks:
         visible = _visible(start, keys.shape[0], num_new, num_slots, group, window_mask, q.device)
         softmax.update(rows, keys.float(), values.float(), visible)
     out = softmax.result().view(num_kv_heads, group, num_new, head_dim)
     return out.permute(2, 0, 1, 3).reshape(num_new, num_heads * head_dim).to(q.dtype)
 
 
-def _blocks(
-    packed: PackedKV, residual_keys, residual_values, block_size: int
+def _packed_blocks(
+    packed: PackedKV, dtype, block_size: int
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(first slot, keys [B, H, D], values [B, H, D]) for consecutive non-empty blocks."""
+    """(first slot, keys [B, H, D], values [B, H, D]) of the packed part, dequantized to dtype."""
     # Whole key groups per quantized block, so each block's scales are a plain slice.
     step = max(packed.group_size, block_size // packed.group_size * packed.group_size)
     for start in range(0, packed.num_slots, step):
         end = min(start + step, packed.num_slots)
-        yield (start, *packed.dequantize(start, end, residual_keys.dtype))
+        yield (start, *packed.dequantize(start, end, dtype))
+
+
+def _residual_blocks(
+    first_slot: int, residual_keys, residual_values, block_size: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(first slot, keys, values) of the full-precision residual, `block_size` slots at a time."""
     for start in range(0, residual_keys.shape[0], block_size):
         end = start + block_size
-        yield packed.num_slots + start, residual_keys[start:end], residual_values[start:end]
+        yield first_slot + start, residual_keys[start:end], residual_values[start:end]
 
 
 def _visible(start, num_block_slots, num_new, num_slots, group, window_mask, device):

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vericache.kernels import triton_ops
+from vericache.kernels import cpu_attention, triton_ops
 from vericache.kernels.gather import gather_slots
 from vericache.kernels.packed_attention import (
     PackedKV,
@@ -126,11 +126,16 @@ CASES = {
 }
 
 
+# The dispatcher (the C++ kernel on CPU where it applies) and the pure-torch reference.
+IMPLEMENTATIONS = {"dispatcher": packed_attention, "reference": packed_attention_reference}
+
+
 @pytest.mark.parametrize("block_size", [512, 64, 40, 1])
 @pytest.mark.parametrize("name", list(CASES))
-def test_packed_attention_matches_full_dequantize(name, block_size):
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+def test_packed_attention_matches_full_dequantize(implementation, name, block_size):
     inputs = random_inputs(CASES[name])
-    actual = packed_attention_reference(*inputs, block_size=block_size)
+    actual = IMPLEMENTATIONS[implementation](*inputs, block_size=block_size)
     assert actual.shape == (CASES[name]["new"], inputs[0].shape[1] * inputs[0].shape[2])
     assert actual.dtype == torch.float32
     torch.testing.assert_close(actual.double(), expected_attention(*inputs), **FP32_TOLERANCE)
@@ -148,8 +153,11 @@ def test_packed_attention_matches_full_dequantize(name, block_size):
     block_size=st.integers(1, 96),
     window=st.booleans(),
     seed=st.integers(0, 2**16),
+    implementation=st.sampled_from(list(IMPLEMENTATIONS)),
 )
-def test_packed_attention_fuzz(num_groups, new, residual, block_size, seed, **params):
+def test_packed_attention_fuzz(
+    num_groups, new, residual, block_size, seed, implementation, **params
+):
     quantized = num_groups * params["group_size"]
     new = min(new, quantized + residual)
     if new == 0:
@@ -157,7 +165,7 @@ def test_packed_attention_fuzz(num_groups, new, residual, block_size, seed, **pa
     inputs = random_inputs(
         case(new=new, quantized=quantized, residual=residual, **params), seed=seed
     )
-    actual = packed_attention_reference(*inputs, block_size=block_size)
+    actual = IMPLEMENTATIONS[implementation](*inputs, block_size=block_size)
     torch.testing.assert_close(actual.double(), expected_attention(*inputs), **FP32_TOLERANCE)
 
 
@@ -171,9 +179,51 @@ def test_packed_attention_half_caches(dtype):
     torch.testing.assert_close(actual.double(), expected_attention(*inputs), rtol=eps, atol=eps)
 
 
-def test_dispatcher_runs_the_reference_on_cpu():
-    inputs = random_inputs(case(new=3))
-    assert torch.equal(packed_attention(*inputs), packed_attention_reference(*inputs))
+@pytest.mark.skipif(
+    not cpu_attention.accepts_packed(torch.device("cpu"), torch.float32),
+    reason="the C++ kernel could not be built here",
+)
+@pytest.mark.parametrize(
+    ("name", "dtype", "by_kernel"),
+    [
+        ("decode-4bit", torch.float32, True),
+        ("verify-8-tokens", torch.float32, True),
+        ("decode-2bit-gqa4", torch.float32, True),
+        ("window", torch.float32, False),  # the kernel takes no mask
+        ("new-tokens-in-quantized-part", torch.float32, False),  # some packed slots are new
+        ("empty-quantized", torch.float32, False),
+        ("decode-4bit", torch.bfloat16, False),  # float32 caches only
+    ],
+)
+def test_dispatcher_attends_over_packed_codes_on_cpu(monkeypatch, name, dtype, by_kernel):
+    """On CPU the packed part goes to the C++ kernel where every packed slot is visible to every
+    new token of a float32 layer, and to the reference's blocks otherwise."""
+    calls = []
+    kernel = cpu_attention.packed_attention_state
+    monkeypatch.setattr(
+        cpu_attention, "packed_attention_state", lambda *a: calls.append(1) or kernel(*a)
+    )
+    inputs = random_inputs(CASES[name], dtype=dtype)
+    actual = packed_attention(*inputs)
+    assert bool(calls) == by_kernel
+    expected = packed_attention_reference(*inputs)
+    if by_kernel:  # other arithmetic: equal up to float32 rounding
+        torch.testing.assert_close(actual, expected, **FP32_TOLERANCE)
+    else:
+        assert torch.equal(actual, expected)
+
+
+def test_cpu_kernel_rejects_malformed_packed_layers():
+    if not cpu_attention.accepts_packed(torch.device("cpu"), torch.float32):
+        pytest.skip("the C++ kernel could not be built here")
+    q, packed, *_ = random_inputs(case(new=1, quantized=64, kv_heads=2, group=2))
+    rows = q.float().view(1, 2, 2, 32).permute(1, 2, 0, 3).reshape(2, 2, 32)
+    with pytest.raises(RuntimeError, match="key_scale"):
+        cpu_attention.packed_attention_state(
+            rows, dataclasses.replace(packed, key_scale=packed.key_scale.float())
+        )
+    with pytest.raises(RuntimeError, match="D dimensions"):
+        cpu_attention.packed_attention_state(rows[..., :16], packed)
 
 
 def test_earlier_new_tokens_do_not_see_later_ones():
