@@ -21,6 +21,9 @@ decoding.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from vericache.bench.acceptance_report import (  # noqa: F401 - plot: the CLI's
     TARGET_KINDS,
     TARGET_X30,
@@ -55,6 +58,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft-kv", choices=["verifier", "drafter", "both"], default="verifier")
     parser.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
     parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a JSON-lines file of finished compressors' records: a run appends each compressor's "
+        "as it finishes, and a run given the file again skips them (same settings)",
+    )
+    parser.add_argument(
         "--dtype",
         default="float32",
         help="model dtype; outputs are bit-exact in float32, and "
@@ -76,27 +85,69 @@ def run(args) -> dict:
         [Request(p.token_ids, p.num_prefix_tokens, params, DecodeMode.FULL) for *_, p in prompts]
     )
     sources = list(DraftKVSource) if args.draft_kv == "both" else [DraftKVSource(args.draft_kv)]
+    settings = {"max_tokens": max_tokens, "num_prompts": len(prompts), "model": args.model,
+                "dtype": args.dtype}  # fmt: skip
+    checkpoint = Checkpoint(args.checkpoint, settings)
     records = []
     for source in sources:
         config = EngineConfig(draft_kv_source=source, prefix_cache_bytes=16 << 30)
         engine = Engine(engine.runner, engine.tokenizer, config, engine.prefix_store)
-        batch = [
-            (kind, name, compressor, prompt, reference)
-            for (kind, name, prompt), reference in zip(prompts, references)
-            for compressor in compressors
-        ]
-        outputs = []
-        chunks = range(0, len(batch), args.batch_size)
-        for start in progress(chunks, f"{source.value} KV, x={MAX_DRAFT_LEN}", unit="batch"):
-            chunk = batch[start : start + args.batch_size]
-            outputs += engine.generate([_request(*item[2:5], params) for item in chunk])
-        for (kind, name, compressor, prompt, reference), out in zip(batch, outputs):
-            record = trace_record(kind, name, compressor, out.stats, source.value)
-            record["identical"] = out.token_ids == reference.token_ids
-            record["context_tokens"] = prompt.num_prefix_tokens
-            records.append(record)
-        print(f"[acceptance] draft_kv={source.value}: {len(batch)} requests done")
+        for compressor in compressors:
+            done = checkpoint.records(compressor.label, source.value)
+            if done is None:
+                done = _traces(engine, compressor, source, prompts, references, params, args)
+                checkpoint.add(compressor.label, source.value, done)
+            records += done
+            print(f"[acceptance] {compressor.label}, draft_kv={source.value}: done")
     return _result(records, labels, args, max_tokens, len(prompts))
+
+
+def _traces(engine, compressor, source, prompts, references, params, args) -> list[dict]:
+    """Every prompt decoded with drafts over `compressor`: one trace record each."""
+    outputs = []
+    chunks = range(0, len(prompts), args.batch_size)
+    for start in progress(chunks, f"{compressor.label}, x={MAX_DRAFT_LEN}", unit="batch"):
+        chunk = zip(prompts[start : start + args.batch_size], references[start:])
+        requests = [
+            _request(compressor, prompt, reference, params) for (*_, prompt), reference in chunk
+        ]
+        outputs += engine.generate(requests)
+    records = []
+    for (kind, name, prompt), reference, out in zip(prompts, references, outputs):
+        record = trace_record(kind, name, compressor, out.stats, source.value)
+        record["identical"] = out.token_ids == reference.token_ids
+        record["context_tokens"] = prompt.num_prefix_tokens
+        records.append(record)
+    return records
+
+
+class Checkpoint:
+    """Finished compressors' records in a JSON-lines file (one line per compressor and draft KV
+    source, with the run's settings): a long run that stops keeps what it finished."""
+
+    def __init__(self, path: Path | None, settings: dict):
+        self.path, self.settings = path, settings
+        self._done: dict[tuple[str, str], list[dict]] = {}
+        if path is not None and path.is_file():
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                if entry["settings"] != settings:
+                    raise ValueError(
+                        f"{path} holds records of other settings ({entry['settings']}): "
+                        "give another checkpoint file"
+                    )
+                self._done[entry["compressor"], entry["draft_kv"]] = entry["records"]
+
+    def records(self, label: str, draft_kv: str) -> list[dict] | None:
+        return self._done.get((label, draft_kv))
+
+    def add(self, label: str, draft_kv: str, records: list[dict]) -> None:
+        self._done[label, draft_kv] = records
+        if self.path is not None:
+            entry = {"settings": self.settings, "compressor": label, "draft_kv": draft_kv,
+                     "records": records}  # fmt: skip
+            with self.path.open("a") as file:
+                file.write(json.dumps(entry) + "\n")
 
 
 def _request(compressor, prompt, reference, params: SamplingParams) -> Request:

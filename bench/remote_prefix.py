@@ -24,7 +24,9 @@ Summary:
 - vericache_over_best_full: VERICACHE over the best of FULL_LOCAL, FULL_REMOTE and FULL_BOTH on
   the same drafters, per cell; the headline is the server's defaults (x=30, one drafter,
   per-request rounds), chosen before the run;
-- rpcs_per_round: worker calls of a round per request, the most of any cell (target <= 2);
+- rpcs_per_round: worker calls of a round per request, the most of any cell (target <= 2): a
+  draft call and a verifier call, and in scheduled rounds a load call wherever no verification
+  began in the load's iteration to carry it (rpcs_per_round_by_scheduling splits them);
 - rtt20_over_rtt0: VERICACHE tokens/s with `--rtt-latency-ms` (20) of one-way latency on the link
   over none, at x=30 with one drafter, the lower of the two schedulings (target >= 0.85);
 - verifier_overhead: the verifier process's CPU seconds per output token over what the full-KV
@@ -408,6 +410,10 @@ def summarize(cells: list[dict], spec) -> dict:
     over = {c["name"]: c["tokens_per_s"] / best_full(c["num_drafters"]) for c in vericache}
     headline = Cell("vericache", **HEADLINE).name
     rpcs = max(_rpcs_per_round(c) for c in vericache)
+    rpcs_by_scheduling = {
+        scheduling: max(_rpcs_per_round(c) for c in vericache if c["scheduling"] == scheduling)
+        for scheduling in sorted({c["scheduling"] for c in vericache})
+    }
     paired = [c for c in vericache if all("reference" in s for s in c["samples"])]
     overhead = {c["name"]: statistics.median(_verifier_overheads(c)) for c in paired}
     serving = {c["name"]: _serving_overhead(c) for c in paired}
@@ -418,6 +424,7 @@ def summarize(cells: list[dict], spec) -> dict:
         "vericache_over_best_full_by_cell": over,
         "best_full_tokens_per_s": {n: best_full(n) for n in spec.drafter_counts},
         "rpcs_per_round": rpcs,
+        "rpcs_per_round_by_scheduling": rpcs_by_scheduling,
         "rtt20_over_rtt0": min(rtt.values()) if rtt else None,
         "rtt20_over_rtt0_by_scheduling": rtt,
         "verifier_overhead": max(overhead.values()) if overhead else None,

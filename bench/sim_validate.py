@@ -39,7 +39,7 @@ from vericache.bench.sim_validate_scenarios import (
     remote_prefix_predictions,
     stagger_predictions,
 )
-from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
+from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_tokenizer_dir
 
 TARGET = 0.20
 RESULTS = Path(__file__).parent / "results"
@@ -104,7 +104,7 @@ def _predict(calibration: dict, measured: dict, model_name: str):
     from vericache.sim.profiles import DeviceProfile, device_profile, model_profile
 
     model, profile = model_profile(ARCH), DeviceProfile(**calibration["profile"])
-    tokenizer = load_tokenizer(resolve_model_dir(model_name))
+    tokenizer = load_tokenizer(resolve_tokenizer_dir(model_name))  # no weights needed
     predictions = remote_prefix_predictions(measured["remote-prefix"], model, profile, tokenizer)
     predictions += long_context_predictions(measured["long-context"], model, profile)
     predictions += stagger_predictions(measured["stagger"], model, profile)

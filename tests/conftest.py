@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vericache.engine.engine import Engine, EngineConfig
+from vericache.model import loader
 from vericache.model.loader import ensure_embedded, ensure_embedded_tokenizer, load_model
 from vericache.model.runner import ModelRunner
 
@@ -103,6 +104,21 @@ def tiny_engine(tiny_checkpoint):
         return engines[config, family]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def fast_tests_never_convert_the_embedded_model(request, monkeypatch):
+    """`make test-fast` (-m "not slow") must run without converting the embedded model's weights:
+    a test that is not marked slow fails if it asks for them."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    needs_weights = {"embedded_dir", "embedded_engine"} & set(request.fixturenames)
+    assert not needs_weights, f"a test using {sorted(needs_weights)} must be marked slow"
+
+    def refuse(name: str):
+        raise AssertionError(f"a test not marked slow converts the {name} weights: mark it slow")
+
+    monkeypatch.setattr(loader, "ensure_embedded", refuse)
 
 
 @pytest.fixture(scope="session")

@@ -83,3 +83,16 @@ def test_the_result_summarizes_replayed_cells_and_plots(tmp_path):
     assert result["config"]["trace_draft_len"] == 64
     acceptance.plot(result, tmp_path / "acceptance.png")
     assert (tmp_path / "acceptance.png").stat().st_size > 1000
+
+
+def test_a_checkpoint_keeps_finished_compressors_for_the_next_run(tmp_path):
+    path = tmp_path / "acceptance.jsonl"
+    settings = {"max_tokens": 256, "num_prompts": 48, "model": "m", "dtype": "float32"}
+    first = acceptance.Checkpoint(path, settings)
+    assert first.records("kivi-4bit", "verifier") is None
+    first.add("kivi-4bit", "verifier", [_record("code", "kivi-4bit", [64, 3])])
+    resumed = acceptance.Checkpoint(path, settings)  # a later run with the same settings
+    assert resumed.records("kivi-4bit", "verifier") == [_record("code", "kivi-4bit", [64, 3])]
+    assert resumed.records("kivi-4bit", "drafter") is None
+    with pytest.raises(ValueError, match="other settings"):
+        acceptance.Checkpoint(path, {**settings, "max_tokens": 64})

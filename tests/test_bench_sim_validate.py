@@ -18,7 +18,7 @@ from vericache.bench.sim_validate_scenarios import (
     served_first_mismatches,
     stagger_predictions,
 )
-from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
+from vericache.model.loader import DEFAULT_MODEL, load_tokenizer
 from vericache.sim.profiles import DeviceProfile, device_profile, model_profile
 
 MODEL = model_profile("smollm2-135m")
@@ -96,8 +96,8 @@ STAGGER = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(resolve_model_dir(DEFAULT_MODEL))
+def tokenizer(embedded_tokenizer_dir):
+    return load_tokenizer(embedded_tokenizer_dir)  # its weights are never converted
 
 
 def test_every_served_configuration_is_predicted(tokenizer):

@@ -156,10 +156,10 @@ def test_a_failed_iteration_fails_its_requests_and_a_fresh_engine_serves_on(loop
 def test_a_cancelled_request_reports_nothing_more(loops):
     loop = loops(ScriptedEngine)
     sink = Events()
-    submission = loop.submit(request(DecodeMode.VERICACHE, num_tokens=1000), sink)
+    submission = loop.submit(request(DecodeMode.VERICACHE, num_tokens=10_000), sink)
     assert wait_for(lambda: sink.events)
     loop.cancel(submission)
-    # Aborted between iterations: long before its 1000 tokens.
-    assert wait_for(lambda: loop.num_requests == 0, timeout_s=1)
+    # Aborted between iterations: long before its 10,000 tokens (20 s at 2 ms an iteration).
+    assert wait_for(lambda: loop.num_requests == 0, timeout_s=5)
     assert not sink.ended.is_set()
     assert not loop.engine.has_unfinished

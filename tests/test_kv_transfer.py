@@ -103,7 +103,7 @@ def test_transfer_rate_follows_the_link(serve):
     paced = 0.01 + result.link_bytes / bandwidth
     # The link's pace is a floor; encoding, decoding and gRPC add CPU time on top, more of it
     # on a busy machine (tests/test_link.py checks the pace itself).
-    assert paced <= result.seconds <= 3 * paced + 0.25
+    assert paced <= result.seconds <= 5 * paced + 1.0
     fetcher.close()
 
 

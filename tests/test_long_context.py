@@ -346,8 +346,8 @@ def test_cpu_loader_honours_its_bandwidth(tiny_engine):
         loader.close()
     expected = host.nbytes / bandwidth  # 0.2 s each
     # Never faster than the link; slower only by how late a busy machine wakes the loader.
-    assert 0.98 * expected <= first.load_s <= 2 * expected
-    assert 1.96 * expected <= elapsed <= 4 * expected
+    assert 0.98 * expected <= first.load_s <= 4 * expected
+    assert 1.96 * expected <= elapsed <= 8 * expected
     for layer, loaded in zip(cache.layers, second.cache.layers):
         assert torch.equal(layer.keys_values()[0][:2000], loaded.keys_values()[0][:2000])
         assert torch.equal(layer.positions(), loaded.positions())

@@ -4,6 +4,7 @@ tokens after the prefix), and their buffers reused only once no call uses them."
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -95,3 +96,63 @@ def test_a_call_waiting_for_room_is_refused_when_the_worker_shuts_down():
         waiter.join(10)
     assert not waiter.is_alive()
     assert isinstance(outcome[0], WorkerUnavailableError)
+
+
+def test_a_load_ahead_pins_the_session_and_its_next_call_reports_it():
+    """A scheduled load makes the session resident in the background and keeps it from eviction
+    until its next call, which reports what the load cost (the load made no call of its own)."""
+    slot_bytes = LAYERS * 2 * HEADS * DIM * 4
+    sessions = _sessions(budget_bytes=CAPACITY * slot_bytes)  # one session's full KV
+    sessions.add("a", Session(PREFIX, CAPACITY))
+    sessions.add("b", Session(PREFIX, CAPACITY))
+    sessions.load_ahead("a")
+    sessions.load_ahead("a")  # asked twice, loaded once
+    assert wait_until(lambda: sessions.residency().bytes > 0)
+    with sessions.using("a") as (session, loaded):
+        assert session.pinned and loaded.store_bytes == session.cache.nbytes
+    assert not session.pinned
+    with sessions.using("a") as (_, loaded):
+        assert loaded.store_bytes == 0  # resident already, and the load was reported once
+
+
+def test_a_pinned_session_is_not_evicted_for_another():
+    slot_bytes = LAYERS * 2 * HEADS * DIM * 4
+    sessions = _sessions(budget_bytes=CAPACITY * slot_bytes)
+    sessions.add("a", Session(PREFIX, CAPACITY))
+    sessions.add("b", Session(PREFIX, CAPACITY))
+    sessions.load_ahead("a")
+    assert wait_until(lambda: sessions.residency().bytes > 0)
+    outcome: list[Traffic] = []
+
+    def load_b() -> None:
+        with sessions.using("b") as (_, loaded):
+            outcome.append(loaded)
+
+    waiter = threading.Thread(target=load_b)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # "a" is pinned until its own call: "b" waits for room
+    with sessions.using("a"):
+        pass  # a's call unpins it, and it may then be evicted
+    waiter.join(10)
+    assert not waiter.is_alive() and outcome[0].store_bytes > 0
+
+
+def test_a_load_ahead_of_a_removed_session_leaves_nothing_resident():
+    sessions = _sessions(budget_bytes=1 << 30)
+    sessions.add("a", Session(PREFIX, CAPACITY))
+    sessions.load_ahead("a")
+    sessions.remove("a")
+    assert wait_until(lambda: sessions.residency().bytes == 0)
+    with pytest.raises(SessionNotFoundError):
+        with sessions.using("a"):
+            pass
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()

@@ -17,7 +17,14 @@ from vericache.model.loader import load_model
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.handles import VerifierHandle
 from vericache.serve.kv_transfer import KVKind
-from vericache.serve.worker_api import DraftCall, DraftRole, OpenDrafter, OpenVerifier, VerifyCall
+from vericache.serve.worker_api import (
+    DraftCall,
+    DraftRole,
+    OpenDrafter,
+    OpenVerifier,
+    VerifyBatch,
+    VerifyCall,
+)
 
 PROMPTS = [
     "Which function multiplies by three?",
@@ -30,19 +37,19 @@ LOAD_BANDWIDTH = 50e6  # bytes/s: the store's loads onto the verifier's device, 
 
 
 class RecordingVerifier(VerifierHandle):
-    """The verifier's handle, recording each load and verification the coordinator asks for."""
+    """The verifier's handle, recording each load and verification the coordinator asks for
+    (a call's loads start before its verifications), and how many calls carried them."""
 
     def __init__(self, handle: VerifierHandle):
         super().__init__(handle.worker, handle.transport, handle.name)
         self.calls: list[tuple[str, str]] = []
+        self.num_calls = 0
 
-    async def load(self, session_id):
-        self.calls.append(("load", session_id))
-        return await super().load(session_id)
-
-    async def verify_batch(self, calls):
-        self.calls += [("verify", call.session_id) for call in calls]
-        return await super().verify_batch(calls)
+    async def verify_batch(self, batch):
+        self.num_calls += 1
+        self.calls += [("load", session_id) for session_id in batch.loads]
+        self.calls += [("verify", call.session_id) for call in batch.calls]
+        return await super().verify_batch(batch)
 
 
 def _all_at_once(client, prefix_id: str, max_tokens: int) -> list:
@@ -107,9 +114,11 @@ def test_scheduled_rounds_equal_full_decoding(scheduled):
     assert sample("vericache:scheduler_verify_batch_size_sum", labels) >= len(PROMPTS)
     assert sample("vericache:scheduler_draft_batch_size_count", labels) > MAX_TOKENS / 6
     assert sample("vericache:scheduler_memory_peak_bytes", labels) == peak
-    # Each request's round made one drafter call and one verifier call at most.
+    # Each request's round made one drafter call and one verifier call, and one more verifier
+    # call where its load began in an iteration where no verification began to carry it.
     calls = sample("vericache:round_worker_calls_total", labels)
-    assert 0 < calls <= 2 * sample("vericache:spec_decode_num_drafts_total", labels)
+    rounds = sample("vericache:spec_decode_num_drafts_total", labels)
+    assert 2 * rounds <= calls <= 3 * rounds
     # The verifier itself never held more full KV than its budget, openings included.
     residency = server.run(recording.residency())
     assert 0 < residency.peak_bytes <= recording.worker.config.resident_bytes
@@ -189,7 +198,7 @@ def test_a_batch_goes_on_without_a_session_closed_meanwhile(scheduled):
     try:
         pending = (opened.first_token,)
         calls = tuple(VerifyCall(sid, pending, (5, 6)) for sid in ("first", "gone", "second"))
-        verified = verifier.verify_batch(calls)
+        verified = verifier.verify_batch(VerifyBatch(calls))
         assert verified[1] is None and len(verified[0].tokens) == len(verified[2].tokens) == 3
     finally:
         for session_id in ("first", "second"):

@@ -26,7 +26,7 @@ import torch
 
 from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.errors import CacheStateError
-from vericache.kv.cache import DenseLayerKV, KVCache, write_head_major
+from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.kv.compressed import CompressedKV, layer_from_state
 from vericache.kv.exact import ExactKV
 from vericache.kv.outlier_quantized import OutlierQuantizedLayerKV
@@ -72,20 +72,18 @@ class HostKV:
         return self.num_tokens * per_token
 
     def append(self, exact: ExactKV) -> None:
-        """Takes the exact KV of the tokens right after the ones held (from any device)."""
+        """Takes the exact KV of the tokens right after the ones held (from any device), through
+        the one append of committed tokens (`KVCache.append_exact`) into these buffers."""
         start, end = exact.start, exact.end
         if start != self.num_tokens or end > self.capacity:
             raise CacheStateError(
                 f"host KV holds {self.num_tokens} of {self.capacity} tokens: cannot take tokens "
                 f"[{start}, {end})"
             )
-        for keys, values, new_keys, new_values in zip(
-            self.keys, self.values, exact.keys, exact.values
-        ):
-            if new_keys.data_ptr() == keys[:, start].data_ptr():
-                continue  # a view of these buffers (`view`): its tokens are written here already
-            write_head_major(keys, start, new_keys)
-            write_head_major(values, start, new_values)
+        if exact.keys and exact.keys[0].data_ptr() == self.keys[0][:, start].data_ptr():
+            self.num_tokens = end  # a view of these buffers (`view`): its tokens are here already
+            return
+        self._over(start).append_exact(exact)
         self.num_tokens = end
 
     def view(self, num_tokens: int) -> KVCache:
@@ -94,6 +92,10 @@ class HostKV:
         buffers must hold finite values throughout, as `from_cache`'s zero-filled ones do."""
         if self.keys[0].is_pinned():
             raise CacheStateError("pinned host KV is copied to the device, not viewed")
+        return self._over(num_tokens)
+
+    def _over(self, num_tokens: int) -> KVCache:
+        """A full cache over these buffers holding their first num_tokens tokens."""
         if self._positions is None:
             num_kv_heads, capacity, _ = self.keys[0].shape
             slots = torch.arange(capacity, dtype=torch.int32).unsqueeze(1)

@@ -67,6 +67,13 @@ def resolve_model_dir(name_or_path: str) -> Path:
     )
 
 
+def resolve_tokenizer_dir(name_or_path: str) -> Path:
+    """Where a model's tokenizer is: an embedded model's without converting its weights."""
+    if name_or_path in EMBEDDED_MODELS:
+        return ensure_embedded_tokenizer(name_or_path)
+    return resolve_model_dir(name_or_path)
+
+
 def _find_gguf(model: EmbeddedModel) -> Path:
     # find_spec locates the package without importing it (its __init__ needs `llm`).
     spec = importlib.util.find_spec(model.package)

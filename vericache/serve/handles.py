@@ -36,7 +36,6 @@ from vericache.serve.worker_api import (
     Drafted,
     DrafterInfo,
     DrafterOpened,
-    Loaded,
     OpenDrafter,
     OpenVerifier,
     Residency,
@@ -44,6 +43,7 @@ from vericache.serve.worker_api import (
     Verified,
     VerifierInfo,
     VerifierOpened,
+    VerifyBatch,
     VerifyCall,
 )
 
@@ -162,14 +162,11 @@ class VerifierHandle(_Handle):
     async def open(self, call: OpenVerifier) -> VerifierOpened:
         return await self._call(self.worker.open, call)
 
-    async def load(self, session_id: str) -> Loaded:
-        return await self._call(self.worker.load, session_id)
-
     async def verify(self, call: VerifyCall) -> Verified:
         return await self._call(self.worker.verify, call)
 
-    async def verify_batch(self, calls: tuple[VerifyCall, ...]) -> list[Verified | None]:
-        return await self._call(self.worker.verify_batch, calls)
+    async def verify_batch(self, batch: VerifyBatch) -> list[Verified | None]:
+        return await self._call(self.worker.verify_batch, batch)
 
     async def decode(self, call: DecodeCall) -> Decoded:
         return await self._call(self.worker.decode, call)

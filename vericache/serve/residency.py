@@ -6,14 +6,20 @@ only the exact KV of the tokens after it; their next call reloads the prefix (`l
 the store), waiting for room while the full KV of calls in progress, or loaded ahead of a
 verification (`Session.pinned`), fills the budget. The buffers of a closed or evicted session go
 back to the worker's `BufferPool` for the next session, once no call uses them.
+
+A scheduled load (`load_ahead`) makes a session resident in the background and pins it there;
+the session's next call waits for that load and reports what it cost, so the load needs no call
+of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from vericache.errors import WorkerUnavailableError
@@ -22,6 +28,8 @@ from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
 from vericache.serve.worker import SessionNotFoundError
 from vericache.serve.worker_api import Residency, Traffic
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,6 +62,10 @@ class ResidentSessions:
         self._loading_bytes = 0  # full KV of the loads in progress, not resident yet
         self._peak_bytes = 0
         self._is_closed = False  # the worker shut down: calls waiting for room give up
+        self._ahead: dict[str, Future[Traffic]] = {}  # loads ahead of a session's next call
+        # A thread per load in progress, as the calls that load run: a load waiting for room
+        # must not hold up the loads of the sessions whose verifications would make it.
+        self._ahead_threads = ThreadPoolExecutor(8, thread_name_prefix="load-ahead")
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -65,6 +77,9 @@ class ResidentSessions:
     def remove(self, session_id: str) -> None:
         with self._lock:
             session = self._sessions.pop(session_id, None)
+            pending = self._ahead.pop(session_id, None)
+            if pending is not None:
+                pending.cancel()  # if it has not begun; else it finds the session closed
             if session is not None:
                 session.closed = True
                 if not session.in_use:
@@ -75,8 +90,10 @@ class ResidentSessions:
         """Forgets every session, for good: calls waiting for room are woken and refused."""
         with self._lock:
             self._sessions.clear()
+            self._ahead.clear()
             self._is_closed = True
             self._room.notify_all()
+        self._ahead_threads.shutdown(wait=False, cancel_futures=True)
 
     def _release(self, session: Session) -> None:
         if session.cache is not None:
@@ -87,11 +104,45 @@ class ResidentSessions:
         with self._lock:
             return Residency(self._resident_bytes(), self._peak_bytes)
 
+    def load_ahead(self, session_id: str) -> None:
+        """Starts making the session resident in the background and pins it there until its
+        next call (`using`), which waits for the load."""
+        with self._lock:
+            if not self._is_closed and session_id not in self._ahead:
+                self._ahead[session_id] = self._ahead_threads.submit(self._pin, session_id)
+
+    def _pin(self, session_id: str) -> Traffic:
+        with self._resident(session_id) as (session, loaded):
+            session.pinned = True
+        return loaded
+
+    def _take_ahead(self, session_id: str) -> Traffic:
+        """Waits for the session's load ahead, if one was started: what it cost. A load that
+        failed is left to the call itself, which loads again and reports its own error."""
+        with self._lock:
+            pending = self._ahead.pop(session_id, None)
+        if pending is None:
+            return Traffic()
+        try:
+            return pending.result()
+        except Exception as error:  # noqa: BLE001 - the caller's own load tells what is wrong
+            log.debug("load ahead of session %s failed: %s", session_id, error)
+            return Traffic()
+
     @contextlib.contextmanager
     def using(self, session_id: str) -> Iterator[tuple[Session, Traffic]]:
         """The session with its full KV resident, safe from eviction while in use, and what
-        making it resident cost. One call per session at a time (a request's rounds are
-        sequential); sessions run concurrently."""
+        making it resident cost (its load ahead's, if one ran). One call per session at a time
+        (a request's rounds are sequential); sessions run concurrently."""
+        ahead = self._take_ahead(session_id)
+        with self._resident(session_id) as (session, loaded):
+            try:
+                yield session, ahead + loaded
+            finally:
+                session.pinned = False
+
+    @contextlib.contextmanager
+    def _resident(self, session_id: str) -> Iterator[tuple[Session, Traffic]]:
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:

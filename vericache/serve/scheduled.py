@@ -2,16 +2,19 @@
 of the requests verified there (CoordinatorConfig.scheduling "staggered" or "lockstep"), with the
 same scheduler objects that drive the long-context engine and the simulator.
 
-Each round still makes one drafter call and one verifier call: the drafters draft whole rounds on
-their own, batching whatever they hold step by step, while the scheduler places the verifier's
-side of every round. What the scheduler's words stand for here:
+Each round makes one drafter call and one verifier call, and one more verifier call for its load
+wherever no verification starts in the load's iteration to carry it: the drafters draft whole
+rounds on their own, batching whatever they hold step by step, while the scheduler places the
+verifier's side of every round. What the scheduler's words stand for here:
 - an iteration is a tick of the coordinator's clock, one draft step long (the time drafters report
   per step, refined by every draft); a round of d drafts is one draft call made in its first draft
   iteration, and its verification starts in iteration d + 1 after it, with every other
   verification starting then, as one batched verifier call;
-- a load is the verifier bringing a session's full KV from its store onto its device
-  (`VerifierAPI.load`), started in the iteration the plan says, so that it overlaps other
-  requests' verifications and drafts, and awaited before the verification;
+- a load is the verifier bringing a session's full KV from its store onto its device, ahead of
+  the session's verification, so that it overlaps other requests' verifications and drafts. It
+  rides on the verifier call of the iteration the plan starts it in (`VerifyBatch.loads`), and
+  takes a call of its own only in an iteration where no verification starts. The verification
+  waits for it on the verifier and reports what it cost;
 - the memory ring is the verifier's device memory: its weights and the full KV kept for
   verification (`VerifierConfig.resident_bytes`); compressed KV lives on the drafters;
 - the link ring is the store-to-device bandwidth, first measured by the verifier, then by every
@@ -45,12 +48,11 @@ from vericache.serve.worker_api import (
     DraftCall,
     Drafted,
     DrafterAPI,
-    Loaded,
-    Traffic,
     Verified,
     VerifierAPI,
     VerifierInfo,
     VerifierOpened,
+    VerifyBatch,
     VerifyCall,
 )
 
@@ -68,7 +70,7 @@ class _Entry:
     link_delay_s: float  # until `exact` has crossed the link's bandwidth
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # token lists, an error, _END
     draft: asyncio.Task | None = None  # this round's draft call, once its round has begun
-    load: asyncio.Task | None = None
+    load_planned: bool = False  # planned and not sent yet: the next verifier call carries it
     verification: asyncio.Task | None = None  # its batch's, shared with the batch's others
 
     @property
@@ -76,7 +78,7 @@ class _Entry:
         return self.served.session_id
 
     def tasks(self) -> list[asyncio.Task]:
-        return [t for t in (self.draft, self.load, self.verification) if t and not t.done()]
+        return [t for t in (self.draft, self.verification) if t and not t.done()]
 
 
 class ScheduledRounds:
@@ -97,6 +99,7 @@ class ScheduledRounds:
         self.slot_bytes = slot_bytes  # one cache slot of full KV
         self._entries: dict[str, _Entry] = {}
         self._loop: asyncio.Task | None = None
+        self._load_calls: set[asyncio.Task] = set()  # calls that carry loads alone, in flight
 
     async def rounds(
         self, served: ServedRequest, drafter: DrafterAPI, opened: VerifierOpened
@@ -119,11 +122,12 @@ class ScheduledRounds:
             if self._entries.pop(session_id, None) is not None:
                 self.scheduler.abort(session_id)
             _drop(entry.draft)
-            _drop(entry.load)
 
     async def close(self) -> None:
         """Stops the schedule before its workers shut down: no call starts after that."""
         stopping = WorkerUnavailableError("the server is stopping")
+        for call in list(self._load_calls):
+            _drop(call)
         for entry in self._entries.values():
             for task in entry.tasks():
                 _drop(task)
@@ -150,8 +154,7 @@ class ScheduledRounds:
             scheduled = self.scheduler.metrics
             self.metrics.iteration_planned(scheduled.iterations[-1], scheduled.peak_memory_bytes)
         for load in plan.loads:
-            entry = self._entries[load.request_id]
-            entry.load = asyncio.create_task(self.verifier.load(entry.session_id))
+            self._entries[load.request_id].load_planned = True
         for request_id in plan.draft_ids:
             entry = self._entries[request_id]
             if entry.draft is None:  # the round's first draft iteration: it begins
@@ -161,6 +164,8 @@ class ScheduledRounds:
             batch = asyncio.create_task(self._verify_batch(entries))
             for entry in entries:
                 entry.verification = batch
+        elif plan.loads:
+            self._send_loads()
         await self._report(plan.verifies)
         await self._pace(started)
         self.scheduler.end_iteration(None)  # ticks time nothing: the drafters time the steps
@@ -192,14 +197,34 @@ class ScheduledRounds:
             self.scheduler.costs.observe_iteration(drafted.step_s)
         return drafted
 
+    def _planned_loads(self) -> tuple[str, ...]:
+        """The sessions whose planned loads the next verifier call carries (each once, and
+        ahead of a verification of its own in that call)."""
+        loads = tuple(e.session_id for e in self._entries.values() if e.load_planned)
+        for session_id in loads:
+            self._entries[session_id].load_planned = False
+        return loads
+
+    def _send_loads(self) -> None:
+        """Loads planned in an iteration where no verification starts: one call for them all,
+        counted in each of their rounds."""
+        loads = self._planned_loads()
+        for session_id in loads:
+            self._entries[session_id].served.num_round_calls += 1
+        # Its outcome is the verifications': each waits for its load, or loads again itself.
+        call = asyncio.create_task(self.verifier.verify_batch(VerifyBatch((), loads)))
+        self._load_calls.add(call)
+        call.add_done_callback(self._load_calls.discard)
+        _drop(call, cancel=False)
+
     async def _verify_batch(self, entries: list[_Entry]) -> dict[str, Outcome]:
-        """Waits for the batch's drafts and loads, then verifies it in one call; a session's
-        outcome is its result or its error."""
+        """Waits for the batch's drafts, then verifies it in one call, which also carries the
+        loads planned meanwhile; a session's outcome is its result or its error."""
         outcomes: dict[str, Outcome] = {}
         ready = []
         for entry in entries:
             try:
-                drafted, loaded = await asyncio.gather(entry.draft, _loaded(entry))
+                drafted = await entry.draft
             except asyncio.CancelledError:
                 if entry.session_id in self._entries:
                     raise  # this batch itself is cancelled
@@ -208,7 +233,6 @@ class ScheduledRounds:
                 outcomes[entry.session_id] = exc
                 continue
             entry.served.seq.draft_ids = list(drafted.tokens)
-            self._record_load(entry, loaded)
             ready.append(entry)
         ready = [e for e in ready if e.session_id in self._entries]  # not cancelled meanwhile
         for entry in ready:
@@ -216,14 +240,18 @@ class ScheduledRounds:
         calls = tuple(
             VerifyCall(e.session_id, e.served.pending, tuple(e.served.seq.draft_ids)) for e in ready
         )
-        started = time.perf_counter()
+        loads = self._planned_loads()
         try:
-            results = await self.verifier.verify_batch(calls) if calls else []
+            if calls or loads:
+                results = await self.verifier.verify_batch(VerifyBatch(calls, loads))
+            else:
+                results = []
         except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the others go on
             results = [exc] * len(ready)
         else:
-            if calls:
-                self.scheduler.costs.observe_verification(time.perf_counter() - started)
+            forward_s = max((r.forward_s for r in results if r is not None), default=0.0)
+            if forward_s > 0:  # the forward alone: the call may also have waited for loads
+                self.scheduler.costs.observe_verification(forward_s)
         outcomes.update((e.session_id, result) for e, result in zip(ready, results))
         return outcomes
 
@@ -235,7 +263,7 @@ class ScheduledRounds:
                 continue
             outcomes = await entry.verification
             outcome = outcomes.get(entry.session_id)
-            entry.verification = entry.draft = entry.load = None
+            entry.verification = entry.draft = None
             if entry.session_id not in self._entries or outcome is None:
                 continue  # cancelled while it verified (its session closed)
             if isinstance(outcome, BaseException):
@@ -243,13 +271,11 @@ class ScheduledRounds:
             else:
                 self._finish_round(entry, outcome)
 
-    def _record_load(self, entry: _Entry, loaded: Loaded) -> None:
-        entry.served.add(loaded.traffic)
-        if loaded.traffic.store_bytes and loaded.traffic.store_s > 0:
-            self.scheduler.costs.observe_load(loaded.traffic.store_bytes, loaded.traffic.store_s)
-
     def _finish_round(self, entry: _Entry, verified: Verified) -> None:
         served = entry.served
+        traffic = verified.traffic  # its load's bytes and time among them
+        if traffic.store_bytes and traffic.store_s > 0:
+            self.scheduler.costs.observe_load(traffic.store_bytes, traffic.store_s)
         num_accepted = verified.num_accepted
         committed = served.finish_round(verified)
         entry.exact, entry.link_delay_s = verified.exact, verified.link_delay_s
@@ -265,7 +291,6 @@ class ScheduledRounds:
         if entry is not None:
             self.scheduler.abort(session_id)
             _drop(entry.draft)
-            _drop(entry.load)
             entry.outbox.put_nowait(error)
 
 
@@ -295,13 +320,10 @@ def new_scheduled_rounds(
     return ScheduledRounds(verifier, new_scheduler, costs, about.slot_bytes, metrics)
 
 
-async def _loaded(entry: _Entry) -> Loaded:
-    # Every round books a load before its verification; none would mean the KV is resident.
-    return Loaded(Traffic()) if entry.load is None else await entry.load
-
-
-def _drop(task: asyncio.Task | None) -> None:
-    """Forgets a task no one will wait for (its error, if any, included)."""
+def _drop(task: asyncio.Task | None, cancel: bool = True) -> None:
+    """Forgets a task no one will wait for (its error, if any, included), cancelling it unless
+    told not to."""
     if task is not None:
-        task.cancel()
+        if cancel:
+            task.cancel()
         task.add_done_callback(lambda t: t.cancelled() or t.exception())

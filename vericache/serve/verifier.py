@@ -14,6 +14,8 @@ emulated PCIe). Every call reports the bytes it loaded from the store and the ti
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 
 import torch
 
@@ -38,13 +40,13 @@ from vericache.serve.worker_api import (
     BatchingStats,
     DecodeCall,
     Decoded,
-    Loaded,
     OpenVerifier,
     Residency,
     Traffic,
     Verified,
     VerifierInfo,
     VerifierOpened,
+    VerifyBatch,
     VerifyCall,
 )
 
@@ -138,25 +140,23 @@ class Verifier:
         traffic = loaded + Traffic(link_bytes=exact.nbytes if exact else 0)
         return VerifierOpened(first_token(logits), exact, delay, traffic)
 
-    def load(self, session_id: str) -> Loaded:
-        """Brings the session's full KV onto the device ahead of its next verification, and keeps
-        it there until then: a scheduled load (scheduled.py), overlapping other requests' work."""
-        with self._sessions.using(session_id) as (session, loaded):
-            session.pinned = True
-        return Loaded(loaded)
-
     def verify(self, call: VerifyCall) -> Verified:
         """One forward over [pending + drafts] with the full KV (batched with the other requests
         due): the full-KV greedy choice after each; keeps the KV of pending and accepted drafts
         and hands it to the drafter."""
-        (verified,) = self.verify_batch((call,))
+        (verified,) = self.verify_batch(VerifyBatch((call,)))
         if verified is None:
             raise SessionNotFoundError(f"the verifier holds no session {call.session_id!r}")
         return verified
 
-    def verify_batch(self, calls: tuple[VerifyCall, ...]) -> list[Verified | None]:
+    def verify_batch(self, batch: VerifyBatch) -> list[Verified | None]:
         """`verify` for several sessions, all in the same forward. A session closed meanwhile
-        (its request cancelled) gets None; the others verify."""
+        (its request cancelled) gets None; the others verify. The batch's loads start first, in
+        the background: each brings a session's full KV onto the device ahead of its next
+        verification (scheduled.py), overlapping this forward and other requests' drafts."""
+        for session_id in batch.loads:
+            self._sessions.load_ahead(session_id)
+        calls = batch.calls
         with contextlib.ExitStack() as using:
             batch = []  # (its index, the call, its session, what loading it cost)
             for index, call in enumerate(calls):
@@ -167,10 +167,13 @@ class Verifier:
                 batch.append((index, call, session, loaded))
             jobs = [_verification(session.cache, call) for _, call, session, _ in batch]
             num_before = [session.cache.num_tokens for _, _, session, _ in batch]
+            started = time.perf_counter()
             choices = self._loop.run_many(jobs)  # each [1 + len(drafts)] greedy choices
+            forward_s = time.perf_counter() - started
             results: list[Verified | None] = [None] * len(calls)
             for (index, call, session, loaded), tokens, before in zip(batch, choices, num_before):
-                results[index] = self._kept(call, session, tokens, before, loaded)
+                verified = self._kept(call, session, tokens, before, loaded)
+                results[index] = dataclasses.replace(verified, forward_s=forward_s)
         return results
 
     def _kept(
@@ -180,7 +183,6 @@ class Verifier:
         accepted = num_accepted(list(call.drafts), tokens)
         kept = before + len(call.pending) + accepted
         session.cache.truncate(kept)
-        session.pinned = False
         exact = ExactKV.of(session.cache, before, kept)
         delay = self._hand_over(exact)
         traffic = loaded + Traffic(link_bytes=exact.nbytes)

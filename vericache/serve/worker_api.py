@@ -93,6 +93,7 @@ class VerifierOpened:
     exact: ExactKV | None  # the prompt's exact KV after the prefix, when for a drafter
     link_delay_s: float  # until `exact` has crossed the link to the drafters
     traffic: Traffic
+    forward_s: float = 0.0  # the batch's verification forward, without waiting for loads
 
 
 @dataclass(frozen=True)
@@ -138,12 +139,25 @@ class VerifyCall:
 
 
 @dataclass(frozen=True)
+class VerifyBatch:
+    """One verifier call of a scheduled iteration (serve/scheduled.py): the verifications that
+    start in it, in one forward, and the sessions whose full KV the plan loads in it, ahead of
+    their own verifications. The loads ride on the call instead of each making one of its own,
+    so a round costs one verifier call; they run beside the forward, and a session's next
+    verification waits for its load and reports what it cost."""
+
+    calls: tuple[VerifyCall, ...]
+    loads: tuple[str, ...] = ()  # session ids
+
+
+@dataclass(frozen=True)
 class Verified:
     tokens: tuple[int, ...]  # [1 + num_drafts] the full-KV greedy choice after each fed token
     num_accepted: int  # drafts kept: the cache holds pending + these
     exact: ExactKV  # the KV of pending + accepted drafts, for the drafter's next round
     link_delay_s: float  # until `exact` has crossed the link to the drafters
     traffic: Traffic
+    forward_s: float = 0.0  # the batch's verification forward, without waiting for loads
 
 
 @dataclass(frozen=True)
@@ -160,11 +174,6 @@ class DecodeCall:
 class Decoded:
     tokens: tuple[int, ...]  # [<= max_tokens]
     traffic: Traffic
-
-
-@dataclass(frozen=True)
-class Loaded:
-    traffic: Traffic  # the store's bytes brought onto the device (0: resident already)
 
 
 # -- introspection ----------------------------------------------------------------------------
@@ -204,9 +213,8 @@ class VerifierAPI(Protocol):
     async def list_prefixes(self) -> list[PrefixRecord]: ...
     async def delete_prefix(self, prefix_id: str) -> PrefixRecord: ...
     async def open(self, call: OpenVerifier) -> VerifierOpened: ...
-    async def load(self, session_id: str) -> Loaded: ...
     async def verify(self, call: VerifyCall) -> Verified: ...
-    async def verify_batch(self, calls: tuple[VerifyCall, ...]) -> list[Verified | None]: ...
+    async def verify_batch(self, batch: VerifyBatch) -> list[Verified | None]: ...
     async def decode(self, call: DecodeCall) -> Decoded: ...
     async def close_session(self, session_id: str) -> None: ...
     async def batching(self) -> BatchingStats: ...
