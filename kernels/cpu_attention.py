@@ -8,7 +8,7 @@ layer (kernels/cpu_packed_attention.cpp), for draft steps over a quantized cache
 
 The C++ ops are compiled on first use for this machine's vector width (torch's cpp_extension,
 cached under TORCH_EXTENSIONS_DIR) and registered as torch.ops.vericache_cpu.attention,
-.store_kv and .packed_attention_state. Where they cannot be built (no compiler or ninja),
+.store_kv and .packed_attention. Where they cannot be built (no compiler or ninja),
 `accepts` and `accepts_packed` say no once a warning has been logged, and callers use library
 attention, append sequence by sequence, and dequantize packed layers block by block.
 """
@@ -105,14 +105,19 @@ def store_kv(
     )
 
 
-def packed_attention_state(
-    rows: torch.Tensor, packed
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Online-softmax state of rows [H, R, D] float32 (pre-scaled query rows per KV head) over every
-    slot of `packed` (a kernels.packed_attention.PackedKV, all of it visible to every row):
-    (max [H, R], sum of exp [H, R], weighted value sum [H, R, D]). Call only where
-    `accepts_packed` said yes."""
-    return _ops().packed_attention_state(
+def packed_attention(
+    rows: torch.Tensor,
+    packed,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    num_new: int,
+) -> torch.Tensor:
+    """Attention of rows [H, R, D] float32 (each KV head's query rows, ordered group member then
+    token, pre-scaled) over a KIVI layer: every slot of `packed` (a
+    kernels.packed_attention.PackedKV, older than every new token), then the residual [Rr, H, D]
+    float32 whose last num_new slots are the new tokens, causally. Returns [H, R, D]. Call only
+    where `accepts_packed` said yes."""
+    return _ops().packed_attention(
         rows.contiguous(),
         packed.key_codes.contiguous(),
         packed.key_scale.contiguous(),
@@ -120,11 +125,19 @@ def packed_attention_state(
         packed.value_codes.contiguous(),
         packed.value_scale.contiguous(),
         packed.value_zero.contiguous(),
+        residual_keys,
+        residual_values,
+        num_new,
         packed.bits,
         packed.group_size,
     )
 
 
-def accepts_packed(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `packed_attention_state` serves a packed layer cached on `device` in `dtype`."""
-    return device.type == "cpu" and dtype == torch.float32 and _ops() is not None
+def accepts_packed(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `packed_attention` serves a packed layer cached on `device` in `dtype`."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and head_dim in SUPPORTED_HEAD_DIMS
+        and _ops() is not None
+    )

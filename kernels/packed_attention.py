@@ -9,9 +9,9 @@ vericache.model.kernels.attention.
 slots at a time and folds each block into a running softmax (running max, running sum, weighted
 value sum, as in FlashAttention), all in float32. `packed_attention` is the one public entry: it
 runs the fused Triton kernel (kernels/triton_ops.py) on CUDA when Triton is installed; on CPU the
-C++ kernel (kernels/cpu_packed_attention.cpp) attends over the packed codes of the slots every new
-token sees, and the reference's running softmax goes on from its state over the rest; the
-reference alone serves everything else.
+C++ kernel (kernels/cpu_packed_attention.cpp) attends over the packed codes and the residual
+where every packed slot is older than every new token and no window hides any; the reference
+serves everything else.
 """
 
 from __future__ import annotations
@@ -117,15 +117,17 @@ def packed_attention(
             q, packed, residual_keys, residual_values, window_mask
         )
     # The kernel takes no mask: every packed slot must be older than the first new token.
-    by_kernel = (
+    if (
         window_mask is None
         and packed.num_slots > 0
-        and q.shape[0] <= residual_keys.shape[0] + 1
-        and cpu_attention.accepts_packed(q.device, residual_keys.dtype)
-    )
-    return _attend_blocks(
-        q, packed, residual_keys, residual_values, window_mask, block_size, by_kernel
-    )
+        and 1 <= q.shape[0] <= residual_keys.shape[0] + 1
+        and cpu_attention.accepts_packed(q.device, residual_keys.dtype, q.shape[-1])
+    ):
+        rows = cpu_attention.packed_attention(
+            _rows(q, residual_keys.shape[1]), packed, residual_keys, residual_values, q.shape[0]
+        )
+        return _output(rows, q)
+    return _attend_blocks(q, packed, residual_keys, residual_values, window_mask, block_size)
 
 
 def packed_attention_reference(
@@ -138,33 +140,44 @@ def packed_attention_reference(
 ) -> torch.Tensor:
     """Pure-torch `packed_attention` (any device): same arguments, same result."""
     _check(q, packed, residual_keys, residual_values, window_mask)
-    return _attend_blocks(q, packed, residual_keys, residual_values, window_mask, block_size, False)
+    return _attend_blocks(q, packed, residual_keys, residual_values, window_mask, block_size)
 
 
 def _attend_blocks(
-    q, packed: PackedKV, residual_keys, residual_values, window_mask, block_size, packed_by_kernel
+    q, packed: PackedKV, residual_keys, residual_values, window_mask, block_size
 ) -> torch.Tensor:
-    """The running softmax over every block; its state over the packed part comes from the C++
-    kernel when `packed_by_kernel` (every packed slot visible to every row, float32 on CPU)."""
+    """The running softmax over every block: the packed part dequantized, then the residual."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     num_new, num_heads, head_dim = q.shape
     num_kv_heads = residual_keys.shape[1]
     group = num_heads // num_kv_heads
     num_slots = packed.num_slots + residual_keys.shape[0]
-    # Rows ordered (group member, token) per KV head, pre-scaled: [H, g * n, D].
-    rows = (q.float() * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
-    rows = rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
+    rows = _rows(q, num_kv_heads)
     softmax = _OnlineSoftmax(num_kv_heads, group * num_new, head_dim, q.device)
-    blocks = _residual_blocks(packed.num_slots, residual_keys, residual_values, block_size)
-    if packed_by_kernel:
-        softmax.max, softmax.sum, softmax.acc = cpu_attention.packed_attention_state(rows, packed)
-    else:
-        blocks = itertools.chain(_packed_blocks(packed, residual_keys.dtype, block_size), blocks)
+    blocks = itertools.chain(
+        _packed_blocks(packed, residual_keys.dtype, block_size),
+        _residual_blocks(packed.num_slots, residual_keys, residual_values, block_size),
+    )
     for start, keys, values in blocks:
         visible = _visible(start, keys.shape[0], num_new, num_slots, group, window_mask, q.device)
         softmax.update(rows, keys.float(), values.float(), visible)
-    out = softmax.result().view(num_kv_heads, group, num_new, head_dim)
+    return _output(softmax.result(), q)
+
+
+def _rows(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """q [n, Hq, D] as each KV head's rows, ordered (group member, token), pre-scaled by
+    1/sqrt(D), in float32: [H, g * n, D]."""
+    num_new, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    rows = (q.float() * head_dim**-0.5).view(num_new, num_kv_heads, group, head_dim)
+    return rows.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_new, head_dim)
+
+
+def _output(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """`_rows`' layout [H, g * n, D] back to [n, Hq * D] in q's dtype."""
+    num_new, num_heads, head_dim = q.shape
+    out = rows.view(rows.shape[0], num_heads // rows.shape[0], num_new, head_dim)
     return out.permute(2, 0, 1, 3).reshape(num_new, num_heads * head_dim).to(q.dtype)
 
 

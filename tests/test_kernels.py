@@ -180,7 +180,7 @@ def test_packed_attention_half_caches(dtype):
 
 
 @pytest.mark.skipif(
-    not cpu_attention.accepts_packed(torch.device("cpu"), torch.float32),
+    not cpu_attention.accepts_packed(torch.device("cpu"), torch.float32, 32),
     reason="the C++ kernel could not be built here",
 )
 @pytest.mark.parametrize(
@@ -199,10 +199,8 @@ def test_dispatcher_attends_over_packed_codes_on_cpu(monkeypatch, name, dtype, b
     """On CPU the packed part goes to the C++ kernel where every packed slot is visible to every
     new token of a float32 layer, and to the reference's blocks otherwise."""
     calls = []
-    kernel = cpu_attention.packed_attention_state
-    monkeypatch.setattr(
-        cpu_attention, "packed_attention_state", lambda *a: calls.append(1) or kernel(*a)
-    )
+    kernel = cpu_attention.packed_attention
+    monkeypatch.setattr(cpu_attention, "packed_attention", lambda *a: calls.append(1) or kernel(*a))
     inputs = random_inputs(CASES[name], dtype=dtype)
     actual = packed_attention(*inputs)
     assert bool(calls) == by_kernel
@@ -214,16 +212,17 @@ def test_dispatcher_attends_over_packed_codes_on_cpu(monkeypatch, name, dtype, b
 
 
 def test_cpu_kernel_rejects_malformed_packed_layers():
-    if not cpu_attention.accepts_packed(torch.device("cpu"), torch.float32):
+    if not cpu_attention.accepts_packed(torch.device("cpu"), torch.float32, 32):
         pytest.skip("the C++ kernel could not be built here")
-    q, packed, *_ = random_inputs(case(new=1, quantized=64, kv_heads=2, group=2))
+    q, packed, keys, values, _ = random_inputs(case(new=1, quantized=64, kv_heads=2, group=2))
     rows = q.float().view(1, 2, 2, 32).permute(1, 2, 0, 3).reshape(2, 2, 32)
     with pytest.raises(RuntimeError, match="key_scale"):
-        cpu_attention.packed_attention_state(
-            rows, dataclasses.replace(packed, key_scale=packed.key_scale.float())
-        )
+        half_scale = dataclasses.replace(packed, key_scale=packed.key_scale.float())
+        cpu_attention.packed_attention(rows, half_scale, keys, values, 1)
     with pytest.raises(RuntimeError, match="D dimensions"):
-        cpu_attention.packed_attention_state(rows[..., :16], packed)
+        cpu_attention.packed_attention(rows[..., :16], packed, keys[..., :16], values[..., :16], 1)
+    with pytest.raises(RuntimeError, match="older than the new tokens"):
+        cpu_attention.packed_attention(rows, packed, keys[:0], values[:0], 2)
 
 
 def test_earlier_new_tokens_do_not_see_later_ones():
