@@ -1,0 +1,173 @@
+"""Sampling that speculative decoding can keep exact: seeded Gumbel-max and rejection coupling.
+
+Seeded coupling: a position's token is argmax(processed logits / T + g), where g is Gumbel noise
+drawn from a counter-based generator keyed by (seed, position in the sequence, token id). The
+noise of a position is the same wherever and whenever that position is computed (in a draft
+step over compressed KV, in a verification over full KV, in a full-KV decode step, in any batch),
+so a verifier that accepts a draft exactly when it equals its own sample at that position, and
+emits its own sample at the first mismatch, gives the tokens full-KV sampling gives with the same
+seed; and argmax(x + Gumbel) is distributed as softmax(x), so those tokens follow the model's
+distribution exactly.
+
+Rejection coupling (Leviathan et al., 2023): a draft token t drawn from the drafter's q is kept
+with probability min(1, p(t) / q(t)); at the first rejection the token is drawn from
+norm(max(0, p - q)); after every draft kept, a bonus token from p. The output follows p exactly,
+but it is not the sample full-KV decoding with the same seed would give.
+
+Logit processing follows vLLM's definitions: repetition_penalty over the prompt and output tokens
+(positive logits divided by it, negative ones multiplied), presence_penalty subtracted once from
+every token already in the output, then temperature, then top-k, top-p and min-p masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vericache.errors import InvalidRequestError
+
+_MASK32 = 0xFFFFFFFF
+_UNIFORM_BITS = 24  # uniforms on a grid of 2**-24, never 0 or 1: finite Gumbel noise
+
+
+@dataclass(frozen=True)
+class LogitProcessing:
+    """How a position's logits become the distribution it samples from."""
+
+    temperature: float = 1.0  # > 0 (temperature 0 is greedy decoding, which samples nothing)
+    top_k: int = 0  # keep the k most likely tokens; 0: all
+    top_p: float = 1.0  # keep the fewest most likely tokens whose mass reaches top_p
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise InvalidRequestError(f"temperature must be > 0 to sample, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must lie in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            )
+        if not -2 <= self.presence_penalty <= 2:
+            raise InvalidRequestError(
+                f"presence_penalty must lie in [-2, 2], got {self.presence_penalty}"
+            )
+
+
+def processed_logits(
+    logits: torch.Tensor,
+    processing: LogitProcessing,
+    prompt_ids: Sequence[int] = (),
+    output_ids: Sequence[Sequence[int]] = (),
+) -> torch.Tensor:
+    """logits [n, V] of n consecutive positions -> float32 [n, V] to sample from (masked tokens
+    -inf). output_ids[i]: the output tokens before position i (penalties depend on them)."""
+    x = logits.float().clone()
+    penalized = processing.repetition_penalty != 1 or processing.presence_penalty != 0
+    for row, before in zip(x, output_ids if penalized else ()):
+        _penalize(row, processing, prompt_ids, before)
+    x /= processing.temperature
+    if processing.top_k and processing.top_k < x.shape[-1]:
+        kth = x.topk(processing.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if processing.top_p < 1:
+        x = _top_p(x, processing.top_p)
+    if processing.min_p > 0:
+        probs = x.softmax(-1)
+        floor = processing.min_p * probs.amax(-1, keepdim=True)
+        x = x.masked_fill(probs < floor, float("-inf"))
+    return x
+
+
+def _penalize(row: torch.Tensor, processing: LogitProcessing, prompt_ids, output_ids) -> None:
+    seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long, device=row.device)
+    if processing.repetition_penalty != 1 and seen.numel():
+        values = row[seen]
+        penalty = processing.repetition_penalty
+        row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if processing.presence_penalty != 0 and output_ids:
+        present = torch.tensor(sorted(set(output_ids)), dtype=torch.long, device=row.device)
+        row[present] -= processing.presence_penalty
+
+
+def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keeps, per row, the most likely tokens until their mass reaches top_p (the token that
+    crosses it included); ties in the sort go to the lower token id: a deterministic mask."""
+    order = torch.sort(x, dim=-1, descending=True, stable=True)
+    probs = order.values.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    dropped_sorted = mass_before >= top_p
+    dropped = torch.zeros_like(dropped_sorted).scatter(-1, order.indices, dropped_sorted)
+    return x.masked_fill(dropped, float("-inf"))
+
+
+def gumbel_noise(seed: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise [n, V] float32 for the given positions [n] of a sequence with this seed: a
+    pure function of (seed, position, token id), computed in integer arithmetic that is the same
+    on every device, so any computation of a position draws the same noise."""
+    device = positions.device
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    low, high = seed & _MASK32, ((seed >> 32) & _MASK32) ^ 0x9E3779B9
+    key = _mix(torch.tensor(low, device=device) ^ _mix(torch.tensor(high, device=device)))
+    h = _mix(key ^ _mix(positions.to(torch.int64).unsqueeze(1) & _MASK32))  # [n, 1]
+    h = _mix(h ^ _mix(tokens * 0x85EBCA6B & _MASK32))  # [n, V]
+    uniform = ((h >> (32 - _UNIFORM_BITS)).double() + 0.5) / (1 << _UNIFORM_BITS)
+    return (-torch.log(-torch.log(uniform))).float()
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 lanes holding values below 2**32: products keep
+    their low 32 bits whatever int64 overflow does, shifts see non-negative values."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max over processed logits [n, V] at the given positions [n]: tokens [n], each
+    distributed as softmax of its row, ties to the lower token id."""
+    noise = gumbel_noise(seed, positions.to(processed.device), processed.shape[-1])
+    return (processed + noise).argmax(-1)
+
+
+@dataclass(frozen=True)
+class RejectionOutcome:
+    num_accepted: int  # drafts kept
+    next_token: int  # the correction at the first rejection, or the bonus token after all
+
+
+def rejection_sample(
+    drafts: Sequence[int],
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> RejectionOutcome:
+    """Leviathan et al.'s rule for one round. drafts: [k] tokens drawn from draft_probs [k, V]
+    (the drafter's distribution at each draft); target_probs: [k + 1, V] the verifier's, the last
+    row after every draft. The emitted tokens follow target_probs exactly."""
+    k = len(drafts)
+    if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
+        raise ValueError(f"{k} drafts need [k, V] draft and [k + 1, V] target probabilities")
+    uniforms = torch.rand(k, generator=generator, dtype=torch.float64)
+    for i, token in enumerate(drafts):
+        p, q = float(target_probs[i, token]), float(draft_probs[i, token])
+        if q > 0 and uniforms[i] * q < p:  # accept with probability min(1, p / q)
+            continue
+        residual = (target_probs[i].double() - draft_probs[i].double()).clamp_min(0)
+        if float(residual.sum()) <= 0:  # p == q: a rejection has probability zero
+            residual = target_probs[i].double()
+        return RejectionOutcome(i, _draw(residual, generator))
+    return RejectionOutcome(k, _draw(target_probs[k].double(), generator))
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(weights.cpu() / weights.sum(), 1, generator=generator))
