@@ -168,11 +168,6 @@ def test_lossy_mode_runs_on_the_compressed_cache_alone(tiny_engine, full_outputs
     assert [out.token_ids for out in outputs] != full_outputs
 
 
-def test_sampling_is_refused():
-    with pytest.raises(InvalidRequestError, match="greedy"):
-        SamplingParams(temperature=0.7)
-
-
 def test_prompt_longer_than_the_context_is_refused(tiny_engine):
     too_long = Request(tuple([5] * 2048), 0, mode=DecodeMode.FULL)
     with pytest.raises(InvalidRequestError, match="context"):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vericache.engine.request import SamplingParams
 from vericache.engine.sampling import (
-    LogitProcessing,
     gumbel_noise,
     processed_logits,
     rejection_sample,
@@ -84,7 +84,7 @@ def test_seeded_coupling_of_a_speculative_loop_gives_the_sequential_samples():
     generator = torch.Generator().manual_seed(3)
     target = torch.randn(40, 40, generator=generator) * 2
     drafter = target + torch.randn(40, 40, generator=generator)  # a lossy copy
-    processing = LogitProcessing(temperature=0.7, top_p=0.9, top_k=20)
+    processing = SamplingParams(temperature=0.7, top_p=0.9, top_k=20)
     seed, length = 1234, 120
 
     def sample(table, previous, position):
@@ -141,25 +141,35 @@ def test_rejection_coupling_keeps_every_draft_of_an_exact_drafter():
 
 def test_top_k_top_p_and_min_p_keep_what_vllm_keeps():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.07, 0.03]]))
-    kept = lambda **kw: torch.isfinite(processed_logits(logits, LogitProcessing(**kw)))[0].tolist()  # noqa: E731
+
+    def kept(**params) -> list[bool]:
+        processed = processed_logits(logits, SamplingParams(temperature=1, **params))
+        return torch.isfinite(processed)[0].tolist()
+
     assert kept(top_k=2) == [True, True, False, False, False]
     assert kept(top_p=0.7) == [True, True, False, False, False]  # 0.5 + 0.25 reaches 0.7
     assert kept(top_p=0.75) == [True, True, False, False, False]
     assert kept(top_p=0.76) == [True, True, True, False, False]
     assert kept(min_p=0.4) == [True, True, False, False, False]  # 0.15 < 0.4 * 0.5
     assert all(kept())
-    scaled = processed_logits(logits, LogitProcessing(temperature=0.5))
+    scaled = processed_logits(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(scaled, logits * 2)
 
 
 def test_penalties_follow_vllm_definitions():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     out = processed_logits(
-        logits, LogitProcessing(repetition_penalty=2.0), prompt_ids=[0], output_ids=[[1]]
+        logits,
+        SamplingParams(temperature=1, repetition_penalty=2.0),
+        prompt_ids=[0],
+        output_ids=[[1]],
     )
     assert out[0].tolist() == [1.0, -4.0, 1.0, 0.5]  # positive divided, negative multiplied
     out = processed_logits(
-        logits, LogitProcessing(presence_penalty=0.5), prompt_ids=[0], output_ids=[[2, 2]]
+        logits,
+        SamplingParams(temperature=1, presence_penalty=0.5),
+        prompt_ids=[0],
+        output_ids=[[2, 2]],
     )
     assert out[0].tolist() == [2.0, -2.0, 0.5, 0.5]  # once per token present in the output
 
@@ -167,7 +177,6 @@ def test_penalties_follow_vllm_definitions():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("temperature", 0.0),
         ("temperature", -1.0),
         ("top_k", -1),
         ("top_p", 0.0),
@@ -175,8 +184,21 @@ def test_penalties_follow_vllm_definitions():
         ("min_p", -0.1),
         ("repetition_penalty", 0.0),
         ("presence_penalty", 3.0),
+        ("seed", -1),
+        ("coupling", "nearest"),
     ],
 )
 def test_bad_parameters_are_refused(field, value):
     with pytest.raises(InvalidRequestError, match=field):
-        LogitProcessing(**{field: value})
+        SamplingParams(**{"temperature": 0.7, field: value})
+
+
+def test_rejection_coupling_is_refused_until_served():
+    with pytest.raises(InvalidRequestError, match="rejection"):
+        SamplingParams(temperature=0.7, coupling="rejection")
+
+
+def test_greedy_parameters_have_nothing_to_sample():
+    assert not SamplingParams().samples
+    with pytest.raises(ValueError, match="greedily"):
+        processed_logits(TARGET_LOGITS.unsqueeze(0), SamplingParams())

@@ -12,6 +12,7 @@ d + 1 iterations, as in the long-context engine and the schedulers. Rounds begin
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from vericache.compress.context import ModelContext
 from vericache.engine.forward_loop import ForwardLoop, Job, greedy
 from vericache.engine.prefix_store import PrefixStore
 from vericache.engine.request import DecodeMode, Request, RequestOutput
+from vericache.engine.sampling import SequenceSampler
 from vericache.engine.sequence import Sequence
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache, aligned
@@ -122,10 +124,17 @@ class Engine:
         steps) and one over the full caches of `full_batch` (verifications or full decode steps),
         through the forward loop."""
         compressed_jobs = [
-            Job(seq.compressed_cache, seq.compressed_input()) for seq in compressed_batch
+            Job(seq.compressed_cache, seq.compressed_input(), sampler=_sampler(seq, seq.draft_ids))
+            for seq in compressed_batch
         ]
         full_jobs = [
-            Job(seq.full_cache, seq.full_input(), num_logits=1 + len(seq.draft_ids), exact=True)
+            Job(
+                seq.full_cache,
+                seq.full_input(),
+                num_logits=1 + len(seq.draft_ids),
+                exact=True,
+                sampler=_sampler(seq),
+            )
             for seq in full_batch
         ]
         num_verified_before = [seq.full_cache.num_tokens for seq in full_batch]
@@ -192,7 +201,11 @@ class Engine:
         seq = Sequence.start(
             request, self.model_config.eos_token_ids, max_positions, self.tokenizer
         )
-        (first,) = greedy([self._prefill(seq)[-1:]])
+        if request.params.samples and request.params.seed is None:
+            seq.seed = secrets.randbits(63)  # reported with the output
+        logits = self._prefill(seq)[-1:]
+        sampler = _sampler(seq)
+        (first,) = greedy([logits]) if sampler is None else [sampler.sample(logits)]
         seq.stats.prefill_s = time.perf_counter() - seq.started_at
         seq.commit(first)
         return seq
@@ -261,7 +274,17 @@ class Engine:
             text=seq.stop_checker.output_text(seq.output_ids),
             finish_reason=seq.finish_reason,
             stats=seq.stats,
+            seed=seq.seed,
         )
+
+
+def _sampler(seq: Sequence, following: list[int] = ()) -> SequenceSampler | None:
+    """Seeded sampling of the sequence's next tokens, after its output and `following` (a draft
+    step's earlier drafts); None where it decodes greedily."""
+    if not seq.request.params.samples:
+        return None
+    history = (*seq.output_ids, *following)
+    return SequenceSampler(seq.request.params, seq.seed, seq.request.prompt_ids, history)
 
 
 def _planned_verify_steps(active: list[Sequence]) -> set[int]:

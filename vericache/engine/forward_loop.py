@@ -1,11 +1,13 @@
 """The forward loop: every batched forward of a draft, a verification or a decode step runs here.
 
-A `Job` is one piece of work on one cache: up to `max_steps` greedy tokens (a draft, a run of
-full-KV or lossy decoding), or a single forward that chooses `num_logits` tokens (a verification of
-[pending + drafts]). `ForwardLoop.step(jobs)` runs one forward over the next tokens of every job
-and records each one's greedy choices. Rows over compressed KV attend with the fast kernels; rows
-over full KV (`Job.exact`) with the batch-invariant kernels, so a verification's choices do not
-depend on what shares its forward; both kinds share the forward's one read of the weights.
+A `Job` is one piece of work on one cache: up to `max_steps` tokens (a draft, a run of full-KV or
+lossy decoding), or a single forward that chooses `num_logits` tokens (a verification of [pending
++ drafts]); greedy, or sampled with seeded coupling where the job has a sampler (so a draft and
+its verification draw the same noise at each position). `ForwardLoop.step(jobs)` runs one forward
+over the next tokens of every job and records each one's choices. Rows over compressed KV attend
+with the fast kernels; rows over full KV (`Job.exact`) with the batch-invariant kernels, so a
+verification's choices do not depend on what shares its forward; both kinds share the forward's
+one read of the weights.
 
 The engine and the long-context engine build each iteration's jobs from their sequences and step
 them once; a worker's batch thread (serve/batching.py) keeps the jobs of the calls it holds and
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vericache.engine.sampling import SequenceSampler
 from vericache.kv.cache import KVCache
 from vericache.model.runner import ModelRunner, SequenceInput
 
@@ -34,6 +37,7 @@ class Job:
     end_ids: frozenset[int] = frozenset()  # stop after choosing one of these
     exact: bool = False  # full-KV work: batch-invariant kernels
     after_step: Callable[[], None] | None = None  # e.g. an online compressor's update
+    sampler: SequenceSampler | None = None  # None: greedy choices
     choices: list[int] = field(default_factory=list)
     steps: int = 0
 
@@ -49,13 +53,30 @@ class Job:
         num_logits = self.num_logits if self.steps == 0 else 1
         return SequenceInput(ids, cache, num_logits, observe, fast_attention=not self.exact)
 
+    def choose(self, rows: torch.Tensor) -> list[int]:
+        """This step's tokens from its logits rows [n, V] (a sampling job's; greedy ones are
+        chosen together in `choose`)."""
+        fed_after_first_row = self.feed[len(self.feed) - rows.shape[0] + 1 :]
+        return self.sampler.sample(rows, self.choices, fed_after_first_row)
+
     def advance(self, chosen: list[int]) -> None:
-        """Records one step's greedy choices; the last one is fed next."""
+        """Records one step's choices; the last one is fed next."""
         self.choices.extend(chosen)
         self.feed = chosen[-1:]
         self.steps += 1
         if self.after_step is not None:
             self.after_step()
+
+
+def choose(jobs: list[Job], logits: list[torch.Tensor]) -> list[list[int]]:
+    """Each job's tokens from its logits: sampled where it samples, greedy (in one batch) where
+    not."""
+    greedy_rows = [rows for job, rows in zip(jobs, logits) if job.sampler is None]
+    greedy_chosen = iter(greedy(greedy_rows) if greedy_rows else [])
+    return [
+        next(greedy_chosen) if job.sampler is None else job.choose(rows)
+        for job, rows in zip(jobs, logits)
+    ]
 
 
 def greedy(logits: list[torch.Tensor]) -> list[list[int]]:
@@ -89,7 +110,7 @@ class ForwardLoop:
         invariant = self.invariant_full_kv and any(job.exact for job in jobs)
         inputs = [job.sequence_input() for job in jobs]
         start, start_cpu = time.perf_counter(), time.thread_time()
-        chosen = greedy(self.runner.forward(inputs, invariant=invariant))
+        chosen = choose(jobs, self.runner.forward(inputs, invariant=invariant))
         elapsed, cpu_s = time.perf_counter() - start, time.thread_time() - start_cpu
         for job, job_chosen in zip(jobs, chosen):
             job.advance(job_chosen)

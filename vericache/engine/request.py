@@ -3,9 +3,10 @@
 Vocabulary, used everywhere in VeriCache:
 - full KV: the exact keys and values of every token; compressed KV: what a compressor keeps.
 - round: one draft phase and one verification of a `vericache` request.
-- draft tokens: up to `draft_len` (x) tokens proposed greedily with the compressed KV.
+- draft tokens: up to `draft_len` (x) tokens proposed with the compressed KV: greedily, or sampled
+  with the noise the verifier draws at the same positions (seeded coupling, engine/sampling.py).
 - verify: one forward over the full KV of [last committed token + draft tokens], which gives the
-  full-KV greedy choice at each of the x + 1 positions.
+  full-KV choice (greedy or sampled) at each of the x + 1 positions.
 - accepted tokens: the longest prefix of the draft that matches the verifier's choices.
 - correction token: the verifier's choice at the first mismatch; bonus token: its choice after
   the last draft token when all x were accepted. Each round emits accepted + 1 tokens.
@@ -33,21 +34,58 @@ class DecodeMode(str, enum.Enum):
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
+    # 0: greedy. Above 0, each token is sampled from the model's distribution after the
+    # penalties, temperature and top-k / top-p / min-p masks (vLLM's definitions), with seeded
+    # coupling (engine/sampling.py): the output is the sample full-KV decoding gives for `seed`.
     temperature: float = 0.0
+    top_k: int = 0  # the k most likely tokens; 0: all
+    top_p: float = 1.0  # the fewest most likely tokens whose mass reaches top_p
+    min_p: float = 0.0  # drops tokens less likely than min_p times the most likely one
+    seed: int | None = None  # None: drawn at random when the request starts, and reported
+    repetition_penalty: float = 1.0  # over prompt and output tokens
+    presence_penalty: float = 0.0  # once per token present in the output
+    coupling: str = "seeded"  # how drafts are checked under sampling ("seeded"; "rejection")
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
     stop_token_ids: tuple[int, ...] = ()  # extra end tokens besides the model's EOS
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.temperature != 0:
-            raise InvalidRequestError(
-                f"temperature {self.temperature} is not supported: decoding is greedy "
-                "(temperature 0) in this version"
-            )
         if self.max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0 (0: greedy)"),
+            (self.top_k >= 0, "top_k must be >= 0 (0: no limit)"),
+            (0 < self.top_p <= 1, "top_p must lie in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must lie in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must lie in [-2, 2]"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must lie in [0, 2**64)"),
+            (self.coupling in COUPLINGS, f"coupling must be one of {', '.join(COUPLINGS)}"),
+        ]
+        for holds, message in checks:
+            if not holds:
+                raise InvalidRequestError(f"{message}, got {self._value_named(message)}")
+        if self.coupling == "rejection":
+            raise InvalidRequestError(
+                "coupling 'rejection' is not served yet: use 'seeded', whose output is the "
+                "sample full-KV decoding gives"
+            )
+
+    def _value_named(self, message: str) -> object:
+        return getattr(self, message.split()[0])
+
+    @property
+    def samples(self) -> bool:
+        """Tokens are sampled (temperature > 0), not chosen greedily."""
+        return self.temperature > 0
+
+
+COUPLINGS = ("seeded", "rejection")
 
 
 @dataclass(frozen=True)
@@ -161,3 +199,4 @@ class RequestOutput:
     text: str | None  # None when the model has no tokenizer
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     stats: RequestStats
+    seed: int | None = None  # the sampling seed used (drawn where the request gave none)

@@ -26,50 +26,23 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache.errors import InvalidRequestError
+from vericache.engine.request import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 _UNIFORM_BITS = 24  # uniforms on a grid of 2**-24, never 0 or 1: finite Gumbel noise
 
 
-@dataclass(frozen=True)
-class LogitProcessing:
-    """How a position's logits become the distribution it samples from."""
-
-    temperature: float = 1.0  # > 0 (temperature 0 is greedy decoding, which samples nothing)
-    top_k: int = 0  # keep the k most likely tokens; 0: all
-    top_p: float = 1.0  # keep the fewest most likely tokens whose mass reaches top_p
-    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise InvalidRequestError(f"temperature must be > 0 to sample, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise InvalidRequestError(f"min_p must lie in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            raise InvalidRequestError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
-            )
-        if not -2 <= self.presence_penalty <= 2:
-            raise InvalidRequestError(
-                f"presence_penalty must lie in [-2, 2], got {self.presence_penalty}"
-            )
-
-
 def processed_logits(
     logits: torch.Tensor,
-    processing: LogitProcessing,
+    processing: SamplingParams,
     prompt_ids: Sequence[int] = (),
     output_ids: Sequence[Sequence[int]] = (),
 ) -> torch.Tensor:
     """logits [n, V] of n consecutive positions -> float32 [n, V] to sample from (masked tokens
-    -inf). output_ids[i]: the output tokens before position i (penalties depend on them)."""
+    -inf), for parameters that sample (temperature > 0). output_ids[i]: the output tokens before
+    position i (penalties depend on them)."""
+    if not processing.samples:
+        raise ValueError("temperature 0 decodes greedily: there is nothing to sample")
     x = logits.float().clone()
     penalized = processing.repetition_penalty != 1 or processing.presence_penalty != 0
     for row, before in zip(x, output_ids if penalized else ()):
@@ -87,7 +60,7 @@ def processed_logits(
     return x
 
 
-def _penalize(row: torch.Tensor, processing: LogitProcessing, prompt_ids, output_ids) -> None:
+def _penalize(row: torch.Tensor, processing: SamplingParams, prompt_ids, output_ids) -> None:
     seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long, device=row.device)
     if processing.repetition_penalty != 1 and seen.numel():
         values = row[seen]
@@ -137,6 +110,34 @@ def seeded_sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -
     distributed as softmax of its row, ties to the lower token id."""
     noise = gumbel_noise(seed, positions.to(processed.device), processed.shape[-1])
     return (processed + noise).argmax(-1)
+
+
+@dataclass(frozen=True)
+class SequenceSampler:
+    """Seeded sampling of one sequence's tokens, wherever its rows are computed: a draft step, a
+    verification, a decode step or a prefill. `history` is the output before the first row it
+    samples; row r of a forward then predicts output index len(history) + r past the tokens the
+    job already knows, at sequence position len(prompt_ids) + that index."""
+
+    params: SamplingParams
+    seed: int
+    prompt_ids: tuple[int, ...]
+    history: tuple[int, ...]
+
+    def sample(
+        self, rows: torch.Tensor, before: Sequence[int] = (), following: Sequence[int] = ()
+    ) -> list[int]:
+        """Tokens for logits rows [n, V]. before: the tokens after `history` that precede the
+        first row's prediction (a stepping job's earlier choices); following: the tokens fed
+        after the first row's, row r having seen following[:r] (a verification's drafts). Row r
+        predicts output index len(history) + len(before) + r."""
+        first = len(self.history) + len(before)
+        penalized = self.params.repetition_penalty != 1 or self.params.presence_penalty != 0
+        seen = (*self.history, *before)
+        histories = [(*seen, *following[:r]) for r in range(rows.shape[0])] if penalized else ()
+        processed = processed_logits(rows, self.params, self.prompt_ids, histories)
+        positions = len(self.prompt_ids) + first + torch.arange(rows.shape[0], device=rows.device)
+        return seeded_sample(processed, self.seed, positions).tolist()
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class Sequence:
     draft_target: int | None = None  # drafts wanted this round; None between rounds
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    seed: int | None = None  # the sampling seed: the request's, or one drawn for it
     started_at: float = field(default_factory=time.perf_counter)
 
     @classmethod
@@ -63,7 +64,12 @@ class Sequence:
         cls, request: Request, eos_token_ids: tuple[int, ...], max_positions: int, tokenizer=None
     ) -> Sequence:
         checker = StopChecker(request.params, eos_token_ids, max_positions, tokenizer)
-        return cls(request=request, stop_checker=checker, token_ids=list(request.prompt_ids))
+        return cls(
+            request=request,
+            stop_checker=checker,
+            token_ids=list(request.prompt_ids),
+            seed=request.params.seed,
+        )
 
     @property
     def mode(self) -> DecodeMode:

@@ -1,0 +1,119 @@
+"""Sampled vericache output equals full-KV sampling with the same seed, token for token (seeded
+coupling, engine/sampling.py): for every compressor, temperature, top-p / top-k, penalties, draft
+length and batch; the same seed repeats its output, another seed gives another."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.compressor_table import TABLE, pick, row_id
+from tests.test_engine_exactness import make_prompts
+from vericache.engine.long_context import LongContextEngine
+from vericache.engine.long_context_config import LongContextConfig
+from vericache.engine.request import DecodeMode, Request, SamplingParams
+
+MAX_NEW = 24
+SAMPLING = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_p=0.9, top_k=50, seed=11)
+
+
+def requests(mode, params=SAMPLING, compressor=None, draft_len=8):
+    return [
+        Request(ids, prefix, params, mode, compressor, draft_len, request_id=str(i))
+        for i, (ids, prefix) in enumerate(make_prompts())
+    ]
+
+
+def tokens(engine, batch) -> list[list[int]]:
+    return [out.token_ids for out in engine.generate(batch)]
+
+
+@pytest.fixture(scope="module")
+def full_samples(tiny_engine):
+    """Full-KV samples per temperature, computed once for the module."""
+    cache = {}
+
+    def get(params: SamplingParams) -> list[list[int]]:
+        if params not in cache:
+            cache[params] = tokens(tiny_engine(), requests(DecodeMode.FULL, params))
+        return cache[params]
+
+    return get
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0])
+@pytest.mark.parametrize("compressor", TABLE, ids=row_id)
+def test_vericache_samples_what_full_kv_samples(tiny_engine, full_samples, compressor, temperature):
+    params = dataclasses.replace(SAMPLING, temperature=temperature)
+    vericache = tokens(tiny_engine(), requests(DecodeMode.VERICACHE, params, compressor))
+    assert vericache == full_samples(params)
+
+
+@pytest.mark.parametrize("draft_len", [1, 4, 30])
+@pytest.mark.parametrize("compressor", pick("kivi"), ids=row_id)
+def test_every_draft_length_and_penalty_keeps_the_sample(tiny_engine, compressor, draft_len):
+    engine = tiny_engine()
+    params = dataclasses.replace(SAMPLING, repetition_penalty=1.3, presence_penalty=0.5, min_p=0.02)
+    full = tokens(engine, requests(DecodeMode.FULL, params))
+    outputs = engine.generate(requests(DecodeMode.VERICACHE, params, compressor, draft_len))
+    assert [out.token_ids for out in outputs] == full
+    assert all(out.seed == 11 for out in outputs)
+
+
+def test_a_drafter_close_to_the_model_has_its_samples_accepted(tiny_engine):
+    """The drafter draws the verifier's noise at each position, so a near-exact drafter (KIVI
+    8-bit) proposes the same samples and most drafts are kept."""
+    engine = tiny_engine()
+    (kivi8,) = [row for row in pick("kivi") if row.bits == 8]
+    params = dataclasses.replace(SAMPLING, temperature=0.3)
+    outputs = engine.generate(requests(DecodeMode.VERICACHE, params, kivi8))
+    drafted = sum(sum(out.stats.drafted_per_round) for out in outputs)
+    accepted = sum(sum(out.stats.accepted_per_round) for out in outputs)
+    assert accepted > 0.5 * drafted
+
+
+def test_a_sample_does_not_depend_on_its_batch(tiny_engine):
+    engine = tiny_engine()
+    (compressor, _) = pick("streamingllm")
+    batch = requests(DecodeMode.VERICACHE, compressor=compressor)
+    together = tokens(engine, batch)
+    assert [tokens(engine, [request])[0] for request in batch] == together
+
+
+def test_the_seed_decides_the_sample(tiny_engine):
+    engine = tiny_engine()
+    first = tokens(engine, requests(DecodeMode.FULL))
+    assert tokens(engine, requests(DecodeMode.FULL)) == first
+    other = tokens(engine, requests(DecodeMode.FULL, dataclasses.replace(SAMPLING, seed=12)))
+    assert other != first
+    greedy = tokens(engine, requests(DecodeMode.FULL, SamplingParams(max_new_tokens=MAX_NEW)))
+    assert greedy != first
+
+
+def test_a_request_without_a_seed_gets_one_and_reports_it(tiny_engine):
+    engine = tiny_engine()
+    unseeded = dataclasses.replace(SAMPLING, seed=None)
+    outputs = engine.generate(requests(DecodeMode.FULL, unseeded))
+    seeds = [out.seed for out in outputs]
+    assert all(seed is not None for seed in seeds) and len(set(seeds)) == len(seeds)
+    replayed = [
+        engine.generate([dataclasses.replace(r, params=dataclasses.replace(SAMPLING, seed=s))])[0]
+        for r, s in zip(requests(DecodeMode.FULL, unseeded), seeds)
+    ]
+    assert [out.token_ids for out in replayed] == [out.token_ids for out in outputs]
+    greedy = engine.generate(requests(DecodeMode.FULL, SamplingParams(max_new_tokens=4)))
+    assert all(out.seed is None for out in greedy)
+
+
+def test_the_long_context_engine_samples_what_full_kv_samples(tiny_engine):
+    """The long-context engine (full KV in host memory, loaded per round) drives the same round,
+    so its sampled output is the full-KV sample too."""
+    engine = tiny_engine()
+    (compressor, _) = pick("snapkv")
+    long_context = LongContextEngine(engine.runner, None, long_context=LongContextConfig())
+    try:
+        outputs = long_context.generate(requests(DecodeMode.VERICACHE, SAMPLING, compressor))
+    finally:
+        long_context.close()
+    assert [out.token_ids for out in outputs] == tokens(engine, requests(DecodeMode.FULL))
