@@ -117,3 +117,70 @@ def test_the_long_context_engine_samples_what_full_kv_samples(tiny_engine):
     finally:
         long_context.close()
     assert [out.token_ids for out in outputs] == tokens(engine, requests(DecodeMode.FULL))
+
+
+REJECTION = dataclasses.replace(SAMPLING, coupling="rejection")
+
+
+def test_rejection_coupling_repeats_for_a_seed_and_keeps_an_exact_drafters_drafts(tiny_engine):
+    engine = tiny_engine()
+    (kivi8,) = [row for row in pick("kivi") if row.bits == 8]
+    params = dataclasses.replace(REJECTION, temperature=0.3)
+    first = engine.generate(requests(DecodeMode.VERICACHE, params, kivi8))
+    again = engine.generate(requests(DecodeMode.VERICACHE, params, kivi8))
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    drafted = sum(sum(out.stats.drafted_per_round) for out in first)
+    accepted = sum(sum(out.stats.accepted_per_round) for out in first)
+    assert accepted > 0.8 * drafted  # p and q nearly equal: min(1, p / q) is nearly 1
+
+
+def test_rejection_coupling_samples_the_models_distribution(tiny_engine):
+    """The second token of a request comes out of a round of one draft over a lossy cache,
+    checked by rejection coupling: over many seeds, the (first, second) pairs follow the model's
+    own joint distribution, and far more closely than the drafter's."""
+    engine = tiny_engine()
+    (ids, _), *_ = make_prompts()
+    ids, prefix = ids[:40], 32
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=3, coupling="rejection")
+    (lossy, _) = pick("streamingllm")
+    num_samples = 1200  # the expected distance is about 0.035 (0.022 at 3000)
+    batch = [
+        Request(ids, prefix, dataclasses.replace(params, seed=s), DecodeMode.VERICACHE, lossy, 1)
+        for s in range(num_samples)
+    ]
+    pairs = [tuple(out.token_ids) for out in engine.generate(batch)]
+    exact = _joint(engine, ids, params)
+    empirical_joint = {pair: pairs.count(pair) / num_samples for pair in set(pairs)}
+    distance = 0.5 * sum(
+        abs(empirical_joint.get(pair, 0) - p) for pair, p in {**empirical_joint, **exact}.items()
+    )
+    assert all(pair in exact for pair in empirical_joint)  # only tokens top-k allows
+    assert distance < 0.08
+    # The drafter alone (lossy decoding with the same seeds) samples another distribution.
+    lossy_batch = [dataclasses.replace(r, mode=DecodeMode.LOSSY) for r in batch]
+    lossy_pairs = [tuple(out.token_ids) for out in engine.generate(lossy_batch)]
+    lossy_joint = {pair: lossy_pairs.count(pair) / num_samples for pair in set(lossy_pairs)}
+    lossy_distance = 0.5 * sum(
+        abs(lossy_joint.get(pair, 0) - p) for pair, p in {**lossy_joint, **exact}.items()
+    )
+    assert lossy_distance > 3 * distance  # 0.5 here
+
+
+def _joint(engine, ids, params) -> dict[tuple[int, int], float]:
+    """The model's exact probability of each (first, second) pair under `params`."""
+    import torch
+
+    from vericache.engine.sampling import processed_logits
+
+    def distribution(tokens):
+        cache = engine.runner.new_cache(len(tokens) + 1)
+        logits = engine.runner.prefill(torch.tensor(tokens), cache, num_logits=1)
+        return processed_logits(logits, params)[0].softmax(-1)
+
+    first = distribution(list(ids))
+    joint = {}
+    for a in first.nonzero().flatten().tolist():
+        second = distribution([*ids, a])
+        for b in second.nonzero().flatten().tolist():
+            joint[a, b] = float(first[a] * second[b])
+    return joint

@@ -23,7 +23,7 @@ from vericache.compress.context import ModelContext
 from vericache.engine.forward_loop import ForwardLoop, Job, greedy
 from vericache.engine.prefix_store import PrefixStore
 from vericache.engine.request import DecodeMode, Request, RequestOutput
-from vericache.engine.sampling import SequenceSampler
+from vericache.engine.sampling import SequenceSampler, rejection_sample, round_generator
 from vericache.engine.sequence import Sequence
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache, aligned
@@ -124,7 +124,12 @@ class Engine:
         steps) and one over the full caches of `full_batch` (verifications or full decode steps),
         through the forward loop."""
         compressed_jobs = [
-            Job(seq.compressed_cache, seq.compressed_input(), sampler=_sampler(seq, seq.draft_ids))
+            Job(
+                seq.compressed_cache,
+                seq.compressed_input(),
+                sampler=_sampler(seq, seq.draft_ids),
+                keeps_distributions=_rejects(seq),
+            )
             for seq in compressed_batch
         ]
         full_jobs = [
@@ -134,6 +139,7 @@ class Engine:
                 num_logits=1 + len(seq.draft_ids),
                 exact=True,
                 sampler=_sampler(seq),
+                keeps_distributions=_rejects(seq),
             )
             for seq in full_batch
         ]
@@ -149,12 +155,15 @@ class Engine:
             else:
                 seq.stats.draft_s += draft_s
                 seq.draft_ids.append(token)
+                if job.keeps_distributions:
+                    seq.draft_distributions.append(job.distributions[0][0])
         for seq, job, verified_before in zip(full_batch, full_jobs, num_verified_before):
             if seq.mode is DecodeMode.FULL:
                 self._decode_step(seq, job.choices[0], elapsed - draft_s)
             else:
                 seq.stats.verify_s += elapsed - draft_s
-                self._finish_round(seq, job.choices, verified_before)
+                verified = _rejection_verified(seq, job) if _rejects(seq) else job.choices
+                self._finish_round(seq, verified, verified_before)
 
     def _observe_forward(self, elapsed: float, compressed_jobs, full_jobs) -> float:
         """Feeds a forward's time to the round costs; returns the part that is the compressed step
@@ -285,6 +294,23 @@ def _sampler(seq: Sequence, following: list[int] = ()) -> SequenceSampler | None
         return None
     history = (*seq.output_ids, *following)
     return SequenceSampler(seq.request.params, seq.seed, seq.request.prompt_ids, history)
+
+
+def _rejects(seq: Sequence) -> bool:
+    """The sequence's drafts are checked by rejection coupling (vericache rounds only)."""
+    return seq.mode is DecodeMode.VERICACHE and seq.request.params.rejects
+
+
+def _rejection_verified(seq: Sequence, job: Job) -> list[int]:
+    """Rejection coupling of a verified round, as the tokens a verifier would have chosen: the
+    kept drafts, then the token drawn at the first rejection (never the rejected draft, whose
+    residual probability is zero) or the bonus after them all."""
+    drafts = seq.draft_ids
+    target = job.distributions[0]  # [1 + len(drafts), V]
+    draft = torch.stack(seq.draft_distributions) if drafts else target[:0]
+    generator = round_generator(seq.seed, len(seq.token_ids))
+    outcome = rejection_sample(drafts, draft, target, generator)
+    return [*drafts[: outcome.num_accepted], outcome.next_token]
 
 
 def _planned_verify_steps(active: list[Sequence]) -> set[int]:

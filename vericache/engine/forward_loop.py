@@ -38,6 +38,8 @@ class Job:
     exact: bool = False  # full-KV work: batch-invariant kernels
     after_step: Callable[[], None] | None = None  # e.g. an online compressor's update
     sampler: SequenceSampler | None = None  # None: greedy choices
+    keeps_distributions: bool = False  # keep what each sampled row was drawn from (rejection)
+    distributions: list[torch.Tensor] = field(default_factory=list)  # per step [n, V]
     choices: list[int] = field(default_factory=list)
     steps: int = 0
 
@@ -57,7 +59,13 @@ class Job:
         """This step's tokens from its logits rows [n, V] (a sampling job's; greedy ones are
         chosen together in `choose`)."""
         fed_after_first_row = self.feed[len(self.feed) - rows.shape[0] + 1 :]
-        return self.sampler.sample(rows, self.choices, fed_after_first_row)
+        if not self.keeps_distributions:
+            return self.sampler.sample(rows, self.choices, fed_after_first_row)
+        tokens, distributions = self.sampler.sample_with_distributions(
+            rows, self.choices, fed_after_first_row
+        )
+        self.distributions.append(distributions)
+        return tokens
 
     def advance(self, chosen: list[int]) -> None:
         """Records one step's choices; the last one is fed next."""

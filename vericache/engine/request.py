@@ -44,7 +44,10 @@ class SamplingParams:
     seed: int | None = None  # None: drawn at random when the request starts, and reported
     repetition_penalty: float = 1.0  # over prompt and output tokens
     presence_penalty: float = 0.0  # once per token present in the output
-    coupling: str = "seeded"  # how drafts are checked under sampling ("seeded"; "rejection")
+    # How drafts are checked under sampling: "seeded" (kept when equal to the full-KV sample at
+    # their position: the output is full-KV sampling's), or "rejection" (Leviathan et al.: the
+    # model's distribution exactly, more drafts kept, but another sample than full-KV decoding).
+    coupling: str = "seeded"
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
     stop_token_ids: tuple[int, ...] = ()  # extra end tokens besides the model's EOS
     ignore_eos: bool = False
@@ -70,11 +73,6 @@ class SamplingParams:
         for holds, message in checks:
             if not holds:
                 raise InvalidRequestError(f"{message}, got {self._value_named(message)}")
-        if self.coupling == "rejection":
-            raise InvalidRequestError(
-                "coupling 'rejection' is not served yet: use 'seeded', whose output is the "
-                "sample full-KV decoding gives"
-            )
 
     def _value_named(self, message: str) -> object:
         return getattr(self, message.split()[0])
@@ -83,6 +81,11 @@ class SamplingParams:
     def samples(self) -> bool:
         """Tokens are sampled (temperature > 0), not chosen greedily."""
         return self.temperature > 0
+
+    @property
+    def rejects(self) -> bool:
+        """Drafts are checked by rejection coupling."""
+        return self.samples and self.coupling == "rejection"
 
 
 COUPLINGS = ("seeded", "rejection")

@@ -131,13 +131,21 @@ class SequenceSampler:
         first row's prediction (a stepping job's earlier choices); following: the tokens fed
         after the first row's, row r having seen following[:r] (a verification's drafts). Row r
         predicts output index len(history) + len(before) + r."""
+        tokens, _ = self.sample_with_distributions(rows, before, following)
+        return tokens
+
+    def sample_with_distributions(
+        self, rows: torch.Tensor, before: Sequence[int] = (), following: Sequence[int] = ()
+    ) -> tuple[list[int], torch.Tensor]:
+        """`sample`, and the distributions [n, V] float32 the tokens were drawn from (what
+        rejection coupling compares)."""
         first = len(self.history) + len(before)
         penalized = self.params.repetition_penalty != 1 or self.params.presence_penalty != 0
         seen = (*self.history, *before)
         histories = [(*seen, *following[:r]) for r in range(rows.shape[0])] if penalized else ()
         processed = processed_logits(rows, self.params, self.prompt_ids, histories)
         positions = len(self.prompt_ids) + first + torch.arange(rows.shape[0], device=rows.device)
-        return seeded_sample(processed, self.seed, positions).tolist()
+        return seeded_sample(processed, self.seed, positions).tolist(), processed.softmax(-1)
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,13 @@ def rejection_sample(
             residual = target_probs[i].double()
         return RejectionOutcome(i, _draw(residual, generator))
     return RejectionOutcome(k, _draw(target_probs[k].double(), generator))
+
+
+def round_generator(seed: int, position: int) -> torch.Generator:
+    """The random numbers of one round's rejection coupling: a function of the request's seed
+    and the round's first position, so the same seed gives the same output."""
+    key = int(_mix(torch.tensor(seed & _MASK32) ^ _mix(torch.tensor(position & _MASK32))))
+    return torch.Generator().manual_seed((seed >> 32) << 32 | key)
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:

@@ -54,6 +54,9 @@ class Sequence:
     compressed_cache: CompressedKV | None = None
     draft_ids: list[int] = field(default_factory=list)  # this round's drafts, not yet verified
     draft_target: int | None = None  # drafts wanted this round; None between rounds
+    # Rejection coupling: the distribution [V] each draft was sampled from (opaque here: torch
+    # tensors the engine keeps with the round).
+    draft_distributions: list = field(default_factory=list)
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     seed: int | None = None  # the sampling seed: the request's, or one drawn for it
@@ -107,7 +110,7 @@ class Sequence:
     def begin_round(self, draft_len: int) -> int:
         """Starts a round of up to `draft_len` drafts; returns how many it wants (0: the budget
         leaves one token, which the verification alone chooses)."""
-        self.draft_ids = []
+        self.draft_ids, self.draft_distributions = [], []
         self.draft_target = self.drafts_wanted(draft_len)
         return self.draft_target
 
@@ -138,7 +141,7 @@ class Sequence:
         self.stats.drafted_per_round.append(len(drafts))
         # A stop inside the accepted drafts ends the sequence before the rest is emitted.
         self.stats.accepted_per_round.append(min(accepted, len(committed)))
-        self.draft_ids, self.draft_target = [], None
+        self.draft_ids, self.draft_target, self.draft_distributions = [], None, []
         return RoundOutcome(tuple(committed), len(drafts), accepted)
 
     # -- decoding (full, lossy) -----------------------------------------------------------------
