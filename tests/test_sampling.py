@@ -193,9 +193,10 @@ def test_bad_parameters_are_refused(field, value):
         SamplingParams(**{"temperature": 0.7, field: value})
 
 
-def test_rejection_coupling_is_refused_until_served():
-    with pytest.raises(InvalidRequestError, match="rejection"):
-        SamplingParams(temperature=0.7, coupling="rejection")
+def test_rejection_coupling_applies_only_to_sampling():
+    assert SamplingParams(temperature=0.7, coupling="rejection").rejects
+    assert not SamplingParams(coupling="rejection").rejects  # greedy: nothing to couple
+    assert not SamplingParams(temperature=0.7).rejects
 
 
 def test_greedy_parameters_have_nothing_to_sample():
