@@ -119,12 +119,7 @@ def packed_attention(
     where `accepts_packed` said yes."""
     return _ops().packed_attention(
         rows.contiguous(),
-        packed.key_codes.contiguous(),
-        packed.key_scale.contiguous(),
-        packed.key_zero.contiguous(),
-        packed.value_codes.contiguous(),
-        packed.value_scale.contiguous(),
-        packed.value_zero.contiguous(),
+        *packed.kernel_arguments(),
         residual_keys,
         residual_values,
         num_new,

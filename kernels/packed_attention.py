@@ -71,6 +71,12 @@ class PackedKV:
         names = [f.name for f in fields(cls) if f.name not in ("bits", "group_size")]
         return cls(**{name: tensors[name] for name in names}, bits=bits, group_size=group_size)
 
+    def kernel_arguments(self) -> tuple[torch.Tensor, ...]:
+        """The six tensors, contiguous, in the order the C++ and Triton kernels take them."""
+        tensors = (self.key_codes, self.key_scale, self.key_zero)
+        tensors += (self.value_codes, self.value_scale, self.value_zero)
+        return tuple(t.contiguous() for t in tensors)
+
     @property
     def num_slots(self) -> int:
         return self.key_codes.shape[0]

@@ -264,12 +264,7 @@ def packed_attention(q, packed, residual_keys, residual_values, window_mask=None
     grid = (num_kv_heads, num_splits, num_row_tiles)
     _packed_attention_kernel[grid](
         q.contiguous(),
-        packed.key_codes.contiguous(),
-        packed.key_scale.contiguous(),
-        packed.key_zero.contiguous(),
-        packed.value_codes.contiguous(),
-        packed.value_scale.contiguous(),
-        packed.value_zero.contiguous(),
+        *packed.kernel_arguments(),
         residual_keys,
         residual_values,
         window,

@@ -4,11 +4,11 @@ tokens after the prefix), and their buffers reused only once no call uses them."
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
+from tests.serve_fixtures import wait_for
 from vericache.errors import WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
@@ -107,7 +107,7 @@ def test_a_load_ahead_pins_the_session_and_its_next_call_reports_it():
     sessions.add("b", Session(PREFIX, CAPACITY))
     sessions.load_ahead("a")
     sessions.load_ahead("a")  # asked twice, loaded once
-    assert wait_until(lambda: sessions.residency().bytes > 0)
+    assert wait_for(lambda: sessions.residency().bytes > 0)
     with sessions.using("a") as (session, loaded):
         assert session.pinned and loaded.store_bytes == session.cache.nbytes
     assert not session.pinned
@@ -121,7 +121,7 @@ def test_a_pinned_session_is_not_evicted_for_another():
     sessions.add("a", Session(PREFIX, CAPACITY))
     sessions.add("b", Session(PREFIX, CAPACITY))
     sessions.load_ahead("a")
-    assert wait_until(lambda: sessions.residency().bytes > 0)
+    assert wait_for(lambda: sessions.residency().bytes > 0)
     outcome: list[Traffic] = []
 
     def load_b() -> None:
@@ -143,16 +143,7 @@ def test_a_load_ahead_of_a_removed_session_leaves_nothing_resident():
     sessions.add("a", Session(PREFIX, CAPACITY))
     sessions.load_ahead("a")
     sessions.remove("a")
-    assert wait_until(lambda: sessions.residency().bytes == 0)
+    assert wait_for(lambda: sessions.residency().bytes == 0)
     with pytest.raises(SessionNotFoundError):
         with sessions.using("a"):
             pass
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
