@@ -39,6 +39,10 @@ def run_cli(argv, capsys):
         (["--compressor", "kivi", "--ratio", "4"], "takes no parameter 'ratio'"),
         (["--mode", "sampled"], "invalid choice: 'sampled'"),
         (["--draft-len", "many"], "must be a whole number or 'auto'"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "0.7", "--top-p", "0"], "top_p must lie in (0, 1]"),
+        (["--coupling", "nearest"], "invalid choice: 'nearest'"),
+        (["--temperature", "0.7", "--server", "127.0.0.1:1"], "the server decodes greedily"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_one_line(capsys, args, message):
@@ -117,6 +121,23 @@ def test_json_contract_and_vericache_equals_full(capsys, tmp_path, tiny_chat_che
     assert stats["rounds"] >= 1 and stats["draft_tokens"] >= stats["accepted_tokens"]
     assert stats["tokens_per_round"] == pytest.approx(stats["mean_accepted_per_round"] + 1)
     assert results["full"]["stats"]["draft_tokens"] == 0
+
+
+def test_sampling_on_the_command_line_keeps_full_decodings_sample(
+    capsys, tmp_path, tiny_chat_checkpoint
+):
+    common = tiny_generate_argv(tmp_path, tiny_chat_checkpoint)
+    sampling = ["--temperature", "0.8", "--top-p", "0.95", "--seed", "5"]
+    results = {}
+    for mode in ("full", "vericache"):
+        argv = [*common, *sampling, "--mode", mode, "--compressor", "kivi", "--bits", "2"]
+        code, out, _ = run_cli(argv, capsys)
+        assert code == 0
+        results[mode] = json.loads(out)
+    assert results["vericache"]["token_ids"] == results["full"]["token_ids"]
+    assert results["vericache"]["seed"] == 5
+    code, out, _ = run_cli([*common, "--mode", "full"], capsys)
+    assert json.loads(out)["seed"] is None  # greedy: nothing sampled
 
 
 def test_unknown_benchmark_is_refused(capsys):

@@ -19,7 +19,13 @@ from vericache.engine.link import parse_bandwidth, parse_size
 from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.prompt import build_chat_prompt
-from vericache.engine.request import DecodeMode, Request, RequestOutput, SamplingParams
+from vericache.engine.request import (
+    COUPLINGS,
+    DecodeMode,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES
 
@@ -56,12 +62,46 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--model", default=DEFAULT_MODEL, help="embedded model name or checkpoint dir"
     )
+    add_sampling_arguments(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--draft-kv", choices=[s.value for s in DraftKVSource], default="verifier")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_long_context_arguments(parser)
     parser.set_defaults(handler=run)
+
+
+def add_sampling_arguments(parser) -> None:
+    """Sampling as vLLM's parameters define it (temperature 0: greedy)."""
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0: no limit")
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, help="sampling seed (drawn and reported if not given)")
+    parser.add_argument(
+        "--coupling",
+        choices=COUPLINGS,
+        default="seeded",
+        help="seeded: the output is full decoding's sample for the seed; rejection: the "
+        "model's distribution, another sample",
+    )
+
+
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        coupling=args.coupling,
+        stop=tuple(args.stop),
+    )
 
 
 def add_long_context_arguments(parser) -> None:
@@ -129,7 +169,7 @@ def build_request(args, tokenizer) -> Request:
     if tokenizer is None:
         raise InvalidRequestError(f"model {args.model} has no tokenizer; text prompts need one")
     prompt = build_chat_prompt(tokenizer, context, args.prompt)
-    params = SamplingParams(max_new_tokens=args.max_tokens, stop=tuple(args.stop))
+    params = sampling_params(args)
     is_adaptive = args.draft_len == AUTO_DRAFT_LEN
     draft_len = ADAPTIVE_MAX_DRAFT_LEN if is_adaptive else args.draft_len
     return Request(
@@ -154,6 +194,7 @@ def output_json(args, request: Request, out: RequestOutput) -> dict:
         "text": out.text,
         "token_ids": out.token_ids,
         "finish_reason": out.finish_reason,
+        "seed": out.seed,
         "stats": out.stats.as_dict(),
         "timing": out.stats.timing_dict(),
     }
@@ -175,7 +216,10 @@ def run(args) -> int:
         raise InvalidRequestError("--long-context runs --mode vericache or full, in this process")
     if args.draft_len == AUTO_DRAFT_LEN and args.server:
         raise InvalidRequestError(f"--draft-len {AUTO_DRAFT_LEN} runs in this process")
+    params = sampling_params(args)  # bad values are refused before anything loads
     if args.server:
+        if params.samples:
+            raise InvalidRequestError("sampling runs in this process: the server decodes greedily")
         return run_on_server(args)
     if args.mode in SERVER_MODES or args.prefix_id:
         raise InvalidRequestError("--mode full_local/full_remote and --prefix-id need --server")
@@ -183,7 +227,6 @@ def run(args) -> int:
     check_device(args.device)
     if args.mode != DecodeMode.FULL.value:
         build_request_compressor(args)
-    SamplingParams(max_new_tokens=args.max_tokens, stop=tuple(args.stop))
     if args.context_file is not None and not args.context_file.is_file():
         raise InvalidRequestError(f"context file {args.context_file} does not exist")
     engine = build_engine(args, long_context)
