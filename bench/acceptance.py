@@ -22,6 +22,7 @@ decoding.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from vericache.bench.acceptance_report import (  # noqa: F401 - plot: the CLI's
@@ -40,6 +41,7 @@ from vericache.bench.common import (
     progress,
 )
 from vericache.bench.workloads import standard_workloads
+from vericache.cli.parser import float_list
 from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
@@ -57,6 +59,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompts-per-kind", type=int, help="code and tool prompts (20; quick 2)")
     parser.add_argument("--draft-kv", choices=["verifier", "drafter", "both"], default="verifier")
     parser.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
+    parser.add_argument(
+        "--temperature",
+        type=float_list,
+        default=[0.0],
+        help="comma-separated temperatures (0: greedy); each request samples with its own seed",
+    )
+    parser.add_argument(
+        "--coupling",
+        type=lambda text: [c for c in text.split(",") if c],
+        default=["seeded"],
+        help="how sampled drafts are checked: seeded, rejection, or both (seeded,rejection)",
+    )
     parser.add_argument(
         "--checkpoint",
         type=Path,
@@ -80,42 +94,76 @@ def run(args) -> dict:
         args.model, dtype=args.dtype, config=EngineConfig(prefix_cache_bytes=16 << 30)
     )
     prompts = _prompts(engine.tokenizer, args.quick, per_kind)
-    params = SamplingParams(max_new_tokens=max_tokens)
-    references = engine.generate(
-        [Request(p.token_ids, p.num_prefix_tokens, params, DecodeMode.FULL) for *_, p in prompts]
-    )
     sources = list(DraftKVSource) if args.draft_kv == "both" else [DraftKVSource(args.draft_kv)]
     settings = {"max_tokens": max_tokens, "num_prompts": len(prompts), "model": args.model,
                 "dtype": args.dtype}  # fmt: skip
     checkpoint = Checkpoint(args.checkpoint, settings)
     records = []
-    for source in sources:
-        config = EngineConfig(draft_kv_source=source, prefix_cache_bytes=16 << 30)
-        engine = Engine(engine.runner, engine.tokenizer, config, engine.prefix_store)
-        for compressor in compressors:
-            done = checkpoint.records(compressor.label, source.value)
-            if done is None:
-                done = _traces(engine, compressor, source, prompts, references, params, args)
-                checkpoint.add(compressor.label, source.value, done)
-            records += done
-            print(f"[acceptance] {compressor.label}, draft_kv={source.value}: done")
+    for sampling in sampling_settings(args.temperature, args.coupling):
+        params = [sampling.params(max_tokens, seed) for seed in range(len(prompts))]
+        references = engine.generate(
+            [Request(p.token_ids, p.num_prefix_tokens, params[i], DecodeMode.FULL)
+             for i, (*_, p) in enumerate(prompts)]
+        )  # fmt: skip
+        for source in sources:
+            config = EngineConfig(draft_kv_source=source, prefix_cache_bytes=16 << 30)
+            engine = Engine(engine.runner, engine.tokenizer, config, engine.prefix_store)
+            for compressor in compressors:
+                label = sampling.label(compressor.label)
+                done = checkpoint.records(label, source.value)
+                if done is None:
+                    done = _traces(engine, compressor, source, prompts, references, params, args)
+                    done = [{**r, **sampling.record_fields(), "compressor": label} for r in done]
+                    checkpoint.add(label, source.value, done)
+                records += done
+                print(f"[acceptance] {label}, draft_kv={source.value}: done")
     return _result(records, labels, args, max_tokens, len(prompts))
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """One way of choosing tokens the run measures: greedy, or sampled at a temperature with
+    one coupling of drafts (seeded: the full-KV sample; rejection: the distribution)."""
+
+    temperature: float
+    coupling: str
+
+    def params(self, max_tokens: int, seed: int) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_tokens, temperature=self.temperature, seed=seed,
+            coupling=self.coupling if self.temperature > 0 else "seeded",
+        )  # fmt: skip
+
+    def label(self, compressor_label: str) -> str:
+        """The compressor's label, with the sampling where it samples."""
+        if self.temperature == 0:
+            return compressor_label
+        return f"{compressor_label} T={self.temperature:g} {self.coupling}"
+
+    def record_fields(self) -> dict:
+        return {"temperature": self.temperature, "coupling": self.coupling}
+
+
+def sampling_settings(temperatures: list[float], couplings: list[str]) -> list[Sampling]:
+    """Greedy once (if asked), then every temperature above 0 with every coupling."""
+    settings = [Sampling(0.0, "greedy")] if 0 in temperatures else []
+    return settings + [Sampling(t, c) for t in temperatures if t > 0 for c in couplings]
+
+
 def _traces(engine, compressor, source, prompts, references, params, args) -> list[dict]:
-    """Every prompt decoded with drafts over `compressor`: one trace record each."""
+    """Every prompt decoded with drafts over `compressor` (prompt i with params[i]): one trace
+    record each. Rejection coupling samples the model's distribution but not the full-KV
+    sample: its outputs are not compared (`identical` None)."""
     outputs = []
     chunks = range(0, len(prompts), args.batch_size)
     for start in progress(chunks, f"{compressor.label}, x={MAX_DRAFT_LEN}", unit="batch"):
-        chunk = zip(prompts[start : start + args.batch_size], references[start:])
-        requests = [
-            _request(compressor, prompt, reference, params) for (*_, prompt), reference in chunk
-        ]
-        outputs += engine.generate(requests)
+        end = start + args.batch_size
+        chunk = zip(prompts[start:end], references[start:end], params[start:end])
+        outputs += engine.generate([_request(compressor, *item) for item in chunk])
     records = []
-    for (kind, name, prompt), reference, out in zip(prompts, references, outputs):
+    for (kind, name, prompt), reference, out, p in zip(prompts, references, outputs, params):
         record = trace_record(kind, name, compressor, out.stats, source.value)
-        record["identical"] = out.token_ids == reference.token_ids
+        record["identical"] = None if p.rejects else out.token_ids == reference.token_ids
         record["context_tokens"] = prompt.num_prefix_tokens
         records.append(record)
     return records
@@ -150,12 +198,15 @@ class Checkpoint:
                 file.write(json.dumps(entry) + "\n")
 
 
-def _request(compressor, prompt, reference, params: SamplingParams) -> Request:
+def _request(compressor, item, reference, params: SamplingParams) -> Request:
     """A round stops drafting after its first draft the reference rejects (expected_ids): it
-    commits the same tokens and tells the same first mismatch as one that drafts all 64."""
+    commits the same tokens and tells the same first mismatch as one that drafts all 64. Not
+    under rejection coupling, whose output is not the reference's."""
+    *_, prompt = item
+    expected = None if params.rejects else tuple(reference.token_ids)
     return Request(
         prompt.token_ids, prompt.num_prefix_tokens, params, DecodeMode.VERICACHE, compressor,
-        MAX_DRAFT_LEN, expected_ids=tuple(reference.token_ids),
+        MAX_DRAFT_LEN, expected_ids=expected,
     )  # fmt: skip
 
 
@@ -187,6 +238,7 @@ def trace_record(kind: str, workload: str, compressor, stats, draft_kv: str) -> 
 
 def _result(records, labels, args, max_tokens, num_prompts) -> dict:
     table = replay_table(records, args.draft_lens)
+    checked = [r["identical"] for r in records if r["identical"] is not None]
     default = (
         DraftKVSource.VERIFIER.value if DraftKVSource.VERIFIER.value in table else args.draft_kv
     )
@@ -201,8 +253,9 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
         "x30_tools": {label: cell["mean"] for label, cell in at_x30("tools").items()},
         "x30_math": {label: cell["mean"] for label, cell in at_x30("math").items()},
         "best_4x_x30": best,
-        "identical": all(record["identical"] for record in records),
-        "identical_rate": sum(record["identical"] for record in records) / len(records),
+        "identical": all(checked),
+        "identical_rate": sum(checked) / max(1, len(checked)),
+        "seeded_over_rejection_x30": seeded_over_rejection(table[default], labels),
         "dtype": args.dtype,
         "draft_kv": default,
         "meets_target": _meets_target(best),
@@ -227,6 +280,8 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
     }
 
 
+SEEDED_OVER_REJECTION = 0.75  # seeded coupling's accepted per round over rejection's, at T=0.7
+
 DEFINITIONS = {
     "first_mismatch": f"per round at x={MAX_DRAFT_LEN}: the first draft the full KV rejects "
     f"({MAX_DRAFT_LEN}: none)",
@@ -236,7 +291,30 @@ DEFINITIONS = {
     "best_4x_x30": "per workload kind, the 4x (4-bit) compressor with the most x30; `separated`: "
     "its interval lies above the runner-up's",
     "target": f"best_4x_x30 >= {TARGET_X30:g} on code and on tools (3k+ token contexts)",
+    "seeded_over_rejection_x30": "per temperature, the least over 4x compressors and the code and "
+    "tool kinds of seeded coupling's x30 over rejection coupling's (target at T=0.7: >= "
+    f"{SEEDED_OVER_REJECTION:g})",
 }
+
+
+def seeded_over_rejection(table: dict, labels: list[str]) -> dict:
+    """Per temperature sampled with both couplings: the least, over the 4x compressors and the
+    code and tool kinds, of seeded coupling's accepted per round at x=30 over rejection
+    coupling's (target: at least SEEDED_OVER_REJECTION at T=0.7)."""
+    ratios: dict[str, list[float]] = {}
+    for kind in TARGET_KINDS:
+        cells = table.get(kind, {})
+        for label in labels:
+            for seeded_label, cell in cells.items():
+                prefix = f"{label} T="
+                if not (seeded_label.startswith(prefix) and seeded_label.endswith(" seeded")):
+                    continue
+                temperature = seeded_label[len(prefix) : -len(" seeded")]
+                rejection = cells.get(f"{label} T={temperature} rejection", {}).get("30")
+                if rejection and rejection["mean"] > 0 and "30" in cell:
+                    ratio = cell["30"]["mean"] / rejection["mean"]
+                    ratios.setdefault(temperature, []).append(ratio)
+    return {temperature: min(values) for temperature, values in ratios.items()}
 
 
 def _meets_target(best: dict) -> bool | None:

@@ -96,3 +96,48 @@ def test_a_checkpoint_keeps_finished_compressors_for_the_next_run(tmp_path):
     assert resumed.records("kivi-4bit", "drafter") is None
     with pytest.raises(ValueError, match="other settings"):
         acceptance.Checkpoint(path, {**settings, "max_tokens": 64})
+
+
+def test_sampled_settings_are_labelled_and_compared_by_coupling():
+    settings = acceptance.sampling_settings([0.0, 0.7], ["seeded", "rejection"])
+    assert [s.label("kivi-4bit") for s in settings] == [
+        "kivi-4bit", "kivi-4bit T=0.7 seeded", "kivi-4bit T=0.7 rejection"
+    ]  # fmt: skip
+    assert not settings[0].params(8, 0).samples and settings[2].params(8, 3).rejects
+    records = [
+        _record("code", "kivi-4bit T=0.7 seeded", [20, 20]),
+        _record("code", "kivi-4bit T=0.7 rejection", [25, 25]),
+        _record("tools", "kivi-4bit T=0.7 seeded", [30, 30]),
+        _record("tools", "kivi-4bit T=0.7 rejection", [30, 30]),
+    ]
+    table = replay_table(records, [30])["verifier"]
+    ratios = acceptance.seeded_over_rejection(table, ["kivi-4bit"])
+    assert ratios == {"0.7": pytest.approx(0.8)}  # the code cells: 20 / 25
+
+
+@pytest.mark.slow
+def test_a_sampled_run_end_to_end(monkeypatch, tiny_chat_checkpoint):
+    """The whole benchmark on the tiny chat model and two short prompts: greedy and sampled
+    rounds, both couplings; seeded outputs equal full-KV sampling's."""
+    from vericache.cli.bench import parse_benchmark_args
+    from vericache.engine.prompt import build_chat_prompt
+
+    def prompts(tokenizer, quick, per_kind):
+        context = "def add(a, b):\n    return a + b\n" * 10
+        return [
+            (kind, f"{kind}:tiny", build_chat_prompt(tokenizer, context, question))
+            for kind, question in [("code", "Explain add."), ("tools", "Call add.")]
+        ]
+
+    monkeypatch.setattr(acceptance, "_prompts", prompts)
+    _, args = parse_benchmark_args("acceptance", [
+        "--model", str(tiny_chat_checkpoint), "--compressors", "streamingllm-4x",
+        "--max-tokens", "8", "--temperature", "0,0.7", "--coupling", "seeded,rejection",
+    ])  # fmt: skip
+    result = acceptance.run(args)
+    kinds = result["table"]["verifier"]
+    assert set(kinds["code"]) == {
+        "streamingllm-4x", "streamingllm-4x T=0.7 seeded", "streamingllm-4x T=0.7 rejection"
+    }  # fmt: skip
+    assert result["summary"]["identical"] is True
+    assert {r["coupling"] for r in result["records"]} == {"greedy", "seeded", "rejection"}

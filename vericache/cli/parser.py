@@ -11,3 +11,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
 def int_list(text: str) -> list[int]:
     """An argument of comma-separated integers, e.g. "8,16,30"."""
     return [int(item) for item in text.split(",") if item]
+
+
+def float_list(text: str) -> list[float]:
+    """An argument of comma-separated numbers, e.g. "0,0.7,1.0"."""
+    return [float(item) for item in text.split(",") if item]
