@@ -147,3 +147,9 @@ def test_a_load_ahead_of_a_removed_session_leaves_nothing_resident():
     with pytest.raises(SessionNotFoundError):
         with sessions.using("a"):
             pass
+
+
+def test_a_load_ahead_of_a_session_already_closed_starts_nothing():
+    sessions = _sessions(budget_bytes=1 << 30)
+    sessions.load_ahead("gone")  # its request ended before the call that carried the load
+    assert sessions._ahead == {}

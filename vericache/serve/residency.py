@@ -108,8 +108,9 @@ class ResidentSessions:
         """Starts making the session resident in the background and pins it there until its
         next call (`using`), which waits for the load."""
         with self._lock:
-            if not self._is_closed and session_id not in self._ahead:
-                self._ahead[session_id] = self._ahead_threads.submit(self._pin, session_id)
+            if self._is_closed or session_id in self._ahead or session_id not in self._sessions:
+                return  # shut down, loading already, or closed meanwhile (its request ended)
+            self._ahead[session_id] = self._ahead_threads.submit(self._pin, session_id)
 
     def _pin(self, session_id: str) -> Traffic:
         with self._resident(session_id) as (session, loaded):
