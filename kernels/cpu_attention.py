@@ -8,9 +8,9 @@ layer (kernels/cpu_packed_attention.cpp), for draft steps over a quantized cache
 
 The C++ ops are compiled on first use for this machine's vector width (torch's cpp_extension,
 cached under TORCH_EXTENSIONS_DIR) and registered as torch.ops.vericache_cpu.attention,
-.store_kv and .packed_attention. Where they cannot be built (no compiler or ninja),
-`accepts` and `accepts_packed` say no once a warning has been logged, and callers use library
-attention, append sequence by sequence, and dequantize packed layers block by block.
+.store_kv and .packed_attention, which serve the same caches (`accepts`). Where they cannot be
+built (no compiler or ninja), `accepts` says no once a warning has been logged, and callers use
+library attention, append sequence by sequence, and dequantize packed layers block by block.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _ops():
 
 
 def accepts(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernel serves this device, dtype and head size (it is built on first ask)."""
+    """Whether the kernels serve this device, dtype and head size (built on first ask)."""
     return (
         device.type == "cpu"
         and dtype == torch.float32
@@ -116,7 +116,7 @@ def packed_attention(
     token, pre-scaled) over a KIVI layer: every slot of `packed` (a
     kernels.packed_attention.PackedKV, older than every new token), then the residual [Rr, H, D]
     float32 whose last num_new slots are the new tokens, causally. Returns [H, R, D]. Call only
-    where `accepts_packed` said yes."""
+    where `accepts` said yes."""
     return _ops().packed_attention(
         rows.contiguous(),
         *packed.kernel_arguments(),
@@ -125,14 +125,4 @@ def packed_attention(
         num_new,
         packed.bits,
         packed.group_size,
-    )
-
-
-def accepts_packed(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether `packed_attention` serves a packed layer cached on `device` in `dtype`."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and head_dim in SUPPORTED_HEAD_DIMS
-        and _ops() is not None
     )

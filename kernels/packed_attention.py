@@ -127,7 +127,7 @@ def packed_attention(
         window_mask is None
         and packed.num_slots > 0
         and 1 <= q.shape[0] <= residual_keys.shape[0] + 1
-        and cpu_attention.accepts_packed(q.device, residual_keys.dtype, q.shape[-1])
+        and cpu_attention.accepts(q.device, residual_keys.dtype, q.shape[-1])
     ):
         rows = cpu_attention.packed_attention(
             _rows(q, residual_keys.shape[1]), packed, residual_keys, residual_values, q.shape[0]

@@ -180,7 +180,7 @@ def test_packed_attention_half_caches(dtype):
 
 
 @pytest.mark.skipif(
-    not cpu_attention.accepts_packed(torch.device("cpu"), torch.float32, 32),
+    not cpu_attention.accepts(torch.device("cpu"), torch.float32, 32),
     reason="the C++ kernel could not be built here",
 )
 @pytest.mark.parametrize(
@@ -212,7 +212,7 @@ def test_dispatcher_attends_over_packed_codes_on_cpu(monkeypatch, name, dtype, b
 
 
 def test_cpu_kernel_rejects_malformed_packed_layers():
-    if not cpu_attention.accepts_packed(torch.device("cpu"), torch.float32, 32):
+    if not cpu_attention.accepts(torch.device("cpu"), torch.float32, 32):
         pytest.skip("the C++ kernel could not be built here")
     q, packed, keys, values, _ = random_inputs(case(new=1, quantized=64, kv_heads=2, group=2))
     rows = q.float().view(1, 2, 2, 32).permute(1, 2, 0, 3).reshape(2, 2, 32)

@@ -60,22 +60,19 @@ class SamplingParams:
         self._check_sampling()
 
     def _check_sampling(self) -> None:
-        checks = [
-            (self.temperature >= 0, "temperature must be >= 0 (0: greedy)"),
-            (self.top_k >= 0, "top_k must be >= 0 (0: no limit)"),
-            (0 < self.top_p <= 1, "top_p must lie in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p must lie in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must lie in [-2, 2]"),
-            (self.seed is None or 0 <= self.seed < 2**64, "seed must lie in [0, 2**64)"),
-            (self.coupling in COUPLINGS, f"coupling must be one of {', '.join(COUPLINGS)}"),
+        checks = [  # (field, whether it holds, what it must be)
+            ("temperature", self.temperature >= 0, "must be >= 0 (0: greedy)"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0: no limit)"),
+            ("top_p", 0 < self.top_p <= 1, "must lie in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must lie in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must lie in [-2, 2]"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**64, "must lie in [0, 2**64)"),
+            ("coupling", self.coupling in COUPLINGS, f"must be one of {', '.join(COUPLINGS)}"),
         ]
-        for holds, message in checks:
+        for name, holds, requirement in checks:
             if not holds:
-                raise InvalidRequestError(f"{message}, got {self._value_named(message)}")
-
-    def _value_named(self, message: str) -> object:
-        return getattr(self, message.split()[0])
+                raise InvalidRequestError(f"{name} {requirement}, got {getattr(self, name)}")
 
     @property
     def samples(self) -> bool:

@@ -61,8 +61,9 @@ def processed_logits(
 
 
 def _penalize(row: torch.Tensor, processing: SamplingParams, prompt_ids, output_ids) -> None:
-    seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long, device=row.device)
-    if processing.repetition_penalty != 1 and seen.numel():
+    seen = sorted({*prompt_ids, *output_ids})
+    if processing.repetition_penalty != 1 and seen:
+        seen = torch.tensor(seen, dtype=torch.long, device=row.device)
         values = row[seen]
         penalty = processing.repetition_penalty
         row[seen] = torch.where(values > 0, values / penalty, values * penalty)
@@ -131,21 +132,27 @@ class SequenceSampler:
         first row's prediction (a stepping job's earlier choices); following: the tokens fed
         after the first row's, row r having seen following[:r] (a verification's drafts). Row r
         predicts output index len(history) + len(before) + r."""
-        tokens, _ = self.sample_with_distributions(rows, before, following)
-        return tokens
+        processed, positions = self._processed(rows, before, following)
+        return seeded_sample(processed, self.seed, positions).tolist()
 
     def sample_with_distributions(
         self, rows: torch.Tensor, before: Sequence[int] = (), following: Sequence[int] = ()
     ) -> tuple[list[int], torch.Tensor]:
         """`sample`, and the distributions [n, V] float32 the tokens were drawn from (what
         rejection coupling compares)."""
+        processed, positions = self._processed(rows, before, following)
+        tokens = seeded_sample(processed, self.seed, positions).tolist()
+        return tokens, processed.softmax(-1)
+
+    def _processed(self, rows: torch.Tensor, before, following):
+        """The rows' processed logits [n, V] and the sequence positions [n] they predict."""
         first = len(self.history) + len(before)
         penalized = self.params.repetition_penalty != 1 or self.params.presence_penalty != 0
         seen = (*self.history, *before)
         histories = [(*seen, *following[:r]) for r in range(rows.shape[0])] if penalized else ()
         processed = processed_logits(rows, self.params, self.prompt_ids, histories)
         positions = len(self.prompt_ids) + first + torch.arange(rows.shape[0], device=rows.device)
-        return seeded_sample(processed, self.seed, positions).tolist(), processed.softmax(-1)
+        return processed, positions
 
 
 @dataclass(frozen=True)

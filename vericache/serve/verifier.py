@@ -14,7 +14,6 @@ emulated PCIe). Every call reports the bytes it loaded from the store and the ti
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 
 import torch
@@ -158,26 +157,31 @@ class Verifier:
             self._sessions.load_ahead(session_id)
         calls = batch.calls
         with contextlib.ExitStack() as using:
-            batch = []  # (its index, the call, its session, what loading it cost)
+            held = []  # (its index, the call, its session, what loading it cost)
             for index, call in enumerate(calls):
                 try:
                     session, loaded = using.enter_context(self._sessions.using(call.session_id))
                 except SessionNotFoundError:
                     continue
-                batch.append((index, call, session, loaded))
-            jobs = [_verification(session.cache, call) for _, call, session, _ in batch]
-            num_before = [session.cache.num_tokens for _, _, session, _ in batch]
+                held.append((index, call, session, loaded))
+            jobs = [_verification(session.cache, call) for _, call, session, _ in held]
+            num_before = [session.cache.num_tokens for _, _, session, _ in held]
             started = time.perf_counter()
             choices = self._loop.run_many(jobs)  # each [1 + len(drafts)] greedy choices
             forward_s = time.perf_counter() - started
             results: list[Verified | None] = [None] * len(calls)
-            for (index, call, session, loaded), tokens, before in zip(batch, choices, num_before):
-                verified = self._kept(call, session, tokens, before, loaded)
-                results[index] = dataclasses.replace(verified, forward_s=forward_s)
+            for (index, call, session, loaded), tokens, before in zip(held, choices, num_before):
+                results[index] = self._kept(call, session, tokens, before, loaded, forward_s)
         return results
 
     def _kept(
-        self, call: VerifyCall, session: Session, tokens: list[int], before: int, loaded: Traffic
+        self,
+        call: VerifyCall,
+        session: Session,
+        tokens: list[int],
+        before: int,
+        loaded: Traffic,
+        forward_s: float,
     ) -> Verified:
         """Keeps the KV of pending and the accepted drafts; the rest was the drafts'."""
         accepted = num_accepted(list(call.drafts), tokens)
@@ -186,7 +190,7 @@ class Verifier:
         exact = ExactKV.of(session.cache, before, kept)
         delay = self._hand_over(exact)
         traffic = loaded + Traffic(link_bytes=exact.nbytes)
-        return Verified(tuple(tokens), accepted, exact, delay, traffic)
+        return Verified(tuple(tokens), accepted, exact, delay, traffic, forward_s)
 
     def decode(self, call: DecodeCall) -> Decoded:
         """FULL_LOCAL: up to `max_tokens` greedy tokens over the full KV."""
