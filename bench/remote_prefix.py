@@ -25,8 +25,8 @@ Summary:
   the same drafters, per cell; the headline is the server's defaults (x=30, one drafter,
   per-request rounds), chosen before the run;
 - rpcs_per_round: worker calls of a round per request, the most of any cell (target <= 2): a
-  draft call and a verifier call, and in scheduled rounds a load call wherever no verification
-  began in the load's iteration to carry it (rpcs_per_round_by_scheduling splits them);
+  draft call and a verifier call, which in scheduled rounds also carries the round's full-KV load
+  (rpcs_per_round_by_scheduling splits them by scheduling);
 - rtt20_over_rtt0: VERICACHE tokens/s with `--rtt-latency-ms` (20) of one-way latency on the link
   over none, at x=30 with one drafter, the lower of the two schedulings (target >= 0.85);
 - verifier_overhead: the verifier process's CPU seconds per output token over what the full-KV

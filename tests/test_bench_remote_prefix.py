@@ -192,10 +192,11 @@ def test_a_tiny_run_end_to_end(tiny_chat_checkpoint, ray_cluster):
     result = remote_prefix.run(args)
     summary = result["summary"]
     assert summary["identical"] is True
-    # A draft call and a verifier call; a staggered round's load may take a third call.
+    # A draft call and a verifier call, which carries a staggered round's load too; a round the
+    # budget leaves no draft makes no draft call.
     calls = summary["rpcs_per_round_by_scheduling"]
-    assert 1.5 <= calls["per-request"] <= 2.0  # a round the budget leaves no draft: no draft call
-    assert 2.0 <= calls["staggered"] <= 3.0
+    assert 1.5 <= calls["per-request"] <= 2.0
+    assert 1.5 <= calls["staggered"] <= 2.0
     assert summary["rpcs_per_round"] == max(calls.values())
     names = {cell["name"] for cell in result["cells"]}
     assert {"full_local d=1", "full_remote d=1", "full_both d=1"} <= names

@@ -25,13 +25,13 @@ class Dying:
         self.inner, self.method, self.at = inner, method, at
         self.calls, self.dead = 0, False
 
-    async def invoke(self, method, *args):
+    def start(self, method, *args):
         if not self.dead and method.__name__ == self.method:
             self.calls += 1
             self.dead = self.calls == self.at
         if self.dead:
-            raise WorkerGoneError("the worker is gone")
-        return await self.inner.invoke(method, *args)
+            return self.inner.start(_gone)
+        return self.inner.start(method, *args)
 
     async def release(self, worker) -> None:
         await self.inner.release(worker)
@@ -39,6 +39,10 @@ class Dying:
     def revive(self) -> None:
         self.dead = False
         self.at = 0  # dies no more
+
+
+def _gone():
+    raise WorkerGoneError("the worker is gone")
 
 
 def kill(handle, method: str, at: int) -> Dying:

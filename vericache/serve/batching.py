@@ -34,20 +34,15 @@ class BatchLoop:
 
     def run(self, job: Job) -> list[int]:
         """Runs `job` to completion among the others; returns its greedy choices."""
-        return self.run_many([job])[0]
-
-    def run_many(self, jobs: list[Job]) -> list[list[int]]:
-        """Runs `jobs` to completion among the others, all joining at the same step (a scheduled
-        iteration's batch must not be split between two forwards); returns their choices."""
-        arrivals = [(job, Future()) for job in jobs if not job.done]
-        if arrivals:
-            with self._accepting:
-                if self._stopped:
-                    raise WorkerUnavailableError("the worker is shutting down")
-                self._inbox.put(arrivals)
-        for _, finished in arrivals:
-            finished.result()  # raises the step's error, if any
-        return [job.choices for job in jobs]
+        if job.done:
+            return job.choices
+        finished: Future = Future()
+        with self._accepting:
+            if self._stopped:
+                raise WorkerUnavailableError("the worker is shutting down")
+            self._inbox.put((job, finished))
+        finished.result()  # raises the step's error, if any
+        return job.choices
 
     def stop(self) -> None:
         with self._accepting:
@@ -58,15 +53,14 @@ class BatchLoop:
     def _run(self) -> None:
         active: list[tuple[Job, Future]] = []
         while True:
-            groups = [self._inbox.get()] if not active else []
+            arrivals = [self._inbox.get()] if not active else []
             while True:  # take in everything that is waiting
                 try:
-                    groups.append(self._inbox.get_nowait())
+                    arrivals.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            arrivals = [arrival for group in groups if group is not None for arrival in group]
-            if None in groups:
-                for _, finished in active + arrivals:
+            if None in arrivals:
+                for _, finished in active + [a for a in arrivals if a is not None]:
                     finished.set_exception(WorkerUnavailableError("the worker is shutting down"))
                 return
             active += arrivals

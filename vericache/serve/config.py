@@ -47,11 +47,15 @@ class VerifierConfig(WorkerConfig):
     # between its calls leaves its entry, dropped after this long unused or past this count.
     staged_ttl_s: float = 300.0
     max_staged_prefixes: int = 4
+    # A scheduled round's verification waits this long at most for its drafts to come.
+    draft_wait_s: float = 120.0
 
     def __post_init__(self):
         super().__post_init__()
         if self.load_bandwidth is not None and not self.load_bandwidth > 0:
             raise InvalidRequestError(f"load_bandwidth must be > 0, got {self.load_bandwidth}")
+        if not self.draft_wait_s > 0:
+            raise InvalidRequestError(f"draft_wait_s must be > 0, got {self.draft_wait_s}")
         if not self.staged_ttl_s > 0 or self.max_staged_prefixes < 1:
             raise InvalidRequestError(
                 f"staged_ttl_s must be > 0 and max_staged_prefixes >= 1, got {self.staged_ttl_s} "

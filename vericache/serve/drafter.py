@@ -98,6 +98,7 @@ class Drafter:
         """A round's whole draft: up to `num_drafts` greedy tokens after `pending`, batched with
         the drafter's other sessions step by step. `exact`: the verifier's KV of the tokens
         committed since the last round, which replaces what this cache drafted for them."""
+        time.sleep(call.arrives_in_s)  # an emulated link: the call is on its way until then
         with self._using(call.session_id) as session:
             cache = session.cache
             if call.exact is not None:

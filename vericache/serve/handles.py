@@ -10,19 +10,27 @@ Either way a worker takes up to `MAX_CONCURRENT_CALLS` calls at once (the pool, 
 each prepares its request on its own thread and joins the worker's batch loop, so requests that
 draft or verify at the same time share forwards.
 
+A call can also be started and its answer handed to another worker by reference
+(`Transport.start`): the verifier waits for a draft call's answer on its own side, so a scheduled
+round's drafts reach it without a call of their own.
+
 A drafter sits across the slow link: `DrafterHandle` makes every call pay the link's one-way
-latency out and back (`latency_s`, emulated; 0 where the network is real).
+latency out and back (`latency_s`, emulated; 0 where the network is real). A draft's answer pays
+it once more on its way to the verifier, which sits beside the coordinator.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from vericache.errors import VeriCacheError, WorkerGoneError, WorkerUnavailableError
 from vericache.serve.catalog import PrefixKey, PrefixRecord
@@ -36,6 +44,7 @@ from vericache.serve.worker_api import (
     Drafted,
     DrafterInfo,
     DrafterOpened,
+    DraftInFlight,
     OpenDrafter,
     OpenVerifier,
     Residency,
@@ -43,7 +52,6 @@ from vericache.serve.worker_api import (
     Verified,
     VerifierInfo,
     VerifierOpened,
-    VerifyBatch,
     VerifyCall,
 )
 
@@ -57,22 +65,83 @@ MAX_CONCURRENT_CALLS = 64
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Started(Generic[T]):
+    """A worker call in flight."""
+
+    result: Awaitable[T]  # its answer, here
+    answer: LocalAnswer | RayAnswer  # ...and by reference, for another worker to wait for
+
+
 class Transport(Protocol):
-    async def invoke(self, method: Callable[..., T], *args: Any) -> T:
-        """Runs a worker method (a bound method, or a Ray actor's method) with `args`; raises
-        what the worker raised."""
+    def start(self, method: Callable[..., T], *args: Any) -> Started[T]:
+        """Starts a worker method (a bound method, or a Ray actor's method) with `args`; its
+        result raises what the worker raised."""
 
     async def release(self, worker: Any) -> None:
         """Frees what runs the worker once it has shut down."""
+
+
+@dataclass(frozen=True)
+class LocalAnswer:
+    """A call's answer in this process: its future."""
+
+    future: concurrent.futures.Future
+    latency_s: float = 0.0  # one way, toward the worker that waits for it (emulated)
+
+    def wait(self, timeout_s: float) -> Any:
+        try:
+            result = self.future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            return None
+        except concurrent.futures.CancelledError:
+            raise WorkerUnavailableError("the call was cancelled before it answered") from None
+        time.sleep(self.latency_s)
+        return result
+
+
+@dataclass(frozen=True)
+class RayAnswer:
+    """A call's answer across processes: its Ray object reference, which the waiting worker
+    fetches straight from the worker that answered."""
+
+    ref: Any  # ray.ObjectRef
+    name: str  # the answering worker's
+    latency_s: float = 0.0
+
+    def wait(self, timeout_s: float) -> Any:
+        import ray
+
+        try:
+            result = ray.get(self.ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - translated, or raised as it is
+            raise _translated(exc, self.name) from None
+        time.sleep(self.latency_s)
+        return result
+
+
+def _translated(exc: Exception, name: str) -> Exception:
+    """A Ray call's error as the caller should see it: a dead worker as `WorkerGoneError`, the
+    errors a worker raised on purpose with their own type."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayActorError):
+        log.warning("worker %s is gone: %s", name, exc)
+        return WorkerGoneError(f"worker {name} is gone")
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause, VeriCacheError):
+        return exc.cause
+    return exc
 
 
 class InProcess:
     def __init__(self, name: str):
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_CALLS, thread_name_prefix=name)
 
-    async def invoke(self, method: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(method, *args))
+    def start(self, method: Callable[..., T], *args: Any) -> Started[T]:
+        future = self._executor.submit(functools.partial(method, *args))
+        return Started(asyncio.wrap_future(future), LocalAnswer(future))
 
     async def release(self, worker: Any) -> None:
         self._executor.shutdown(wait=True)
@@ -82,19 +151,15 @@ class OverRay:
     def __init__(self, name: str):
         self.name = name
 
-    async def invoke(self, method, *args: Any):
-        import ray
+    def start(self, method, *args: Any) -> Started:
+        ref = method.remote(*args)
+        return Started(self._result(ref), RayAnswer(ref, self.name))
 
+    async def _result(self, ref):
         try:
-            return await method.remote(*args)
-        except ray.exceptions.RayActorError as exc:
-            log.warning("worker %s is gone: %s", self.name, exc)
-            raise WorkerGoneError(f"worker {self.name} is gone") from None
-        except ray.exceptions.RayTaskError as exc:
-            # Errors the worker raised on purpose keep their type across the process boundary.
-            if isinstance(exc.cause, VeriCacheError):
-                raise exc.cause from None
-            raise
+            return await ref
+        except Exception as exc:  # noqa: BLE001 - translated, or raised as it is
+            raise _translated(exc, self.name) from None
 
     async def release(self, worker: Any) -> None:
         import ray
@@ -114,8 +179,11 @@ class _Handle:
         self.alive = True
 
     async def _call(self, method: Callable[..., T], *args: Any) -> T:
+        return await self._answered(self.transport.start(method, *args).result)
+
+    async def _answered(self, result: Awaitable[T]) -> T:
         try:
-            return await self.transport.invoke(method, *args)
+            return await result
         except WorkerGoneError:
             self.alive = False
             raise
@@ -165,9 +233,6 @@ class VerifierHandle(_Handle):
     async def verify(self, call: VerifyCall) -> Verified:
         return await self._call(self.worker.verify, call)
 
-    async def verify_batch(self, batch: VerifyBatch) -> list[Verified | None]:
-        return await self._call(self.worker.verify_batch, batch)
-
     async def decode(self, call: DecodeCall) -> Decoded:
         return await self._call(self.worker.decode, call)
 
@@ -216,7 +281,21 @@ class DrafterHandle(_Handle):
         return await self._call(self.worker.open, dataclasses.replace(call, fetch_grant=grant))
 
     async def draft(self, call: DraftCall) -> Drafted:
-        return await self._call(self.worker.draft, call)
+        return await self.draft_ahead(call).drafted
+
+    def draft_ahead(self, call: DraftCall) -> DraftInFlight:
+        """Starts a draft call at once, its way out across the link paid on the drafter's side
+        (`DraftCall.arrives_in_s`), so that its answer exists by reference from now on."""
+        call = dataclasses.replace(call, arrives_in_s=call.arrives_in_s + self.latency_s)
+        started = self.transport.start(self.worker.draft, call)
+        answer = dataclasses.replace(started.answer, latency_s=self.latency_s)
+        return DraftInFlight(self._answered(self._back(started.result)), answer)
+
+    async def _back(self, result: Awaitable[T]) -> T:
+        answered = await result
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s)  # the answer comes back across the link
+        return answered
 
     async def decode(self, call: DecodeCall) -> Decoded:
         return await self._call(self.worker.decode, call)

@@ -70,6 +70,9 @@ class ResidentSessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
     def add(self, session_id: str, session: Session) -> None:
         with self._lock:
             self._sessions[session_id] = session

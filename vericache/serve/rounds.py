@@ -22,6 +22,7 @@ from typing import Protocol
 
 from vericache.engine.request import Request
 from vericache.engine.sequence import Sequence
+from vericache.kv.exact import ExactKV
 from vericache.serve.api_types import GenerateSummary, ServeMode
 from vericache.serve.worker import cache_capacity
 from vericache.serve.worker_api import (
@@ -229,8 +230,7 @@ async def _vericache(
     while not seq.is_finished:
         num_drafts = seq.begin_round(seq.request.draft_len)
         if num_drafts > 0:
-            await cross_link(served, link_delay)
-            call = DraftCall(served.session_id, served.pending, num_drafts, served.end_ids, exact)
+            call = draft_call(served, num_drafts, exact, link_delay)
             served.num_round_calls += 1
             seq.draft_ids = list((await drafter.draft(call)).tokens)
         served.num_round_calls += 1
@@ -241,9 +241,15 @@ async def _vericache(
         yield served.finish_round(verified)
 
 
-async def cross_link(served: ServedRequest, delay_s: float) -> None:
-    """Waits until the verifier's exact KV has crossed the link's bandwidth to the drafter (the
-    call that carries it pays the latency)."""
-    if delay_s > 0:
-        await asyncio.sleep(delay_s)
-        served.add(Traffic(link_s=delay_s))
+def draft_call(
+    served: ServedRequest, num_drafts: int, exact: ExactKV | None, link_delay_s: float
+) -> DraftCall:
+    """A round's draft call, carrying the verifier's exact KV; on an emulated link it reaches the
+    drafter once that KV has crossed the link's bandwidth (`link_delay_s`), which the request's
+    traffic counts."""
+    if link_delay_s > 0:
+        served.add(Traffic(link_s=link_delay_s))
+    return DraftCall(
+        served.session_id, served.pending, num_drafts, served.end_ids, exact,
+        arrives_in_s=link_delay_s,
+    )  # fmt: skip

@@ -2,19 +2,18 @@
 of the requests verified there (CoordinatorConfig.scheduling "staggered" or "lockstep"), with the
 same scheduler objects that drive the long-context engine and the simulator.
 
-Each round makes one drafter call and one verifier call, and one more verifier call for its load
-wherever no verification starts in the load's iteration to carry it: the drafters draft whole
-rounds on their own, batching whatever they hold step by step, while the scheduler places the
-verifier's side of every round. What the scheduler's words stand for here:
+Each round makes two worker calls, whatever it loads: the drafters draft whole rounds on their own,
+batching whatever they hold step by step, while the scheduler places the verifier's side of every
+round. What the scheduler's words stand for here:
 - an iteration is a tick of the coordinator's clock, one draft step long (the time drafters report
   per step, refined by every draft); a round of d drafts is one draft call made in its first draft
-  iteration, and its verification starts in iteration d + 1 after it, with every other
-  verification starting then, as one batched verifier call;
+  iteration, and its verification is planned to start in iteration d + 1 after it;
 - a load is the verifier bringing a session's full KV from its store onto its device, ahead of
-  the session's verification, so that it overlaps other requests' verifications and drafts. It
-  rides on the verifier call of the iteration the plan starts it in (`VerifyBatch.loads`), and
-  takes a call of its own only in an iteration where no verification starts. The verification
-  waits for it on the verifier and reports what it cost;
+  the session's verification, so that it overlaps other requests' verifications and drafts. The
+  round's verifier call is made in the iteration the plan starts the load in, while the drafter
+  still drafts: it starts the load and holds the draft call's answer by reference
+  (`VerifyCall.drafts`), verifying as soon as the drafts reach the verifier. Verifications whose
+  drafts arrive together share the verifier's forwards (its batch loop batches continuously);
 - the memory ring is the verifier's device memory: its weights and the full KV kept for
   verification (`VerifierConfig.resident_bytes`); compressed KV lives on the drafters;
 - the link ring is the store-to-device bandwidth, first measured by the verifier, then by every
@@ -43,21 +42,21 @@ from vericache.scheduler import (
 )
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics
-from vericache.serve.rounds import ServedRequest, cross_link
+from vericache.serve.rounds import ServedRequest, draft_call
 from vericache.serve.worker_api import (
-    DraftCall,
+    DraftAnswer,
     Drafted,
     DrafterAPI,
+    DraftInFlight,
     Verified,
     VerifierAPI,
     VerifierInfo,
     VerifierOpened,
-    VerifyBatch,
     VerifyCall,
 )
 
 _END = object()  # the outbox's last item
-Outcome = Verified | BaseException | None  # None: its session closed meanwhile (cancelled)
+Outcome = Verified | BaseException
 
 
 @dataclass
@@ -70,8 +69,8 @@ class _Entry:
     link_delay_s: float  # until `exact` has crossed the link's bandwidth
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # token lists, an error, _END
     draft: asyncio.Task | None = None  # this round's draft call, once its round has begun
-    load_planned: bool = False  # planned and not sent yet: the next verifier call carries it
-    verification: asyncio.Task | None = None  # its batch's, shared with the batch's others
+    drafts: tuple[int, ...] | DraftAnswer = ()  # ...and its answer, for the verifier
+    verification: asyncio.Task | None = None  # this round's verifier call, once made
 
     @property
     def session_id(self) -> str:
@@ -99,7 +98,6 @@ class ScheduledRounds:
         self.slot_bytes = slot_bytes  # one cache slot of full KV
         self._entries: dict[str, _Entry] = {}
         self._loop: asyncio.Task | None = None
-        self._load_calls: set[asyncio.Task] = set()  # calls that carry loads alone, in flight
 
     async def rounds(
         self, served: ServedRequest, drafter: DrafterAPI, opened: VerifierOpened
@@ -121,13 +119,12 @@ class ScheduledRounds:
         finally:  # finished, failed or cancelled: off the schedule, its reservations freed
             if self._entries.pop(session_id, None) is not None:
                 self.scheduler.abort(session_id)
-            _drop(entry.draft)
+            for task in entry.tasks():
+                _drop(task)
 
     async def close(self) -> None:
         """Stops the schedule before its workers shut down: no call starts after that."""
         stopping = WorkerUnavailableError("the server is stopping")
-        for call in list(self._load_calls):
-            _drop(call)
         for entry in self._entries.values():
             for task in entry.tasks():
                 _drop(task)
@@ -153,19 +150,18 @@ class ScheduledRounds:
         if self.metrics is not None:
             scheduled = self.scheduler.metrics
             self.metrics.iteration_planned(scheduled.iterations[-1], scheduled.peak_memory_bytes)
-        for load in plan.loads:
-            self._entries[load.request_id].load_planned = True
         for request_id in plan.draft_ids:
             entry = self._entries[request_id]
             if entry.draft is None:  # the round's first draft iteration: it begins
                 self._begin_round(entry)
-        if plan.verify_starts:
-            entries = [self._entries[v.request_id] for v in plan.verify_starts]
-            batch = asyncio.create_task(self._verify_batch(entries))
-            for entry in entries:
-                entry.verification = batch
-        elif plan.loads:
-            self._send_loads()
+        for load in plan.loads:  # inside its round's drafting (Reservation.load_start)
+            entry = self._entries[load.request_id]
+            if entry.draft is not None:  # else its verification loads when it starts
+                self._start_verification(entry, load_first=True)
+        for verify in plan.verify_starts:  # a round without a load of its own
+            entry = self._entries[verify.request_id]
+            if entry.verification is None:
+                self._start_verification(entry, load_first=False)
         await self._report(plan.verifies)
         await self._pace(started)
         self.scheduler.end_iteration(None)  # ticks time nothing: the drafters time the steps
@@ -180,80 +176,46 @@ class ScheduledRounds:
     def _begin_round(self, entry: _Entry) -> None:
         """Starts a round of the reserved draft length (within the budget and the context) as
         one draft call, which carries the exact KV of the last round's committed tokens."""
-        reserved = self.scheduler.request_state(entry.session_id).reservation.num_draft_tokens
-        num_drafts = entry.served.seq.begin_round(reserved)
-        exact, entry.exact = entry.exact, None
-        entry.draft = asyncio.create_task(self._draft(entry, num_drafts, exact))
-
-    async def _draft(self, entry: _Entry, num_drafts: int, exact: ExactKV | None) -> Drafted:
         served = entry.served
-        if num_drafts == 0:
-            return Drafted((), 0.0)  # the budget leaves one token: the verification chooses it
-        await cross_link(served, entry.link_delay_s)
-        call = DraftCall(served.session_id, served.pending, num_drafts, served.end_ids, exact)
+        reserved = self.scheduler.request_state(entry.session_id).reservation.num_draft_tokens
+        num_drafts = served.seq.begin_round(reserved)
+        exact, entry.exact = entry.exact, None
+        if num_drafts == 0:  # the budget leaves one token: the verification chooses it
+            entry.draft, entry.drafts = asyncio.create_task(_nothing_drafted()), ()
+            return
         served.num_round_calls += 1
-        drafted = await entry.drafter.draft(call)
+        in_flight = entry.drafter.draft_ahead(
+            draft_call(served, num_drafts, exact, entry.link_delay_s)
+        )
+        entry.draft, entry.drafts = asyncio.create_task(self._drafted(in_flight)), in_flight.answer
+
+    async def _drafted(self, in_flight: DraftInFlight) -> Drafted:
+        drafted = await in_flight.drafted
         if drafted.step_s > 0:
             self.scheduler.costs.observe_iteration(drafted.step_s)
         return drafted
 
-    def _planned_loads(self) -> tuple[str, ...]:
-        """The sessions whose planned loads the next verifier call carries (each once, and
-        ahead of a verification of its own in that call)."""
-        loads = tuple(e.session_id for e in self._entries.values() if e.load_planned)
-        for session_id in loads:
-            self._entries[session_id].load_planned = False
-        return loads
+    def _start_verification(self, entry: _Entry, load_first: bool) -> None:
+        """The round's one verifier call, made before its drafts exist: they reach the verifier
+        by reference."""
+        served = entry.served
+        served.num_round_calls += 1
+        call = VerifyCall(served.session_id, served.pending, entry.drafts, load_first)
+        entry.verification = asyncio.create_task(self._verify(entry, call))
 
-    def _send_loads(self) -> None:
-        """Loads planned in an iteration where no verification starts: one call for them all,
-        counted in each of their rounds."""
-        loads = self._planned_loads()
-        for session_id in loads:
-            self._entries[session_id].served.num_round_calls += 1
-        # Its outcome is the verifications': each waits for its load, or loads again itself.
-        call = asyncio.create_task(self.verifier.verify_batch(VerifyBatch((), loads)))
-        self._load_calls.add(call)
-        call.add_done_callback(self._load_calls.discard)
-        _drop(call, cancel=False)
-
-    async def _verify_batch(self, entries: list[_Entry]) -> dict[str, Outcome]:
-        """Waits for the batch's drafts, then verifies it in one call, which also carries the
-        loads planned meanwhile; a session's outcome is its result or its error."""
-        outcomes: dict[str, Outcome] = {}
-        ready = []
-        for entry in entries:
-            try:
-                drafted = await entry.draft
-            except asyncio.CancelledError:
-                if entry.session_id in self._entries:
-                    raise  # this batch itself is cancelled
-                continue  # its request was cancelled, and its draft and load with it
-            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
-                outcomes[entry.session_id] = exc
-                continue
-            entry.served.seq.draft_ids = list(drafted.tokens)
-            ready.append(entry)
-        ready = [e for e in ready if e.session_id in self._entries]  # not cancelled meanwhile
-        for entry in ready:
-            entry.served.num_round_calls += 1  # one verifier call for the whole batch
-        calls = tuple(
-            VerifyCall(e.session_id, e.served.pending, tuple(e.served.seq.draft_ids)) for e in ready
-        )
-        loads = self._planned_loads()
+    async def _verify(self, entry: _Entry, call: VerifyCall) -> Outcome:
+        """The round's outcome: its result, or its error (the draft call's where it failed, which
+        says more than the verification that waited for it)."""
         try:
-            if calls or loads:
-                results = await self.verifier.verify_batch(VerifyBatch(calls, loads))
-            else:
-                results = []
-        except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the others go on
-            results = [exc] * len(ready)
-        else:
-            forward_s = max((r.forward_s for r in results if r is not None), default=0.0)
-            if forward_s > 0:  # the forward alone: the call may also have waited for loads
-                self.scheduler.costs.observe_verification(forward_s)
-        outcomes.update((e.session_id, result) for e, result in zip(ready, results))
-        return outcomes
+            verified = await self.verifier.verify(call)
+        except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+            drafted = await asyncio.gather(entry.draft, return_exceptions=True)
+            return drafted[0] if isinstance(drafted[0], Exception) else exc
+        drafted = await entry.draft
+        entry.served.seq.draft_ids = list(drafted.tokens)
+        if verified.forward_s > 0:  # the forward alone: the call also waited for drafts, loads
+            self.scheduler.costs.observe_verification(verified.forward_s)
+        return verified
 
     async def _report(self, verifies: tuple[Verify, ...]) -> None:
         """Finishes the rounds whose verification ends in this iteration (waiting for it)."""
@@ -261,10 +223,11 @@ class ScheduledRounds:
             entry = self._entries.get(verify.request_id)
             if entry is None:  # cancelled meanwhile
                 continue
-            outcomes = await entry.verification
-            outcome = outcomes.get(entry.session_id)
+            # Gathered: a request cancelled meanwhile has its call cancelled, not this loop.
+            (outcome,) = await asyncio.gather(entry.verification, return_exceptions=True)
             entry.verification = entry.draft = None
-            if entry.session_id not in self._entries or outcome is None:
+            entry.drafts = ()
+            if entry.session_id not in self._entries:
                 continue  # cancelled while it verified (its session closed)
             if isinstance(outcome, BaseException):
                 self._fail(entry.session_id, outcome)
@@ -290,7 +253,8 @@ class ScheduledRounds:
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             self.scheduler.abort(session_id)
-            _drop(entry.draft)
+            for task in entry.tasks():
+                _drop(task)
             entry.outbox.put_nowait(error)
 
 
@@ -318,6 +282,10 @@ def new_scheduled_rounds(
         return StaggeredScheduler(costs, config.scheduler)
 
     return ScheduledRounds(verifier, new_scheduler, costs, about.slot_bytes, metrics)
+
+
+async def _nothing_drafted() -> Drafted:
+    return Drafted((), 0.0)
 
 
 def _drop(task: asyncio.Task | None, cancel: bool = True) -> None:

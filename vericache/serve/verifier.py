@@ -4,7 +4,7 @@ It registers prefixes (prefixes.py: prefill once, full KV into the LMCache store
 into the catalog), serves compressed and full KV to drafters through the KVTransfer service and
 the link, and runs the full-KV half of every request: the prefill of its prompt, the verification
 of each round of drafts (FULL_LOCAL: plain greedy decoding). Its forwards go through the engine's
-forward loop, batched across sessions.
+forward loop, batched across sessions: verifications whose drafts arrive together share forwards.
 
 Residency (residency.py): the verifier holds at most `resident_bytes` of full KV across sessions;
 an evicted session's next call reloads its prefix from the store (at `load_bandwidth` where set:
@@ -13,7 +13,6 @@ emulated PCIe). Every call reports the bytes it loaded from the store and the ti
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -23,7 +22,7 @@ from vericache.engine.device_memory import slot_bytes
 from vericache.engine.forward_loop import Job
 from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.engine.sequence import num_accepted
-from vericache.errors import InvalidRequestError
+from vericache.errors import InvalidRequestError, WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
@@ -45,9 +44,11 @@ from vericache.serve.worker_api import (
     Verified,
     VerifierInfo,
     VerifierOpened,
-    VerifyBatch,
     VerifyCall,
 )
+
+# How often a verification waiting for its drafts looks whether its session closed meanwhile.
+_DRAFT_POLL_S = 0.05
 
 
 class Verifier:
@@ -140,57 +141,42 @@ class Verifier:
         return VerifierOpened(first_token(logits), exact, delay, traffic)
 
     def verify(self, call: VerifyCall) -> Verified:
-        """One forward over [pending + drafts] with the full KV (batched with the other requests
-        due): the full-KV greedy choice after each; keeps the KV of pending and accepted drafts
-        and hands it to the drafter."""
-        (verified,) = self.verify_batch(VerifyBatch((call,)))
-        if verified is None:
-            raise SessionNotFoundError(f"the verifier holds no session {call.session_id!r}")
-        return verified
-
-    def verify_batch(self, batch: VerifyBatch) -> list[Verified | None]:
-        """`verify` for several sessions, all in the same forward. A session closed meanwhile
-        (its request cancelled) gets None; the others verify. The batch's loads start first, in
-        the background: each brings a session's full KV onto the device ahead of its next
-        verification (scheduled.py), overlapping this forward and other requests' drafts."""
-        for session_id in batch.loads:
-            self._sessions.load_ahead(session_id)
-        calls = batch.calls
-        with contextlib.ExitStack() as using:
-            held = []  # (its index, the call, its session, what loading it cost)
-            for index, call in enumerate(calls):
-                try:
-                    session, loaded = using.enter_context(self._sessions.using(call.session_id))
-                except SessionNotFoundError:
-                    continue
-                held.append((index, call, session, loaded))
-            jobs = [_verification(session.cache, call) for _, call, session, _ in held]
-            num_before = [session.cache.num_tokens for _, _, session, _ in held]
+        """One forward over [pending + drafts] with the full KV (batched with the other
+        verifications due): the full-KV greedy choice after each; keeps the KV of pending and the
+        accepted drafts and hands it to the drafter. A scheduled round's call comes while its
+        drafts are still being drafted: its load, if it carries one, starts at once and overlaps
+        the drafting and other requests' verifications."""
+        if call.load_first:
+            self._sessions.load_ahead(call.session_id)
+        drafts = self._drafts(call)
+        with self._sessions.using(call.session_id) as (session, loaded):
+            before = session.cache.num_tokens
             started = time.perf_counter()
-            choices = self._loop.run_many(jobs)  # each [1 + len(drafts)] greedy choices
+            tokens = self._loop.run(_verification(session.cache, call.pending, drafts))
             forward_s = time.perf_counter() - started
-            results: list[Verified | None] = [None] * len(calls)
-            for (index, call, session, loaded), tokens, before in zip(held, choices, num_before):
-                results[index] = self._kept(call, session, tokens, before, loaded, forward_s)
-        return results
-
-    def _kept(
-        self,
-        call: VerifyCall,
-        session: Session,
-        tokens: list[int],
-        before: int,
-        loaded: Traffic,
-        forward_s: float,
-    ) -> Verified:
-        """Keeps the KV of pending and the accepted drafts; the rest was the drafts'."""
-        accepted = num_accepted(list(call.drafts), tokens)
-        kept = before + len(call.pending) + accepted
-        session.cache.truncate(kept)
-        exact = ExactKV.of(session.cache, before, kept)
+            accepted = num_accepted(list(drafts), tokens)
+            kept = before + len(call.pending) + accepted
+            session.cache.truncate(kept)  # the rest was the drafts'
+            exact = ExactKV.of(session.cache, before, kept)
         delay = self._hand_over(exact)
         traffic = loaded + Traffic(link_bytes=exact.nbytes)
         return Verified(tuple(tokens), accepted, exact, delay, traffic, forward_s)
+
+    def _drafts(self, call: VerifyCall) -> tuple[int, ...]:
+        """The call's drafts, waiting for the draft call's answer where it carries one (bounded:
+        a session closed meanwhile, or a drafter that never answers, ends the wait)."""
+        if isinstance(call.drafts, tuple):
+            return call.drafts
+        deadline = time.monotonic() + self.config.draft_wait_s
+        while (drafted := call.drafts.wait(_DRAFT_POLL_S)) is None:
+            if call.session_id not in self._sessions:
+                raise SessionNotFoundError(f"the verifier holds no session {call.session_id!r}")
+            if time.monotonic() > deadline:
+                raise WorkerUnavailableError(
+                    f"the drafts of session {call.session_id!r} did not come within "
+                    f"{self.config.draft_wait_s:g} s"
+                )
+        return drafted.tokens
 
     def decode(self, call: DecodeCall) -> Decoded:
         """FULL_LOCAL: up to `max_tokens` greedy tokens over the full KV."""
@@ -242,7 +228,7 @@ class Verifier:
         return self.link.schedule(exact.nbytes, first=False)
 
 
-def _verification(cache: KVCache, call: VerifyCall) -> Job:
+def _verification(cache: KVCache, pending: tuple[int, ...], drafts: tuple[int, ...]) -> Job:
     """One forward over [pending + drafts]: the full-KV greedy choice after each."""
-    fed = [*call.pending, *call.drafts]
+    fed = [*pending, *drafts]
     return Job(cache, fed, num_logits=len(fed), exact=True)

@@ -5,7 +5,9 @@ that cross with each call.
 in this process or over Ray); each method has a namesake on the worker class (`Verifier`,
 `Drafter`) taking the same records, so a call can be followed from the gRPC handler to the forward
 that serves it. A round makes at most two calls: one `DrafterAPI.draft` (a whole draft, carrying
-the exact KV of the previous round's committed tokens) and one `VerifierAPI.verify`.
+the exact KV of the previous round's committed tokens) and one `VerifierAPI.verify`. A scheduled
+round makes its verifier call before the drafts exist: `DrafterAPI.draft_ahead` hands back the
+draft call's answer by reference (`DraftAnswer`), which the verifier waits for itself.
 
 Token lists cross as tuples; KV as `ExactKV` (per layer [n, Hkv, D]).
 """
@@ -13,6 +15,7 @@ Token lists cross as tuples; KV as `ExactKV` (per layer [n, Hkv, D]).
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -123,6 +126,9 @@ class DraftCall:
     num_drafts: int  # draft up to this many tokens (0: only take in `exact`)
     end_ids: frozenset[int]  # stop drafting after one of these
     exact: ExactKV | None  # the verifier's KV of the tokens committed since the last draft
+    # Emulated links only: seconds from sending the call until it reaches the drafter (the
+    # link's latency, and the time `exact` takes to cross its bandwidth); 0 on a real network.
+    arrives_in_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,23 +137,33 @@ class Drafted:
     step_s: float  # seconds per draft step this call took, its batch-mates included
 
 
+class DraftAnswer(Protocol):
+    """A draft call's answer, by reference: the verifier waits for it on its own side, so the
+    drafts need no call of their own to reach it (handles.py: a future in this process, a Ray
+    object reference across processes). Raises the draft call's error."""
+
+    def wait(self, timeout_s: float) -> Drafted | None:  # None: not answered yet
+        ...
+
+
+@dataclass(frozen=True)
+class DraftInFlight:
+    """A draft call made by `DrafterAPI.draft_ahead`: its answer, here and for the verifier."""
+
+    drafted: Awaitable[Drafted]  # for the coordinator
+    answer: DraftAnswer  # for the verifier: `VerifyCall.drafts`
+
+
 @dataclass(frozen=True)
 class VerifyCall:
+    """One round's verification. A scheduled round makes it as soon as its full KV is to be
+    loaded, while the drafter still drafts: it carries the load (`load_first`) and the draft
+    call's answer by reference, so a round costs one verifier call, whatever loads it needs."""
+
     session_id: str
     pending: tuple[int, ...]  # [the newest committed token]
-    drafts: tuple[int, ...]  # [num_drafts]
-
-
-@dataclass(frozen=True)
-class VerifyBatch:
-    """One verifier call of a scheduled iteration (serve/scheduled.py): the verifications that
-    start in it, in one forward, and the sessions whose full KV the plan loads in it, ahead of
-    their own verifications. The loads ride on the call instead of each making one of its own,
-    so a round costs one verifier call; they run beside the forward, and a session's next
-    verification waits for its load and reports what it cost."""
-
-    calls: tuple[VerifyCall, ...]
-    loads: tuple[str, ...] = ()  # session ids
+    drafts: tuple[int, ...] | DraftAnswer  # [num_drafts], or the draft call's answer to come
+    load_first: bool = False  # bring the full KV onto the device while the drafts come
 
 
 @dataclass(frozen=True)
@@ -214,7 +230,6 @@ class VerifierAPI(Protocol):
     async def delete_prefix(self, prefix_id: str) -> PrefixRecord: ...
     async def open(self, call: OpenVerifier) -> VerifierOpened: ...
     async def verify(self, call: VerifyCall) -> Verified: ...
-    async def verify_batch(self, batch: VerifyBatch) -> list[Verified | None]: ...
     async def decode(self, call: DecodeCall) -> Decoded: ...
     async def close_session(self, session_id: str) -> None: ...
     async def batching(self) -> BatchingStats: ...
@@ -233,6 +248,7 @@ class DrafterAPI(Protocol):
     async def time_draft_step(self) -> float: ...
     async def open(self, call: OpenDrafter) -> DrafterOpened: ...
     async def draft(self, call: DraftCall) -> Drafted: ...
+    def draft_ahead(self, call: DraftCall) -> DraftInFlight: ...
     async def decode(self, call: DecodeCall) -> Decoded: ...
     async def close_session(self, session_id: str) -> None: ...
     async def batching(self) -> BatchingStats: ...
