@@ -42,7 +42,6 @@ def run_cli(argv, capsys):
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--temperature", "0.7", "--top-p", "0"], "top_p must lie in (0, 1]"),
         (["--coupling", "nearest"], "invalid choice: 'nearest'"),
-        (["--temperature", "0.7", "--server", "127.0.0.1:1"], "the server decodes greedily"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_one_line(capsys, args, message):

@@ -17,7 +17,7 @@ from vericache.model.loader import load_model
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.handles import LocalAnswer, VerifierHandle
 from vericache.serve.kv_transfer import KVKind
-from vericache.serve.worker import SessionNotFoundError
+from vericache.serve.worker import DraftFailedError, SessionNotFoundError
 from vericache.serve.worker_api import (
     DraftCall,
     Drafted,
@@ -208,8 +208,8 @@ def two_sessions(scheduled):
 
 def test_a_verification_waits_for_its_drafts_by_reference(two_sessions):
     """A scheduled round's verifier call comes before its drafts: one whose session closes while
-    it waits ends, one whose draft call failed fails with the draft's error, and the others
-    verify."""
+    it waits ends, one whose draft call failed fails (the coordinator reports the draft call's
+    own error), and the others verify."""
     verifier, pending = two_sessions
     never, failing, answered = (concurrent.futures.Future() for _ in range(3))
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -221,7 +221,7 @@ def test_a_verification_waits_for_its_drafts_by_reference(two_sessions):
         )
         failed = pool.submit(verifier.verify, VerifyCall("second", pending, LocalAnswer(failing)))
         failing.set_exception(SessionNotFoundError("the drafter holds no session 'second'"))
-        with pytest.raises(SessionNotFoundError, match="drafter"):
+        with pytest.raises(DraftFailedError, match="SessionNotFoundError"):
             failed.result(30)
         answered.set_result(Drafted((5, 6), 0.01))
         verified = verifying.result(60)

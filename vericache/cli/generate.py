@@ -104,6 +104,16 @@ def sampling_params(args) -> SamplingParams:
     )
 
 
+def _sampling_keywords(params: SamplingParams) -> dict:
+    """The client's sampling keywords (vericache.client.Sampling) for `params`."""
+    keywords = {
+        "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+        "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty, "coupling": params.coupling,
+    }  # fmt: skip
+    return keywords if params.seed is None else keywords | {"seed": params.seed}
+
+
 def add_long_context_arguments(parser) -> None:
     parser.add_argument(
         "--long-context",
@@ -218,9 +228,7 @@ def run(args) -> int:
         raise InvalidRequestError(f"--draft-len {AUTO_DRAFT_LEN} runs in this process")
     params = sampling_params(args)  # bad values are refused before anything loads
     if args.server:
-        if params.samples:
-            raise InvalidRequestError("sampling runs in this process: the server decodes greedily")
-        return run_on_server(args)
+        return run_on_server(args, params)
     if args.mode in SERVER_MODES or args.prefix_id:
         raise InvalidRequestError("--mode full_local/full_remote and --prefix-id need --server")
     # Check the cheap things before loading the model.
@@ -272,7 +280,7 @@ def print_long_context_summary(engine: LongContextEngine) -> None:
     )
 
 
-def run_on_server(args) -> int:
+def run_on_server(args, params: SamplingParams) -> int:
     from vericache.client import Client
 
     if args.context_file is not None:
@@ -284,7 +292,7 @@ def run_on_server(args) -> int:
     with Client(args.server, **connection_options(args)) as client:
         stream = client.stream(
             args.prompt, prefix_id=args.prefix_id, mode=mode, max_tokens=args.max_tokens,
-            stop=args.stop, draft_len=args.draft_len,
+            stop=args.stop, draft_len=args.draft_len, **_sampling_keywords(params),
         )  # fmt: skip
         with stream:
             for delta in stream:

@@ -12,6 +12,9 @@
                 print(delta, end="", flush=True)
         print(stream.result().stats["tokens_per_s"])
 
+        # Sampled: the same tokens as full-KV sampling with this seed, whatever the mode.
+        sampled = client.generate("Once more?", prefix_id=prefix_id, temperature=0.7, seed=1)
+
 The same with `AsyncClient`: `await client.generate(...)`, `async for delta in client.stream(...)`,
 `await stream.result()`. A server that needs an API key gets it from `Client(target, api_key=...)`
 or $VERICACHE_API_KEY; `root_certificates=open("ca.crt", "rb").read()` (or `tls=True` for the
@@ -32,7 +35,7 @@ from vericache.client.errors import (
     ServerUnavailableError,
 )
 from vericache.client.sync import Client, Stream
-from vericache.client.types import Compressor, ModeName, PrefixInfo, Progress, Result
+from vericache.client.types import Compressor, ModeName, PrefixInfo, Progress, Result, Sampling
 
 __all__ = [
     "AsyncClient",
@@ -49,6 +52,7 @@ __all__ = [
     "Progress",
     "RequestCancelledError",
     "Result",
+    "Sampling",
     "ServerBusyError",
     "ServerError",
     "ServerUnavailableError",

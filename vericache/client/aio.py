@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
@@ -23,7 +23,7 @@ from vericache.client.protocol import (
     put_prefix_request,
 )
 from vericache.client.retry import Deadline, RetryPolicy, check_timeout
-from vericache.client.types import ModeName, PrefixInfo, Progress, Result
+from vericache.client.types import ModeName, PrefixInfo, Progress, Result, Sampling
 from vericache.v1 import vericache_pb2, vericache_pb2_grpc
 
 
@@ -207,11 +207,12 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
         timeout: float | None = None,
+        **sampling: Unpack[Sampling],
     ) -> Result:
         """Generates a reply to `prompt`; see `Client.generate`."""
         async with self.stream(
             prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
-            stop_token_ids=stop_token_ids, draft_len=draft_len, timeout=timeout,
+            stop_token_ids=stop_token_ids, draft_len=draft_len, timeout=timeout, **sampling,
         ) as stream:  # fmt: skip
             return await stream.result()
 
@@ -226,10 +227,11 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
         timeout: float | None = None,
+        **sampling: Unpack[Sampling],
     ) -> AsyncStream:
         """As `generate`, but an `AsyncStream` of text deltas (not a coroutine: `async for` it)."""
         request = generate_request(
-            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids
+            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids, sampling
         )
         return AsyncStream(self._messages(self._stub.Generate, request, timeout))
 

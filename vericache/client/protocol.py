@@ -6,7 +6,8 @@ Shared by the sync and asyncio clients so both accept and return exactly the sam
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -58,6 +59,7 @@ def generate_request(
     stop: Sequence[str],
     draft_len: int | None,
     stop_token_ids: Sequence[int] = (),
+    sampling: Mapping[str, Any] | None = None,
 ) -> vericache_pb2.GenerateRequest:
     if not isinstance(prompt, str):
         raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -78,7 +80,38 @@ def generate_request(
         mode=MODES[mode],
         draft_len=draft_len,
         stop_token_ids=stop_token_ids,
+        **_sampling_fields(sampling or {}),
     )
+
+
+# Each sampling keyword: the types it takes, and whether a value is allowed (the server checks
+# the same ranges; checking here answers before any RPC).
+_SAMPLING_CHECKS: dict[str, tuple[tuple[type, ...], Callable[[Any], bool], str]] = {
+    "temperature": ((int, float), lambda v: v >= 0, ">= 0"),
+    "top_p": ((int, float), lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": ((int,), lambda v: v >= 0, ">= 0"),
+    "min_p": ((int, float), lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "seed": ((int,), lambda v: 0 <= v < 2**64, "in [0, 2**64)"),
+    "repetition_penalty": ((int, float), lambda v: v > 0, "> 0"),
+    "presence_penalty": ((int, float), lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "coupling": ((str,), lambda v: v in _COUPLINGS, "'seeded' or 'rejection'"),
+}
+_COUPLINGS = {"seeded": vericache_pb2.SEEDED, "rejection": vericache_pb2.REJECTION}
+
+
+def _sampling_fields(sampling: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(sampling) - set(_SAMPLING_CHECKS))
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown sampling keyword {unknown[0]!r}: choose from {', '.join(_SAMPLING_CHECKS)}"
+        )
+    fields: dict[str, Any] = {}
+    for name, value in sampling.items():
+        types, allowed, requirement = _SAMPLING_CHECKS[name]
+        if isinstance(value, bool) or not isinstance(value, types) or not allowed(value):
+            raise InvalidRequestError(f"{name} must be {requirement}, got {value!r}")
+        fields[name] = _COUPLINGS[value] if name == "coupling" else value
+    return fields
 
 
 def _check_count(name: str, value: int) -> None:

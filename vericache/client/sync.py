@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
@@ -19,7 +19,7 @@ from vericache.client.protocol import (
     put_prefix_request,
 )
 from vericache.client.retry import Deadline, RetryPolicy, check_timeout
-from vericache.client.types import ModeName, PrefixInfo, Progress, Result
+from vericache.client.types import ModeName, PrefixInfo, Progress, Result, Sampling
 from vericache.v1 import vericache_pb2, vericache_pb2_grpc
 
 
@@ -226,17 +226,20 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
         timeout: float | None = None,
+        **sampling: Unpack[Sampling],
     ) -> Result:
         """Generates a reply to `prompt` after the registered prefix `prefix_id` (None: none).
 
         `mode` is "vericache" (lossless speculative decoding), "full_local", "full_remote" or
         "lossy"; `draft_len` is the number of tokens drafted per round (None: the server's).
         Decoding stops at the first of `stop` (the text ends before it) or of `stop_token_ids`
-        (end tokens besides the model's EOS, kept in the output).
+        (end tokens besides the model's EOS, kept in the output). `sampling`: temperature,
+        top_p, top_k, min_p, seed, repetition_penalty, presence_penalty, coupling (`Sampling`);
+        none given: greedy decoding.
         """
         with self.stream(
             prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
-            stop_token_ids=stop_token_ids, draft_len=draft_len, timeout=timeout,
+            stop_token_ids=stop_token_ids, draft_len=draft_len, timeout=timeout, **sampling,
         ) as stream:  # fmt: skip
             return stream.result()
 
@@ -251,10 +254,11 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
         timeout: float | None = None,
+        **sampling: Unpack[Sampling],
     ) -> Stream:
         """As `generate`, but returns a `Stream` of text deltas; its `result()` has the stats."""
         request = generate_request(
-            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids
+            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids, sampling
         )
         return Stream(self._messages(self._stub.Generate, request, timeout))
 

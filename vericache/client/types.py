@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from vericache.v1 import vericache_pb2
 
 # How `generate` decodes; see `Mode` in proto/vericache/v1/vericache.proto.
 ModeName = Literal["vericache", "full_local", "full_remote", "lossy"]
+
+
+class Sampling(TypedDict, total=False):
+    """`generate`'s sampling keywords, as vLLM defines them (unset: greedy decoding).
+
+    With temperature > 0 each token is sampled after the penalties, the temperature and the
+    top-k / top-p / min-p masks. coupling "seeded" (the default) gives exactly the tokens full-KV
+    sampling gives with the same seed, in every mode; "rejection" keeps the model's distribution
+    but gives another sample. Without a seed the server draws one and reports it in
+    `Result.stats["seed"]`."""
+
+    temperature: float  # >= 0; 0: greedy
+    top_p: float  # (0, 1]
+    top_k: int  # >= 0; 0: every token
+    min_p: float  # [0, 1]
+    seed: int  # [0, 2**64)
+    repetition_penalty: float  # > 0, over prompt and output tokens
+    presence_penalty: float  # [-2, 2], once per token in the output
+    coupling: Literal["seeded", "rejection"]
 
 
 @dataclass(frozen=True)
@@ -82,9 +101,15 @@ class Result:
 
 
 def stats_to_dict(stats: vericache_pb2.GenerateStats) -> dict[str, Any]:
-    # Read from the descriptor so a field added to the proto shows up without a change here.
-    fields = {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+    # Read from the descriptor so a field added to the proto shows up without a change here; an
+    # optional field left unset (the seed of a greedy request) is None.
+    fields = {
+        field.name: getattr(stats, field.name)
+        if not field.has_presence or stats.HasField(field.name)
+        else None
+        for field in stats.DESCRIPTOR.fields
+    }
     return {
-        name: value if isinstance(value, (str, int, float)) else list(value)
+        name: value if value is None or isinstance(value, (str, int, float)) else list(value)
         for name, value in fields.items()
     }

@@ -12,7 +12,6 @@ d + 1 iterations, as in the long-context engine and the schedulers. Rounds begin
 from __future__ import annotations
 
 import enum
-import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from vericache.compress.context import ModelContext
 from vericache.engine.forward_loop import ForwardLoop, Job, greedy
 from vericache.engine.prefix_store import PrefixStore
 from vericache.engine.request import DecodeMode, Request, RequestOutput
-from vericache.engine.sampling import SequenceSampler, rejection_sample, round_generator
+from vericache.engine.sampling import rejection_verified
 from vericache.engine.sequence import Sequence
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache, aligned
@@ -127,8 +126,8 @@ class Engine:
             Job(
                 seq.compressed_cache,
                 seq.compressed_input(),
-                sampler=_sampler(seq, seq.draft_ids),
-                keeps_distributions=_rejects(seq),
+                sampler=seq.sampler(seq.draft_ids),
+                keeps_distributions=seq.rejects,
             )
             for seq in compressed_batch
         ]
@@ -138,8 +137,8 @@ class Engine:
                 seq.full_input(),
                 num_logits=1 + len(seq.draft_ids),
                 exact=True,
-                sampler=_sampler(seq),
-                keeps_distributions=_rejects(seq),
+                sampler=seq.sampler(),
+                keeps_distributions=seq.rejects,
             )
             for seq in full_batch
         ]
@@ -162,7 +161,7 @@ class Engine:
                 self._decode_step(seq, job.choices[0], elapsed - draft_s)
             else:
                 seq.stats.verify_s += elapsed - draft_s
-                verified = _rejection_verified(seq, job) if _rejects(seq) else job.choices
+                verified = _rejection_verified(seq, job) if seq.rejects else job.choices
                 self._finish_round(seq, verified, verified_before)
 
     def _observe_forward(self, elapsed: float, compressed_jobs, full_jobs) -> float:
@@ -210,10 +209,8 @@ class Engine:
         seq = Sequence.start(
             request, self.model_config.eos_token_ids, max_positions, self.tokenizer
         )
-        if request.params.samples and request.params.seed is None:
-            seq.seed = secrets.randbits(63)  # reported with the output
         logits = self._prefill(seq)[-1:]
-        sampler = _sampler(seq)
+        sampler = seq.sampler()
         (first,) = greedy([logits]) if sampler is None else [sampler.sample(logits)]
         seq.stats.prefill_s = time.perf_counter() - seq.started_at
         seq.commit(first)
@@ -287,30 +284,11 @@ class Engine:
         )
 
 
-def _sampler(seq: Sequence, following: list[int] = ()) -> SequenceSampler | None:
-    """Seeded sampling of the sequence's next tokens, after its output and `following` (a draft
-    step's earlier drafts); None where it decodes greedily."""
-    if not seq.request.params.samples:
-        return None
-    history = (*seq.output_ids, *following)
-    return SequenceSampler(seq.request.params, seq.seed, seq.request.prompt_ids, history)
-
-
-def _rejects(seq: Sequence) -> bool:
-    """The sequence's drafts are checked by rejection coupling (vericache rounds only)."""
-    return seq.mode is DecodeMode.VERICACHE and seq.request.params.rejects
-
-
 def _rejection_verified(seq: Sequence, job: Job) -> list[int]:
-    """Rejection coupling of a verified round, as the tokens a verifier would have chosen: the
-    kept drafts, then the token drawn at the first rejection (never the rejected draft, whose
-    residual probability is zero) or the bonus after them all."""
-    drafts = seq.draft_ids
-    target = job.distributions[0]  # [1 + len(drafts), V]
-    draft = torch.stack(seq.draft_distributions) if drafts else target[:0]
-    generator = round_generator(seq.seed, len(seq.token_ids))
-    outcome = rejection_sample(drafts, draft, target, generator)
-    return [*drafts[: outcome.num_accepted], outcome.next_token]
+    """The round's tokens under rejection coupling (sampling.rejection_verified)."""
+    drafts = seq.draft_distributions
+    draft_probs = torch.stack(drafts) if drafts else None
+    return rejection_verified(seq.sampler(), seq.draft_ids, draft_probs, job.distributions[0])
 
 
 def _planned_verify_steps(active: list[Sequence]) -> set[int]:

@@ -185,6 +185,24 @@ def rejection_sample(
     return RejectionOutcome(k, _draw(target_probs[k].double(), generator))
 
 
+def rejection_verified(
+    sampler: SequenceSampler,
+    drafts: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+) -> list[int]:
+    """A round under rejection coupling, as the tokens a verifier would have chosen: the kept
+    drafts, then the token drawn at the first rejection (never the rejected draft, whose residual
+    probability is zero) or the bonus after them all. draft_probs: [k, V] (None when k = 0);
+    target_probs: [k + 1, V]. Its random numbers are the round's (seed, first position)."""
+    if draft_probs is None:
+        draft_probs = target_probs[:0]
+    position = len(sampler.prompt_ids) + len(sampler.history)
+    generator = round_generator(sampler.seed, position)
+    outcome = rejection_sample(drafts, draft_probs.to(target_probs.device), target_probs, generator)
+    return [*drafts[: outcome.num_accepted], outcome.next_token]
+
+
 def round_generator(seed: int, position: int) -> torch.Generator:
     """The random numbers of one round's rejection coupling: a function of the request's seed
     and the round's first position, so the same seed gives the same output."""

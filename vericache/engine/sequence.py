@@ -17,11 +17,13 @@ num_tokens:]`, plus the current drafts for a verification.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vericache.engine.request import DecodeMode, Request, RequestStats
+from vericache.engine.sampling import SequenceSampler
 from vericache.engine.stops import StopChecker
 
 if TYPE_CHECKING:  # rounds stay torch-free: the simulator runs them too (vericache.sim)
@@ -67,11 +69,14 @@ class Sequence:
         cls, request: Request, eos_token_ids: tuple[int, ...], max_positions: int, tokenizer=None
     ) -> Sequence:
         checker = StopChecker(request.params, eos_token_ids, max_positions, tokenizer)
+        seed = request.params.seed
+        if request.params.samples and seed is None:
+            seed = secrets.randbits(63)  # reported with the output
         return cls(
             request=request,
             stop_checker=checker,
             token_ids=list(request.prompt_ids),
-            seed=request.params.seed,
+            seed=seed,
         )
 
     @property
@@ -89,6 +94,20 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    def sampler(self, following: tuple[int, ...] | list[int] = ()) -> SequenceSampler | None:
+        """Seeded sampling of the next tokens, after the output and `following` (a draft step's
+        earlier drafts); None where the request decodes greedily."""
+        params = self.request.params
+        if not params.samples:
+            return None
+        history = (*self.output_ids, *following)
+        return SequenceSampler(params, self.seed, self.request.prompt_ids, history)
+
+    @property
+    def rejects(self) -> bool:
+        """Its drafts are checked by rejection coupling (vericache rounds only)."""
+        return self.mode is DecodeMode.VERICACHE and self.request.params.rejects
 
     @property
     def num_remaining(self) -> int:

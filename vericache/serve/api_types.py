@@ -69,6 +69,25 @@ class RegistrationProgress:
 
 
 @dataclass(frozen=True)
+class SamplingChoice:
+    """Sampling as a caller asks for it; each field None takes SamplingParams' default (greedy,
+    a seed drawn at random, seeded coupling)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    coupling: str | None = None  # "seeded" or "rejection"
+
+    def given(self) -> dict[str, float | int | str]:
+        """The fields the caller set, by SamplingParams' names."""
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
 class GenerateCall:
     prompt: str  # the user turn
     prefix_id: str | None = None  # None: no prefix
@@ -77,6 +96,7 @@ class GenerateCall:
     stop_token_ids: tuple[int, ...] = ()  # end tokens besides the model's EOS
     mode: ServeMode | None = None  # None: VERICACHE with a prefix, FULL_LOCAL without
     draft_len: int | None = None  # None: the server's default
+    sampling: SamplingChoice = SamplingChoice()
 
 
 @dataclass(frozen=True)
@@ -100,6 +120,7 @@ class GenerateSummary:
     ttft_s: float
     tokens_per_s: float  # output tokens after the first over the time after it
     total_s: float
+    seed: int | None = None  # the sampling seed (the request's, or one drawn); None: greedy
 
     @property
     def mean_accepted_per_round(self) -> float:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import secrets
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -244,8 +246,11 @@ class Coordinator:
             )
         self.prompts.check_token_ids(call.stop_token_ids, "stop token ids")
         params = SamplingParams(
-            max_new_tokens=max_tokens, stop=call.stop, stop_token_ids=call.stop_token_ids
-        )
+            max_new_tokens=max_tokens, stop=call.stop, stop_token_ids=call.stop_token_ids,
+            **call.sampling.given(),
+        )  # fmt: skip
+        if params.samples and params.seed is None:  # one seed for every worker and the summary
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
         record = None
         if call.prefix_id:
             record = await self._owned_record(call.prefix_id, tenant)

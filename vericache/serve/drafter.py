@@ -88,7 +88,7 @@ class Drafter:
         if call.role is not DraftRole.DRAFT:
             suffix = torch.tensor(call.prompt_ids[call.num_prefix_tokens :], dtype=torch.long)
             logits = self.runner.prefill(suffix, cache, chunk_size=self.config.prefill_chunk)
-            first = first_token(logits)
+            first = first_token(logits, call.sampler)
             _update(cache)
         with self._lock:
             self._sessions[call.session_id] = _Session(call.role, cache)
@@ -107,10 +107,16 @@ class Drafter:
                 _update(cache)
             if call.num_drafts == 0:
                 return Drafted((), 0.0)
-            job = Job(cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids)
+            rejects = call.sampler is not None and call.sampler.params.rejects
+            job = Job(
+                cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids,
+                sampler=call.sampler, keeps_distributions=rejects,
+            )  # fmt: skip
             started = time.perf_counter()
             tokens = self._loop.run(job)
-        return Drafted(tuple(tokens), (time.perf_counter() - started) / job.steps)
+        step_s = (time.perf_counter() - started) / job.steps
+        distributions = torch.cat(job.distributions).cpu() if rejects else None
+        return Drafted(tuple(tokens), step_s, distributions)
 
     def decode(self, call: DecodeCall) -> Decoded:
         """LOSSY or FULL: up to `max_tokens` greedy tokens after `pending`, alone."""
@@ -124,6 +130,7 @@ class Drafter:
                 end_ids=call.end_ids,
                 exact=is_full,
                 after_step=None if is_full else (lambda: _update(cache)),
+                sampler=call.sampler,
             )
             tokens = self._loop.run(job)
         return Decoded(tuple(tokens), Traffic())

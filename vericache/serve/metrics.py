@@ -291,6 +291,7 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
 
 def _log_finished(served, finish_reason: str, elapsed_s: float) -> None:
     stats, plan = served.seq.stats, served.plan
+    params = served.seq.request.params
     accepted = stats.accepted_per_round
     mean_accepted = round(sum(accepted) / len(accepted), 2) if accepted else None
     log.info(
@@ -303,6 +304,9 @@ def _log_finished(served, finish_reason: str, elapsed_s: float) -> None:
             "prompt_tokens": len(served.seq.request.prompt_ids),
             "output_tokens": len(served.seq.output_ids),
             "finish_reason": finish_reason,
+            "temperature": params.temperature,
+            "seed": served.seq.seed,
+            "coupling": params.coupling if params.samples else None,
             "rounds": stats.rounds,
             "mean_accepted_per_round": mean_accepted,
             "link_bytes": served.traffic.link_bytes,

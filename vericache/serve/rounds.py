@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from vericache.engine.request import Request
+from vericache.engine.sampling import SequenceSampler
 from vericache.engine.sequence import Sequence
 from vericache.kv.exact import ExactKV
 from vericache.serve.api_types import GenerateSummary, ServeMode
@@ -28,6 +30,7 @@ from vericache.serve.worker import cache_capacity
 from vericache.serve.worker_api import (
     DecodeCall,
     DraftCall,
+    Drafted,
     DrafterAPI,
     DraftRole,
     OpenDrafter,
@@ -70,6 +73,15 @@ class ServedRequest:
         verifier's prefill of it gives the same bits its rounds did (batch-invariant kernels)."""
         token_ids = self.seq.token_ids
         return tuple(token_ids[:-1] if self.seq.output_ids else token_ids)
+
+    @property
+    def opening_sampler(self) -> SequenceSampler | None:
+        """The sampler of the token after `history` (None: greedy): a session's first token."""
+        seq = self.seq
+        sampler = seq.sampler()
+        if sampler is None or not seq.output_ids:
+            return sampler
+        return dataclasses.replace(sampler, history=sampler.history[:-1])
 
     @property
     def is_resumed(self) -> bool:
@@ -134,6 +146,7 @@ class ServedRequest:
             ttft_s=first - self.started_at,
             tokens_per_s=(num_tokens - 1) / decode_time if decode_time > 0 else 0.0,
             total_s=now - self.started_at,
+            seed=self.seq.seed,
         )
 
 
@@ -170,8 +183,9 @@ async def _open_verifier(
     served: ServedRequest, verifier: VerifierAPI, for_drafter: bool
 ) -> VerifierOpened:
     call = OpenVerifier(
-        served.session_id, served.history, served.plan.prefix_id, served.capacity, for_drafter
-    )
+        served.session_id, served.history, served.plan.prefix_id, served.capacity, for_drafter,
+        served.opening_sampler,
+    )  # fmt: skip
     opened = await verifier.open(call)
     served.add(opened.traffic)
     return opened
@@ -181,7 +195,7 @@ async def _open_drafter(served: ServedRequest, drafter: DrafterAPI, role: DraftR
     request = served.plan.request
     call = OpenDrafter(
         served.session_id, role, address, served.plan.prefix_id, served.history,
-        request.num_prefix_tokens, served.capacity,
+        request.num_prefix_tokens, served.capacity, sampler=served.opening_sampler,
     )  # fmt: skip
     opened = await drafter.open(call)
     served.add(opened.traffic)
@@ -198,7 +212,9 @@ async def _alone(served: ServedRequest, worker, opening) -> AsyncIterator[list[i
     seq = served.seq
     while not seq.is_finished:
         num_tokens = seq.decode_target(served.plan.decode_chunk)
-        call = DecodeCall(served.session_id, served.pending, num_tokens, served.end_ids)
+        call = DecodeCall(
+            served.session_id, served.pending, num_tokens, served.end_ids, seq.sampler()
+        )
         decoded = await worker.decode(call)
         served.add(decoded.traffic)
         yield served.commit_decoded(list(decoded.tokens))
@@ -229,16 +245,40 @@ async def _vericache(
     seq = served.seq
     while not seq.is_finished:
         num_drafts = seq.begin_round(seq.request.draft_len)
-        if num_drafts > 0:
-            call = draft_call(served, num_drafts, exact, link_delay)
+        drafting, drafts = None, ()
+        if num_drafts > 0:  # the verifier call goes out at once: the drafts reach it by reference
             served.num_round_calls += 1
-            seq.draft_ids = list((await drafter.draft(call)).tokens)
-        served.num_round_calls += 1
-        verified = await verifier.verify(
-            VerifyCall(served.session_id, served.pending, tuple(seq.draft_ids))
-        )
+            in_flight = drafter.draft_ahead(draft_call(served, num_drafts, exact, link_delay))
+            drafting, drafts = asyncio.ensure_future(in_flight.drafted), in_flight.answer
+        call = VerifyCall(served.session_id, served.pending, drafts, sampler=seq.sampler())
+        verified = await verification(served, verifier, call, drafting)
         exact, link_delay = verified.exact, verified.link_delay_s
         yield served.finish_round(verified)
+
+
+async def verification(
+    served: ServedRequest,
+    verifier: VerifierAPI,
+    call: VerifyCall,
+    drafting: asyncio.Future[Drafted] | None,
+) -> Verified:
+    """A round's verifier call, made while `drafting` (its draft call, None without drafts) may
+    still run; sets the round's drafts. Where the draft call failed, raises its error, not the
+    verification's (which failed waiting for it)."""
+    served.num_round_calls += 1
+    try:
+        verified = await verifier.verify(call)
+    except asyncio.CancelledError:
+        if drafting is not None:
+            drafting.cancel()
+        raise
+    except Exception:
+        if drafting is not None:
+            await drafting  # raises the draft call's error, if it failed
+        raise
+    if drafting is not None:
+        served.seq.draft_ids = list((await drafting).tokens)
+    return verified
 
 
 def draft_call(
@@ -251,5 +291,5 @@ def draft_call(
         served.add(Traffic(link_s=link_delay_s))
     return DraftCall(
         served.session_id, served.pending, num_drafts, served.end_ids, exact,
-        arrives_in_s=link_delay_s,
+        sampler=served.seq.sampler(), arrives_in_s=link_delay_s,
     )  # fmt: skip

@@ -42,7 +42,7 @@ from vericache.scheduler import (
 )
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics
-from vericache.serve.rounds import ServedRequest, draft_call
+from vericache.serve.rounds import ServedRequest, draft_call, verification
 from vericache.serve.worker_api import (
     DraftAnswer,
     Drafted,
@@ -199,20 +199,17 @@ class ScheduledRounds:
         """The round's one verifier call, made before its drafts exist: they reach the verifier
         by reference."""
         served = entry.served
-        served.num_round_calls += 1
-        call = VerifyCall(served.session_id, served.pending, entry.drafts, load_first)
+        call = VerifyCall(
+            served.session_id, served.pending, entry.drafts, load_first, served.seq.sampler()
+        )
         entry.verification = asyncio.create_task(self._verify(entry, call))
 
     async def _verify(self, entry: _Entry, call: VerifyCall) -> Outcome:
-        """The round's outcome: its result, or its error (the draft call's where it failed, which
-        says more than the verification that waited for it)."""
+        """The round's outcome: its result, or its error."""
         try:
-            verified = await self.verifier.verify(call)
+            verified = await verification(entry.served, self.verifier, call, entry.draft)
         except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-            drafted = await asyncio.gather(entry.draft, return_exceptions=True)
-            return drafted[0] if isinstance(drafted[0], Exception) else exc
-        drafted = await entry.draft
-        entry.served.seq.draft_ids = list(drafted.tokens)
+            return exc
         if verified.forward_s > 0:  # the forward alone: the call also waited for drafts, loads
             self.scheduler.costs.observe_verification(verified.forward_s)
         return verified

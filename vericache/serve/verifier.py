@@ -21,6 +21,7 @@ from vericache.engine.calibration import measure_link_bandwidth
 from vericache.engine.device_memory import slot_bytes
 from vericache.engine.forward_loop import Job
 from vericache.engine.link import LinkSpec, ThrottledLink
+from vericache.engine.sampling import rejection_verified
 from vericache.engine.sequence import num_accepted
 from vericache.errors import InvalidRequestError, WorkerUnavailableError
 from vericache.kv.cache import KVCache
@@ -33,11 +34,18 @@ from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVTransferService, TransferServer
 from vericache.serve.prefixes import PrefixRegistry
 from vericache.serve.residency import ResidentSessions, Session
-from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model
+from vericache.serve.worker import (
+    DraftFailedError,
+    SessionNotFoundError,
+    first_token,
+    load_worker_model,
+)
 from vericache.serve.worker_api import (
     BatchingStats,
     DecodeCall,
     Decoded,
+    DraftAnswer,
+    Drafted,
     OpenVerifier,
     Residency,
     Traffic,
@@ -130,6 +138,7 @@ class Verifier:
                 suffix = torch.tensor(prompt[len(prefix) :], dtype=torch.long)
                 chunk = self.config.prefill_chunk
                 logits = self.runner.prefill(suffix, session.cache, chunk_size=chunk)
+                first = first_token(logits, call.sampler)
                 exact, delay = None, 0.0
                 if call.for_drafter:
                     exact = ExactKV.of(session.cache, len(prefix), len(prompt))
@@ -138,7 +147,7 @@ class Verifier:
             self.close_session(call.session_id)
             raise
         traffic = loaded + Traffic(link_bytes=exact.nbytes if exact else 0)
-        return VerifierOpened(first_token(logits), exact, delay, traffic)
+        return VerifierOpened(first, exact, delay, traffic)
 
     def verify(self, call: VerifyCall) -> Verified:
         """One forward over [pending + drafts] with the full KV (batched with the other
@@ -148,12 +157,18 @@ class Verifier:
         the drafting and other requests' verifications."""
         if call.load_first:
             self._sessions.load_ahead(call.session_id)
-        drafts = self._drafts(call)
+        drafted = self._drafted(call)
+        drafts = drafted.tokens
+        rejects = call.sampler is not None and call.sampler.params.rejects
         with self._sessions.using(call.session_id) as (session, loaded):
             before = session.cache.num_tokens
+            job = _verification(session.cache, call, drafts, rejects)
             started = time.perf_counter()
-            tokens = self._loop.run(_verification(session.cache, call.pending, drafts))
+            tokens = self._loop.run(job)
             forward_s = time.perf_counter() - started
+            if rejects:
+                target = job.distributions[0]  # [1 + len(drafts), V]
+                tokens = rejection_verified(call.sampler, drafts, drafted.distributions, target)
             accepted = num_accepted(list(drafts), tokens)
             kept = before + len(call.pending) + accepted
             session.cache.truncate(kept)  # the rest was the drafts'
@@ -162,13 +177,13 @@ class Verifier:
         traffic = loaded + Traffic(link_bytes=exact.nbytes)
         return Verified(tuple(tokens), accepted, exact, delay, traffic, forward_s)
 
-    def _drafts(self, call: VerifyCall) -> tuple[int, ...]:
+    def _drafted(self, call: VerifyCall) -> Drafted:
         """The call's drafts, waiting for the draft call's answer where it carries one (bounded:
         a session closed meanwhile, or a drafter that never answers, ends the wait)."""
         if isinstance(call.drafts, tuple):
-            return call.drafts
+            return Drafted(call.drafts, 0.0)
         deadline = time.monotonic() + self.config.draft_wait_s
-        while (drafted := call.drafts.wait(_DRAFT_POLL_S)) is None:
+        while (drafted := _answered(call.drafts)) is None:
             if call.session_id not in self._sessions:
                 raise SessionNotFoundError(f"the verifier holds no session {call.session_id!r}")
             if time.monotonic() > deadline:
@@ -176,12 +191,15 @@ class Verifier:
                     f"the drafts of session {call.session_id!r} did not come within "
                     f"{self.config.draft_wait_s:g} s"
                 )
-        return drafted.tokens
+        return drafted
 
     def decode(self, call: DecodeCall) -> Decoded:
         """FULL_LOCAL: up to `max_tokens` greedy tokens over the full KV."""
         with self._sessions.using(call.session_id) as (session, loaded):
-            job = Job(session.cache, list(call.pending), call.max_tokens, 1, call.end_ids, True)
+            job = Job(
+                session.cache, list(call.pending), call.max_tokens, 1, call.end_ids, exact=True,
+                sampler=call.sampler,
+            )  # fmt: skip
             tokens = self._loop.run(job)
         return Decoded(tuple(tokens), loaded)
 
@@ -228,7 +246,18 @@ class Verifier:
         return self.link.schedule(exact.nbytes, first=False)
 
 
-def _verification(cache: KVCache, pending: tuple[int, ...], drafts: tuple[int, ...]) -> Job:
-    """One forward over [pending + drafts]: the full-KV greedy choice after each."""
-    fed = [*pending, *drafts]
-    return Job(cache, fed, num_logits=len(fed), exact=True)
+def _answered(answer: DraftAnswer) -> Drafted | None:
+    try:
+        return answer.wait(_DRAFT_POLL_S)
+    except Exception as exc:  # noqa: BLE001 - its kind is the draft call's to report
+        raise DraftFailedError(f"the draft call failed: {type(exc).__name__}") from None
+
+
+def _verification(cache: KVCache, call: VerifyCall, drafts: tuple[int, ...], rejects: bool) -> Job:
+    """One forward over [pending + drafts]: the full-KV choice after each (and, for rejection
+    coupling, the distributions they were drawn from)."""
+    fed = [*call.pending, *drafts]
+    return Job(
+        cache, fed, num_logits=len(fed), exact=True, sampler=call.sampler,
+        keeps_distributions=rejects,
+    )  # fmt: skip

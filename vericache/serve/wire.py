@@ -13,6 +13,7 @@ from vericache.serve.api_types import (
     OutputChunk,
     PutPrefixCall,
     RegistrationProgress,
+    SamplingChoice,
     ServeMode,
 )
 from vericache.serve.catalog import PrefixRecord
@@ -80,6 +81,24 @@ def prefix_list(records: list[PrefixRecord]) -> pb.ListPrefixesResponse:
     return pb.ListPrefixesResponse(prefixes=[prefix_info(r) for r in records])
 
 
+_COUPLINGS = {pb.COUPLING_UNSPECIFIED: None, pb.SEEDED: "seeded", pb.REJECTION: "rejection"}
+
+
+def sampling_choice(message: pb.GenerateRequest) -> SamplingChoice:
+    if message.coupling not in _COUPLINGS:
+        raise InvalidRequestError(f"unknown coupling {message.coupling}")
+    return SamplingChoice(
+        temperature=_optional(message, "temperature"),
+        top_p=_optional(message, "top_p"),
+        top_k=_optional(message, "top_k"),
+        min_p=_optional(message, "min_p"),
+        seed=_optional(message, "seed"),
+        repetition_penalty=_optional(message, "repetition_penalty"),
+        presence_penalty=_optional(message, "presence_penalty"),
+        coupling=_COUPLINGS[message.coupling],
+    )
+
+
 def generate_call(message: pb.GenerateRequest) -> GenerateCall:
     if message.mode != pb.MODE_UNSPECIFIED and message.mode not in _MODES:
         raise InvalidRequestError(f"unknown mode {message.mode}")
@@ -91,6 +110,7 @@ def generate_call(message: pb.GenerateRequest) -> GenerateCall:
         stop_token_ids=tuple(message.stop_token_ids),
         mode=_MODES.get(message.mode),
         draft_len=_optional(message, "draft_len"),
+        sampling=sampling_choice(message),
     )
 
 
@@ -114,4 +134,5 @@ def _stats(summary: GenerateSummary) -> pb.GenerateStats:
         ttft_s=summary.ttft_s,
         tokens_per_s=summary.tokens_per_s,
         total_s=summary.total_s,
+        seed=summary.seed,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from vericache.engine.device_memory import slot_bytes
+from vericache.engine.sampling import SequenceSampler
 from vericache.errors import VeriCacheError
 from vericache.kv.cache import aligned
 from vericache.kv.codec import model_fingerprint
@@ -24,6 +25,12 @@ from vericache.serve.worker_api import ModelInfo
 
 class SessionNotFoundError(VeriCacheError):
     """A worker was asked about a session it does not hold (never opened, or closed)."""
+
+
+class DraftFailedError(VeriCacheError):
+    """The draft call a verification waited for failed. The coordinator reports the draft call's
+    own error instead, which it gets from that call (a dead drafter is the drafter's to report,
+    not the verifier's)."""
 
 
 def load_worker_model(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner, ModelInfo]:
@@ -51,6 +58,10 @@ def cache_capacity(num_tokens: int, max_positions: int) -> int:
     return aligned(min(num_tokens, max_positions), KEY_ALIGN)
 
 
-def first_token(logits: torch.Tensor) -> int:
-    """The greedy choice from a prefill's last logits [1, vocab] (ties: the lowest id)."""
-    return int(logits[-1].argmax())
+def first_token(logits: torch.Tensor, sampler: SequenceSampler | None = None) -> int:
+    """The choice from a prefill's last logits [1, vocab]: greedy (ties: the lowest id), or the
+    request's seeded sample."""
+    if sampler is None:
+        return int(logits[-1].argmax())
+    (token,) = sampler.sample(logits[-1:])
+    return token

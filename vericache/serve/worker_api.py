@@ -9,7 +9,9 @@ the exact KV of the previous round's committed tokens) and one `VerifierAPI.veri
 round makes its verifier call before the drafts exist: `DrafterAPI.draft_ahead` hands back the
 draft call's answer by reference (`DraftAnswer`), which the verifier waits for itself.
 
-Token lists cross as tuples; KV as `ExactKV` (per layer [n, Hkv, D]).
+Token lists cross as tuples; KV as `ExactKV` (per layer [n, Hkv, D]). A sampled request's calls
+carry its `SequenceSampler` (parameters, seed, prompt and output so far): the noise at a position
+comes from (seed, position), so drafter and verifier draw the same wherever they run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import torch
+
+from vericache.engine.sampling import SequenceSampler
 from vericache.kv.exact import ExactKV
 from vericache.serve.catalog import PrefixKey, PrefixRecord, StoredKind
 
@@ -88,11 +93,12 @@ class OpenVerifier:
     prefix_id: str | None  # None: no prefix
     capacity: int  # cache slots to reserve
     for_drafter: bool  # hand the prompt's exact KV after the prefix to a drafter
+    sampler: SequenceSampler | None = None  # None: greedy
 
 
 @dataclass(frozen=True)
 class VerifierOpened:
-    first_token: int  # the greedy choice after the prompt
+    first_token: int  # the choice after the prompt
     exact: ExactKV | None  # the prompt's exact KV after the prefix, when for a drafter
     link_delay_s: float  # until `exact` has crossed the link to the drafters
     traffic: Traffic
@@ -109,6 +115,7 @@ class OpenDrafter:
     num_prefix_tokens: int
     capacity: int  # cache slots to reserve
     fetch_grant: str = ""  # the coordinator's permission to fetch this prefix's KV (DrafterHandle)
+    sampler: SequenceSampler | None = None  # None: greedy
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,7 @@ class DraftCall:
     num_drafts: int  # draft up to this many tokens (0: only take in `exact`)
     end_ids: frozenset[int]  # stop drafting after one of these
     exact: ExactKV | None  # the verifier's KV of the tokens committed since the last draft
+    sampler: SequenceSampler | None = None  # None: greedy
     # Emulated links only: seconds from sending the call until it reaches the drafter (the
     # link's latency, and the time `exact` takes to cross its bandwidth); 0 on a real network.
     arrives_in_s: float = 0.0
@@ -135,6 +143,9 @@ class DraftCall:
 class Drafted:
     tokens: tuple[int, ...]  # [<= num_drafts]
     step_s: float  # seconds per draft step this call took, its batch-mates included
+    # Rejection coupling only: what each draft was drawn from, for the verifier's test; only the
+    # drafted rows cross.
+    distributions: torch.Tensor | None = None  # [len(tokens), V] float32
 
 
 class DraftAnswer(Protocol):
@@ -164,11 +175,14 @@ class VerifyCall:
     pending: tuple[int, ...]  # [the newest committed token]
     drafts: tuple[int, ...] | DraftAnswer  # [num_drafts], or the draft call's answer to come
     load_first: bool = False  # bring the full KV onto the device while the drafts come
+    sampler: SequenceSampler | None = None  # None: greedy
 
 
 @dataclass(frozen=True)
 class Verified:
-    tokens: tuple[int, ...]  # [1 + num_drafts] the full-KV greedy choice after each fed token
+    # [1 + num_drafts] the full-KV choice after each fed token; under rejection coupling, the
+    # kept drafts and the token after them
+    tokens: tuple[int, ...]
     num_accepted: int  # drafts kept: the cache holds pending + these
     exact: ExactKV  # the KV of pending + accepted drafts, for the drafter's next round
     link_delay_s: float  # until `exact` has crossed the link to the drafters
@@ -184,6 +198,7 @@ class DecodeCall:
     pending: tuple[int, ...]  # [the newest committed token]
     max_tokens: int
     end_ids: frozenset[int]  # stop after choosing one of these
+    sampler: SequenceSampler | None = None  # None: greedy
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,20 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FULL_LOCAL: _ClassVar[Mode]
     FULL_REMOTE: _ClassVar[Mode]
     LOSSY: _ClassVar[Mode]
+
+class Coupling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COUPLING_UNSPECIFIED: _ClassVar[Coupling]
+    SEEDED: _ClassVar[Coupling]
+    REJECTION: _ClassVar[Coupling]
 MODE_UNSPECIFIED: Mode
 VERICACHE: Mode
 FULL_LOCAL: Mode
 FULL_REMOTE: Mode
 LOSSY: Mode
+COUPLING_UNSPECIFIED: Coupling
+SEEDED: Coupling
+REJECTION: Coupling
 
 class Compressor(_message.Message):
     __slots__ = ("name", "ratio", "bits", "dtype")
@@ -105,7 +114,7 @@ class DeletePrefixResponse(_message.Message):
     def __init__(self, deleted: bool = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prefix_id", "prompt", "max_tokens", "stop", "mode", "draft_len", "stop_token_ids")
+    __slots__ = ("prefix_id", "prompt", "max_tokens", "stop", "mode", "draft_len", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "coupling")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +122,14 @@ class GenerateRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    COUPLING_FIELD_NUMBER: _ClassVar[int]
     prefix_id: str
     prompt: str
     max_tokens: int
@@ -120,7 +137,15 @@ class GenerateRequest(_message.Message):
     mode: Mode
     draft_len: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prefix_id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., draft_len: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    presence_penalty: float
+    coupling: Coupling
+    def __init__(self, prefix_id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., draft_len: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., coupling: _Optional[_Union[Coupling, str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "stats")
@@ -139,7 +164,7 @@ class TokenChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("finish_reason", "num_tokens", "rounds", "mean_accepted_per_round", "accepted_per_round", "link_bytes", "store_bytes", "link_wait_s", "store_wait_s", "ttft_s", "tokens_per_s", "total_s")
+    __slots__ = ("finish_reason", "num_tokens", "rounds", "mean_accepted_per_round", "accepted_per_round", "link_bytes", "store_bytes", "link_wait_s", "store_wait_s", "ttft_s", "tokens_per_s", "total_s", "seed")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +177,7 @@ class GenerateStats(_message.Message):
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     num_tokens: int
     rounds: int
@@ -164,4 +190,5 @@ class GenerateStats(_message.Message):
     ttft_s: float
     tokens_per_s: float
     total_s: float
-    def __init__(self, finish_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., link_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., link_wait_s: _Optional[float] = ..., store_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+    seed: int
+    def __init__(self, finish_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., link_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., link_wait_s: _Optional[float] = ..., store_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
