@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vericache.serve.auth import Access
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 from vericache.serve.launch import in_process_workers
-from vericache.serve.server import BackgroundServer, distributed_server
+from vericache.serve.server import BackgroundServer, HttpSettings, distributed_server
 from vericache.v1 import vericache_pb2_grpc
 
 # About 300 tokens of code in the system turn: long enough that 4x compression drops most of it.
@@ -29,9 +29,11 @@ def start_server(
     num_drafters: int = 2,
     config: CoordinatorConfig | None = None,
     access: Access | None = None,
+    http: HttpSettings | None = None,
     **verifier_options,
 ) -> BackgroundServer:
-    """`access` None: no API keys and no TLS, as `--insecure-no-auth` serves."""
+    """`access` None: no API keys and no TLS, as `--insecure-no-auth` serves; `http`: the
+    OpenAI-compatible HTTP API too."""
     verifier = VerifierConfig(model=str(model), root=root, transfer_host="127.0.0.1")
     if verifier_options:
         verifier = dataclasses.replace(verifier, **verifier_options)
@@ -41,6 +43,7 @@ def start_server(
         str(model),
         config=config,
         access=access or Access(),
+        http=http,
     )
 
 

@@ -54,6 +54,17 @@ def test_generate_on_a_server_matches_full_local(server, tmp_path, capsys):
     assert outputs["vericache"]["token_ids"] == outputs["full_local"]["token_ids"]
     assert outputs["full"]["mode"] == "full_local"  # the in-process name, mapped
     assert outputs["vericache"]["stats"]["rounds"] >= 1
+    sampled = {}
+    for mode in ("full_local", "vericache"):
+        argv = ["generate", "--server", server.target, "--prefix-id", prefix_id, "--json"]
+        argv += ["--prompt", "Explain.", "--mode", mode, "--max-tokens", "20"]
+        code, out, _ = run_cli(
+            [*argv, "--temperature", "0.8", "--top-p", "0.9", "--seed", "5"], capsys
+        )
+        assert code == 0
+        sampled[mode] = json.loads(out)
+    assert sampled["vericache"]["token_ids"] == sampled["full_local"]["token_ids"]
+    assert sampled["vericache"]["stats"]["seed"] == 5
 
 
 @pytest.mark.parametrize(
@@ -72,6 +83,7 @@ def test_generate_on_a_server_matches_full_local(server, tmp_path, capsys):
         (["serve", "--local", "--scheduling", "round-robin"], "invalid choice"),
         (["serve", "--local", "--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
         (["serve", "--local", "--ratio", "4"], "unrecognized arguments"),
+        (["serve", "--local", "--served-model-name", "m"], "names the model of --http-port"),
     ],
 )
 def test_bad_options_fail_before_anything_starts(capsys, argv, message):

@@ -184,3 +184,32 @@ def _joint(engine, ids, params) -> dict[tuple[int, int], float]:
         for b in second.nonzero().flatten().tolist():
             joint[a, b] = float(first[a] * second[b])
     return joint
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("coupling", ["seeded", "rejection"])
+def test_the_embedded_model_samples_its_own_distribution(embedded_engine, coupling):
+    """SmolLM2-135M: a request's first token comes from the prefill, its second from a round of
+    one draft over a 4x StreamingLLM cache; over many seeds the (first, second) pairs follow the
+    model's joint distribution under the sampling parameters, under either coupling."""
+    engine = embedded_engine
+    ids = tuple(engine.tokenizer.encode("import math\n\ndef circle_area(radius):\n    return"))
+    params = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=3, coupling=coupling)
+    (streaming, _) = pick("streamingllm")
+    num_samples = 600  # nine pairs at most: the expected distance is about 0.05
+    batch = [
+        Request(ids, len(ids) - 4, dataclasses.replace(params, seed=s), DecodeMode.VERICACHE,
+                streaming, 1)
+        for s in range(num_samples)
+    ]  # fmt: skip
+    pairs = [tuple(out.token_ids) for out in engine.generate(batch)]
+    exact = _joint(engine, ids, params)
+    empirical_joint = {pair: pairs.count(pair) / num_samples for pair in set(pairs)}
+    distance = 0.5 * sum(
+        abs(empirical_joint.get(pair, 0) - p) for pair, p in {**empirical_joint, **exact}.items()
+    )
+    assert all(pair in exact for pair in empirical_joint)  # only tokens top-k allows
+    assert distance < 0.1
+    # ...and far closer to it than a uniform choice among the same pairs is.
+    uniform = {pair: 1 / len(exact) for pair in exact}
+    assert distance < 0.5 * 0.5 * sum(abs(uniform[pair] - exact[pair]) for pair in exact)

@@ -69,6 +69,20 @@ def test_vericache_equals_full_local(client, name, strength):
     assert stats["ttft_s"] > 0 and stats["link_bytes"] == 0
 
 
+def test_sampled_vericache_equals_sampled_full_local(client):
+    """One seed for the coordinator and the engine: the reported seed is the one sampled with,
+    and a seed drawn by the server repeats its output when passed back."""
+    prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+    sampling = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 32}
+    full = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", seed=4, **sampling)
+    vericache = client.generate(PROMPT, prefix_id=prefix_id, draft_len=4, seed=4, **sampling)
+    assert vericache.token_ids == full.token_ids and vericache.stats["seed"] == 4
+    drawn = client.generate(PROMPT, prefix_id=prefix_id, draft_len=4, **sampling)
+    seed = drawn.stats["seed"]
+    again = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", seed=seed, **sampling)
+    assert again.token_ids == drawn.token_ids
+
+
 def test_stop_strings_end_both_modes_at_the_same_place(client):
     prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
     reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=40)
@@ -213,3 +227,30 @@ def test_vericache_serve_long_context(tiny_chat_checkpoint):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
+
+
+def test_the_openai_http_api_serves_a_long_context_server(tiny_chat_checkpoint):
+    import httpx
+
+    from vericache.serve.server import HttpSettings
+
+    settings = LongContextConfig(**vars(FAST_LINK))
+    worker = WorkerConfig(model=str(tiny_chat_checkpoint))
+    with long_context_server(worker, settings, http=HttpSettings(0, "tiny")) as server:
+        with Client(server.target, timeout=120) as client:
+            prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+            reference = client.generate(
+                PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=12
+            )
+        messages = [
+            {"role": "system", "content": CONTEXT}, {"role": "user", "content": PROMPT}
+        ]  # fmt: skip
+        body = {
+            "model": "tiny", "max_tokens": 12, "temperature": 0, "messages": messages,
+            "vericache": {"prefix_id": prefix_id, "draft_len": 4},
+        }  # fmt: skip
+        url = f"http://{server.host}:{server.http_port}"
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        assert reply["choices"][0]["message"]["content"] == reference.text
+        assert reply["vericache"]["rounds"] >= 1
+        assert httpx.get(f"{url}/health").status_code == 200

@@ -11,6 +11,8 @@ starts with `--insecure-no-auth`; `--tls-cert` and `--tls-key` serve over TLS. T
 default to $VERICACHE_API_KEYS_FILE, $VERICACHE_TLS_CERT_FILE and $VERICACHE_TLS_KEY_FILE; TLS
 files named only by those variables are used if both exist (the k8s Secret is optional).
 `--health-port` serves grpc.health.v1 alone in plaintext, for probes that cannot speak TLS.
+`--http-port` also serves the OpenAI-compatible HTTP API (serve/openai_api.py), with the same keys
+and TLS.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vericache.cli.generate import add_long_context_arguments, long_context_config
 from vericache.engine.link import LinkSpec, parse_bandwidth, parse_size
@@ -36,6 +39,9 @@ from vericache.serve.config import (
     WorkerConfig,
 )
 from vericache.serve.logs import configure_logging
+
+if TYPE_CHECKING:
+    from vericache.serve.server import HttpSettings
 
 log = logging.getLogger("vericache.serve.summary")
 
@@ -94,6 +100,16 @@ def add_parser(commands) -> None:
     )
     parser.add_argument(
         "--metrics-port", type=int, help="serve Prometheus /metrics over HTTP on this port"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics) on this port",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        help="the model id of the HTTP API (default: the model's name, a directory's last part)",
     )
     parser.add_argument(
         "--log-format",
@@ -228,13 +244,17 @@ def run(args) -> int:
     configure_logging(args.log_format)
     if long_context is None:
         worker_configs(args)  # sizes and the link parse before the access files are read
+    http = http_settings(args)
     access = access_from_args(args)
     if long_context is not None:
-        server = start_long_context(args, long_context, config, access)
+        server = start_long_context(args, long_context, config, access, http)
     else:
-        server = start_on_ray(args, config, access)
+        server = start_on_ray(args, config, access, http)
     print(f"VeriCache serving on {server.target}", flush=True)
     print(f"Access: {_describe(access, server)}", flush=True)
+    if server.http_port is not None:
+        scheme = "https" if access.tls else "http"
+        print(f"OpenAI API on {scheme}://{args.host}:{server.http_port}/v1", flush=True)
     metrics = server.coordinator.metrics
     if args.metrics_port is not None:
         http, _ = metrics.start_http(args.metrics_port, args.host)
@@ -261,7 +281,7 @@ def _describe(access: Access, server) -> str:
     return ", ".join(words)
 
 
-def start_on_ray(args, config: CoordinatorConfig, access: Access):
+def start_on_ray(args, config: CoordinatorConfig, access: Access, http: HttpSettings | None):
     from vericache.serve.launch import ray_workers
     from vericache.serve.server import distributed_server
 
@@ -273,13 +293,27 @@ def start_on_ray(args, config: CoordinatorConfig, access: Access):
 
     print(f"Starting {args.verifiers} verifier(s) and {args.drafters} drafter(s)...", flush=True)
     address = f"{args.host}:{args.port}"
-    return distributed_server(workers, args.model, address, config, access=access)
+    return distributed_server(workers, args.model, address, config, access=access, http=http)
 
 
-def start_long_context(args, long_context, config: CoordinatorConfig, access: Access):
+def start_long_context(
+    args, long_context, config: CoordinatorConfig, access: Access, http: HttpSettings | None
+):
     from vericache.serve.long_context import long_context_server
 
     worker = WorkerConfig(**worker_options(args))
     print("Starting the long-context engine...", flush=True)
     address = f"{args.host}:{args.port}"
-    return long_context_server(worker, long_context, address, config, access=access)
+    return long_context_server(worker, long_context, address, config, access=access, http=http)
+
+
+def http_settings(args) -> HttpSettings | None:
+    """The HTTP API's port and model id; None without --http-port."""
+    from vericache.serve.server import HttpSettings
+
+    if args.http_port is None:
+        if args.served_model_name:
+            raise InvalidRequestError("--served-model-name names the model of --http-port")
+        return None
+    name = args.served_model_name or Path(args.model.rstrip("/")).name
+    return HttpSettings(args.http_port, name)

@@ -88,8 +88,16 @@ class SamplingChoice:
 
 
 @dataclass(frozen=True)
+class ChatTurn:
+    role: str  # "system", "user" or "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
 class GenerateCall:
-    prompt: str  # the user turn
+    # The user turn after the prefix's system turn; with `continues_text`, text that continues
+    # the prefix's tokens (or starts the sequence) as it is, no chat template (/v1/completions).
+    prompt: str
     prefix_id: str | None = None  # None: no prefix
     max_tokens: int | None = None  # None: the server's default
     stop: tuple[str, ...] = ()  # stop strings
@@ -97,6 +105,10 @@ class GenerateCall:
     mode: ServeMode | None = None  # None: VERICACHE with a prefix, FULL_LOCAL without
     draft_len: int | None = None  # None: the server's default
     sampling: SamplingChoice = SamplingChoice()
+    continues_text: bool = False
+    # A whole conversation instead of `prompt` (/v1/chat/completions): its leading system turn,
+    # if any, is the prefix's text.
+    messages: tuple[ChatTurn, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,7 @@ class GenerateSummary:
     tokens_per_s: float  # output tokens after the first over the time after it
     total_s: float
     seed: int | None = None  # the sampling seed (the request's, or one drawn); None: greedy
+    prompt_tokens: int = 0  # the prompt's, its prefix's included
 
     @property
     def mean_accepted_per_round(self) -> float:

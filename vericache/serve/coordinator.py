@@ -254,7 +254,7 @@ class Coordinator:
         record = None
         if call.prefix_id:
             record = await self._owned_record(call.prefix_id, tenant)
-        prompt_ids = await self.prompts.prompt_ids(record, call.prompt, tenant.max_prompt_tokens)
+        prompt_ids = await self.prompts.prompt_ids(record, call, tenant.max_prompt_tokens)
         tenant.check_tokens(len(prompt_ids), params.max_new_tokens)
         request = Request(
             prompt_ids=prompt_ids,

@@ -41,7 +41,7 @@ from vericache.serve.engine_loop import (
 )
 from vericache.serve.metrics import ServeMetrics
 from vericache.serve.rounds import ServedRequest
-from vericache.serve.server import BackgroundServer
+from vericache.serve.server import BackgroundServer, HttpSettings
 from vericache.serve.worker import load_worker_model
 from vericache.serve.worker_api import ModelInfo
 
@@ -173,10 +173,11 @@ def long_context_server(
     config: CoordinatorConfig | None = None,
     start_timeout_s: float = 600.0,
     access: Access | None = None,
+    http: HttpSettings | None = None,
 ) -> BackgroundServer:
     """A long-context server (one engine, no workers) on an event loop of its own thread."""
 
     async def start() -> Coordinator:
         return await start_long_context_coordinator(worker, long_context, config)
 
-    return BackgroundServer(start, address, start_timeout_s, access)
+    return BackgroundServer(start, address, start_timeout_s, access, http)

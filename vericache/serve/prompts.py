@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from vericache.engine.prompt import build_chat_prompt
+from vericache.engine.prompt import build_chat_prompt, build_conversation
 from vericache.errors import InvalidRequestError
+from vericache.serve.api_types import ChatTurn, GenerateCall
 from vericache.serve.auth import TenantLimitError
 from vericache.serve.catalog import PrefixRecord
 from vericache.serve.worker_api import ModelInfo
@@ -49,14 +50,22 @@ class Prompts:
         return token_ids, chat
 
     async def prompt_ids(
-        self, record: PrefixRecord | None, prompt: str, limit: int | None
+        self, record: PrefixRecord | None, call: GenerateCall, limit: int | None
     ) -> tuple[int, ...]:
-        """Chat prefixes are a system turn: the prompt is the user turn after it. Token prefixes
-        are continued by the prompt's tokens as they are."""
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        self._check_text_fits(prompt, limit, "the prompt")
-        prompt_ids = await self._run(self._prompt_ids, self._need_tokenizer(), record, prompt)
+        """Chat prefixes are a system turn: the prompt is the user turn after it, or a whole
+        conversation whose system turn is the prefix's. Token prefixes, and prompts that
+        continue text, are followed by the prompt's tokens as they are."""
+        if call.messages:
+            text = "".join(turn.content for turn in call.messages)
+            build = self._conversation_ids
+            what = call.messages
+        else:
+            if not call.prompt:
+                raise InvalidRequestError("the prompt is empty")
+            text, what = call.prompt, call.prompt
+            build = self._text_ids if call.continues_text else self._prompt_ids
+        self._check_text_fits(text, limit, "the prompt")
+        prompt_ids = await self._run(build, self._need_tokenizer(), record, what)
         self.check_length(prompt_ids, "the prompt")
         return prompt_ids
 
@@ -93,6 +102,26 @@ class Prompts:
             turn = build_chat_prompt(tokenizer, "?", prompt)
             return (*record.token_ids, *turn.token_ids[turn.num_prefix_tokens :])
         return (*record.token_ids, *tokenizer.encode(prompt, add_special_tokens=False))
+
+    @staticmethod
+    def _text_ids(tokenizer, record: PrefixRecord | None, text: str) -> tuple[int, ...]:
+        prefix = record.token_ids if record else ()
+        return (*prefix, *tokenizer.encode(text, add_special_tokens=not prefix))
+
+    @staticmethod
+    def _conversation_ids(
+        tokenizer, record: PrefixRecord | None, messages: tuple[ChatTurn, ...]
+    ) -> tuple[int, ...]:
+        if messages[-1].role == "assistant":
+            raise InvalidRequestError("the conversation must end with a user or system turn")
+        turns = [{"role": turn.role, "content": turn.content} for turn in messages]
+        prompt = build_conversation(tokenizer, turns)
+        prefix = prompt.token_ids[: prompt.num_prefix_tokens]
+        if record is not None and (not record.chat or prefix != record.token_ids):
+            raise InvalidRequestError(
+                f"the conversation's system turn is not the text of prefix {record.prefix_id}"
+            )
+        return prompt.token_ids
 
     async def _run(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)

@@ -147,6 +147,7 @@ class ServedRequest:
             tokens_per_s=(num_tokens - 1) / decode_time if decode_time > 0 else 0.0,
             total_s=now - self.started_at,
             seed=self.seq.seed,
+            prompt_tokens=len(self.seq.request.prompt_ids),
         )
 
 

@@ -1,5 +1,6 @@
 """A whole VeriCache server (its coordinator and the gRPC API) on an event loop of its own thread.
 
+With `HttpSettings` it also serves the OpenAI-compatible HTTP API (openai_api.py) on the same loop.
 `vericache serve` runs one until interrupted; `make demo`, the benchmarks and the tests start one,
 talk to it through the client SDK like any user, and stop it. `distributed_server` serves over
 verifier and drafter workers; `long_context_server` (long_context.py) over one engine.
@@ -10,12 +11,22 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from vericache.serve.api import start_server
 from vericache.serve.auth import Access
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.coordinator import Coordinator
 from vericache.serve.handles import DrafterHandle, VerifierHandle
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """The OpenAI-compatible HTTP API beside the gRPC one (serve/openai_api.py)."""
+
+    port: int  # 0: a free one
+    model_name: str  # the id /v1/models lists and requests name
+
 
 # Starts the coordinator; runs on the server's event loop.
 CoordinatorFactory = Callable[[], Awaitable[Coordinator]]
@@ -30,10 +41,14 @@ class BackgroundServer:
         address: str = "127.0.0.1:0",
         start_timeout_s: float = 600.0,
         access: Access | None = None,
+        http: HttpSettings | None = None,
     ):
         self.access = access  # None: no API keys, no TLS (tests, benchmarks on loopback)
         self._api = None  # the gRPC servers, once started
         self.health_port: int | None = None
+        self._http_settings = http  # None: no OpenAI-compatible HTTP API
+        self._http = None  # ...its server, once started
+        self.http_port: int | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vericache-server", daemon=True
@@ -55,6 +70,13 @@ class BackgroundServer:
         self.coordinator = await start_coordinator()
         self._api = await start_server(self.coordinator, address, self.access)
         self.health_port = self._api.health_port
+        if self._http_settings is not None:
+            from vericache.serve.openai_api import HttpServer, openai_app
+
+            settings, access = self._http_settings, self.access or Access()
+            app = openai_app(self.coordinator, access, settings.model_name)
+            self._http = HttpServer(app, address.rsplit(":", 1)[0], settings.port, access)
+            self.http_port = await self._http.start()
         return self._api.port
 
     @property
@@ -75,7 +97,10 @@ class BackgroundServer:
         self._thread.join(30)
 
     async def _stop(self, grace_s: float) -> None:
-        await self._api.stop(grace_s)
+        stopping = [self._api.stop(grace_s)]
+        if self._http is not None:
+            stopping.append(self._http.stop(grace_s))
+        await asyncio.gather(*stopping)
         await self.coordinator.close()
 
     def __enter__(self) -> BackgroundServer:
@@ -92,6 +117,7 @@ def distributed_server(
     config: CoordinatorConfig | None = None,
     start_timeout_s: float = 600.0,
     access: Access | None = None,
+    http: HttpSettings | None = None,
 ) -> BackgroundServer:
     """A server over the workers `workers` makes (in this process, or Ray actors)."""
     from vericache.serve.launch import start_coordinator
@@ -100,4 +126,4 @@ def distributed_server(
         verifiers, drafters = await asyncio.to_thread(workers)
         return await start_coordinator(verifiers, drafters, model, config)
 
-    return BackgroundServer(start, address, start_timeout_s, access)
+    return BackgroundServer(start, address, start_timeout_s, access, http)

@@ -135,4 +135,5 @@ def _stats(summary: GenerateSummary) -> pb.GenerateStats:
         tokens_per_s=summary.tokens_per_s,
         total_s=summary.total_s,
         seed=summary.seed,
+        prompt_tokens=summary.prompt_tokens,
     )

@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP API (`vericache serve --http-port`), beside the gRPC API over the same
+coordinator: what the openai client, LangChain, curl and load generators speak.
+
+- GET /v1/models; POST /v1/completions and /v1/chat/completions, whole or streamed as server-sent
+  events (`data: {chunk}` lines, then `data: [DONE]`; `stream_options.include_usage` adds a last
+  chunk with the usage). A response carries `usage` and a `vericache` block (mode, rounds,
+  accepted per round, link bytes, seed).
+- GET /health: 200, or 503 while no worker of a needed kind is up. GET /metrics: the server's
+  Prometheus registry, as `--metrics-port` serves it.
+- Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and status: 400
+  bad request (bad JSON, unknown fields and wrong types included), 401 no or wrong key, 404
+  unknown model or prefix, 429 over a limit, 503 unavailable, 500 anything else (its message
+  says only that it failed, with the request id the server's log carries).
+- Auth: `Authorization: Bearer <key>` against the same tenants as gRPC.
+- A client that disconnects mid-stream stops its request: the stream's generator is closed, which
+  closes the coordinator's, which ends the request's sessions and frees the tenant's slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from vericache.errors import (
+    DataLossError,
+    InvalidRequestError,
+    PrefixNotFoundError,
+    QueueFullError,
+    UnsupportedModelError,
+    VeriCacheError,
+    WorkerUnavailableError,
+)
+from vericache.serve.api_types import GenerateSummary, OutputChunk
+from vericache.serve.auth import Access, Tenant, UnauthenticatedError
+from vericache.serve.coordinator import Coordinator
+from vericache.serve.openai_schema import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+# A typed error's HTTP status and OpenAI error type, in the order they are matched.
+_ERRORS: list[tuple[type[Exception], int, str]] = [
+    (UnauthenticatedError, 401, "authentication_error"),
+    (InvalidRequestError, 400, "invalid_request_error"),
+    (UnsupportedModelError, 400, "invalid_request_error"),
+    (PrefixNotFoundError, 404, "not_found_error"),
+    (QueueFullError, 429, "rate_limit_error"),
+    (WorkerUnavailableError, 503, "service_unavailable"),
+    (DataLossError, 500, "data_loss"),
+]
+
+
+class ModelNotFoundError(VeriCacheError):
+    """The request names a model this server does not serve."""
+
+
+def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _error_of(exc: Exception, request_id: str) -> tuple[int, dict]:
+    if isinstance(exc, ModelNotFoundError):
+        return 404, error_body(str(exc), "invalid_request_error", 404, "model")
+    for error_type, status, name in _ERRORS:
+        if isinstance(exc, error_type):
+            log.info("HTTP request refused: %s", exc, extra={"request_id": request_id})
+            return status, error_body(str(exc), name, status)
+    log.error("HTTP request failed", exc_info=exc, extra={"request_id": request_id})
+    return 500, error_body(
+        f"the request failed on the server (request id {request_id})", "api_error", 500
+    )
+
+
+def openai_app(coordinator: Coordinator, access: Access, model_name: str) -> FastAPI:
+    """The HTTP API over `coordinator`; `model_name` is the one id /v1/models lists."""
+    app = FastAPI(title="VeriCache", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        if first["type"] == "json_invalid":
+            message = f"the request body is not valid JSON: {first['ctx']['error']}"
+        elif not where:
+            message = "the request body must be a JSON object"
+        else:
+            message = f"{where}: {first['msg']}"
+        return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), 400)
+
+    @app.exception_handler(VeriCacheError)
+    async def refused(request: Request, exc: VeriCacheError) -> JSONResponse:
+        status, body = _error_of(exc, getattr(request.state, "request_id", "-"))
+        return JSONResponse(body, status)
+
+    def tenant(request: Request) -> Tenant:
+        metadata = [(name, value) for name, value in request.headers.items()]
+        return access.tenant_for(metadata)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ModelNotFoundError(
+                f"the model {name!r} does not exist: this server serves {model_name!r}"
+            )
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        tenant(request)
+        entry = {"id": model_name, "object": "model", "created": 0, "owned_by": "vericache"}
+        return {"object": "list", "data": [entry]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if coordinator.backend.is_serving():
+            return JSONResponse({"status": "ok"})
+        body = error_body("no worker of a kind requests need is up", "service_unavailable", 503)
+        return JSONResponse(body, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(
+            generate_latest(coordinator.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await _respond(coordinator, tenant(request), body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await _respond(coordinator, tenant(request), body, request, chat=True)
+
+    app.state.model_name = model_name
+    return app
+
+
+async def _respond(coordinator, tenant: Tenant, body, request: Request, chat: bool) -> Response:
+    request_id = uuid.uuid4().hex
+    request.state.request_id = request_id
+    events = coordinator.generate(body.generate_call(), tenant, request_id)
+    reply = _Reply(request_id, request.app.state.model_name, chat)
+    first = await _first_event(events)  # refusals answer with their status, before any stream
+    if body.stream:
+        stream = reply.stream(first, events, body.include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    async with contextlib.aclosing(events):
+        texts, summary = [], first
+        async for event in _chain(first, events):
+            if isinstance(event, OutputChunk):
+                texts.append(event.text)
+            else:
+                summary = event
+    return JSONResponse(reply.whole("".join(texts), summary))
+
+
+async def _first_event(events: AsyncIterator):
+    try:
+        return await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+async def _chain(first, events: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for event in events:
+        yield event
+
+
+class _Reply:
+    """The response bodies of one request, OpenAI's shapes for completions or chat."""
+
+    def __init__(self, request_id: str, model: str, chat: bool):
+        self.request_id = request_id
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _base(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, summary: GenerateSummary) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = summary.finish_reason
+        kind = "chat.completion" if self.chat else "text_completion"
+        return self._base(kind) | {
+            "choices": [choice], "usage": _usage(summary), "vericache": _vericache(summary),
+        }  # fmt: skip
+
+    def _chunk(self, text: str | None, finish_reason: str | None, first: bool) -> dict:
+        if self.chat:
+            delta = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None}
+        choice["finish_reason"] = finish_reason
+        return self._base(self.chunk_kind) | {"choices": [choice]}
+
+    async def stream(self, first, events: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events; closed early (the client went away), it closes `events`, which
+        stops the request. An error after the stream began comes as an `error` event."""
+        is_first = True
+        async with contextlib.aclosing(events):
+            try:
+                async for event in _chain(first, events):
+                    if isinstance(event, OutputChunk):
+                        if event.text or is_first:
+                            yield _sse(self._chunk(event.text, None, is_first))
+                            is_first = False
+                        continue
+                    yield _sse(self._chunk(None, event.finish_reason, is_first))
+                    if include_usage:
+                        usage = {"usage": _usage(event), "vericache": _vericache(event)}
+                        yield _sse(self._base(self.chunk_kind) | {"choices": []} | usage)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the status line is sent: tell it in the stream
+                _, body = _error_of(exc, self.request_id)
+                yield _sse(body)
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _usage(summary: GenerateSummary) -> dict:
+    return {
+        "prompt_tokens": summary.prompt_tokens,
+        "completion_tokens": summary.num_tokens,
+        "total_tokens": summary.prompt_tokens + summary.num_tokens,
+    }
+
+
+def _vericache(summary: GenerateSummary) -> dict:
+    return {
+        "rounds": summary.rounds,
+        "mean_accepted_per_round": summary.mean_accepted_per_round,
+        "accepted_per_round": list(summary.accepted_per_round),
+        "link_bytes": summary.link_bytes,
+        "seed": summary.seed,
+    }
+
+
+class HttpServer:
+    """uvicorn serving the app on the coordinator's event loop."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, access: Access):
+        tls = access.tls
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
+            ssl_certfile=str(tls.cert) if tls else None, ssl_keyfile=str(tls.key) if tls else None,
+        )  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Serves in the background; returns the port (the one picked, for port 0)."""
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise WorkerUnavailableError("the HTTP server stopped as it started")
+            await asyncio.sleep(0.01)
+        (server,) = self._server.servers
+        return server.sockets[0].getsockname()[1]
+
+    async def stop(self, grace_s: float) -> None:
+        """Stops taking connections; streams still running get `grace_s` to finish."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), grace_s + 1)
+        except TimeoutError:
+            self._server.force_exit = True
+            await self._task

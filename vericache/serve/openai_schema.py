@@ -1,0 +1,114 @@
+"""OpenAI's completion and chat-completion request bodies, checked, and what they become: the
+coordinator's `GenerateCall` (the same record a gRPC Generate becomes, so both APIs decode alike).
+
+Bodies are pydantic models that forbid unknown fields, as OpenAI's API does: a misspelt option is
+a 400 naming it, never silently ignored. Sampling fields follow vLLM's OpenAI server: OpenAI's
+`temperature`, `top_p`, `seed`, `presence_penalty`, and vLLM's extras `top_k`, `min_p`,
+`repetition_penalty`, with VeriCache's `coupling`. VeriCache's own options ride in a `vericache`
+object (`{"mode", "draft_len", "prefix_id"}`), which the openai client sends with `extra_body`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vericache.serve.api_types import ChatTurn, GenerateCall, SamplingChoice, ServeMode
+
+# OpenAI's default, as vLLM's server keeps it: a request that names no temperature samples.
+DEFAULT_TEMPERATURE = 1.0
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class VeriCacheOptions(_Body):
+    mode: Literal["vericache", "full_local", "full_remote", "lossy"] | None = None
+    draft_len: int | None = Field(None, ge=1)
+    prefix_id: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerateBody(_Body):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: Literal[1] = 1  # one choice per request
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    coupling: Literal["seeded", "rejection"] | None = None
+    user: str | None = None  # accepted, as OpenAI's API does; not used
+    vericache: VeriCacheOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _call(self, max_tokens: int | None, **prompt) -> GenerateCall:
+        options = self.vericache or VeriCacheOptions()
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+        sampling = SamplingChoice(
+            temperature=temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, coupling=self.coupling,
+        )  # fmt: skip
+        return GenerateCall(
+            prefix_id=options.prefix_id,
+            max_tokens=max_tokens,
+            stop=stop,
+            mode=ServeMode(options.mode) if options.mode else None,
+            draft_len=options.draft_len,
+            sampling=sampling,
+            **prompt,
+        )
+
+
+class CompletionRequest(_GenerateBody):
+    """POST /v1/completions: text continued as it is (after the prefix's tokens, if any)."""
+
+    prompt: str
+
+    def generate_call(self) -> GenerateCall:
+        return self._call(self.max_tokens, prompt=self.prompt, continues_text=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None  # accepted, as OpenAI's API does; not used
+
+    def turn(self) -> ChatTurn:
+        content = self.content
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        return ChatTurn("system" if self.role == "developer" else self.role, content)
+
+
+class ChatCompletionRequest(_GenerateBody):
+    """POST /v1/chat/completions: a conversation, its leading system turn the prefix's text."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def generate_call(self) -> GenerateCall:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        messages = tuple(message.turn() for message in self.messages)
+        return self._call(max_tokens, prompt="", messages=messages)
