@@ -9,6 +9,7 @@ BENCHMARKS = {
     "exact-attention": "vericache.bench.exact_attention",
     "long-context": "vericache.bench.long_context",
     "lossy-quality": "vericache.bench.lossy_quality",
+    "openai-load": "vericache.bench.openai_load",
     "paper-repro": "vericache.bench.paper_repro",
     "remote-prefix": "vericache.bench.remote_prefix",
     "serve-stagger": "vericache.bench.serve_stagger",

@@ -108,6 +108,13 @@ def add_parser(commands) -> None:
         "/v1/models, /health, /metrics) on this port",
     )
     parser.add_argument(
+        "--auto-prefix-min-tokens",
+        type=int,
+        help="register a system turn of this many tokens or more by itself once a tenant has "
+        "sent it twice (SnapKV 4x; requests naming no prefix use their tenant's matching one "
+        "either way)",
+    )
+    parser.add_argument(
         "--served-model-name",
         help="the model id of the HTTP API (default: the model's name, a directory's last part)",
     )
@@ -217,6 +224,7 @@ def coordinator_config(args) -> CoordinatorConfig:
         max_waiting=args.max_waiting,
         max_output_tokens=args.max_output_tokens,
         max_migrations=args.max_migrations,
+        auto_prefix_min_tokens=args.auto_prefix_min_tokens,
     )
 
 

@@ -39,6 +39,10 @@ class TenantLimitError(QueueFullError):
     """A request goes past its tenant's limits (RESOURCE_EXHAUSTED)."""
 
 
+class PrefixQuotaError(TenantLimitError):
+    """A registration would take the tenant's prefixes past its bytes of KV."""
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str  # "" is the anonymous tenant of --insecure-no-auth (and of prefixes made before)

@@ -10,6 +10,7 @@ from vericache.engine.link import LinkSpec
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES
 from vericache.scheduler import SchedulerConfig
+from vericache.serve.api_types import CompressorChoice
 from vericache.serve.cluster_secret import ClusterSecret
 
 
@@ -91,6 +92,13 @@ class CoordinatorConfig:
     max_migrations: int = 2
     # How long a migrating request waits for a worker of the kind it needs to be back.
     worker_wait_s: float = 60.0
+    # Automatic prefix caching (auto_prefix.py): requests that name no prefix use their
+    # tenant's longest matching one. A system turn of this many tokens or more, seen twice, is
+    # registered by itself with `auto_prefix_compressor` (None: never), at most
+    # `auto_prefix_max_per_tenant` per tenant, least recently used deleted first.
+    auto_prefix_min_tokens: int | None = None
+    auto_prefix_compressor: CompressorChoice = CompressorChoice("snapkv", ratio=4.0)
+    auto_prefix_max_per_tenant: int = 8
 
     def __post_init__(self):
         if self.scheduling not in SCHEDULING_POLICIES:
@@ -102,6 +110,10 @@ class CoordinatorConfig:
             raise InvalidRequestError(f"coordinator settings out of range: {self}")
         if self.default_draft_len > self.max_draft_len:
             raise InvalidRequestError("default_draft_len must not exceed max_draft_len")
+        if self.auto_prefix_min_tokens is not None and self.auto_prefix_min_tokens < 1:
+            raise InvalidRequestError("auto_prefix_min_tokens must be >= 1")
+        if self.auto_prefix_max_per_tenant < 1:
+            raise InvalidRequestError("auto_prefix_max_per_tenant must be >= 1")
         if self.default_max_tokens > self.max_output_tokens:
             raise InvalidRequestError("default_max_tokens must not exceed max_output_tokens")
         if self.max_migrations < 0 or not self.worker_wait_s >= 0:

@@ -29,6 +29,7 @@ from vericache.errors import (
     InvalidRequestError,
     PrefixNotFoundError,
     QueueFullError,
+    WorkerUnavailableError,
 )
 from vericache.serve.api_types import (
     CompressorChoice,
@@ -38,7 +39,8 @@ from vericache.serve.api_types import (
     RegistrationProgress,
     ServeMode,
 )
-from vericache.serve.auth import ANONYMOUS, Tenant, TenantLimitError
+from vericache.serve.auth import ANONYMOUS, PrefixQuotaError, Tenant, TenantLimitError
+from vericache.serve.auto_prefix import AutoPrefixCache
 from vericache.serve.backend import ServingBackend
 from vericache.serve.catalog import (
     PrefixKey,
@@ -69,6 +71,7 @@ class Coordinator:
         self.metrics = ServeMetrics(model_name)
         self.info: ModelInfo | None = None  # known once started
         self.prompts: Prompts | None = None  # ...with it
+        self.auto_prefixes: AutoPrefixCache | None = None  # ...with it
         self._running = asyncio.Semaphore(config.max_running)
         self._num_waiting = 0
         self._num_running = 0
@@ -78,9 +81,17 @@ class Coordinator:
     async def start(self) -> Coordinator:
         self.info = await self.backend.start(self.metrics)
         self.prompts = Prompts(self.tokenizer, self.info)
+        self.auto_prefixes = AutoPrefixCache(
+            self.config, self.metrics, self.info.fingerprint, self._register_text,
+            self.delete_prefix,
+        )  # fmt: skip
+        for record in await self.backend.records():
+            self.auto_prefixes.index.add(record)
         return self
 
     async def close(self) -> None:
+        if self.auto_prefixes is not None:
+            await self.auto_prefixes.close()
         if self.prompts is not None:
             self.prompts.close()
         await self.backend.close()
@@ -112,6 +123,7 @@ class Coordinator:
                     async for stage in self.backend.register(prefix_id, key):
                         yield progress(stage)
                     await self._check_prefix_bytes(tenant, new_prefix_id=prefix_id)
+                    self.auto_prefixes.index.add(await self.backend.record(prefix_id))
             finally:  # also when cancelled: no lock is kept per abandoned registration
                 if self._registering.get(prefix_id) is lock:
                     del self._registering[prefix_id]
@@ -131,7 +143,15 @@ class Coordinator:
             await self.backend.remove(prefix_id)
         except PrefixNotFoundError:
             return False
+        self.auto_prefixes.index.remove(prefix_id)
         return True
+
+    async def _register_text(self, text: str, tenant: Tenant) -> str:
+        """Registers a system turn with the automatic prefixes' compressor; its prefix id."""
+        call = PutPrefixCall(self.config.auto_prefix_compressor, text=text)
+        async for progress in self.put_prefix(call, tenant):
+            last = progress
+        return last.prefix_id
 
     async def _owned_record(self, prefix_id: str, tenant: Tenant) -> PrefixRecord:
         check_prefix_id(prefix_id)
@@ -163,7 +183,7 @@ class Coordinator:
         if new_prefix_id is not None:
             with contextlib.suppress(PrefixNotFoundError):
                 await self.backend.remove(new_prefix_id)
-        raise TenantLimitError(
+        raise PrefixQuotaError(
             f"registered prefixes would hold {used} bytes of KV, past this API key's limit of "
             f"{tenant.max_prefix_bytes}: delete prefixes first"
         )
@@ -229,32 +249,24 @@ class Coordinator:
 
     async def _plan(self, call: GenerateCall, tenant: Tenant, session_id: str) -> RequestPlan:
         config = self.config
-        mode = call.mode or (ServeMode.VERICACHE if call.prefix_id else ServeMode.FULL_LOCAL)
-        if not call.prefix_id and mode is not ServeMode.FULL_LOCAL:
+        draft_len = config.default_draft_len if call.draft_len is None else call.draft_len
+        if not 1 <= draft_len <= config.max_draft_len:
+            raise InvalidRequestError(f"draft_len must lie in [1, {config.max_draft_len}]")
+        params = self._sampling_params(call)
+        record, prompt_ids = await self._prompt(call, tenant)
+        mode = call.mode or (ServeMode.VERICACHE if record else ServeMode.FULL_LOCAL)
+        if record is None and mode is not ServeMode.FULL_LOCAL:
             raise InvalidRequestError(
                 f"mode {mode.name} drafts over a registered prefix's compressed KV: give "
                 "prefix_id, or use FULL_LOCAL"
             )
-        self.backend.check_can_serve(mode)
-        draft_len = config.default_draft_len if call.draft_len is None else call.draft_len
-        if not 1 <= draft_len <= config.max_draft_len:
-            raise InvalidRequestError(f"draft_len must lie in [1, {config.max_draft_len}]")
-        max_tokens = config.default_max_tokens if call.max_tokens is None else call.max_tokens
-        if not 1 <= max_tokens <= config.max_output_tokens:
-            raise InvalidRequestError(
-                f"max_tokens must lie in [1, {config.max_output_tokens}], got {max_tokens}"
-            )
-        self.prompts.check_token_ids(call.stop_token_ids, "stop token ids")
-        params = SamplingParams(
-            max_new_tokens=max_tokens, stop=call.stop, stop_token_ids=call.stop_token_ids,
-            **call.sampling.given(),
-        )  # fmt: skip
-        if params.samples and params.seed is None:  # one seed for every worker and the summary
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
-        record = None
-        if call.prefix_id:
-            record = await self._owned_record(call.prefix_id, tenant)
-        prompt_ids = await self.prompts.prompt_ids(record, call, tenant.max_prompt_tokens)
+        try:
+            self.backend.check_can_serve(mode)
+        except WorkerUnavailableError:
+            if call.mode is not None or call.prefix_id:
+                raise
+            mode = ServeMode.FULL_LOCAL  # a prefix found by itself: full KV serves it as well
+            self.backend.check_can_serve(mode)
         tenant.check_tokens(len(prompt_ids), params.max_new_tokens)
         request = Request(
             prompt_ids=prompt_ids,
@@ -267,6 +279,35 @@ class Coordinator:
         )
         prefix_id = record.prefix_id if record else None
         return RequestPlan(session_id, mode, prefix_id, tenant.name, request, config.decode_chunk)
+
+    def _sampling_params(self, call: GenerateCall) -> SamplingParams:
+        max_tokens = self.config.default_max_tokens if call.max_tokens is None else call.max_tokens
+        if not 1 <= max_tokens <= self.config.max_output_tokens:
+            raise InvalidRequestError(
+                f"max_tokens must lie in [1, {self.config.max_output_tokens}], got {max_tokens}"
+            )
+        self.prompts.check_token_ids(call.stop_token_ids, "stop token ids")
+        params = SamplingParams(
+            max_new_tokens=max_tokens, stop=call.stop, stop_token_ids=call.stop_token_ids,
+            **call.sampling.given(),
+        )  # fmt: skip
+        if params.samples and params.seed is None:  # one seed for every worker and the summary
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        return params
+
+    async def _prompt(
+        self, call: GenerateCall, tenant: Tenant
+    ) -> tuple[PrefixRecord | None, tuple[int, ...]]:
+        """The request's prefix (the one it names, else the tenant's longest that leads its
+        prompt: automatic prefix caching) and its prompt's token ids."""
+        record = await self._owned_record(call.prefix_id, tenant) if call.prefix_id else None
+        prompt = await self.prompts.prompt_ids(record, call, tenant.max_prompt_tokens)
+        if record is None:
+            system = None
+            if call.messages and prompt.num_prefix_tokens:  # a conversation's system turn
+                system = (call.messages[0].content, prompt.token_ids[: prompt.num_prefix_tokens])
+            record = self.auto_prefixes.match(tenant, prompt.token_ids, system)
+        return record, prompt.token_ids
 
 
 def _compressor(choice: CompressorChoice) -> Compressor:

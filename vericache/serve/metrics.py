@@ -92,6 +92,13 @@ class ServeMetrics:
             "Accepted draft tokens by their position in the draft.",
             ("position",),
         )
+        # Automatic prefix caching, in tokens, as vLLM counts it.
+        self._prefix_queries = self._counter(
+            "prefix_cache_queries", "Prompt tokens looked up among the tenant's prefixes."
+        )
+        self._prefix_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens found in a registered prefix."
+        )
         self._link_bytes = self._counter("link_bytes", "Bytes sent over the slow link.")
         self._link_seconds = self._counter("link_seconds", "Seconds requests waited on the link.")
         self._store = self._counter("store_lookups", "Full-KV store lookups.", ("result",))
@@ -155,6 +162,12 @@ class ServeMetrics:
 
     def round_calls_made(self, num_calls: int) -> None:
         self._round_calls.labels(self.model_name).inc(num_calls)
+
+    def prefix_cache_queried(self, num_tokens: int) -> None:
+        self._prefix_queries.labels(self.model_name).inc(num_tokens)
+
+    def prefix_cache_hit(self, num_tokens: int) -> None:
+        self._prefix_hits.labels(self.model_name).inc(num_tokens)
 
     def request_finished(self, finish_reason: str, e2e_s: float) -> None:
         self._success.labels(self.model_name, finish_reason).inc()

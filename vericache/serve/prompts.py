@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from vericache.engine.prompt import build_chat_prompt, build_conversation
+from vericache.engine.prompt import PromptIds, build_chat_prompt, build_conversation
 from vericache.errors import InvalidRequestError
 from vericache.serve.api_types import ChatTurn, GenerateCall
 from vericache.serve.auth import TenantLimitError
@@ -51,10 +51,11 @@ class Prompts:
 
     async def prompt_ids(
         self, record: PrefixRecord | None, call: GenerateCall, limit: int | None
-    ) -> tuple[int, ...]:
+    ) -> PromptIds:
         """Chat prefixes are a system turn: the prompt is the user turn after it, or a whole
         conversation whose system turn is the prefix's. Token prefixes, and prompts that
-        continue text, are followed by the prompt's tokens as they are."""
+        continue text, are followed by the prompt's tokens as they are. The prefix part is the
+        record's, or a conversation's system turn."""
         if call.messages:
             text = "".join(turn.content for turn in call.messages)
             build = self._conversation_ids
@@ -65,9 +66,9 @@ class Prompts:
             text, what = call.prompt, call.prompt
             build = self._text_ids if call.continues_text else self._prompt_ids
         self._check_text_fits(text, limit, "the prompt")
-        prompt_ids = await self._run(build, self._need_tokenizer(), record, what)
-        self.check_length(prompt_ids, "the prompt")
-        return prompt_ids
+        prompt = await self._run(build, self._need_tokenizer(), record, what)
+        self.check_length(prompt.token_ids, "the prompt")
+        return prompt
 
     def check_length(self, token_ids: tuple[int, ...], what: str) -> None:
         if not token_ids:
@@ -95,23 +96,26 @@ class Prompts:
             )
 
     @staticmethod
-    def _prompt_ids(tokenizer, record: PrefixRecord | None, prompt: str) -> tuple[int, ...]:
+    def _prompt_ids(tokenizer, record: PrefixRecord | None, prompt: str) -> PromptIds:
         if record is None:
-            return tuple(build_chat_prompt(tokenizer, None, prompt).token_ids)
+            return PromptIds(build_chat_prompt(tokenizer, None, prompt).token_ids, 0)
         if record.chat:
             turn = build_chat_prompt(tokenizer, "?", prompt)
-            return (*record.token_ids, *turn.token_ids[turn.num_prefix_tokens :])
-        return (*record.token_ids, *tokenizer.encode(prompt, add_special_tokens=False))
+            rest = turn.token_ids[turn.num_prefix_tokens :]
+        else:
+            rest = tokenizer.encode(prompt, add_special_tokens=False)
+        return PromptIds((*record.token_ids, *rest), record.num_tokens)
 
     @staticmethod
-    def _text_ids(tokenizer, record: PrefixRecord | None, text: str) -> tuple[int, ...]:
+    def _text_ids(tokenizer, record: PrefixRecord | None, text: str) -> PromptIds:
         prefix = record.token_ids if record else ()
-        return (*prefix, *tokenizer.encode(text, add_special_tokens=not prefix))
+        ids = (*prefix, *tokenizer.encode(text, add_special_tokens=not prefix))
+        return PromptIds(ids, len(prefix))
 
     @staticmethod
     def _conversation_ids(
         tokenizer, record: PrefixRecord | None, messages: tuple[ChatTurn, ...]
-    ) -> tuple[int, ...]:
+    ) -> PromptIds:
         if messages[-1].role == "assistant":
             raise InvalidRequestError("the conversation must end with a user or system turn")
         turns = [{"role": turn.role, "content": turn.content} for turn in messages]
@@ -121,7 +125,7 @@ class Prompts:
             raise InvalidRequestError(
                 f"the conversation's system turn is not the text of prefix {record.prefix_id}"
             )
-        return prompt.token_ids
+        return PromptIds(tuple(prompt.token_ids), prompt.num_prefix_tokens)
 
     async def _run(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, function, *args)
