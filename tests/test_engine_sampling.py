@@ -189,7 +189,7 @@ def test_the_embedded_model_samples_its_own_distribution(embedded_engine, coupli
     ids = tuple(engine.tokenizer.encode("import math\n\ndef circle_area(radius):\n    return"))
     params = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=3, coupling=coupling)
     (streaming, _) = pick("streamingllm")
-    num_samples = 600  # nine pairs at most: the expected distance is about 0.05
+    num_samples = 400  # nine pairs at most: the expected distance is about 0.06 at most
     batch = [
         Request(ids, len(ids) - 4, dataclasses.replace(params, seed=s), DecodeMode.VERICACHE,
                 streaming, 1)
@@ -199,7 +199,7 @@ def test_the_embedded_model_samples_its_own_distribution(embedded_engine, coupli
     empirical = _sampled_pairs(engine, batch)
     assert set(empirical) <= set(exact)  # only tokens top-k allows
     distance = _distance(empirical, exact)
-    assert distance < 0.1
+    assert distance < 0.12
     # ...and far closer to it than a uniform choice among the same pairs is.
     uniform = {pair: 1 / len(exact) for pair in exact}
     assert distance < 0.5 * _distance(uniform, exact)

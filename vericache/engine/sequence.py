@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vericache.engine.request import DecodeMode, Request, RequestStats
-from vericache.engine.sampling import SequenceSampler
 from vericache.engine.stops import StopChecker
 
 if TYPE_CHECKING:  # rounds stay torch-free: the simulator runs them too (vericache.sim)
+    from vericache.engine.sampling import SequenceSampler
     from vericache.kv.cache import KVCache
     from vericache.kv.compressed import CompressedKV
 
@@ -101,6 +101,9 @@ class Sequence:
         params = self.request.params
         if not params.samples:
             return None
+        # Imported here: the simulator uses this module, and runs without torch.
+        from vericache.engine.sampling import SequenceSampler
+
         history = (*self.output_ids, *following)
         return SequenceSampler(params, self.seed, self.request.prompt_ids, history)
 
