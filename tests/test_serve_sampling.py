@@ -86,7 +86,9 @@ def test_drafts_over_lossless_kv_are_all_kept_under_sampling(served, coupling):
 
 
 def test_sampling_depends_on_the_seed_and_only_on_it(served):
-    _, client, prefix_id = served
+    server, client, prefix_id = served
+    if server.coordinator.config.scheduling != "per-request":
+        pytest.skip("the seed is the coordinator's, whatever drives the rounds: once suffices")
     prompt = PROMPTS[0]
 
     def sample(**options):
@@ -94,7 +96,7 @@ def test_sampling_depends_on_the_seed_and_only_on_it(served):
 
     first, again = sample(temperature=1.0, seed=5), sample(temperature=1.0, seed=5)
     assert first.token_ids == again.token_ids
-    others = [sample(temperature=1.0, seed=seed).token_ids for seed in (6, 7, 8)]
+    others = [sample(temperature=1.0, seed=seed).token_ids for seed in (6, 7)]
     assert any(tokens != first.token_ids for tokens in others)
     greedy = sample()
     assert greedy.stats["seed"] is None
