@@ -26,11 +26,11 @@ import statistics
 import tempfile
 import textwrap
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vericache.bench.common import environment
-from vericache.bench.serving import ray_session
+from vericache.bench.serving import ray_server, ray_session
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 from vericache.serve.server import HttpSettings
 
@@ -106,20 +106,12 @@ def _system_turn(num_chars: int) -> str:
 
 
 def _serve(args, name: str, system: str, clients: int, requests: int, max_tokens: int):
-    from vericache.serve.launch import ray_workers
-    from vericache.serve.server import distributed_server
-
     config = CoordinatorConfig(auto_prefix_min_tokens=args.auto_prefix_min_tokens)
     with tempfile.TemporaryDirectory() as root:
-        verifier = VerifierConfig(model=args.model, root=Path(root), num_threads=1)
-        verifier = replace(verifier, transfer_host="127.0.0.1")
-        drafter = DrafterConfig(model=args.model, num_threads=1)
-
-        def workers():
-            return ray_workers(verifier, drafter, 1, 1, placement_timeout_s=300)
-
+        verifier = VerifierConfig(model=args.model, root=Path(root))
+        drafter = DrafterConfig(model=args.model)
         http = HttpSettings(0, MODEL_ID)
-        with distributed_server(workers, args.model, config=config, http=http) as server:
+        with ray_server(verifier, drafter, 1, config, http) as server:
             url = f"http://{server.host}:{server.http_port}/v1/chat/completions"
             mode = None if name == "vericache" else name
             started = time.perf_counter()

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from vericache.client import Client, Result
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
+from vericache.serve.server import HttpSettings
 
 # (prefix id, prompt) of one request.
 Job = tuple[str, str]
@@ -46,8 +47,10 @@ def ray_server(
     drafter: DrafterConfig,
     num_drafters: int,
     config: CoordinatorConfig | None = None,
+    http: HttpSettings | None = None,
 ):
-    """Fresh Ray workers, one thread each (a worker stands for a GPU), and a server over them."""
+    """Fresh Ray workers, one thread each (a worker stands for a GPU), and a server over them
+    (with the OpenAI-compatible HTTP API too, given `http`)."""
     from vericache.serve.launch import ray_workers
     from vericache.serve.server import distributed_server
 
@@ -57,7 +60,7 @@ def ray_server(
     def workers():
         return ray_workers(verifier, drafter, 1, num_drafters, placement_timeout_s=300)
 
-    return distributed_server(workers, verifier.model, config=config)
+    return distributed_server(workers, verifier.model, config=config, http=http)
 
 
 class Router:
