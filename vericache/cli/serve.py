@@ -323,5 +323,10 @@ def http_settings(args) -> HttpSettings | None:
         if args.served_model_name:
             raise InvalidRequestError("--served-model-name names the model of --http-port")
         return None
-    name = args.served_model_name or Path(args.model.rstrip("/")).name
-    return HttpSettings(args.http_port, name)
+    return HttpSettings(args.http_port, served_model_name(args))
+
+
+def served_model_name(args) -> str:
+    """The model id of the HTTP API: --served-model-name, or the model's name (a directory's last
+    part)."""
+    return args.served_model_name or Path(args.model.rstrip("/")).name

@@ -113,6 +113,12 @@ def seeded_sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -
     return (processed + noise).argmax(-1)
 
 
+def checks_by_rejection(sampler: SequenceSampler | None) -> bool:
+    """Whether drafts under `sampler` are checked by rejection, which needs the drafter's
+    distributions (greedy and seeded drafts are checked by equality)."""
+    return sampler is not None and sampler.params.rejects
+
+
 @dataclass(frozen=True)
 class SequenceSampler:
     """Seeded sampling of one sequence's tokens, wherever its rows are computed: a draft step, a

@@ -23,6 +23,7 @@ import torch
 
 from vericache.engine.calibration import time_draft_step
 from vericache.engine.forward_loop import Job
+from vericache.engine.sampling import checks_by_rejection
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
@@ -107,7 +108,7 @@ class Drafter:
                 _update(cache)
             if call.num_drafts == 0:
                 return Drafted((), 0.0)
-            rejects = call.sampler is not None and call.sampler.params.rejects
+            rejects = checks_by_rejection(call.sampler)
             job = Job(
                 cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids,
                 sampler=call.sampler, keeps_distributions=rejects,

@@ -21,7 +21,7 @@ from vericache.engine.calibration import measure_link_bandwidth
 from vericache.engine.device_memory import slot_bytes
 from vericache.engine.forward_loop import Job
 from vericache.engine.link import LinkSpec, ThrottledLink
-from vericache.engine.sampling import rejection_verified
+from vericache.engine.sampling import checks_by_rejection, rejection_verified
 from vericache.engine.sequence import num_accepted
 from vericache.errors import InvalidRequestError, WorkerUnavailableError
 from vericache.kv.cache import KVCache
@@ -159,7 +159,7 @@ class Verifier:
             self._sessions.load_ahead(call.session_id)
         drafted = self._drafted(call)
         drafts = drafted.tokens
-        rejects = call.sampler is not None and call.sampler.params.rejects
+        rejects = checks_by_rejection(call.sampler)
         with self._sessions.using(call.session_id) as (session, loaded):
             before = session.cache.num_tokens
             job = _verification(session.cache, call, drafts, rejects)
