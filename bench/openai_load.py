@@ -227,3 +227,40 @@ def _summary(samples: dict[str, list[dict]], texts: dict[str, dict]) -> dict:
         },  # fmt: skip
         "identical": texts["vericache"] == texts["full_local"],
     }
+
+
+LATENCIES = ("ttft", "inter_chunk", "time_per_token")
+
+
+def plot(result: dict, path) -> None:
+    """Tokens/s of every serve, and each latency's p50 and p99 (median over serves, with their
+    range), vericache beside full_local."""
+    from vericache.bench.common import pyplot, save_figure
+
+    plt = pyplot()
+    figure, (rates, latencies) = plt.subplots(1, 2, figsize=(11, 4))
+    by_configuration = result["summary"]["by_configuration"]
+    for i, name in enumerate(CONFIGURATIONS):
+        samples = [s["tokens_per_s"] for s in result["samples"][name]]
+        rates.scatter([i] * len(samples), samples, s=18)
+        rates.hlines(statistics.median(samples), i - 0.2, i + 0.2)
+        for j, (latency, share) in enumerate((k, p) for k in LATENCIES for p in ("p50", "p99")):
+            cell = by_configuration[name][f"{latency}_{share}_s"]
+            error = [[cell["median"] - cell["min"]], [cell["max"] - cell["median"]]]
+            x = j + (i - 0.5) * 0.35
+            latencies.bar(x, cell["median"], 0.35, yerr=error, color=f"C{i}",
+                          label=name if j == 0 else None)  # fmt: skip
+    rates.set_xticks(range(len(CONFIGURATIONS)), CONFIGURATIONS)
+    rates.set_ylabel("output tokens/s (each serve; line: median)")
+    names = [f"{k.replace('_', ' ')} {p}" for k in LATENCIES for p in ("p50", "p99")]
+    latencies.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    latencies.set_yscale("log")
+    latencies.set_ylabel("seconds (median of serves, range)")
+    latencies.legend()
+    summary = result["summary"]
+    ratio = summary["vericache_over_full_local"]
+    title = (
+        f"openai-load: vericache / full_local tokens/s {ratio['median']:.2f} "
+        f"({ratio['min']:.2f}-{ratio['max']:.2f}), identical {summary['identical']}"
+    )
+    save_figure(figure, path, title)

@@ -12,7 +12,7 @@ from vericache.cli.bench import parse_benchmark_args
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_tiny_load_end_to_end(tiny_chat_checkpoint, ray_cluster):
+def test_a_tiny_load_end_to_end(tiny_chat_checkpoint, ray_cluster, tmp_path):
     module, args = parse_benchmark_args(
         "openai-load",
         ["--quick", "--model", str(tiny_chat_checkpoint), "--clients", "2", "--requests", "3",
@@ -30,3 +30,5 @@ def test_a_tiny_load_end_to_end(tiny_chat_checkpoint, ray_cluster):
     by = summary["by_configuration"]["vericache"]
     assert by["ttft_p50_s"]["median"] <= by["ttft_p99_s"]["median"]
     assert summary["vericache_over_full_local"]["median"] > 0
+    openai_load.plot(result, tmp_path / "load.png")
+    assert (tmp_path / "load.png").stat().st_size > 1000
