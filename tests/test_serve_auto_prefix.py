@@ -118,3 +118,27 @@ def test_a_system_turn_sent_twice_registers_itself_and_the_oldest_goes(server):
         for _ in range(3):
             _chat(server, KEY_B, "Be brief.")
         assert len(client.list_prefixes()) == len(before) + 1
+
+
+def test_a_chat_asking_for_a_compressor_matches_and_registers_only_with_it(server):
+    with Client(server.target, api_key=KEY_A, timeout=120) as client:
+        client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+        _, hits = _counts(server)
+        found = _chat(server, KEY_A, CONTEXT, compressor="streamingllm", ratio=4)
+        assert found["vericache"]["rounds"] < 12 and _counts(server)[1] > hits
+        # Asked for another compressor, the same system turn finds nothing...
+        _, hits = _counts(server)
+        missed = _chat(server, KEY_A, CONTEXT, compressor="snapkv", ratio=2)
+        assert missed["vericache"]["rounds"] == 12 and _counts(server)[1] == hits
+        assert missed["choices"] == found["choices"]
+        # ...and, asked for twice, registers itself with it.
+        _chat(server, KEY_A, CONTEXT, compressor="snapkv", ratio=2)
+
+        def snapkv_prefixes() -> list:
+            return [p for p in client.list_prefixes() if p.compressor.name == "snapkv"]
+
+        assert wait_for(lambda: len(snapkv_prefixes()) == 1, timeout_s=60)
+        (registered,) = snapkv_prefixes()
+        assert registered.compressor.ratio == 2
+        again = _chat(server, KEY_A, CONTEXT, compressor="snapkv", ratio=2)
+        assert again["vericache"]["rounds"] < 12 and again["choices"] == found["choices"]

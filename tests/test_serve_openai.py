@@ -173,6 +173,14 @@ def test_server_sent_events_are_framed_as_openai_frames_them(base_url, prefix_id
           "vericache": {"prefix_id": "pfx-" + "0" * 32}}, 404, "prefix"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
           "vericache": {"mode": "lossy"}}, 400, "prefix_id"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+          "vericache": {"ratio": 4}}, 400, "need a compressor"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+          "vericache": {"compressor": "snapkv", "ratio": -1}}, 400, "vericache.ratio"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+          "vericache": {"compressor": "zip", "ratio": 4}}, 400, "zip"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+          "vericache": {"timeout_s": 0}}, 400, "vericache.timeout_s"),
     ],
 )  # fmt: skip
 def test_errors_have_openai_shape_and_status(base_url, body, status, words):
@@ -193,6 +201,33 @@ def test_a_conversation_must_match_its_prefix(oai, prefix_id):
             model=MODEL, messages=_messages() [1:], max_tokens=4,
             extra_body={"vericache": {"prefix_id": prefix_id}},
         )  # fmt: skip
+
+
+def test_a_prefix_must_have_the_compressor_the_request_asks_for(oai, prefix_id):
+    with pytest.raises(openai.BadRequestError, match="registered with streamingllm"):
+        oai.chat.completions.create(
+            model=MODEL, messages=_messages(), max_tokens=4,
+            extra_body={"vericache": {"prefix_id": prefix_id, "compressor": "snapkv"}},
+        )  # fmt: skip
+
+
+def test_a_request_past_its_timeout_stops_with_504(server, base_url, prefix_id):
+    body = {
+        "model": MODEL, "messages": _messages("Go on and on."), "max_tokens": 400,
+        "temperature": 0, "vericache": {"prefix_id": prefix_id, "draft_len": 2, "timeout_s": 1},
+    }  # fmt: skip
+    url = f"{base_url}/v1/chat/completions"
+    whole = httpx.post(url, json=body, timeout=120)
+    assert whole.status_code == 504
+    error = whole.json()["error"]
+    assert error["type"] == "timeout" and "timeout_s of 1 s" in error["message"]
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as reply:
+        assert reply.status_code == 200  # the stream began before the deadline
+        events = [line for line in reply.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 504
+    assert wait_for(lambda: open_sessions(server) == 0, timeout_s=30)
+    assert not server.coordinator._num_active
 
 
 def test_a_client_that_goes_away_stops_its_request(server, base_url, prefix_id):

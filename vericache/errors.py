@@ -33,6 +33,10 @@ class QueueFullError(VeriCacheError):
     """The server holds as many requests as it may queue: retry later."""
 
 
+class DeadlineExceededError(VeriCacheError):
+    """The request did not finish within the time its caller gave it; its work was stopped."""
+
+
 class WorkerUnavailableError(VeriCacheError):
     """No worker of the kind a request needs is running (none placed, or it died)."""
 

@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from vericache.errors import (
     DataLossError,
+    DeadlineExceededError,
     InvalidRequestError,
     PrefixNotFoundError,
     QueueFullError,
@@ -55,6 +56,7 @@ _STATUS = [
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WorkerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (DataLossError, grpc.StatusCode.DATA_LOSS),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
 

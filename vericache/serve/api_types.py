@@ -109,6 +109,10 @@ class GenerateCall:
     # A whole conversation instead of `prompt` (/v1/chat/completions): its leading system turn,
     # if any, is the prefix's text.
     messages: tuple[ChatTurn, ...] = ()
+    # The compressor of the prefix to draft over: the named prefix must have been registered
+    # with it; without one, only the tenant's prefixes registered with it match, and a system
+    # turn that registers itself uses it. None: any prefix; the server's compressor.
+    compressor: CompressorChoice | None = None
 
 
 @dataclass(frozen=True)

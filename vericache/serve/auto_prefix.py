@@ -9,22 +9,28 @@ lookup costs one digest per block whatever the number of prefixes. Each tenant h
 own: another tenant's prefixes are never matched, and a lookup does the same work, hit or miss,
 whatever other tenants registered.
 
+A request may ask for a compressor: then only prefixes registered with it match, and its system
+turn registers itself with it.
+
 Registration (`CoordinatorConfig.auto_prefix_min_tokens`): a system turn of at least that many
-tokens, seen twice by one tenant without a match, is registered in the background with
-`auto_prefix_compressor`. At most `auto_prefix_max_per_tenant` such prefixes are kept per tenant;
-past that, or past the tenant's prefix quota, the least recently used one it registered by itself
-is deleted first. Prefixes a client registered are never deleted here.
+tokens, seen twice by one tenant without a match (with one compressor asked for, or none), is
+registered in the background with that compressor, or `auto_prefix_compressor`. At most
+`auto_prefix_max_per_tenant` such prefixes are kept per tenant; past that, or past the tenant's
+prefix quota, the least recently used one it registered by itself is deleted first. Prefixes a
+client registered are never deleted here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from vericache.serve.api_types import CompressorChoice
 from vericache.serve.auth import PrefixQuotaError, Tenant, TenantLimitError
 from vericache.serve.catalog import PrefixRecord, is_owned_by
 from vericache.serve.config import CoordinatorConfig
@@ -48,6 +54,16 @@ def block_digests(token_ids: tuple[int, ...]) -> list[bytes]:
 def _digest(token_ids: tuple[int, ...], before: bytes = b"") -> bytes:
     data = before + b"".join(t.to_bytes(4, "little") for t in token_ids)
     return hashlib.blake2b(data, digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class PrefixWish:
+    """What a request that names no prefix looks one up by."""
+
+    token_ids: tuple[int, ...]  # [prompt_tokens] the whole prompt
+    system: tuple[str, tuple[int, ...]] | None  # its system turn (text, token ids), if any
+    compressor: CompressorChoice | None = None  # as asked for; None: any
+    compressor_spec: dict | None = None  # ...as registered prefixes record it
 
 
 @dataclass(frozen=True)
@@ -83,14 +99,19 @@ class PrefixIndex:
         if not shelf[digest]:
             del shelf[digest]
 
-    def longest_match(self, tenant: str, token_ids: tuple[int, ...]) -> PrefixRecord | None:
+    def longest_match(
+        self, tenant: str, token_ids: tuple[int, ...], compressor_spec: dict | None = None
+    ) -> PrefixRecord | None:
         """The tenant's longest prefix that `token_ids` begin with and go past by one token at
-        least (the first output needs a token after the prefix)."""
+        least (the first output needs a token after the prefix), registered with
+        `compressor_spec` if one is given."""
         shelf = self._by_tenant.get(tenant, {})
         best = None
         for num_blocks, digest in enumerate(block_digests(token_ids)):
             start = num_blocks * BLOCK_TOKENS
             for filed in shelf.get(digest, ()):
+                if compressor_spec is not None and filed.record.compressor != compressor_spec:
+                    continue
                 end = start + len(filed.tail)
                 if end < len(token_ids) and token_ids[start:end] == filed.tail:
                     if best is None or end > best.num_tokens:
@@ -100,16 +121,16 @@ class PrefixIndex:
 
 class AutoPrefixCache:
     """The coordinator's automatic prefix caching: lookups for requests that name no prefix, and
-    registrations of the system turns they repeat. `register(text, tenant)` registers a system
-    turn and returns its prefix id; `delete(prefix_id, tenant)` deletes one (the coordinator's
-    own PutPrefix and DeletePrefix, with the tenant's quotas)."""
+    registrations of the system turns they repeat. `register(text, tenant, compressor)` registers
+    a system turn and returns its prefix id; `delete(prefix_id, tenant)` deletes one (the
+    coordinator's own PutPrefix and DeletePrefix, with the tenant's quotas)."""
 
     def __init__(
         self,
         config: CoordinatorConfig,
         metrics: ServeMetrics,
         fingerprint: str,
-        register: Callable[[str, Tenant], Awaitable[str]],
+        register: Callable[[str, Tenant, CompressorChoice | None], Awaitable[str]],
         delete: Callable[[str, Tenant], Awaitable[bool]],
     ):
         self.config = config
@@ -122,22 +143,20 @@ class AutoPrefixCache:
         self._own: dict[str, OrderedDict[str, None]] = {}  # tenant -> its auto prefix ids, LRU
         self._tasks: set[asyncio.Task] = set()
 
-    def match(
-        self, tenant: Tenant, token_ids: tuple[int, ...], system: tuple[str, tuple[int, ...]] | None
-    ) -> PrefixRecord | None:
-        """The tenant's longest registered prefix leading `token_ids`, counted in the metrics as
-        vLLM counts them (tokens looked up, tokens found). `system`: the request's system turn
-        (text, token ids), counted towards registering it."""
-        self.metrics.prefix_cache_queried(len(token_ids))
-        record = self.index.longest_match(tenant.name, token_ids)
+    def match(self, tenant: Tenant, wish: PrefixWish) -> PrefixRecord | None:
+        """The tenant's longest registered prefix leading the prompt, counted in the metrics as
+        vLLM counts them (tokens looked up, tokens found). The request's system turn counts
+        towards registering it."""
+        self.metrics.prefix_cache_queried(len(wish.token_ids))
+        record = self.index.longest_match(tenant.name, wish.token_ids, wish.compressor_spec)
         if record is not None and is_owned_by(record, self.fingerprint, tenant.name):
             self.metrics.prefix_cache_hit(record.num_tokens)
             own = self._own.get(tenant.name)
             if own is not None and record.prefix_id in own:
                 own.move_to_end(record.prefix_id)
             return record
-        if system is not None and self._seen_twice(tenant.name, system[1]):
-            task = asyncio.create_task(self._register_turn(tenant, *system))
+        if wish.system is not None and self._seen_twice(tenant.name, wish):
+            task = asyncio.create_task(self._register_turn(tenant, wish))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return None
@@ -147,13 +166,13 @@ class AutoPrefixCache:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _seen_twice(self, tenant: str, system_ids: tuple[int, ...]) -> bool:
-        """Counts a sighting of a system turn that matched nothing: True the second time, unless
-        it is being registered already."""
+    def _seen_twice(self, tenant: str, wish: PrefixWish) -> bool:
+        """Counts a sighting of a system turn (with the compressor asked for) that matched
+        nothing: True the second time, unless it is being registered already."""
         minimum = self.config.auto_prefix_min_tokens
-        if minimum is None or len(system_ids) < minimum:
+        if minimum is None or len(wish.system[1]) < minimum:
             return False
-        key = _digest(system_ids)
+        key = _sighting(wish)
         seen = self._seen.setdefault(tenant, OrderedDict())
         seen[key] = seen.get(key, 0) + 1
         seen.move_to_end(key)
@@ -164,11 +183,12 @@ class AutoPrefixCache:
         del seen[key]
         return True
 
-    async def _register_turn(self, tenant: Tenant, text: str, system_ids: tuple[int, ...]) -> None:
+    async def _register_turn(self, tenant: Tenant, wish: PrefixWish) -> None:
         """Registers a system turn, waiting for a slot of the tenant's if its requests hold them
         all; past its count of automatic prefixes or its prefix quota, deletes its least
         recently used automatic prefix first (once)."""
-        key = (tenant.name, _digest(system_ids))
+        key = (tenant.name, _sighting(wish))
+        text = wish.system[0]
         self._registering.add(key)
         own = self._own.setdefault(tenant.name, OrderedDict())
         evict = len(own) >= self.config.auto_prefix_max_per_tenant
@@ -179,7 +199,7 @@ class AutoPrefixCache:
                     await self._delete(oldest, tenant)
                     own.pop(oldest, None)
                 try:
-                    own[await self._register(text, tenant)] = None
+                    own[await self._register(text, tenant, wish.compressor)] = None
                     return
                 except PrefixQuotaError:
                     if evict or not own:
@@ -192,3 +212,9 @@ class AutoPrefixCache:
             log.warning("automatic prefix registration failed", exc_info=True)
         finally:
             self._registering.discard(key)
+
+
+def _sighting(wish: PrefixWish) -> bytes:
+    """A system turn with the compressor asked for, as sightings are counted."""
+    spec = json.dumps(wish.compressor_spec, sort_keys=True).encode()
+    return _digest(wish.system[1], spec)

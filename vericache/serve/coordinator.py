@@ -40,7 +40,7 @@ from vericache.serve.api_types import (
     ServeMode,
 )
 from vericache.serve.auth import ANONYMOUS, PrefixQuotaError, Tenant, TenantLimitError
-from vericache.serve.auto_prefix import AutoPrefixCache
+from vericache.serve.auto_prefix import AutoPrefixCache, PrefixWish
 from vericache.serve.backend import ServingBackend
 from vericache.serve.catalog import (
     PrefixKey,
@@ -146,9 +146,12 @@ class Coordinator:
         self.auto_prefixes.index.remove(prefix_id)
         return True
 
-    async def _register_text(self, text: str, tenant: Tenant) -> str:
-        """Registers a system turn with the automatic prefixes' compressor; its prefix id."""
-        call = PutPrefixCall(self.config.auto_prefix_compressor, text=text)
+    async def _register_text(
+        self, text: str, tenant: Tenant, compressor: CompressorChoice | None = None
+    ) -> str:
+        """Registers a system turn with `compressor`, or the automatic prefixes' one; its prefix
+        id."""
+        call = PutPrefixCall(compressor or self.config.auto_prefix_compressor, text=text)
         async for progress in self.put_prefix(call, tenant):
             last = progress
         return last.prefix_id
@@ -300,17 +303,29 @@ class Coordinator:
     ) -> tuple[PrefixRecord | None, tuple[int, ...]]:
         """The request's prefix (the one it names, else the tenant's longest that leads its
         prompt: automatic prefix caching) and its prompt's token ids."""
+        wanted = _compressor(call.compressor).spec() if call.compressor else None
         record = await self._owned_record(call.prefix_id, tenant) if call.prefix_id else None
+        if record is not None and wanted is not None and record.compressor != wanted:
+            raise InvalidRequestError(
+                f"prefix {record.prefix_id!r} was registered with {_described(record.compressor)}"
+                f", not {_described(wanted)}"
+            )
         prompt = await self.prompts.prompt_ids(record, call, tenant.max_prompt_tokens)
         if record is None:
             system = None
             if call.messages and prompt.num_prefix_tokens:  # a conversation's system turn
                 system = (call.messages[0].content, prompt.token_ids[: prompt.num_prefix_tokens])
-            record = self.auto_prefixes.match(tenant, prompt.token_ids, system)
+            wish = PrefixWish(prompt.token_ids, system, call.compressor, wanted)
+            record = self.auto_prefixes.match(tenant, wish)
         return record, prompt.token_ids
 
 
 def _compressor(choice: CompressorChoice) -> Compressor:
     if not choice.name:
-        raise InvalidRequestError("PutPrefix needs a compressor name (`vericache compressors`)")
+        raise InvalidRequestError("a compressor needs a name (`vericache compressors`)")
     return build_compressor(choice.name, ratio=choice.ratio, bits=choice.bits, dtype=choice.dtype)
+
+
+def _described(spec: dict) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in sorted(spec["params"].items()))
+    return f"{spec['name']}({params})"

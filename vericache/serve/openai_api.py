@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vericache.errors import (
     DataLossError,
+    DeadlineExceededError,
     InvalidRequestError,
     PrefixNotFoundError,
     QueueFullError,
@@ -57,6 +58,7 @@ _ERRORS: list[tuple[type[Exception], int, str]] = [
     (QueueFullError, 429, "rate_limit_error"),
     (WorkerUnavailableError, 503, "service_unavailable"),
     (DataLossError, 500, "data_loss"),
+    (DeadlineExceededError, 504, "timeout"),
 ]
 
 
@@ -149,6 +151,8 @@ async def _respond(coordinator, tenant: Tenant, body, request: Request, chat: bo
     request_id = uuid.uuid4().hex
     request.state.request_id = request_id
     events = coordinator.generate(body.generate_call(), tenant, request_id)
+    if body.timeout_s is not None:
+        events = _within(events, body.timeout_s)
     reply = _Reply(request_id, request.app.state.model_name, chat)
     first = await _first_event(events)  # refusals answer with their status, before any stream
     if body.stream:
@@ -170,6 +174,24 @@ async def _first_event(events: AsyncIterator):
     except BaseException:
         await events.aclose()
         raise
+
+
+async def _within(events: AsyncIterator, timeout_s: float) -> AsyncIterator:
+    """`events` until `timeout_s` from now; then DeadlineExceededError, and `events` closed, which
+    stops the request and frees its slot."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with contextlib.aclosing(events):
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    event = await anext(events)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise DeadlineExceededError(
+                    f"the request did not finish within its timeout_s of {timeout_s:g} s"
+                ) from None
+            yield event
 
 
 async def _chain(first, events: AsyncIterator) -> AsyncIterator:

@@ -5,7 +5,8 @@ Bodies are pydantic models that forbid unknown fields, as OpenAI's API does: a m
 a 400 naming it, never silently ignored. Sampling fields follow vLLM's OpenAI server: OpenAI's
 `temperature`, `top_p`, `seed`, `presence_penalty`, and vLLM's extras `top_k`, `min_p`,
 `repetition_penalty`, with VeriCache's `coupling`. VeriCache's own options ride in a `vericache`
-object (`{"mode", "draft_len", "prefix_id"}`), which the openai client sends with `extra_body`.
+object (`{"mode", "draft_len", "prefix_id", "compressor", "ratio" | "bits", "timeout_s"}`), which
+the openai client sends with `extra_body`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vericache.serve.api_types import ChatTurn, GenerateCall, SamplingChoice, ServeMode
+from vericache.errors import InvalidRequestError
+from vericache.serve.api_types import (
+    ChatTurn,
+    CompressorChoice,
+    GenerateCall,
+    SamplingChoice,
+    ServeMode,
+)
 
 # OpenAI's default, as vLLM's server keeps it: a request that names no temperature samples.
 DEFAULT_TEMPERATURE = 1.0
@@ -28,6 +36,20 @@ class VeriCacheOptions(_Body):
     mode: Literal["vericache", "full_local", "full_remote", "lossy"] | None = None
     draft_len: int | None = Field(None, ge=1)
     prefix_id: str | None = None
+    # The prefix's compressor (`vericache compressors`): see GenerateCall.compressor.
+    compressor: str | None = Field(None, min_length=1)
+    ratio: float | None = Field(None, gt=0)  # token dropping
+    bits: int | None = Field(None, ge=1)  # quantization
+    # Seconds the request may take; past them it stops and answers 504 (or, once streaming, an
+    # error event), as a gRPC deadline does.
+    timeout_s: float | None = Field(None, gt=0)
+
+    def compressor_choice(self) -> CompressorChoice | None:
+        if self.compressor is None:
+            if self.ratio is not None or self.bits is not None:
+                raise InvalidRequestError("vericache.ratio and vericache.bits need a compressor")
+            return None
+        return CompressorChoice(self.compressor, ratio=self.ratio, bits=self.bits)
 
 
 class StreamOptions(_Body):
@@ -53,6 +75,10 @@ class _GenerateBody(_Body):
     vericache: VeriCacheOptions | None = None
 
     @property
+    def timeout_s(self) -> float | None:
+        return self.vericache.timeout_s if self.vericache else None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -72,6 +98,7 @@ class _GenerateBody(_Body):
             mode=ServeMode(options.mode) if options.mode else None,
             draft_len=options.draft_len,
             sampling=sampling,
+            compressor=options.compressor_choice(),
             **prompt,
         )
 
