@@ -60,3 +60,26 @@ def test_block_digests_chain_over_full_blocks():
     assert len(digests) == len(PROMPT) // BLOCK_TOKENS + 1
     changed = (0,) + PROMPT[1:]
     assert all(a != b for a, b in zip(block_digests(changed)[1:], digests[1:]))
+
+
+def test_a_lookup_does_the_same_work_whatever_other_tenants_registered(monkeypatch):
+    """Another tenant's prefix cannot show in a lookup's timing: the lookup hashes the same
+    blocks and reads the same entries whether or not another tenant registered its prompt."""
+    from vericache.serve import auto_prefix
+
+    hashed, real_digest = [], auto_prefix._digest
+    monkeypatch.setattr(auto_prefix, "_digest", lambda *a: hashed.append(a) or real_digest(*a))
+    index = PrefixIndex()
+    index.add(record("of-a", PROMPT[:20], tenant="a"))
+    index.add(record("of-a-too", (7,) * 40, tenant="a"))
+
+    def lookup() -> tuple[list, dict, PrefixRecord | None]:
+        hashed.clear()
+        found = index.longest_match("a", PROMPT)
+        return list(hashed), dict(index._by_tenant["a"]), found
+
+    alone = lookup()
+    index.add(record("of-b", PROMPT[: 3 * BLOCK_TOKENS + 2], tenant="b"))  # what A looks up
+    index.add(record("of-b-too", PROMPT[:20], tenant="b"))
+    assert lookup() == alone
+    assert alone[2].prefix_id == "of-a"
