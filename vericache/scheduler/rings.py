@@ -23,6 +23,19 @@ class ReservationRing:
         self._check(iteration)
         return self._slots[iteration % self.window]
 
+    def booked(self, start: int, stop: int) -> list[float]:
+        """The bookings of iterations [start, stop] (both inside the ring), in order: one check
+        and two slices, where the schedulers would index every iteration (the simulator places
+        millions of reservations)."""
+        if start > stop:
+            return []
+        self._check(start)
+        self._check(stop)
+        low, high = start % self.window, stop % self.window
+        if low <= high:
+            return self._slots[low : high + 1]
+        return self._slots[low:] + self._slots[: high + 1]
+
     def add(self, iteration: int, amount: float) -> None:
         self._check(iteration)
         self._slots[iteration % self.window] += amount
@@ -41,10 +54,10 @@ class ReservationRing:
 
     def peak(self, start: int, stop: int) -> float:
         """Largest booking over iterations [start, stop] (both inside the ring)."""
-        return max(self[i] for i in range(start, stop + 1))
+        return max(self.booked(start, stop))
 
     def _check(self, iteration: int) -> None:
-        if not self.first <= iteration <= self.last:
+        if not self.first <= iteration < self.first + self.window:
             raise SchedulerStateError(
                 f"iteration {iteration} lies outside the window [{self.first}, {self.last}]"
             )

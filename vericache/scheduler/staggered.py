@@ -83,8 +83,9 @@ class StaggeredScheduler(BaseScheduler):
         last = base + num_draft_tokens
         first = max(base + 1, last - span - self.config.load_slack + 1)
         bookings = []
+        booked = self._link.booked(first, last)
         for iteration in range(last, first - 1, -1):
-            free = capacity - self._link[iteration]
+            free = capacity - booked[iteration - first]
             if free <= tolerance:
                 continue
             seconds = min(free, remaining)
