@@ -45,6 +45,14 @@ def test_bad_args_fail_the_build_with_a_clear_reason(options, message):
     assert "Traceback" not in str(raised.value)
 
 
+def _vericache_actors() -> set[str]:
+    """The live named actors of VeriCache workers, in any namespace."""
+    import ray
+
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    return {name for name in names if name.startswith("vericache-")}
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -54,7 +62,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def deployed(ray_cluster, tiny_chat_checkpoint, tmp_path_factory):
     """The application on the session's cluster: Serve's proxy on one free port, the gRPC API on
-    another; (HTTP base URL, gRPC target)."""
+    another; (HTTP base URL, gRPC target, the worker actors it placed)."""
     from ray import serve
 
     http_port, grpc_port = _free_port(), _free_port()
@@ -66,8 +74,10 @@ def deployed(ray_cluster, tiny_chat_checkpoint, tmp_path_factory):
         "threads-per-worker": 1, "placement-timeout": 120, "log-interval": 0,
     }  # fmt: skip
     try:
+        before = _vericache_actors()
         serve.run(build(options), name="vericache", route_prefix="/")
-        yield f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+        placed = _vericache_actors() - before
+        yield f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", placed
     finally:
         serve.shutdown()
 
@@ -76,11 +86,11 @@ def deployed(ray_cluster, tiny_chat_checkpoint, tmp_path_factory):
 @pytest.mark.slow
 def test_the_application_serves_http_and_grpc_then_ends_its_workers(deployed):
     import openai
-    import ray
+    from ray import serve
 
     from vericache.client import Client, ServerUnavailableError
 
-    base_url, target = deployed
+    base_url, target, workers = deployed
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as oai:
         assert [m.id for m in oai.models.list().data] == [MODEL]
         sampling = dict(max_tokens=12, temperature=0.7, seed=5)
@@ -93,11 +103,8 @@ def test_the_application_serves_http_and_grpc_then_ends_its_workers(deployed):
         reference = client.generate(PROMPT, mode="full_local", **sampling)
     assert streamed == reference.text and reference.token_ids
 
-    workers = [a for a in ray.util.list_named_actors() if a.startswith("vericache-")]
     assert len(workers) == 2  # the replica placed one verifier and one drafter
-    from ray import serve
-
     serve.delete("vericache")
-    assert not [a for a in ray.util.list_named_actors() if a in workers]
+    assert not workers & _vericache_actors()  # they ended with the replica
     with Client(target, timeout=5) as client, pytest.raises(ServerUnavailableError):
         client.generate(PROMPT, max_tokens=2)
