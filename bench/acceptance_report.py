@@ -104,18 +104,22 @@ def _cell(cell: dict | None) -> str:
 
 def plot(result: dict, path) -> None:
     """Accepted per round against draft length with 95% intervals: a column per workload kind, a
-    row per strength (2x/4x/8x, i.e. 8/4/2 bits), a line per compressor."""
+    row per strength (2x/4x/8x, i.e. 8/4/2 bits), a colour per compressor family and a line style
+    and marker per way of sampling (greedy, or a temperature with a coupling)."""
     plt = pyplot()
     table = result["table"][result["summary"]["draft_kv"]]
     labels = sorted({label for compressors in table.values() for label in compressors})
+    compressor_of = {label: label.partition(" ")[0] for label in labels}  # "snapkv-4x T=0.7 ..."
     rows = {
-        name: [label for label in labels if label.endswith(suffixes)]
+        name: [label for label in labels if compressor_of[label].endswith(suffixes)]
         for name, suffixes in STRENGTH_ROWS.items()
     }
     rows["other"] = [label for label in labels if not any(label in r for r in rows.values())]
     rows = {name: row for name, row in rows.items() if row}
-    families = list(dict.fromkeys(label.rsplit("-", 1)[0] for label in labels))
+    families = list(dict.fromkeys(compressor_of[label].rsplit("-", 1)[0] for label in labels))
     colors = {name: f"C{index % 10}" for index, name in enumerate(families)}
+    samplings = list(dict.fromkeys(label.partition(" ")[2] for label in labels))
+    styles = {s: _STYLES[i % len(_STYLES)] for i, s in enumerate(samplings)}
     fig, axes = plt.subplots(
         len(rows), len(table), figsize=(4.5 * len(table) + 2, 3.2 * len(rows)), squeeze=False
     )
@@ -127,9 +131,10 @@ def plot(result: dict, path) -> None:
                 xs = sorted(cells, key=int)
                 means = [cells[x]["mean"] for x in xs]
                 errors = [_half_width(cells[x]) for x in xs]
-                color = colors[label.rsplit("-", 1)[0]]
-                axis.errorbar([int(x) for x in xs], means, yerr=errors, marker="o", color=color,
-                              label=label, capsize=2)  # fmt: skip
+                color = colors[compressor_of[label].rsplit("-", 1)[0]]
+                linestyle, marker = styles[label.partition(" ")[2]]
+                axis.errorbar([int(x) for x in xs], means, yerr=errors, marker=marker,
+                              linestyle=linestyle, color=color, label=label, capsize=2)  # fmt: skip
                 top = max([top, *(int(x) for x in xs)])
             axis.plot([0, top], [0, top], color="grey", linestyle=":")
             axis.plot([30], [TARGET_X30], "r*", markersize=10)
@@ -140,6 +145,10 @@ def plot(result: dict, path) -> None:
                  "every draft accepted; star: the target at x=30", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# Line style and marker of each way of sampling, in the order the run lists them.
+_STYLES = [("-", "o"), ("--", "s"), ("-.", "^"), ((0, (1, 1)), "v"), ((0, (5, 1)), "D")]
 
 
 def _half_width(cell: dict) -> float:
