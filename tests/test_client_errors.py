@@ -42,6 +42,8 @@ LOCAL_ERRORS = {
     "bad-mode": (lambda c: c.generate("x", mode="greedy"), "full_local, full_remote, lossy"),
     "bad-max-tokens": (lambda c: c.generate("x", max_tokens=0), "max_tokens"),
     "bad-draft-len": (lambda c: c.stream("x", draft_len=0), "draft_len"),
+    "ratio-alone": (lambda c: c.generate("x", ratio=4), "give compressor"),
+    "bad-bits": (lambda c: c.generate("x", compressor="kivi", bits=0), "bits"),
     "empty-prefix-id": (lambda c: c.get_prefix(""), "prefix_id"),
     "bad-timeout": (lambda c: c.list_prefixes(timeout=-1), "timeout"),
 }  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 
 from tests.serve_fixtures import CONTEXT, start_server, wait_for
 from tests.test_serve_auth import KEY_A, KEY_B, keys_file
-from vericache.client import Client
+from vericache.client import Client, InvalidRequestError
 from vericache.engine.prompt import build_chat_prompt
 from vericache.serve.auth import Access
 from vericache.serve.config import CoordinatorConfig
@@ -142,3 +142,17 @@ def test_a_chat_asking_for_a_compressor_matches_and_registers_only_with_it(serve
         assert registered.compressor.ratio == 2
         again = _chat(server, KEY_A, CONTEXT, compressor="snapkv", ratio=2)
         assert again["vericache"]["rounds"] < 12 and again["choices"] == found["choices"]
+
+
+def test_grpc_generate_asks_for_a_compressor_as_http_does(server):
+    tokenizer = server.coordinator.tokenizer
+    leading = build_chat_prompt(tokenizer, None, PROMPT).token_ids[:-2]
+    with Client(server.target, api_key=KEY_B, timeout=120) as client:
+        prefix_id = client.put_prefix(token_ids=leading, compressor="streamingllm", ratio=2)
+        with pytest.raises(InvalidRequestError, match="registered with streamingllm"):
+            client.generate(PROMPT, prefix_id=prefix_id, compressor="snapkv", max_tokens=4)
+        _, hits = _counts(server)
+        other = client.generate(PROMPT, max_tokens=8, compressor="kivi", bits=4, mode="full_local")
+        assert _counts(server)[1] == hits  # no prefix of that compressor: nothing found
+        found = client.generate(PROMPT, max_tokens=8, compressor="streamingllm", ratio=2)
+        assert _counts(server)[1] > hits and found.token_ids == other.token_ids

@@ -19,6 +19,7 @@ from vericache.client.protocol import (
     GenerateAccumulator,
     check_prefix_id,
     generate_request,
+    prefix_compressor,
     prefix_id_from_progress,
     put_prefix_request,
 )
@@ -206,13 +207,17 @@ class AsyncClient:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
+        compressor: str | None = None,
+        ratio: float | None = None,
+        bits: int | None = None,
         timeout: float | None = None,
         **sampling: Unpack[Sampling],
     ) -> Result:
         """Generates a reply to `prompt`; see `Client.generate`."""
         async with self.stream(
             prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
-            stop_token_ids=stop_token_ids, draft_len=draft_len, timeout=timeout, **sampling,
+            stop_token_ids=stop_token_ids, draft_len=draft_len, compressor=compressor,
+            ratio=ratio, bits=bits, timeout=timeout, **sampling,
         ) as stream:  # fmt: skip
             return await stream.result()
 
@@ -226,13 +231,17 @@ class AsyncClient:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
+        compressor: str | None = None,
+        ratio: float | None = None,
+        bits: int | None = None,
         timeout: float | None = None,
         **sampling: Unpack[Sampling],
     ) -> AsyncStream:
         """As `generate`, but an `AsyncStream` of text deltas (not a coroutine: `async for` it)."""
         request = generate_request(
-            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids, sampling
-        )
+            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids, sampling,
+            prefix_compressor(compressor, ratio, bits),
+        )  # fmt: skip
         return AsyncStream(self._messages(self._stub.Generate, request, timeout))
 
     async def close(self) -> None:

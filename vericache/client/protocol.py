@@ -34,6 +34,18 @@ def put_prefix_request(
 ) -> vericache_pb2.PutPrefixRequest:
     if (text is None) == (token_ids is None):
         raise InvalidRequestError("put_prefix needs exactly one of text= and token_ids=")
+    spec = compressor_spec(compressor, ratio, bits, dtype)
+    if text is not None:
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
+        return vericache_pb2.PutPrefixRequest(text=text, compressor=spec)
+    ids = vericache_pb2.TokenIds(ids=_check_token_ids(token_ids))
+    return vericache_pb2.PutPrefixRequest(token_ids=ids, compressor=spec)
+
+
+def compressor_spec(
+    compressor: str, ratio: float | None, bits: int | None, dtype: str | None = None
+) -> vericache_pb2.Compressor:
     if not isinstance(compressor, str) or not compressor:
         raise InvalidRequestError(f"compressor must be a registry name, got {compressor!r}")
     if ratio is not None and not ratio > 0:
@@ -42,13 +54,18 @@ def put_prefix_request(
         _check_count("bits", bits)
     if dtype is not None and not isinstance(dtype, str):
         raise InvalidRequestError(f"dtype must be a str such as 'bfloat16', got {dtype!r}")
-    spec = vericache_pb2.Compressor(name=compressor, ratio=ratio, bits=bits, dtype=dtype)
-    if text is not None:
-        if not isinstance(text, str):
-            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
-        return vericache_pb2.PutPrefixRequest(text=text, compressor=spec)
-    ids = vericache_pb2.TokenIds(ids=_check_token_ids(token_ids))
-    return vericache_pb2.PutPrefixRequest(token_ids=ids, compressor=spec)
+    return vericache_pb2.Compressor(name=compressor, ratio=ratio, bits=bits, dtype=dtype)
+
+
+def prefix_compressor(
+    compressor: str | None, ratio: float | None, bits: int | None
+) -> vericache_pb2.Compressor | None:
+    """The compressor a Generate asks its prefix for; None: any."""
+    if compressor is None:
+        if ratio is not None or bits is not None:
+            raise InvalidRequestError("ratio and bits are a compressor's strength: give compressor")
+        return None
+    return compressor_spec(compressor, ratio, bits)
 
 
 def generate_request(
@@ -60,6 +77,7 @@ def generate_request(
     draft_len: int | None,
     stop_token_ids: Sequence[int] = (),
     sampling: Mapping[str, Any] | None = None,
+    compressor: vericache_pb2.Compressor | None = None,
 ) -> vericache_pb2.GenerateRequest:
     if not isinstance(prompt, str):
         raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -80,6 +98,7 @@ def generate_request(
         mode=MODES[mode],
         draft_len=draft_len,
         stop_token_ids=stop_token_ids,
+        compressor=compressor,
         **_sampling_fields(sampling or {}),
     )
 

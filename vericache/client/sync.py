@@ -15,6 +15,7 @@ from vericache.client.protocol import (
     GenerateAccumulator,
     check_prefix_id,
     generate_request,
+    prefix_compressor,
     prefix_id_from_progress,
     put_prefix_request,
 )
@@ -225,6 +226,9 @@ class Client:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
+        compressor: str | None = None,
+        ratio: float | None = None,
+        bits: int | None = None,
         timeout: float | None = None,
         **sampling: Unpack[Sampling],
     ) -> Result:
@@ -233,13 +237,16 @@ class Client:
         `mode` is "vericache" (lossless speculative decoding), "full_local", "full_remote" or
         "lossy"; `draft_len` is the number of tokens drafted per round (None: the server's).
         Decoding stops at the first of `stop` (the text ends before it) or of `stop_token_ids`
-        (end tokens besides the model's EOS, kept in the output). `sampling`: temperature,
-        top_p, top_k, min_p, seed, repetition_penalty, presence_penalty, coupling (`Sampling`);
-        none given: greedy decoding.
+        (end tokens besides the model's EOS, kept in the output). `compressor` (with `ratio` or
+        `bits`) asks for the prefix's compressor: a named prefix must have been registered with
+        it, and without `prefix_id` only the prefixes registered with it are looked up (None:
+        any). `sampling`: temperature, top_p, top_k, min_p, seed, repetition_penalty,
+        presence_penalty, coupling (`Sampling`); none given: greedy decoding.
         """
         with self.stream(
             prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
-            stop_token_ids=stop_token_ids, draft_len=draft_len, timeout=timeout, **sampling,
+            stop_token_ids=stop_token_ids, draft_len=draft_len, compressor=compressor,
+            ratio=ratio, bits=bits, timeout=timeout, **sampling,
         ) as stream:  # fmt: skip
             return stream.result()
 
@@ -253,13 +260,17 @@ class Client:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
+        compressor: str | None = None,
+        ratio: float | None = None,
+        bits: int | None = None,
         timeout: float | None = None,
         **sampling: Unpack[Sampling],
     ) -> Stream:
         """As `generate`, but returns a `Stream` of text deltas; its `result()` has the stats."""
         request = generate_request(
-            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids, sampling
-        )
+            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids, sampling,
+            prefix_compressor(compressor, ratio, bits),
+        )  # fmt: skip
         return Stream(self._messages(self._stub.Generate, request, timeout))
 
     def close(self) -> None:

@@ -111,6 +111,9 @@ def generate_call(message: pb.GenerateRequest) -> GenerateCall:
         mode=_MODES.get(message.mode),
         draft_len=_optional(message, "draft_len"),
         sampling=sampling_choice(message),
+        compressor=(
+            compressor_choice(message.compressor) if message.HasField("compressor") else None
+        ),
     )
 
 

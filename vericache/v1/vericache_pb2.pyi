@@ -114,7 +114,7 @@ class DeletePrefixResponse(_message.Message):
     def __init__(self, deleted: bool = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prefix_id", "prompt", "max_tokens", "stop", "mode", "draft_len", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "coupling")
+    __slots__ = ("prefix_id", "prompt", "max_tokens", "stop", "mode", "draft_len", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "coupling", "compressor")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class GenerateRequest(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     COUPLING_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
     prefix_id: str
     prompt: str
     max_tokens: int
@@ -145,7 +146,8 @@ class GenerateRequest(_message.Message):
     repetition_penalty: float
     presence_penalty: float
     coupling: Coupling
-    def __init__(self, prefix_id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., draft_len: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., coupling: _Optional[_Union[Coupling, str]] = ...) -> None: ...
+    compressor: Compressor
+    def __init__(self, prefix_id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., draft_len: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., coupling: _Optional[_Union[Coupling, str]] = ..., compressor: _Optional[_Union[Compressor, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "stats")
