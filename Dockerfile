@@ -33,7 +33,6 @@ RUN python -m pip install ${TORCH_SPEC} --index-url ${TORCH_INDEX}
 WORKDIR /opt/vericache/src
 COPY pyproject.toml README.md ./
 COPY vericache ./vericache
-COPY kernels ./kernels
 COPY bench ./bench
 # The links: a login shell (KubeRay's `bash -lc`) finds them whatever PATH its profile sets.
 RUN python -m pip install ".[${EXTRAS}]" \

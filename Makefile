@@ -26,7 +26,7 @@ demo: install
 	$(PY) -m vericache.demo
 
 test: install
-	$(VENV)/bin/ruff check vericache kernels bench tests
+	$(VENV)/bin/ruff check vericache bench tests
 	$(PY) -m pytest
 
 # Without the slow model tests: the embedded model's weights are never converted (its tokenizer is
@@ -35,7 +35,7 @@ test-fast: install
 	$(PY) -m pytest -m "not slow"
 
 lint: install
-	$(VENV)/bin/ruff check vericache kernels bench tests
+	$(VENV)/bin/ruff check vericache bench tests
 
 # Regenerates the gRPC stubs in vericache/v1 from proto/ (tests/test_proto.py checks they are current).
 proto: install

@@ -90,7 +90,7 @@ def test_cuda_vericache_equals_full(tiny_checkpoint, dtype):
         assert out.token_ids == full.token_ids
 
 
-# Triton ops against their torch references (kernels/triton_ops.py).
+# Triton ops against their torch references (vericache/kernels/triton_ops.py).
 
 needs_triton = pytest.mark.skipif(not triton_ops.available(), reason="needs triton")
 

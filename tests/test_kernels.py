@@ -1,4 +1,4 @@
-"""The reference kernels/ ops against straightforward implementations, on CPU.
+"""The reference vericache/kernels/ ops against straightforward implementations, on CPU.
 
 Packed attention is checked against "dequantize the whole layer, then plain softmax attention in
 float64" over bit widths, group sizes, GQA ratios, numbers of new tokens, block sizes and the

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import vericache
-import vericache.kernels
 from vericache.serve.cluster_secret import ClusterSecret
 from vericache.serve.drafter import Drafter
 from vericache.serve.handles import DrafterHandle, InProcess, OverRay, VerifierHandle
@@ -50,8 +49,7 @@ def _imports(path: Path) -> list[str]:
 
 
 def _files(package: str) -> list[Path]:
-    """vericache.kernels ships from the repository's kernels/ folder."""
-    root = Path(vericache.kernels.__file__).parent if package == "kernels" else PACKAGE / package
+    root = PACKAGE / package
     return sorted(root.rglob("*.py"))
 
 

@@ -1,22 +1,22 @@
 """The math of one Llama-family forward, in two kernel sets.
 
 `invariant=False` (fast): library kernels as they come (the runner hands one-token steps on CPU to
-kernels/cpu_attention.py instead). Used for drafting and prefill, whose results only need to be
-deterministic for a given input shape.
+vericache/kernels/cpu_attention.py instead). Used for drafting and prefill, whose results only need
+to be deterministic for a given input shape.
 
 `invariant=True` (batch-invariant): the result for a token does not depend on how many other
 tokens or sequences share the forward. A one-token decode step and a 31-token verification then
 produce bit-identical logits for the same token, which makes VeriCache's greedy output identical to
 full-KV decoding, not merely close. Linear layers: see linear.py. Attention: on CPU the runner
-hands layers without a sliding window to kernels/cpu_attention.py, invariant by construction (each
-row on its own, in a fixed order); what follows serves the rest. Measured on MKL,
+hands layers without a sliding window to vericache/kernels/cpu_attention.py, invariant by
+construction (each row on its own, in a fixed order); what follows serves the rest. Measured on MKL,
 batched products with fewer than four rows take other code paths than larger ones, so query rows
 are padded to a multiple of QUERY_ROW_ALIGN; keys are padded to KEY_ALIGN slots and summed block
 by block so that a row's reductions do not depend on how many masked keys trail it. On CUDA, whose
 kernels pick their algorithm by shape, every product and reduction of the set runs on fixed blocks
 of rows (linear.py's CUDA_ROW_BLOCK) and attention combines its key blocks with an online softmax:
-in one Triton kernel where Triton is installed (kernels/triton_invariant_attention.py), else in
-torch below.
+in one Triton kernel where Triton is installed (vericache/kernels/triton_invariant_attention.py),
+else in torch below.
 tests/test_batch_invariance.py checks each property on the machine it runs on, and the CUDA
 algorithm on the CPU too.
 """

@@ -2,8 +2,8 @@
 
 One forward serves many sequences with different cache lengths: their new tokens are concatenated
 into one [N, hidden] batch for the linear layers, and attention runs per sequence over its own
-cache (on CPU the sequences of a layer share one call of kernels/cpu_attention.py: every exact
-sequence, and every one-token draft step).
+cache (on CPU the sequences of a layer share one call of vericache/kernels/cpu_attention.py:
+every exact sequence, and every one-token draft step).
 Caches are owned by the caller; the forward appends the new tokens' KV to them.
 """
 

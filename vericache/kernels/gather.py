@@ -1,7 +1,7 @@
 """Gather of kept tokens: per KV head, the slots a token-dropping compressor keeps.
 
 `gather_slots` runs torch.gather (the reference) or, on CUDA with Triton, the fused kernel of
-kernels/triton_ops.py, which tests/test_cuda.py checks against the reference.
+triton_ops.py, which tests/test_cuda.py checks against the reference.
 """
 
 from __future__ import annotations

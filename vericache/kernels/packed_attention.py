@@ -8,8 +8,8 @@ vericache.model.kernels.attention.
 `packed_attention_reference` never materialises the dequantized layer: it dequantizes `block_size`
 slots at a time and folds each block into a running softmax (running max, running sum, weighted
 value sum, as in FlashAttention), all in float32. `packed_attention` is the one public entry: it
-runs the fused Triton kernel (kernels/triton_ops.py) on CUDA when Triton is installed; on CPU the
-C++ kernel (kernels/cpu_packed_attention.cpp) attends over the packed codes and the residual
+runs the fused Triton kernel (triton_ops.py) on CUDA when Triton is installed; on CPU the
+C++ kernel (cpu_packed_attention.cpp) attends over the packed codes and the residual
 where every packed slot is older than every new token and no window hides any; the reference
 serves everything else.
 """
@@ -33,7 +33,7 @@ class PackedKV:
     """The quantized part of a KIVI layer, as vericache.kv.quantized.QuantizedLayerKV stores it.
 
     Keys are quantized per channel over groups of `group_size` slots, values per slot over the head
-    dimension; codes are packed lowest bits first (kernels/quant.py)."""
+    dimension; codes are packed lowest bits first (quant.py)."""
 
     key_codes: torch.Tensor  # [Tq, H, D*bits/8] uint8, Tq a multiple of group_size
     key_scale: torch.Tensor  # [Tq / group_size, H, D] fp16

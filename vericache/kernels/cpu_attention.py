@@ -1,10 +1,10 @@
 """Causal attention on CPU for every sequence of a forward, each over its own KV cache, in one call
-per layer (kernels/cpu_attention.cpp), and the store of their new tokens' KV into those caches
-(kernels/cpu_store.cpp). Each query row is computed on its own, in a fixed order over the slots it
+per layer (cpu_attention.cpp), and the store of their new tokens' KV into those caches
+(cpu_store.cpp). Each query row is computed on its own, in a fixed order over the slots it
 sees, so its result does not depend on what else shares the call: the runner uses it for draft
 steps (one token each) and, being batch-invariant by construction, for every exact forward on CPU
 (full decode steps and verifications alike). A third op attends over the packed codes of a KIVI
-layer (kernels/cpu_packed_attention.cpp), for draft steps over a quantized cache.
+layer (cpu_packed_attention.cpp), for draft steps over a quantized cache.
 
 The C++ ops are compiled on first use for this machine's vector width (torch's cpp_extension,
 cached under TORCH_EXTENSIONS_DIR) and registered as torch.ops.vericache_cpu.attention,

@@ -1,6 +1,6 @@
 // Attention of new tokens over the quantized part of a KIVI layer on CPU, reading the packed codes
 // directly: each slot is dequantized into a small buffer as it is used, never into a whole layer.
-// Loaded with cpu_attention.cpp by kernels/cpu_attention.py; kernels/packed_attention.py folds the
+// Loaded with cpu_attention.cpp by cpu_attention.py; packed_attention.py folds the
 // state it returns into its running softmax and goes on with the full-precision residual.
 //
 // Dequantizing the whole quantized prefix in every layer at every step (the pure-torch path) wrote
@@ -29,7 +29,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kChunkGroups = 16;  // key groups per work item: 512 slots at group_size 32
 
 // Codes in planes: byte i of a slot holds dimensions i * P + j (j = 0 .. P-1, P = 8 / kBits
-// codes per byte, lowest bits first: kernels/quant.py), and plane j gathers code j of every byte,
+// codes per byte, lowest bits first: quant.py), and plane j gathers code j of every byte,
 // [P, D / P]. Unpacking a slot into planes is a shift and a mask per byte and plane, which the
 // compiler vectorizes; query rows and accumulators are kept in the same order.
 template <int kBits>

@@ -78,7 +78,7 @@ def dequantize_packed(
     """`dequantize(unpack(packed))` in two passes: a table maps each byte to its float codes.
 
     packed: uint8 [..., B]; scale, zero: broadcastable to [..., B * 8 / bits]. On CUDA with
-    Triton, one fused kernel (kernels/triton_ops.py) does both passes."""
+    Triton, one fused kernel (triton_ops.py) does both passes."""
     if packed.is_cuda:
         from vericache.kernels import triton_ops  # it builds on this module: import when used
 

@@ -1,6 +1,6 @@
 // Causal attention on CPU for a batch of sequences, each over its own KV cache (no copy into a
 // padded batch): the new tokens of sequence b are the last num_new[b] slots of its cache. Loaded
-// by kernels/cpu_attention.py, which compiles it with CPU_CAPABILITY set to the vector width torch
+// by cpu_attention.py, which compiles it with CPU_CAPABILITY set to the vector width torch
 // uses on this machine.
 //
 // Every query row is computed on its own, in a fixed order over the slots it sees: its result

@@ -1,6 +1,6 @@
 """Triton fused packed attention for CUDA decode steps (split-KV "flash decoding"); the torch
 reference is kernels.packed_attention.packed_attention_reference, tests/test_cuda.py compares them.
-Shared Triton plumbing (optional import, `available`) lives in kernels/triton_ops.py."""
+Shared Triton plumbing (optional import, `available`) lives in triton_ops.py."""
 
 import functools
 

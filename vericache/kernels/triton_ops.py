@@ -1,14 +1,14 @@
-"""Triton versions of the kernels/ ops, for CUDA tensors. Each has its torch reference's signature
+"""Triton versions of this package's ops, for CUDA tensors. Each has its torch reference's signature
 and semantics, and tests/test_cuda.py and tests/test_cuda_invariant.py check it against that
 reference:
 
 - `dequantize_packed`  == kernels.quant.dequantize_packed
 - `packed_attention`   == kernels.packed_attention.packed_attention_reference (decode: n small),
-  in kernels/triton_attention.py
+  in triton_attention.py
 - `gather_slots`       == kernels.gather.gather_slots
 - `invariant_attention`: the batch-invariant attention of vericache/model/kernels.py (same
   semantics; a token's bits do not depend on how many are new), in
-  kernels/triton_invariant_attention.py
+  triton_invariant_attention.py
 
 Triton is optional: without it this module still imports and `available()` is False (the
 dispatching entries, e.g. kernels.packed_attention.packed_attention, then run the references).
