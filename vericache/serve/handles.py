@@ -144,7 +144,8 @@ class InProcess:
         return Started(asyncio.wrap_future(future), LocalAnswer(future))
 
     async def release(self, worker: Any) -> None:
-        self._executor.shutdown(wait=True)
+        # Waited for off the loop: a call still running may need the loop to finish.
+        await asyncio.to_thread(self._executor.shutdown, wait=True)
 
 
 class OverRay:

@@ -9,6 +9,7 @@ verifier and drafter workers; `long_context_server` (long_context.py) over one e
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -92,7 +93,12 @@ class BackgroundServer:
         within `grace_s` (then they are cancelled), and the workers shut down."""
         if not self._thread.is_alive():
             return
-        self.run(self._stop(grace_s), timeout_s=grace_s + 120)
+        try:
+            self.run(self._stop(grace_s), timeout_s=grace_s + 120)
+        except TimeoutError:
+            # What every thread was doing, for the log: a stop that hangs is a bug to find.
+            faulthandler.dump_traceback(all_threads=True)
+            raise
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
 
