@@ -101,10 +101,7 @@ def run(args) -> dict:
     records = []
     for sampling in sampling_settings(args.temperature, args.coupling):
         params = [sampling.params(max_tokens, seed) for seed in range(len(prompts))]
-        references = engine.generate(
-            [Request(p.token_ids, p.num_prefix_tokens, params[i], DecodeMode.FULL)
-             for i, (*_, p) in enumerate(prompts)]
-        )  # fmt: skip
+        references = _references(engine, prompts, params, checkpoint, sampling.label("full"))
         for source in sources:
             config = EngineConfig(draft_kv_source=source, prefix_cache_bytes=16 << 30)
             engine = Engine(engine.runner, engine.tokenizer, config, engine.prefix_store)
@@ -150,6 +147,20 @@ def sampling_settings(temperatures: list[float], couplings: list[str]) -> list[S
     return settings + [Sampling(t, c) for t in temperatures if t > 0 for c in couplings]
 
 
+def _references(engine, prompts, params, checkpoint, label: str) -> list[tuple[int, ...]]:
+    """Every prompt's full-KV output (prompt i with params[i]), from the checkpoint if it has
+    them: a resumed run does not decode them again."""
+    references = checkpoint.references(label)
+    if references is None:
+        outputs = engine.generate(
+            [Request(p.token_ids, p.num_prefix_tokens, params[i], DecodeMode.FULL)
+             for i, (*_, p) in enumerate(prompts)]
+        )  # fmt: skip
+        references = [tuple(out.token_ids) for out in outputs]
+        checkpoint.add_references(label, references)
+    return references
+
+
 def _traces(engine, compressor, source, prompts, references, params, args) -> list[dict]:
     """Every prompt decoded with drafts over `compressor` (prompt i with params[i]): one trace
     record each. Rejection coupling samples the model's distribution but not the full-KV
@@ -163,39 +174,54 @@ def _traces(engine, compressor, source, prompts, references, params, args) -> li
     records = []
     for (kind, name, prompt), reference, out, p in zip(prompts, references, outputs, params):
         record = trace_record(kind, name, compressor, out.stats, source.value)
-        record["identical"] = None if p.rejects else out.token_ids == reference.token_ids
+        record["identical"] = None if p.rejects else tuple(out.token_ids) == reference
         record["context_tokens"] = prompt.num_prefix_tokens
         records.append(record)
     return records
 
 
 class Checkpoint:
-    """Finished compressors' records in a JSON-lines file (one line per compressor and draft KV
-    source, with the run's settings): a long run that stops keeps what it finished."""
+    """Finished work in a JSON-lines file, each line with the run's settings: the full-KV
+    references of a sampling setting, or a compressor's records for one draft KV source. A long
+    run that stops keeps what it finished."""
 
     def __init__(self, path: Path | None, settings: dict):
         self.path, self.settings = path, settings
         self._done: dict[tuple[str, str], list[dict]] = {}
+        self._references: dict[str, list[tuple[int, ...]]] = {}
         if path is not None and path.is_file():
             for line in path.read_text().splitlines():
-                entry = json.loads(line)
-                if entry["settings"] != settings:
-                    raise ValueError(
-                        f"{path} holds records of other settings ({entry['settings']}): "
-                        "give another checkpoint file"
-                    )
-                self._done[entry["compressor"], entry["draft_kv"]] = entry["records"]
+                self._load(json.loads(line))
+
+    def _load(self, entry: dict) -> None:
+        if entry["settings"] != self.settings:
+            raise ValueError(
+                f"{self.path} holds records of other settings ({entry['settings']}): "
+                "give another checkpoint file"
+            )
+        if "references" in entry:
+            self._references[entry["references"]] = [tuple(ids) for ids in entry["token_ids"]]
+        else:
+            self._done[entry["compressor"], entry["draft_kv"]] = entry["records"]
 
     def records(self, label: str, draft_kv: str) -> list[dict] | None:
         return self._done.get((label, draft_kv))
 
+    def references(self, label: str) -> list[tuple[int, ...]] | None:
+        return self._references.get(label)
+
     def add(self, label: str, draft_kv: str, records: list[dict]) -> None:
         self._done[label, draft_kv] = records
+        self._append({"compressor": label, "draft_kv": draft_kv, "records": records})
+
+    def add_references(self, label: str, token_ids: list[tuple[int, ...]]) -> None:
+        self._references[label] = token_ids
+        self._append({"references": label, "token_ids": [list(ids) for ids in token_ids]})
+
+    def _append(self, entry: dict) -> None:
         if self.path is not None:
-            entry = {"settings": self.settings, "compressor": label, "draft_kv": draft_kv,
-                     "records": records}  # fmt: skip
             with self.path.open("a") as file:
-                file.write(json.dumps(entry) + "\n")
+                file.write(json.dumps({"settings": self.settings, **entry}) + "\n")
 
 
 def _request(compressor, item, reference, params: SamplingParams) -> Request:
@@ -203,7 +229,7 @@ def _request(compressor, item, reference, params: SamplingParams) -> Request:
     commits the same tokens and tells the same first mismatch as one that drafts all 64. Not
     under rejection coupling, whose output is not the reference's."""
     *_, prompt = item
-    expected = None if params.rejects else tuple(reference.token_ids)
+    expected = None if params.rejects else reference
     return Request(
         prompt.token_ids, prompt.num_prefix_tokens, params, DecodeMode.VERICACHE, compressor,
         MAX_DRAFT_LEN, expected_ids=expected,

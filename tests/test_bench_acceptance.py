@@ -89,11 +89,14 @@ def test_a_checkpoint_keeps_finished_compressors_for_the_next_run(tmp_path):
     path = tmp_path / "acceptance.jsonl"
     settings = {"max_tokens": 256, "num_prompts": 48, "model": "m", "dtype": "float32"}
     first = acceptance.Checkpoint(path, settings)
-    assert first.records("kivi-4bit", "verifier") is None
+    assert first.records("kivi-4bit", "verifier") is None and first.references("full") is None
+    first.add_references("full", [(1, 2, 3), (4,)])
     first.add("kivi-4bit", "verifier", [_record("code", "kivi-4bit", [64, 3])])
     resumed = acceptance.Checkpoint(path, settings)  # a later run with the same settings
     assert resumed.records("kivi-4bit", "verifier") == [_record("code", "kivi-4bit", [64, 3])]
     assert resumed.records("kivi-4bit", "drafter") is None
+    assert resumed.references("full") == [(1, 2, 3), (4,)]
+    assert resumed.references("full T=0.7 seeded") is None
     with pytest.raises(ValueError, match="other settings"):
         acceptance.Checkpoint(path, {**settings, "max_tokens": 64})
 
@@ -116,9 +119,10 @@ def test_sampled_settings_are_labelled_and_compared_by_coupling():
 
 
 @pytest.mark.slow
-def test_a_sampled_run_end_to_end(monkeypatch, tiny_chat_checkpoint):
+def test_a_sampled_run_end_to_end(monkeypatch, tiny_chat_checkpoint, tmp_path):
     """The whole benchmark on the tiny chat model and two short prompts: greedy and sampled
-    rounds, both couplings; seeded outputs equal full-KV sampling's."""
+    rounds, both couplings; seeded outputs equal full-KV sampling's. Run again on its
+    checkpoint, it decodes nothing and gives the same result."""
     from vericache.cli.bench import parse_benchmark_args
     from vericache.engine.prompt import build_chat_prompt
 
@@ -133,6 +137,7 @@ def test_a_sampled_run_end_to_end(monkeypatch, tiny_chat_checkpoint):
     _, args = parse_benchmark_args("acceptance", [
         "--model", str(tiny_chat_checkpoint), "--compressors", "streamingllm-4x",
         "--max-tokens", "8", "--temperature", "0,0.7", "--coupling", "seeded,rejection",
+        "--checkpoint", str(tmp_path / "checkpoint.jsonl"),
     ])  # fmt: skip
     result = acceptance.run(args)
     kinds = result["table"]["verifier"]
@@ -141,3 +146,9 @@ def test_a_sampled_run_end_to_end(monkeypatch, tiny_chat_checkpoint):
     }  # fmt: skip
     assert result["summary"]["identical"] is True
     assert {r["coupling"] for r in result["records"]} == {"greedy", "seeded", "rejection"}
+
+    def refuse(*_):
+        raise AssertionError("a resumed run decoded again")
+
+    monkeypatch.setattr(acceptance.Engine, "generate", refuse)
+    assert acceptance.run(args)["records"] == result["records"]
