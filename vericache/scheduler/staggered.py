@@ -67,23 +67,37 @@ class StaggeredScheduler(BaseScheduler):
         num_verify = min(self.costs.num_verify_iterations(), self.config.window - 1)
         high = self.config.window - num_verify  # the verification ends inside the window
         span = min(self.costs.num_load_iterations(state.request.full_kv_bytes), high)
+        capacity = self.costs.iteration_s
+        load_s = min(self.costs.load_s(state.request.full_kv_bytes), span * capacity)
+        link = _LinkTime(self._link.booked(base + 1, base + high), base + 1, capacity)
         for num_draft_tokens in draft_len_order(self.choose_draft_len(state), span, high):
-            reservation = self._place(state, base, num_draft_tokens, span, num_verify)
+            last = base + num_draft_tokens
+            first = max(base + 1, last - span - self.config.load_slack + 1)
+            if not link.may_hold(first, last, load_s - 1e-9 * capacity):
+                continue
+            reservation = self._place(
+                state, base, num_draft_tokens, first, num_verify, load_s, link
+            )
             if reservation is not None:
                 self._commit(state, reservation, base)
                 return True
         return False
 
     def _place(
-        self, state: RequestState, base: int, num_draft_tokens: int, span: int, num_verify: int
+        self,
+        state: RequestState,
+        base: int,
+        num_draft_tokens: int,
+        first: int,  # the earliest iteration the load may use
+        num_verify: int,
+        remaining: float,  # the load's link seconds
+        link: _LinkTime,
     ) -> Reservation | None:
         capacity = self.costs.iteration_s
         tolerance = 1e-9 * capacity
-        remaining = min(self.costs.load_s(state.request.full_kv_bytes), span * capacity)
         last = base + num_draft_tokens
-        first = max(base + 1, last - span - self.config.load_slack + 1)
         bookings = []
-        booked = self._link.booked(first, last)
+        booked = link.booked(first, last)
         for iteration in range(last, first - 1, -1):
             free = capacity - booked[iteration - first]
             if free <= tolerance:
@@ -125,3 +139,27 @@ class StaggeredScheduler(BaseScheduler):
         if state.is_resident:
             return True  # the reserve kept room for its full KV
         return self._keeps_reserve(state)
+
+
+class _LinkTime:
+    """The link's bookings over the iterations one admission may use, and prefix sums of their
+    free seconds: a draft length whose load cannot fit is ruled out in O(1), not by a scan (a
+    saturated link has every waiting request try every draft length, every iteration)."""
+
+    def __init__(self, booked: list[float], start: int, capacity: float):
+        self._booked, self._start = booked, start
+        tolerance = 1e-9 * capacity
+        self._margin = 1e-6 * capacity  # far above the rounding of a few hundred float sums
+        self._free_before = [0.0]
+        for seconds in booked:
+            free = capacity - seconds
+            self._free_before.append(self._free_before[-1] + (free if free > tolerance else 0.0))
+
+    def booked(self, first: int, last: int) -> list[float]:
+        return self._booked[first - self._start : last - self._start + 1]
+
+    def may_hold(self, first: int, last: int, seconds: float) -> bool:
+        """False only if the free time of iterations [first, last] is surely short of
+        `seconds`; True leaves the decision to the booking itself."""
+        free = self._free_before[last - self._start + 1] - self._free_before[first - self._start]
+        return free + self._margin >= seconds
