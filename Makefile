@@ -25,14 +25,18 @@ install: $(STAMP)
 demo: install
 	$(PY) -m vericache.demo
 
+# Two pytest-xdist workers (one torch thread each); the tests that start Ray share one of them,
+# which holds the session's Ray cluster (tests/conftest.py).
+PYTEST_WORKERS := -n 2 --dist loadgroup
+
 test: install
 	$(VENV)/bin/ruff check vericache bench tests
-	$(PY) -m pytest
+	$(PY) -m pytest $(PYTEST_WORKERS)
 
 # Without the slow model tests: the embedded model's weights are never converted (its tokenizer is
 # read from the GGUF alone).
 test-fast: install
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(PYTEST_WORKERS) -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check vericache bench tests

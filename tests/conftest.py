@@ -3,6 +3,7 @@ and the embedded model (converted once per machine into $VERICACHE_CACHE)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -12,6 +13,21 @@ from vericache.engine.engine import Engine, EngineConfig
 from vericache.model import loader
 from vericache.model.loader import ensure_embedded, ensure_embedded_tokenizer, load_model
 from vericache.model.runner import ModelRunner
+
+# `make test` runs the suite on two pytest-xdist workers: each takes one core's torch thread.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, every test that starts Ray runs on one worker, which holds the session's one
+    Ray cluster (`ray_cluster`); the others never start one."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
 
 TINY_BASE = dict(
     vocab_size=512,
