@@ -73,7 +73,7 @@ class StaggeredScheduler(BaseScheduler):
         for num_draft_tokens in draft_len_order(self.choose_draft_len(state), span, high):
             last = base + num_draft_tokens
             first = max(base + 1, last - span - self.config.load_slack + 1)
-            if not link.may_hold(first, last, load_s - 1e-9 * capacity):
+            if not link.may_hold(first, last, load_s):
                 continue
             reservation = self._place(
                 state, base, num_draft_tokens, first, num_verify, load_s, link
@@ -93,8 +93,7 @@ class StaggeredScheduler(BaseScheduler):
         remaining: float,  # the load's link seconds
         link: _LinkTime,
     ) -> Reservation | None:
-        capacity = self.costs.iteration_s
-        tolerance = 1e-9 * capacity
+        capacity, tolerance = self.costs.iteration_s, link.tolerance
         last = base + num_draft_tokens
         bookings = []
         booked = link.booked(first, last)
@@ -148,18 +147,19 @@ class _LinkTime:
 
     def __init__(self, booked: list[float], start: int, capacity: float):
         self._booked, self._start = booked, start
-        tolerance = 1e-9 * capacity
+        self.tolerance = 1e-9 * capacity  # link seconds a booking may leave unplaced
         self._margin = 1e-6 * capacity  # far above the rounding of a few hundred float sums
         self._free_before = [0.0]
         for seconds in booked:
             free = capacity - seconds
-            self._free_before.append(self._free_before[-1] + (free if free > tolerance else 0.0))
+            usable = free if free > self.tolerance else 0.0
+            self._free_before.append(self._free_before[-1] + usable)
 
     def booked(self, first: int, last: int) -> list[float]:
         return self._booked[first - self._start : last - self._start + 1]
 
     def may_hold(self, first: int, last: int, seconds: float) -> bool:
-        """False only if the free time of iterations [first, last] is surely short of
-        `seconds`; True leaves the decision to the booking itself."""
+        """False only if a load of `seconds` surely cannot be booked into iterations [first,
+        last]; True leaves the decision to the booking itself."""
         free = self._free_before[last - self._start + 1] - self._free_before[first - self._start]
-        return free + self._margin >= seconds
+        return free + self._margin >= seconds - self.tolerance
