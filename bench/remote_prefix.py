@@ -32,12 +32,12 @@ Summary:
 - verifier_overhead: the verifier process's CPU seconds per output token over what the full-KV
   half of the same requests costs the in-process engine per output token: their verifications
   and the prefill of each prompt after its prefix (bench/remote_prefix_reference.py; target
-  <= 1.3). The reference is measured right after each VERICACHE sample, at its draft length, and
-  each sample is set against its own: the machine's drift over the run cancels, and the summary
-  shows how far it went (reference_cpu_s_per_token_range);
+  <= 1.3). The reference is measured right after each VERICACHE cell's samples, at its draft
+  length, and the cell's samples are set against it: the machine's drift over the run cancels,
+  and the summary shows how far it went (reference_cpu_s_per_token_range);
 - verifier_serving_overhead: the verifier's CPU over its own forward loop's plus the suffix
   prefills', in the same stream: serving's share alone;
-- identical: every exact output equals FULL_LOCAL's, and the in-process engine's too.
+- identical: every sample's exact outputs equal FULL_LOCAL's, and the in-process engine's too.
 Run with OMP_NUM_THREADS=1 on a machine with a core per worker and nothing else busy; each sample
 keeps the CPU seconds of the drafters, the verifier and everything else during its stream.
 """
@@ -195,19 +195,26 @@ class Bench:
     drafter_kv_bytes: int
     bandwidth: float | None = None  # None: an open link (registration, calibration)
     rates: dict[str, float] | None = None  # per pool, alone: the FULL_BOTH router's weights
-    reference: EngineReference | None = None  # measured after each VERICACHE sample, if set
+    reference: EngineReference | None = None  # measured after each VERICACHE cell, if set
 
-    def serve(self, cell: Cell) -> tuple[dict, list[list[int]]]:
-        """The cell's samples (one per repeat, each on fresh workers) and its outputs."""
-        samples, outputs = [], None
+    def serve(self, cell: Cell) -> tuple[dict, list[list[list[int]]]]:
+        """The cell's samples (one per repeat, each on fresh workers) and each sample's outputs.
+
+        A VERICACHE cell without latency is followed by one in-process reference at its draft
+        length, which every sample of the cell is set against: a few minutes apart, the
+        machine's drift stays small, and a reference per sample would double the sweep."""
+        samples, outputs = [], []
         for _ in range(self.spec.repeats):
-            sample, outputs = self._serve_once(cell)
+            sample, sample_outputs = self._serve_once(cell)
             print(f"[remote-prefix] {cell.name}: {sample['tokens_per_s']:.2f} tokens/s")
-            if self.reference and cell.mode == "vericache" and not cell.latency_s:
-                run = self.reference.measure(cell.draft_len)
-                sample["reference"] = run.record()
-                sample["reference_outputs_match"] = list(map(list, run.outputs)) == outputs
             samples.append(sample)
+            outputs.append(sample_outputs)
+        if self.reference and cell.mode == "vericache" and not cell.latency_s:
+            run = self.reference.measure(cell.draft_len)
+            reference_outputs = list(map(list, run.outputs))
+            for sample, sample_outputs in zip(samples, outputs):
+                sample["reference"] = run.record()
+                sample["reference_outputs_match"] = reference_outputs == sample_outputs
         return cell_record(cell, samples), outputs
 
     def _serve_once(self, cell: Cell) -> tuple[dict, list[list[int]]]:
@@ -351,10 +358,11 @@ def run(args) -> dict:
 
 def _serve_all(bench: Bench, prefixes: list[dict]) -> list[dict]:
     """FULL_LOCAL first (it calibrates the link), then every other cell at that bandwidth, each
-    VERICACHE sample followed by its in-process reference."""
+    VERICACHE cell followed by its in-process reference."""
     spec = bench.spec
-    full_local, expected = bench.serve(Cell("full_local", 1))
-    full_local["outputs_match"] = True
+    full_local, local_outputs = bench.serve(Cell("full_local", 1))
+    expected = local_outputs[0]
+    full_local["outputs_match"] = all(outputs == expected for outputs in local_outputs)
     seconds_per_reply = statistics.median(s["wall_s"] for s in full_local["samples"]) / len(
         bench.jobs
     )
@@ -375,7 +383,7 @@ def _serve_all(bench: Bench, prefixes: list[dict]) -> list[dict]:
 
 def _served(bench: Bench, cell: Cell, expected: list[list[int]]) -> dict:
     record, outputs = bench.serve(cell)
-    record["outputs_match"] = outputs == expected
+    record["outputs_match"] = all(sample_outputs == expected for sample_outputs in outputs)
     bench.rates[record["name"]] = record["tokens_per_s"]
     return record
 
@@ -390,7 +398,7 @@ DEFINITIONS = {
     "drafter)",
     "verifier_overhead": "verifier process CPU s per output token / in-process engine CPU s of "
     "the same requests' verifications and suffix prefills per output token, same draft length, "
-    "measured right after the sample; the median over a cell's samples",
+    "measured right after the cell's samples; the median over a cell's samples",
     "verifier_serving_overhead": "verifier process CPU s / (its forward loop's CPU s + the "
     "paired reference's suffix prefill CPU s), the same stream: serving's share, the machine's "
     "speed cancelled",

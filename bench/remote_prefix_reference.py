@@ -10,9 +10,11 @@ verifier also runs when it opens a request. Per output token, that is the CPU th
 verifier is held to (`verifier_overhead`): what it spends beyond it is serving.
 
 This machine's speed drifts by a third within an hour, so one reference for a whole run cannot
-tell 1.3 from 1.4. The reference is therefore measured again right after every served sample, at
-that sample's draft length, and each sample is set against its own reference: the two are about
-a minute apart, and what the machine does over a minute cancels.
+tell 1.3 from 1.4. The reference is therefore measured again right after every VERICACHE cell's
+samples, at that cell's draft length, and the cell's samples are set against it: they are a few
+minutes apart, and what the machine does over a few minutes mostly cancels. (A reference after
+every sample, a minute apart, would cancel more, but it decodes the whole stream one request at a
+time and costs about twice its sample, doubling the sweep.)
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import pytest
 
 from vericache.bench import remote_prefix
 from vericache.bench.remote_prefix import Cell, cell_record
+from vericache.bench.remote_prefix_reference import ReferenceRun
 from vericache.bench.serving import Router, stream_record
 from vericache.bench.workloads import CONTEXT_PROMPTS
 from vericache.cli.bench import parse_benchmark_args
@@ -157,6 +158,31 @@ def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_wo
     # FULL_LOCAL the best: one full-KV cell beats the others on the same workers.
     slow_both = remote_prefix.summarize(_table(full_both=5), spec)
     assert slow_both["vericache_over_best_full"] == pytest.approx(30 / 15)
+
+
+class _Reference:
+    """The in-process reference's stand-in: counts its runs, answers fixed outputs."""
+
+    def __init__(self, outputs):
+        self.outputs, self.draft_lens = outputs, []
+
+    def measure(self, draft_len):
+        self.draft_lens.append(draft_len)
+        return ReferenceRun(draft_len, 0.1, 0.5, self.outputs)
+
+
+def test_a_cell_is_paired_with_one_reference_and_every_sample_is_checked(monkeypatch, tmp_path):
+    spec = remote_prefix.stream_spec(_args("--draft-lens", "8", "--repeats", "3"))
+    bench = remote_prefix.Bench("m", tmp_path, spec, [], 0, reference=_Reference(((1, 2),)))
+    served = iter([[[1, 2]], [[1, 3]], *[[[1, 2]]] * 4])  # the second sample went wrong
+    monkeypatch.setattr(bench, "_serve_once", lambda cell: ({"tokens_per_s": 1.0}, next(served)))
+    record, outputs = bench.serve(Cell("vericache", 1, 8))
+    assert bench.reference.draft_lens == [8]  # one reference for the cell's three samples
+    assert [s["reference"]["draft_len"] for s in record["samples"]] == [8, 8, 8]
+    assert [s["reference_outputs_match"] for s in record["samples"]] == [True, False, True]
+    assert outputs == [[[1, 2]], [[1, 3]], [[1, 2]]]
+    bench.serve(Cell("vericache", 1, 8, latency_s=0.02))  # the latency pair is not referenced
+    assert bench.reference.draft_lens == [8]
 
 
 def test_one_mismatched_cell_is_not_identical():
