@@ -22,6 +22,9 @@ CONTEXT = "".join(
     for i in range(12)
 )
 
+# The model id the HTTP API answers to in the tests (--served-model-name).
+SERVED_MODEL = "tiny-chat"
+
 
 def start_server(
     model: Path,

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tests.serve_fixtures import CONTEXT, start_server, wait_for
+from tests.serve_fixtures import SERVED_MODEL as MODEL
 from tests.test_serve_auth import KEY_A, KEY_B, keys_file
 from vericache.client import Client, InvalidRequestError
 from vericache.engine.prompt import build_chat_prompt
@@ -16,7 +17,6 @@ from vericache.serve.auth import Access
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.server import HttpSettings
 
-MODEL = "tiny-chat"
 PROMPT = "Which function multiplies by three?"
 MIN_TOKENS = 40
 

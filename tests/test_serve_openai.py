@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.serve_fixtures import CONTEXT, open_sessions, start_server, wait_for
+from tests.serve_fixtures import SERVED_MODEL as MODEL
 from tests.test_serve_auth import KEY_A, KEY_B, keys_file
 from vericache.client import Client
 from vericache.serve.auth import Access
@@ -18,7 +19,6 @@ from vericache.serve.server import HttpSettings
 
 openai = pytest.importorskip("openai")
 
-MODEL = "tiny-chat"
 PROMPT = "Which function multiplies by three?"
 
 
@@ -137,6 +137,18 @@ def test_models_health_and_metrics(oai, base_url):
     assert health.status_code == 200
     metrics = httpx.get(f"{base_url}/metrics")
     assert metrics.status_code == 200 and "vericache:generation_tokens_total" in metrics.text
+
+
+def test_health_is_503_in_openai_shape_while_no_worker_of_a_needed_kind_is_up(
+    server, base_url, monkeypatch
+):
+    backend = server.coordinator.backend
+    monkeypatch.setattr(backend, "is_serving", lambda: False)
+    health = httpx.get(f"{base_url}/health")
+    assert health.status_code == 503
+    assert health.json()["error"]["type"] == "service_unavailable"
+    monkeypatch.undo()
+    assert httpx.get(f"{base_url}/health").status_code == 200
 
 
 def test_server_sent_events_are_framed_as_openai_frames_them(base_url, prefix_id):
