@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from vericache.errors import InvalidRequestError
@@ -43,6 +44,7 @@ def run(args) -> int:
     device = torch.device(args.device)
     if base is None and device.type == "cuda":
         base = _datasheet_for(torch.cuda.get_device_name(device))
+    logging.basicConfig(level=logging.INFO, format="[calibrate] %(message)s")
     plan = CalibrationPlan.for_device(device, model)
     if args.layers is not None:
         plan = dataclasses.replace(plan, num_layers=args.layers)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import logging
 import os
 import statistics
 import time
@@ -36,6 +38,8 @@ from vericache.model.runner import ModelRunner
 from vericache.sim.cost import Row, attention_flops, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.random_weights import params_per_layer, random_runner
+
+log = logging.getLogger(__name__)
 
 MAX_WEIGHT_COPIES = 256  # enough for any real model's layer to stream; tiny test shapes stay fast
 
@@ -88,9 +92,12 @@ def calibrate(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     element_size = torch.finfo(dtype).bits // 8
     products = _products(model, device, dtype, plan)
+    log.info("products timed at %s rows", ",".join(map(str, plan.product_rows)))
     copies = _copies(device, plan)
+    log.info("host copies: %.1f GB/s", copies["alone_bytes_per_s"] / 1e9)
     deep, shallow = plan.num_layers, max(1, plan.num_layers // 2)
     forwards = _forwards(model, deep, device, dtype, plan)
+    _release(device)  # the deeper slice's weights, before the shallower one's are built
     forwards += _forwards(model, shallow, device, dtype, plan)
     unmeasured = f"from {base.source}" if base else "taken as fast as a host copy"
     profile = DeviceProfile(
@@ -213,6 +220,10 @@ def _forwards(model: ModelProfile, num_layers: int, device, dtype, plan) -> list
                 cache.truncate(context)
 
         seconds = _timed(step, device, plan.repeats)
+        log.info(
+            "%d layers, %d new tokens x %d at %d context%s: %.2f ms",
+            num_layers, new_tokens, batch, context, " (exact)" if exact else "", seconds * 1e3,
+        )  # fmt: skip
         out.append(
             {"num_layers": num_layers, "new_tokens": new_tokens, "context": context,
              "batch": batch, "exact": exact, "seconds": seconds}
@@ -396,6 +407,12 @@ def _layers_that_fit(model: ModelProfile, free_bytes: float, bytes_per_param: in
     return max(2, min(model.num_layers, int((free_bytes - head) // per_layer)))
 
 
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -408,8 +425,11 @@ def _device_name(device: torch.device) -> str:
 
 
 def _free_bytes(device: torch.device) -> int:
+    """What the next shape may allocate: on CUDA the device's free memory plus the blocks torch's
+    allocator holds but no tensor uses (the shapes timed before left them there)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
