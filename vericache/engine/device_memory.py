@@ -87,15 +87,23 @@ def slot_bytes(config: ModelConfig, element_size: int) -> int:
     return config.kv_bytes_per_token(element_size) + 4 * config.num_layers * config.num_kv_heads
 
 
-def full_kv_capacity(request: Request, config: ModelConfig) -> int:
-    """Slots a request's full KV reserves: the prompt, every output token and one round's drafts,
-    in whole key blocks of the batch-invariant attention (as Engine reserves them)."""
+def full_kv_capacity(request: Request, max_positions: int) -> int:
+    """Slots a request's full KV reserves: the prompt, every output token and one round's drafts
+    (every driver reserves this)."""
     num_tokens = len(request.prompt_ids) + request.params.max_new_tokens + request.draft_len + 1
-    return aligned(min(num_tokens, config.max_position_embeddings), KEY_ALIGN)
+    return cache_capacity(num_tokens, max_positions)
+
+
+def cache_capacity(num_tokens: int, max_positions: int) -> int:
+    """Slots to reserve for a sequence that may reach `num_tokens` tokens, within the model's
+    context: batch-invariant attention reads keys in whole blocks, so reserve them now, not on
+    growth."""
+    return aligned(min(num_tokens, max_positions), KEY_ALIGN)
 
 
 def full_kv_bytes(request: Request, config: ModelConfig, element_size: int) -> int:
-    return full_kv_capacity(request, config) * slot_bytes(config, element_size)
+    capacity = full_kv_capacity(request, config.max_position_embeddings)
+    return capacity * slot_bytes(config, element_size)
 
 
 def compressed_element_size(request: Request, element_size: int) -> int:

@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from vericache.compress.context import ModelContext
+from vericache.engine.device_memory import full_kv_capacity
 from vericache.engine.forward_loop import ForwardLoop, Job, greedy
 from vericache.engine.prefix_store import PrefixStore
 from vericache.engine.request import DecodeMode, Request, RequestOutput
 from vericache.engine.sampling import rejection_verified
 from vericache.engine.sequence import Sequence
 from vericache.errors import InvalidRequestError
-from vericache.kv.cache import KVCache, aligned
+from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.exact import ExactKV
-from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import DEFAULT_MODEL, load_model
 from vericache.model.runner import DEFAULT_PREFILL_CHUNK, ModelRunner
 from vericache.scheduler.adaptive import MeasuredRoundCosts, acceptance_rate, best_draft_len
@@ -221,31 +221,36 @@ class Engine:
         request = seq.request
         # At least one token follows the prefix, so that its logits choose the first output.
         split = min(request.num_prefix_tokens, len(request.prompt_ids) - 1)
-        prefix_ids, suffix = request.prompt_ids[:split], _ids(request.prompt_ids[split:])
-        capacity = len(request.prompt_ids) + request.params.max_new_tokens + request.draft_len + 1
-        # Batch-invariant attention reads keys in whole blocks: reserve them now, not on growth.
-        capacity = aligned(min(capacity, self.model_config.max_position_embeddings), KEY_ALIGN)
-        prefix_kv = self.prefix_kv(prefix_ids)
+        prefix_ids, suffix = request.prompt_ids[:split], id_tensor(request.prompt_ids[split:])
+        capacity = full_kv_capacity(request, self.model_config.max_position_embeddings)
+        full, compressed = self._prefix_caches(prefix_ids, seq.mode, request.compressor, capacity)
+        seq.full_cache, seq.compressed_cache = full, compressed
         if seq.mode is DecodeMode.FULL:
-            seq.full_cache = prefix_kv.clone(capacity)
-            return self._prefill_tokens(suffix, seq.full_cache)
-        compressor = request.compressor
-        compressed = self.compressed_prefix_kv(prefix_ids, compressor).clone()
-        seq.compressed_cache = compressed
+            return self._prefill_tokens(suffix, full)
         if seq.mode is DecodeMode.LOSSY:
             # The lossy baseline computes the user turn over its compressed KV, like any
             # compressed-cache server would.
             logits = self._prefill_tokens(suffix, compressed)
         else:
-            seq.full_cache = prefix_kv.clone(capacity)
-            logits = self._prefill_tokens(suffix, seq.full_cache)
+            logits = self._prefill_tokens(suffix, full)
             if self.config.draft_kv_source is DraftKVSource.VERIFIER:
-                prompt_kv = ExactKV.of(seq.full_cache, split, len(request.prompt_ids), copy=False)
+                prompt_kv = ExactKV.of(full, split, len(request.prompt_ids), copy=False)
                 compressed.append_exact(prompt_kv)
             else:
                 self._prefill_tokens(suffix, compressed, num_logits=0)
-        compressor.update(compressed)
+        request.compressor.update(compressed)
         return logits
+
+    def _prefix_caches(
+        self, prefix_ids: tuple[int, ...], mode: DecodeMode, compressor, capacity: int
+    ) -> tuple[KVCache | None, CompressedKV | None]:
+        """The request's own caches, holding its prefix: copies of the prefix store's full KV
+        (with room for `capacity` tokens; none for LOSSY) and compressed KV (none for FULL)."""
+        full = None if mode is DecodeMode.LOSSY else self.prefix_kv(prefix_ids).clone(capacity)
+        compressed = None
+        if mode is not DecodeMode.FULL:
+            compressed = self.compressed_prefix_kv(prefix_ids, compressor).clone()
+        return full, compressed
 
     def compressed_prefix_kv(self, prefix_ids: tuple[int, ...], compressor) -> CompressedKV:
         """A prefix's KV compressed once per compressor, then reused. Shared: clone it to edit."""
@@ -264,7 +269,7 @@ class Engine:
         def prefill() -> KVCache:
             cache = self.runner.new_cache(capacity=len(prefix_ids))
             if prefix_ids:
-                self._prefill_tokens(_ids(prefix_ids), cache, num_logits=0)
+                self._prefill_tokens(id_tensor(prefix_ids), cache, num_logits=0)
             return cache
 
         return self.prefix_store.lookup(prefix_ids, prefill)
@@ -303,5 +308,6 @@ def _planned_verify_steps(active: list[Sequence]) -> set[int]:
     }
 
 
-def _ids(token_ids) -> torch.Tensor:
+def id_tensor(token_ids) -> torch.Tensor:
+    """Token ids as the model runner takes them: int64 [T]."""
     return torch.tensor(list(token_ids), dtype=torch.long)

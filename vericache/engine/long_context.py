@@ -37,8 +37,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-import torch
-
 from vericache.engine.calibration import calibrated_costs
 from vericache.engine.device_memory import (
     DeviceMemory,
@@ -50,7 +48,7 @@ from vericache.engine.device_memory import (
     full_kv_bytes,
     full_kv_capacity,
 )
-from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
+from vericache.engine.engine import Engine, EngineConfig, id_tensor
 from vericache.engine.host_kv import (
     HostKV,
     KVLoader,
@@ -62,6 +60,7 @@ from vericache.engine.long_context_config import LongContextConfig, LongContextS
 from vericache.engine.request import DecodeMode, Request, RequestOutput
 from vericache.engine.sequence import Sequence
 from vericache.errors import InvalidRequestError
+from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.exact import ExactKV
 from vericache.model.loader import DEFAULT_MODEL, load_model
@@ -283,7 +282,7 @@ class LongContextEngine(Engine):
             return seq
         resident_bytes = seq.compressed_cache.resident_bytes
         self.memory.hold(("compressed", key), resident_bytes)
-        capacity = full_kv_capacity(request, self.model_config)
+        capacity = full_kv_capacity(request, self.model_config.max_position_embeddings)
         self._host[key] = HostKV.from_cache(seq.full_cache, capacity, pin=self._is_cuda)
         seq.full_cache = None
         self.memory.release(("full", key))
@@ -302,29 +301,18 @@ class LongContextEngine(Engine):
             raise
         return seq
 
-    def _prefill(self, seq: Sequence) -> torch.Tensor:
-        """Engine._prefill without the prefix store, whose shared KV would sit on the device
-        outside the budget. The same chunks through the same kernels: the full KV is
-        bit-identical to Engine's."""
-        request = seq.request
-        split = min(request.num_prefix_tokens, len(request.prompt_ids) - 1)
-        prefix_ids, suffix = request.prompt_ids[:split], _token_ids(request.prompt_ids[split:])
-        full = self.runner.new_cache(full_kv_capacity(request, self.model_config))
+    def _prefix_caches(
+        self, prefix_ids: tuple[int, ...], mode: DecodeMode, compressor, capacity: int
+    ) -> tuple[KVCache, CompressedKV | None]:
+        """Without the prefix store, whose shared KV would sit on the device outside the budget:
+        the prefix prefilled into the request's own full KV (the same chunks through the same
+        kernels, so bit-identical to Engine's), and its compressed KV compressed from that."""
+        full = self.runner.new_cache(capacity)
         if prefix_ids:
-            self._prefill_tokens(_token_ids(prefix_ids), full, num_logits=0)
-        seq.full_cache = full
-        if seq.mode is DecodeMode.FULL:
-            return self._prefill_tokens(suffix, full)
-        compressor = request.compressor
-        compressed = compressor.compress(full, self.model_context(prefix_ids))
-        seq.compressed_cache = compressed
-        logits = self._prefill_tokens(suffix, full)
-        if self.config.draft_kv_source is DraftKVSource.VERIFIER:
-            compressed.append_exact(ExactKV.of(full, split, len(request.prompt_ids), copy=False))
-        else:
-            self._prefill_tokens(suffix, compressed, num_logits=0)
-        compressor.update(compressed)
-        return logits
+            self._prefill_tokens(id_tensor(prefix_ids), full, num_logits=0)
+        if mode is DecodeMode.FULL:
+            return full, None
+        return full, compressor.compress(full, self.model_context(prefix_ids))
 
     def _unpark(self, key: str) -> None:
         if key not in self._parked:
@@ -485,7 +473,3 @@ class LongContextEngine(Engine):
         self._adaptive = bounded_adaptive_draft_len(scheduler)
         scheduler.choose_draft_len = self._choose_draft_len
         return scheduler
-
-
-def _token_ids(token_ids) -> torch.Tensor:
-    return torch.tensor(list(token_ids), dtype=torch.long)

@@ -21,12 +21,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from vericache.engine.device_memory import full_kv_capacity
 from vericache.engine.request import Request
 from vericache.engine.sampling import SequenceSampler
 from vericache.engine.sequence import Sequence
 from vericache.kv.exact import ExactKV
 from vericache.serve.api_types import GenerateSummary, ServeMode
-from vericache.serve.worker import cache_capacity
 from vericache.serve.worker_api import (
     DecodeCall,
     DraftCall,
@@ -104,9 +104,7 @@ class ServedRequest:
     @property
     def capacity(self) -> int:
         """Cache slots for the whole request: prompt, output and one round's drafts."""
-        request = self.plan.request
-        wanted = len(request.prompt_ids) + request.params.max_new_tokens + request.draft_len + 1
-        return cache_capacity(wanted, self.seq.stop_checker.max_total_tokens)
+        return full_kv_capacity(self.plan.request, self.seq.stop_checker.max_total_tokens)
 
     def add(self, traffic: Traffic) -> None:
         self.traffic = self.traffic + traffic

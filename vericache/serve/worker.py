@@ -14,9 +14,7 @@ import torch
 from vericache.engine.device_memory import slot_bytes
 from vericache.engine.sampling import SequenceSampler
 from vericache.errors import VeriCacheError
-from vericache.kv.cache import aligned
 from vericache.kv.codec import model_fingerprint
-from vericache.model.kernels import KEY_ALIGN
 from vericache.model.loader import LoadedModel, load_model
 from vericache.model.runner import ModelRunner
 from vericache.serve.config import WorkerConfig
@@ -50,12 +48,6 @@ def load_worker_model(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner, M
         full_kv_bytes_per_token=slot_bytes(loaded.config, runner.dtype.itemsize),
     )
     return loaded, runner, info
-
-
-def cache_capacity(num_tokens: int, max_positions: int) -> int:
-    """Slots to reserve for a sequence that may reach `num_tokens` tokens: batch-invariant
-    attention reads keys in whole blocks, so reserve them now, not on growth."""
-    return aligned(min(num_tokens, max_positions), KEY_ALIGN)
 
 
 def first_token(logits: torch.Tensor, sampler: SequenceSampler | None = None) -> int:
