@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.compressor_table import TABLE
 from tests.test_kernels import (
     CASES,
     FP32_TOLERANCE,
@@ -16,7 +17,6 @@ from tests.test_kernels import (
     random_packed,
 )
 from tests.test_model_parity import ATOL
-from vericache.compress import KIVI, StreamingLLM
 from vericache.engine.engine import Engine
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.kernels import triton_attention, triton_ops
@@ -85,7 +85,7 @@ def test_cuda_vericache_equals_full(tiny_checkpoint, dtype):
     ids = tuple(torch.randint(3, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist())
     params = SamplingParams(max_new_tokens=40)
     (full,) = engine.generate([Request(ids, 180, params, DecodeMode.FULL)])
-    for compressor in (StreamingLLM(ratio=4), KIVI(bits=4, group_size=8, residual_length=16)):
+    for compressor in TABLE:
         (out,) = engine.generate([Request(ids, 180, params, DecodeMode.VERICACHE, compressor, 8)])
         assert out.token_ids == full.token_ids
 

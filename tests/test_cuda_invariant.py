@@ -4,13 +4,15 @@ among others (over a whole model and caches of other capacities: tests/test_cuda
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.compressor_table import pick
 from tests.test_cuda import inputs_to_cuda
 from tests.test_kernels import CASES, random_inputs
-from vericache.compress import StreamingLLM
 from vericache.engine.engine import Engine
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.kernels import triton_attention, triton_invariant_attention, triton_ops
@@ -110,7 +112,7 @@ def test_float32_model_drafts_over_a_bfloat16_cache(tiny_checkpoint, monkeypatch
     ids = tuple(torch.randint(3, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist())
     params = SamplingParams(max_new_tokens=40)
     (full,) = engine.generate([Request(ids, 180, params, DecodeMode.FULL)])
-    compressor = StreamingLLM(ratio=4, dtype="bfloat16")
+    compressor = dataclasses.replace(pick("streamingllm")[0], dtype="bfloat16")
     (out,) = engine.generate([Request(ids, 180, params, DecodeMode.VERICACHE, compressor, 8)])
     assert out.token_ids == full.token_ids
     assert any(mixed_calls), "no draft step reached the kernel with bfloat16 keys"

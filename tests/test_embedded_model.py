@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vericache.compress import KIVI, StreamingLLM
+from tests.compressor_table import pick
+from vericache.compress import KIVI
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 
@@ -28,8 +29,7 @@ def test_vericache_equals_full_on_the_embedded_model(embedded_engine, prompt):
         Request(prompt.token_ids, prompt.num_prefix_tokens, params, mode, compressor, 30)
         for mode, compressor in [
             (DecodeMode.FULL, None),
-            (DecodeMode.VERICACHE, StreamingLLM(ratio=4)),
-            (DecodeMode.VERICACHE, KIVI(bits=2)),
+            *((DecodeMode.VERICACHE, row) for row in pick("streamingllm", "kivi")),
         ]
     ]
     full, *vericache = embedded_engine.generate(requests)

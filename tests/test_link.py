@@ -63,8 +63,9 @@ def test_measured_rate_matches_the_configured_bandwidth():
     for index in range(count):
         link.send_blocking(chunk, first=index == 0)
     rate = chunk * count / (time.perf_counter() - start)
-    # Never faster than the link; slower only by how late a busy machine wakes the sender.
-    assert 0.5 * bandwidth <= rate <= 1.02 * bandwidth
+    # Never faster than the link; slower only by how late a busy machine wakes the sender (a
+    # loaded 2-core machine can wake it late by tenths of a second: the bound is loose there).
+    assert 0.2 * bandwidth <= rate <= 1.02 * bandwidth
 
 
 def test_concurrent_streams_share_the_bandwidth():
@@ -82,4 +83,4 @@ def test_concurrent_streams_share_the_bandwidth():
 
     elapsed = asyncio.run(both())
     # Shared, never faster; slower only by how late a busy 2-core machine wakes the senders.
-    assert 0.25 * bandwidth <= 3.2e6 / elapsed <= 1.02 * bandwidth
+    assert 0.1 * bandwidth <= 3.2e6 / elapsed <= 1.02 * bandwidth

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.compressor_table import TABLE, row_id
+from tests.compressor_table import TABLE, pick, row_id
 from vericache.compress import KIVI, StreamingLLM
 from vericache.engine.device_memory import (
     DeviceMemory,
@@ -80,16 +80,20 @@ def budget_for(sizes, num_full: float) -> int:
     return int(weights + num_full * full)
 
 
+STREAMING_EASY, STREAMING_HARD = pick("streamingllm")
+KIVI_EASY, KIVI_HARD = pick("kivi")
+
+
 @pytest.mark.parametrize(
     "compressor, draft_len",
     [
-        (StreamingLLM(ratio=4), 1),
-        (StreamingLLM(ratio=4), 30),
-        (StreamingLLM(ratio=2, sliding=True), 4),
-        (StreamingLLM(ratio=4, dtype="bfloat16"), 30),
-        (StreamingLLM(ratio=2, sliding=True, dtype="float16"), 4),
-        (KIVI(bits=4, group_size=8, residual_length=8), 4),
-        (KIVI(bits=4, group_size=8, residual_length=8), 30),
+        (STREAMING_EASY, 1),
+        (STREAMING_EASY, 30),
+        (STREAMING_HARD, 4),
+        (dataclasses.replace(STREAMING_EASY, dtype="bfloat16"), 30),
+        (dataclasses.replace(STREAMING_HARD, dtype="float16"), 4),
+        (KIVI_EASY, 4),
+        (KIVI_HARD, 30),
     ],
     ids=lambda p: getattr(p, "label", p),
 )
@@ -345,9 +349,10 @@ def test_cpu_loader_honours_its_bandwidth(tiny_engine):
     finally:
         loader.close()
     expected = host.nbytes / bandwidth  # 0.2 s each
-    # Never faster than the link; slower only by how late a busy machine wakes the loader.
-    assert 0.98 * expected <= first.load_s <= 4 * expected
-    assert 1.96 * expected <= elapsed <= 8 * expected
+    # Never faster than the link; slower only by how late a busy 2-core machine wakes the loader
+    # (loosely bounded: the bound that matters is the lower one).
+    assert 0.98 * expected <= first.load_s <= 10 * expected
+    assert 1.96 * expected <= elapsed <= 20 * expected
     for layer, loaded in zip(cache.layers, second.cache.layers):
         assert torch.equal(layer.keys_values()[0][:2000], loaded.keys_values()[0][:2000])
         assert torch.equal(layer.positions(), loaded.positions())
@@ -380,9 +385,7 @@ def test_cpu_load_hands_over_the_host_buffers(tiny_engine):
         assert torch.count_nonzero(keys[:, 703:]) == 0  # padding attention reads stays finite
 
 
-@pytest.mark.parametrize(
-    "compressor", [StreamingLLM(ratio=4), KIVI(bits=2, group_size=8)], ids=lambda c: c.label
-)
+@pytest.mark.parametrize("compressor", pick("streamingllm", "kivi"), ids=row_id)
 def test_move_compressed_keeps_every_bit(tiny_engine, compressor):
     runner = tiny_engine().runner
     cache = runner.new_cache()

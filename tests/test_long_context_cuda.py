@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.compressor_table import pick, row_id
 from tests.test_long_context import make_requests
-from vericache.compress import KIVI, StreamingLLM
+from vericache.compress import KIVI
 from vericache.engine.device_memory import full_kv_bytes
 from vericache.engine.engine import Engine
 from vericache.engine.host_kv import HostKV, KVLoader, move_compressed
@@ -29,9 +30,7 @@ def runner(tiny_checkpoint):
     return ModelRunner(loaded.config, loaded.weights, "cuda")
 
 
-@pytest.mark.parametrize(
-    "compressor", [StreamingLLM(ratio=4), KIVI(bits=4, group_size=8)], ids=lambda c: c.label
-)
+@pytest.mark.parametrize("compressor", pick("streamingllm", "kivi"), ids=row_id)
 def test_long_context_equals_full_on_cuda(runner, compressor):
     expected = [out.token_ids for out in Engine(runner).generate(make_requests(DecodeMode.FULL))]
     requests = make_requests(DecodeMode.VERICACHE, compressor, 6)
