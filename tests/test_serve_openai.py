@@ -61,12 +61,16 @@ def _messages(prompt: str = PROMPT) -> list[dict]:
 def test_chat_completions_equal_grpc_generate(oai, grpc_client, prefix_id, mode, sampling):
     reply = oai.chat.completions.create(
         model=MODEL, messages=_messages(), max_tokens=24, **sampling,
-        extra_body={"vericache": {"mode": mode, "prefix_id": prefix_id, "draft_len": 4}},
+        extra_body={
+            "vericache": {"mode": mode, "prefix_id": prefix_id, "draft_len": 4},
+            "return_token_ids": True,
+        },
     )  # fmt: skip
     reference = grpc_client.generate(
         PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=24, **sampling
     )
     (choice,) = reply.choices
+    assert choice.model_extra["token_ids"] == list(reference.token_ids)  # token for token
     assert choice.message.content == reference.text
     assert choice.message.role == "assistant"
     assert choice.finish_reason == reference.finish_reason
@@ -107,6 +111,11 @@ def test_streamed_chat_gives_the_same_text_and_its_usage_last(oai, prefix_id):
     assert finished[-1] == whole.choices[0].finish_reason and not any(finished[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert len({c.id for c in chunks}) == 1
+    # The finishing chunk carries the vericache block, with or without the usage chunk.
+    (finishing,) = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    streamed, reference = finishing.model_extra["vericache"], whole.model_extra["vericache"]
+    for name in ("rounds", "accepted_per_round", "seed"):  # link bytes: the drafter had it
+        assert streamed[name] == reference[name]
 
 
 def test_the_async_client_and_completions(base_url, prefix_id):
@@ -149,6 +158,38 @@ def test_health_is_503_in_openai_shape_while_no_worker_of_a_needed_kind_is_up(
     assert health.json()["error"]["type"] == "service_unavailable"
     monkeypatch.undo()
     assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+def test_streamed_token_ids_are_the_whole_replys(base_url, prefix_id):
+    body = {
+        "model": MODEL, "messages": _messages(), "max_tokens": 12, "temperature": 0,
+        "return_token_ids": True, "vericache": {"prefix_id": prefix_id},
+    }  # fmt: skip
+    url = f"{base_url}/v1/chat/completions"
+    whole = httpx.post(url, json=body, timeout=120).json()["choices"][0]["token_ids"]
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as reply:
+        chunks = [
+            json.loads(line.removeprefix("data: "))
+            for line in reply.iter_lines()
+            if line.startswith("data: {")
+        ]
+    streamed = [t for chunk in chunks for choice in chunk["choices"] for t in choice["token_ids"]]
+    assert len(whole) == 12 and streamed == whole
+
+
+def test_an_unexpected_failure_is_a_500_in_openai_shape_saying_no_more(
+    server, base_url, monkeypatch
+):
+    def broken(*args, **kwargs):
+        raise RuntimeError("an internal detail at /srv/vericache/state, pid 4242")
+
+    monkeypatch.setattr(server.coordinator, "generate", broken)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 500
+    error = reply.json()["error"]
+    assert error["type"] == "api_error" and "request id" in error["message"]
+    assert "/srv" not in reply.text and "4242" not in reply.text
 
 
 def test_server_sent_events_are_framed_as_openai_frames_them(base_url, prefix_id):
@@ -234,10 +275,14 @@ def test_a_request_past_its_timeout_stops_with_504(server, base_url, prefix_id):
     error = whole.json()["error"]
     assert error["type"] == "timeout" and "timeout_s of 1 s" in error["message"]
     with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as reply:
-        assert reply.status_code == 200  # the stream began before the deadline
-        events = [line for line in reply.iter_lines() if line]
-    assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 504
+        if reply.status_code == 504:  # a loaded machine: the deadline came before any token
+            reply.read()
+            assert reply.json()["error"]["type"] == "timeout"
+        else:  # the stream began before the deadline: the deadline ends it with an error event
+            assert reply.status_code == 200
+            events = [line for line in reply.iter_lines() if line]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 504
     assert wait_for(lambda: open_sessions(server) == 0, timeout_s=30)
     assert not server.coordinator._num_active
 
@@ -276,6 +321,11 @@ def test_api_keys_and_tenants(keyed):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         reply = httpx.get(f"{url}/models", headers=headers)
         assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+        # The key is checked first: a caller without one learns nothing of the body or model.
+        for body in (b"{not json", b'{"model": "gpt-4o", "messages": []}'):
+            reply = httpx.post(f"{url}/chat/completions", content=body, headers=headers)
+            assert reply.status_code == 401, reply.text
+            assert "gpt-4o" not in reply.text
     with Client(keyed.target, api_key=KEY_A, timeout=120) as client:
         a_prefix = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
     as_b = openai.OpenAI(base_url=url, api_key=KEY_B, max_retries=0)

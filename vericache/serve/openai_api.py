@@ -3,15 +3,18 @@ coordinator: what the openai client, LangChain, curl and load generators speak.
 
 - GET /v1/models; POST /v1/completions and /v1/chat/completions, whole or streamed as server-sent
   events (`data: {chunk}` lines, then `data: [DONE]`; `stream_options.include_usage` adds a last
-  chunk with the usage). A response carries `usage` and a `vericache` block (mode, rounds,
-  accepted per round, link bytes, seed).
+  chunk with the usage). A response, or a stream's chunk with the finish reason, carries a
+  `vericache` block (rounds, accepted per round, link bytes, seed), and `usage`.
 - GET /health: 200, or 503 while no worker of a needed kind is up. GET /metrics: the server's
   Prometheus registry, as `--metrics-port` serves it.
 - Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and status: 400
   bad request (bad JSON, unknown fields and wrong types included), 401 no or wrong key, 404
-  unknown model or prefix, 429 over a limit, 503 unavailable, 500 anything else (its message
-  says only that it failed, with the request id the server's log carries).
-- Auth: `Authorization: Bearer <key>` against the same tenants as gRPC.
+  unknown model or prefix, 429 over a limit, 503 unavailable, 504 past its timeout, 500 anything
+  else (its message says only that it failed, with the request id the server's log carries).
+- Auth: `Authorization: Bearer <key>` against the same tenants as gRPC, checked before anything
+  else reads the request: a caller without a valid key hears 401 whatever its body holds.
+- `return_token_ids` (vLLM's field) adds each choice's output token ids (`token_ids`), whole or
+  per chunk.
 - A client that disconnects mid-stream stops its request: the stream's generator is closed, which
   closes the coordinator's, which ends the request's sessions and frees the tenant's slot.
 """
@@ -31,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vericache.errors import (
     DataLossError,
@@ -83,9 +87,30 @@ def _error_of(exc: Exception, request_id: str) -> tuple[int, dict]:
     )
 
 
+class _Authenticated:
+    """ASGI middleware: the API key of every /v1/ request is checked before its body is read or
+    its route chosen; the tenant goes on in the request's state."""
+
+    def __init__(self, app: ASGIApp, access: Access):
+        self.app, self.access = app, access
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+            try:
+                tenant = self.access.tenant_for(metadata)
+            except UnauthenticatedError as exc:
+                body = error_body(str(exc), "authentication_error", 401)
+                await JSONResponse(body, 401)(scope, receive, send)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)
+
+
 def openai_app(coordinator: Coordinator, access: Access, model_name: str) -> FastAPI:
     """The HTTP API over `coordinator`; `model_name` is the one id /v1/models lists."""
     app = FastAPI(title="VeriCache", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Authenticated, access=access)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -100,13 +125,13 @@ def openai_app(coordinator: Coordinator, access: Access, model_name: str) -> Fas
         return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), 400)
 
     @app.exception_handler(VeriCacheError)
-    async def refused(request: Request, exc: VeriCacheError) -> JSONResponse:
+    @app.exception_handler(Exception)  # anything else: a 500 in OpenAI's shape, saying no more
+    async def refused(request: Request, exc: Exception) -> JSONResponse:
         status, body = _error_of(exc, getattr(request.state, "request_id", "-"))
         return JSONResponse(body, status)
 
     def tenant(request: Request) -> Tenant:
-        metadata = [(name, value) for name, value in request.headers.items()]
-        return access.tenant_for(metadata)
+        return request.state.tenant  # checked by _Authenticated
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -153,19 +178,20 @@ async def _respond(coordinator, tenant: Tenant, body, request: Request, chat: bo
     events = coordinator.generate(body.generate_call(), tenant, request_id)
     if body.timeout_s is not None:
         events = _within(events, body.timeout_s)
-    reply = _Reply(request_id, request.app.state.model_name, chat)
+    reply = _Reply(request_id, request.app.state.model_name, chat, body.return_token_ids)
     first = await _first_event(events)  # refusals answer with their status, before any stream
     if body.stream:
         stream = reply.stream(first, events, body.include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")
     async with contextlib.aclosing(events):
-        texts, summary = [], first
+        texts, token_ids, summary = [], [], first
         async for event in _chain(first, events):
             if isinstance(event, OutputChunk):
                 texts.append(event.text)
+                token_ids += event.token_ids
             else:
                 summary = event
-    return JSONResponse(reply.whole("".join(texts), summary))
+    return JSONResponse(reply.whole("".join(texts), token_ids, summary))
 
 
 async def _first_event(events: AsyncIterator):
@@ -203,8 +229,9 @@ async def _chain(first, events: AsyncIterator) -> AsyncIterator:
 class _Reply:
     """The response bodies of one request, OpenAI's shapes for completions or chat."""
 
-    def __init__(self, request_id: str, model: str, chat: bool):
+    def __init__(self, request_id: str, model: str, chat: bool, with_token_ids: bool = False):
         self.request_id = request_id
+        self.with_token_ids = with_token_ids
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         self.model = model
@@ -214,18 +241,22 @@ class _Reply:
     def _base(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, summary: GenerateSummary) -> dict:
+    def whole(self, text: str, token_ids: list[int], summary: GenerateSummary) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = summary.finish_reason
+        if self.with_token_ids:
+            choice["token_ids"] = token_ids
         kind = "chat.completion" if self.chat else "text_completion"
         return self._base(kind) | {
             "choices": [choice], "usage": _usage(summary), "vericache": _vericache(summary),
         }  # fmt: skip
 
-    def _chunk(self, text: str | None, finish_reason: str | None, first: bool) -> dict:
+    def _chunk(
+        self, text: str | None, finish_reason: str | None, first: bool, token_ids=()
+    ) -> dict:
         if self.chat:
             delta = {"role": "assistant"} if first else {}
             if text is not None:
@@ -234,6 +265,8 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None}
         choice["finish_reason"] = finish_reason
+        if self.with_token_ids:
+            choice["token_ids"] = list(token_ids)
         return self._base(self.chunk_kind) | {"choices": [choice]}
 
     async def stream(self, first, events: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
@@ -244,11 +277,14 @@ class _Reply:
             try:
                 async for event in _chain(first, events):
                     if isinstance(event, OutputChunk):
-                        if event.text or is_first:
-                            yield _sse(self._chunk(event.text, None, is_first))
+                        # Text held back still carries its tokens, where they are asked for.
+                        if event.text or is_first or (self.with_token_ids and event.token_ids):
+                            yield _sse(self._chunk(event.text, None, is_first, event.token_ids))
                             is_first = False
                         continue
-                    yield _sse(self._chunk(None, event.finish_reason, is_first))
+                    # The last chunk with a choice carries the vericache block, usage or not.
+                    last = self._chunk(None, event.finish_reason, is_first)
+                    yield _sse(last | {"vericache": _vericache(event)})
                     if include_usage:
                         usage = {"usage": _usage(event), "vericache": _vericache(event)}
                         yield _sse(self._base(self.chunk_kind) | {"choices": []} | usage)

@@ -72,6 +72,8 @@ class _GenerateBody(_Body):
     repetition_penalty: float | None = Field(None, gt=0)
     coupling: Literal["seeded", "rejection"] | None = None
     user: str | None = None  # accepted, as OpenAI's API does; not used
+    # vLLM's: each choice also gives its output token ids (`token_ids`), whole or per chunk.
+    return_token_ids: bool = False
     vericache: VeriCacheOptions | None = None
 
     @property
