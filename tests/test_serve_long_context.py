@@ -254,3 +254,12 @@ def test_the_openai_http_api_serves_a_long_context_server(tiny_chat_checkpoint):
         assert reply["choices"][0]["message"]["content"] == reference.text
         assert reply["vericache"]["rounds"] >= 1
         assert httpx.get(f"{url}/health").status_code == 200
+        # An engine that could not restart: unhealthy, and requests refused without saying why.
+        engine_loop = server.coordinator.backend.engine_loop
+        engine_loop._broken = RuntimeError("CUDA error at /dev/nvidia0")
+        try:
+            assert httpx.get(f"{url}/health").status_code == 503
+            refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+            assert refused.status_code == 503 and "nvidia" not in refused.text
+        finally:
+            engine_loop._broken = None

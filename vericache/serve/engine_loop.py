@@ -73,8 +73,9 @@ class EngineLoop:
 
     def submit(self, request: Request, on_event: Callable[[EngineEvent], None]) -> Submission:
         """Queues a request; its events go to `on_event`, the last a finish or a failure."""
-        if self._broken is not None or self._is_stopping:
-            raise WorkerUnavailableError(f"the long-context engine is not running: {self._broken}")
+        if not self.is_running:
+            # Why it broke is in the server's log, not in an answer to a client.
+            raise WorkerUnavailableError("the long-context engine is not running")
         submission = Submission(request, on_event)
         self._inbox.put(lambda: self._waiting.append(submission))
         return submission
@@ -82,6 +83,12 @@ class EngineLoop:
     def cancel(self, submission: Submission) -> None:
         """Stops reporting to a submission and frees what it holds; a no-op once it finished."""
         self._inbox.put(lambda: self._cancel(submission))
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine takes requests: not stopping, and not broken by a failed
+        restart."""
+        return self._broken is None and not self._is_stopping and self._thread.is_alive()
 
     @property
     def num_requests(self) -> int:
@@ -184,9 +191,12 @@ class EngineLoop:
 
     def _stop(self) -> None:
         self._is_stopping = True
-        stopped = WorkerUnavailableError("the server is stopping")
+        if self._broken is not None:
+            stopped = WorkerUnavailableError("the long-context engine is not running")
+        else:
+            stopped = WorkerUnavailableError("the server is stopping")
         for submission in [*self._waiting, *self._live.values()]:
             if not submission.is_cancelled:
-                submission.on_event(RequestFailed(self._broken or stopped))
+                submission.on_event(RequestFailed(stopped))
         self._waiting.clear()
         self._live.clear()

@@ -71,7 +71,7 @@ class LongContextBackend:
         full_kv_bytes = len(key.token_ids) * self._slot_bytes
         spec = key.compressor.spec()
         self._prefixes[prefix_id] = PrefixRecord(
-            prefix_id, key.token_ids, key.chat, spec, full_kv_bytes, compressed_kv_bytes=0
+            prefix_id, key.token_ids, key.chat, spec, full_kv_bytes, 0, key.tenant, key.automatic
         )
         return
         yield  # no stage: the engine prefills and compresses each request itself
@@ -92,7 +92,7 @@ class LongContextBackend:
     # --- Requests: through the engine's loop ------------------------------------------------------
 
     def is_serving(self) -> bool:
-        return True  # one engine in this process: up while the server is
+        return self.engine_loop.is_running  # one engine in this process
 
     def check_can_serve(self, mode: ServeMode) -> None:
         if mode not in _ENGINE_MODES:
