@@ -1,11 +1,24 @@
 """The block-hash index of automatic prefix caching: the longest registered prefix leading a prompt,
 whatever its length against the block size, only among the tenant's own, and never the whole
-prompt."""
+prompt; and the automatic prefixes the server registers itself, which a restart takes back."""
 
 from __future__ import annotations
 
-from vericache.serve.auto_prefix import BLOCK_TOKENS, PrefixIndex, block_digests
-from vericache.serve.catalog import PrefixRecord
+import asyncio
+import dataclasses
+
+from vericache.compress import build_compressor
+from vericache.serve.auth import Tenant
+from vericache.serve.auto_prefix import (
+    BLOCK_TOKENS,
+    AutoPrefixCache,
+    PrefixIndex,
+    PrefixWish,
+    block_digests,
+)
+from vericache.serve.catalog import PrefixKey, PrefixRecord, is_owned_by
+from vericache.serve.config import CoordinatorConfig
+from vericache.serve.metrics import ServeMetrics
 
 
 def record(prefix_id: str, token_ids, tenant: str = "a") -> PrefixRecord:
@@ -83,3 +96,59 @@ def test_a_lookup_does_the_same_work_whatever_other_tenants_registered(monkeypat
     index.add(record("of-b-too", PROMPT[:20], tenant="b"))
     assert lookup() == alone
     assert alone[2].prefix_id == "of-a"
+
+
+def test_of_two_prefixes_as_long_a_clients_is_found_before_an_automatic_one():
+    index = PrefixIndex()
+    automatic = dataclasses.replace(record("auto", PROMPT[:40]), automatic=True)
+    index.add(automatic)
+    assert index.longest_match("a", PROMPT).prefix_id == "auto"
+    index.add(record("client", PROMPT[:40]))
+    assert index.longest_match("a", PROMPT).prefix_id == "client"
+    index.add(dataclasses.replace(record("auto-longer", PROMPT[:41]), automatic=True))
+    assert index.longest_match("a", PROMPT).prefix_id == "auto-longer"
+
+
+FINGERPRINT = "model"
+SYSTEM = tuple(range(1000, 1040))
+
+
+def owned_record(token_ids, automatic: bool, tenant: str = "a") -> PrefixRecord:
+    """A record whose id is the hash of what it holds, as the catalog writes them."""
+    compressor = build_compressor("streamingllm", ratio=4)
+    key = PrefixKey(tuple(token_ids), True, compressor, tenant, automatic=automatic)
+    return PrefixRecord(
+        key.prefix_id(FINGERPRINT), key.token_ids, True, compressor.spec(), 0, 0, tenant, automatic
+    )
+
+
+def test_an_automatic_prefix_has_an_id_of_its_own_and_a_restart_takes_it_back():
+    """The same text registered by a client and by the server makes two prefixes; after a
+    restart the server's is counted again (and evicted first), the client's never."""
+    restored = owned_record(range(1, 41), automatic=True)
+    clients = owned_record(range(1, 41), automatic=False)
+    assert restored.prefix_id != clients.prefix_id
+    assert is_owned_by(restored, FINGERPRINT, "a") and is_owned_by(clients, FINGERPRINT, "a")
+    deleted, registered = [], []
+
+    async def register(text, tenant, compressor):
+        registered.append(text)
+        return "pfx-new"
+
+    async def delete(prefix_id, tenant):
+        deleted.append(prefix_id)
+        return True
+
+    config = CoordinatorConfig(auto_prefix_min_tokens=20, auto_prefix_max_per_tenant=1)
+    cache = AutoPrefixCache(config, ServeMetrics("m"), FINGERPRINT, register, delete)
+    cache.restore([restored, clients])
+    wish = PrefixWish(PROMPT, ("a system turn", SYSTEM))
+
+    async def twice():
+        tenant = Tenant("a", max_concurrent_requests=1)
+        assert cache.match(tenant, wish) is None
+        assert cache.match(tenant, wish) is None  # the second sighting registers it
+        await asyncio.gather(*cache._tasks)
+
+    asyncio.run(twice())
+    assert registered == ["a system turn"] and deleted == [restored.prefix_id]

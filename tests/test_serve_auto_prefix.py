@@ -156,3 +156,30 @@ def test_grpc_generate_asks_for_a_compressor_as_http_does(server):
         assert _counts(server)[1] == hits  # no prefix of that compressor: nothing found
         found = client.generate(PROMPT, max_tokens=8, compressor="streamingllm", ratio=2)
         assert _counts(server)[1] > hits and found.token_ids == other.token_ids
+
+
+def test_a_clients_prefix_of_the_same_text_is_its_own_and_never_evicted(server):
+    def system(topic: str) -> str:
+        return f"You answer questions about {topic}. " + "Be brief and precise. " * 12
+
+    with Client(server.target, api_key=KEY_A, timeout=120) as client:
+
+        def automatic() -> list:
+            return [p for p in client.list_prefixes() if p.automatic]
+
+        _chat(server, KEY_A, system("sets"))
+        _chat(server, KEY_A, system("sets"))
+        assert wait_for(lambda: len(automatic()) == 1 and automatic()[0].num_tokens, 60)
+        (registered,) = automatic()
+        own = client.put_prefix(system("sets"), compressor="snapkv", ratio=4)
+        mine = client.get_prefix(own)
+        assert own != registered.prefix_id and not mine.automatic
+        assert mine.compressor == registered.compressor and mine.num_tokens == registered.num_tokens
+        # The next system turn takes the automatic prefix's place (one per tenant here); the
+        # client's, of the same text, stays.
+        _chat(server, KEY_A, system("tuples"))
+        _chat(server, KEY_A, system("tuples"))
+        assert wait_for(
+            lambda: registered.prefix_id not in {p.prefix_id for p in automatic()}, 60
+        )
+        assert own in {p.prefix_id for p in client.list_prefixes()}

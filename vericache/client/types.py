@@ -54,6 +54,9 @@ class PrefixInfo:
     compressor: Compressor
     full_kv_bytes: int
     compressed_kv_bytes: int  # as streamed to drafters
+    # Registered by the server's automatic prefix caching, which may delete it to make room (a
+    # prefix a client registered is never deleted but by a client).
+    automatic: bool = False
 
     @classmethod
     def from_proto(cls, message: vericache_pb2.PrefixInfo) -> PrefixInfo:
@@ -63,6 +66,7 @@ class PrefixInfo:
             compressor=Compressor.from_proto(message.compressor),
             full_kv_bytes=message.full_kv_bytes,
             compressed_kv_bytes=message.compressed_kv_bytes,
+            automatic=message.automatic,
         )
 
 

@@ -14,10 +14,12 @@ turn registers itself with it.
 
 Registration (`CoordinatorConfig.auto_prefix_min_tokens`): a system turn of at least that many
 tokens, seen twice by one tenant without a match (with one compressor asked for, or none), is
-registered in the background with that compressor, or `auto_prefix_compressor`. At most
-`auto_prefix_max_per_tenant` such prefixes are kept per tenant; past that, or past the tenant's
-prefix quota, the least recently used one it registered by itself is deleted first. Prefixes a
-client registered are never deleted here.
+registered in the background with that compressor, or `auto_prefix_compressor`: a prefix of its
+own (`PrefixRecord.automatic`, hashed into its id), apart from any a client registers with the same
+text, and taking none of the tenant's concurrent calls. At most `auto_prefix_max_per_tenant` such
+prefixes are kept per tenant; past that, or past the tenant's prefix quota, the least recently
+used one is deleted first. Prefixes a client registered are never deleted here. A restarted server
+finds its automatic prefixes in their records and goes on counting and evicting them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from vericache.serve.api_types import CompressorChoice
-from vericache.serve.auth import PrefixQuotaError, Tenant, TenantLimitError
+from vericache.serve.auth import PrefixQuotaError, Tenant
 from vericache.serve.catalog import PrefixRecord, is_owned_by
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics
@@ -40,7 +42,6 @@ log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 16
 _SEEN_LIMIT = 1024  # system turns remembered per tenant while counting sightings
-_SLOT_WAIT_S, _SLOT_TRIES = 0.5, 120  # a registration waits this long for a tenant's slot
 
 
 def block_digests(token_ids: tuple[int, ...]) -> list[bytes]:
@@ -104,7 +105,8 @@ class PrefixIndex:
     ) -> PrefixRecord | None:
         """The tenant's longest prefix that `token_ids` begin with and go past by one token at
         least (the first output needs a token after the prefix), registered with
-        `compressor_spec` if one is given."""
+        `compressor_spec` if one is given; of two as long, a client's before an automatic one
+        (which then ages out)."""
         shelf = self._by_tenant.get(tenant, {})
         best = None
         for num_blocks, digest in enumerate(block_digests(token_ids)):
@@ -114,7 +116,8 @@ class PrefixIndex:
                     continue
                 end = start + len(filed.tail)
                 if end < len(token_ids) and token_ids[start:end] == filed.tail:
-                    if best is None or end > best.num_tokens:
+                    rank = (end, not filed.record.automatic)
+                    if best is None or rank > (best.num_tokens, not best.automatic):
                         best = filed.record
         return best
 
@@ -142,6 +145,13 @@ class AutoPrefixCache:
         self._registering: set[tuple[str, bytes]] = set()
         self._own: dict[str, OrderedDict[str, None]] = {}  # tenant -> its auto prefix ids, LRU
         self._tasks: set[asyncio.Task] = set()
+
+    def restore(self, records: list[PrefixRecord]) -> None:
+        """Indexes the prefixes a (re)started server finds, and takes back its automatic ones."""
+        for record in records:
+            self.index.add(record)
+            if record.automatic and is_owned_by(record, self.fingerprint, record.tenant):
+                self._own.setdefault(record.tenant, OrderedDict())[record.prefix_id] = None
 
     def match(self, tenant: Tenant, wish: PrefixWish) -> PrefixRecord | None:
         """The tenant's longest registered prefix leading the prompt, counted in the metrics as
@@ -184,34 +194,33 @@ class AutoPrefixCache:
         return True
 
     async def _register_turn(self, tenant: Tenant, wish: PrefixWish) -> None:
-        """Registers a system turn, waiting for a slot of the tenant's if its requests hold them
-        all; past its count of automatic prefixes or its prefix quota, deletes its least
-        recently used automatic prefix first (once)."""
+        """Registers a system turn; past the tenant's count of automatic prefixes, or its
+        prefix quota, deletes its least recently used automatic prefixes to make room."""
         key = (tenant.name, _sighting(wish))
-        text = wish.system[0]
         self._registering.add(key)
         own = self._own.setdefault(tenant.name, OrderedDict())
-        evict = len(own) >= self.config.auto_prefix_max_per_tenant
         try:
-            for _ in range(_SLOT_TRIES):
-                if evict and own:
-                    oldest = next(iter(own))
-                    await self._delete(oldest, tenant)
-                    own.pop(oldest, None)
-                try:
-                    own[await self._register(text, tenant, wish.compressor)] = None
-                    return
-                except PrefixQuotaError:
-                    if evict or not own:
-                        return
-                    evict = True
-                except TenantLimitError:  # every slot of the tenant's is taken: wait for one
-                    evict = False
-                    await asyncio.sleep(_SLOT_WAIT_S)
+            if len(own) >= self.config.auto_prefix_max_per_tenant:
+                await self._evict_oldest(own, tenant)
+            try:
+                prefix_id = await self._register(wish.system[0], tenant, wish.compressor)
+            except PrefixQuotaError:
+                if not own:
+                    return  # the quota is the client's prefixes': nothing here to make room
+                await self._evict_oldest(own, tenant)
+                prefix_id = await self._register(wish.system[0], tenant, wish.compressor)
+            own[prefix_id] = None
+        except PrefixQuotaError:
+            log.info("a system turn was not registered: the tenant's prefix quota is full")
         except Exception:  # noqa: BLE001 - a background registration fails alone
             log.warning("automatic prefix registration failed", exc_info=True)
         finally:
             self._registering.discard(key)
+
+    async def _evict_oldest(self, own: OrderedDict[str, None], tenant: Tenant) -> None:
+        oldest = next(iter(own))
+        await self._delete(oldest, tenant)
+        own.pop(oldest, None)
 
 
 def _sighting(wish: PrefixWish) -> bytes:

@@ -58,6 +58,9 @@ class PrefixRecord:
     full_kv_bytes: int
     compressed_kv_bytes: int  # the codec stream drafters receive
     tenant: str = ""  # the owner (hashed into the id), whose namespace of the store holds its KV
+    # Registered by automatic prefix caching, not by a client (hashed into the id): the server
+    # may delete it to make room, as it never deletes a client's prefix.
+    automatic: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -99,14 +102,21 @@ class PrefixKey:
     chat: bool  # a chat system turn (prompts follow as the user turn)
     compressor: Compressor  # what the drafters' copy is compressed with
     tenant: str = ""  # the owner; the anonymous tenant ("") adds nothing to the hash
+    # Registered by automatic prefix caching: another prefix than a client's of the same text,
+    # which the server may delete (a client's never); False adds nothing to the hash.
+    automatic: bool = False
 
     def prefix_id(self, fingerprint: str) -> str:
         spec = self.compressor.spec()
-        return _hashed_id(fingerprint, self.token_ids, self.chat, spec, self.tenant)
+        return _hashed_id(fingerprint, self.token_ids, self.chat, spec, self.tenant, self.automatic)
 
 
-def _hashed_id(fingerprint: str, token_ids, chat: bool, spec: dict, tenant: str) -> str:
+def _hashed_id(
+    fingerprint: str, token_ids, chat: bool, spec: dict, tenant: str, automatic: bool = False
+) -> str:
     owned = {**spec, "tenant": tenant} if tenant else spec  # the compressor ignores "tenant"
+    if automatic:
+        owned = {**owned, "automatic": True}
     described = {"model": fingerprint, "tokens": list(token_ids), "chat": chat, "compressor": owned}
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
     return _ID_PREFIX + digest[:32]
@@ -118,7 +128,7 @@ def compressor_of(record: PrefixRecord) -> Compressor:
 
 def is_owned_by(record: PrefixRecord, fingerprint: str, tenant: str) -> bool:
     spec = {"name": record.compressor["name"], "params": record.compressor["params"]}
-    hashed = _hashed_id(fingerprint, record.token_ids, record.chat, spec, tenant)
+    hashed = _hashed_id(fingerprint, record.token_ids, record.chat, spec, tenant, record.automatic)
     return hashed == record.prefix_id
 
 

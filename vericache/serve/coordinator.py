@@ -85,8 +85,7 @@ class Coordinator:
             self.config, self.metrics, self.info.fingerprint, self._register_text,
             self.delete_prefix,
         )  # fmt: skip
-        for record in await self.backend.records():
-            self.auto_prefixes.index.add(record)
+        self.auto_prefixes.restore(await self.backend.records())
         return self
 
     async def close(self) -> None:
@@ -101,33 +100,41 @@ class Coordinator:
     async def put_prefix(
         self, call: PutPrefixCall, tenant: Tenant = ANONYMOUS
     ) -> AsyncIterator[RegistrationProgress]:
+        """A client's registration: one of the tenant's concurrent calls while it runs."""
+        with self._active(tenant):
+            async for progress in self._registration(call, tenant, automatic=False):
+                yield progress
+
+    async def _registration(
+        self, call: PutPrefixCall, tenant: Tenant, automatic: bool
+    ) -> AsyncIterator[RegistrationProgress]:
         limit = tenant.max_prompt_tokens
         token_ids, chat = await self.prompts.prefix_tokens(call.text, call.token_ids, limit)
         tenant.check_tokens(len(token_ids))
-        key = PrefixKey(token_ids, chat, _compressor(call.compressor), tenant.name)
+        compressor = _compressor(call.compressor)
+        key = PrefixKey(token_ids, chat, compressor, tenant.name, automatic=automatic)
         prefix_id = key.prefix_id(self.info.fingerprint)
 
         def progress(stage: str, existed: bool = False) -> RegistrationProgress:
             return RegistrationProgress(prefix_id, stage, len(token_ids), existed)
 
-        with self._active(tenant):
-            yield progress("queued")
-            lock = self._registering.setdefault(prefix_id, asyncio.Lock())
-            try:
-                async with lock:  # one registration per prefix at a time; the others find it
-                    if await self._is_registered(prefix_id):
-                        yield progress("done", existed=True)
-                        return
-                    full_kv_bytes = len(token_ids) * self.info.full_kv_bytes_per_token
-                    await self._check_prefix_bytes(tenant, adding_bytes=full_kv_bytes)
-                    async for stage in self.backend.register(prefix_id, key):
-                        yield progress(stage)
-                    await self._check_prefix_bytes(tenant, new_prefix_id=prefix_id)
-                    self.auto_prefixes.index.add(await self.backend.record(prefix_id))
-            finally:  # also when cancelled: no lock is kept per abandoned registration
-                if self._registering.get(prefix_id) is lock:
-                    del self._registering[prefix_id]
-            yield progress("done")
+        yield progress("queued")
+        lock = self._registering.setdefault(prefix_id, asyncio.Lock())
+        try:
+            async with lock:  # one registration per prefix at a time; the others find it
+                if await self._is_registered(prefix_id):
+                    yield progress("done", existed=True)
+                    return
+                full_kv_bytes = len(token_ids) * self.info.full_kv_bytes_per_token
+                await self._check_prefix_bytes(tenant, adding_bytes=full_kv_bytes)
+                async for stage in self.backend.register(prefix_id, key):
+                    yield progress(stage)
+                await self._check_prefix_bytes(tenant, new_prefix_id=prefix_id)
+                self.auto_prefixes.index.add(await self.backend.record(prefix_id))
+        finally:  # also when cancelled: no lock is kept per abandoned registration
+            if self._registering.get(prefix_id) is lock:
+                del self._registering[prefix_id]
+        yield progress("done")
 
     async def get_prefix(self, prefix_id: str, tenant: Tenant = ANONYMOUS) -> PrefixRecord:
         return await self._owned_record(prefix_id, tenant)
@@ -149,10 +156,11 @@ class Coordinator:
     async def _register_text(
         self, text: str, tenant: Tenant, compressor: CompressorChoice | None = None
     ) -> str:
-        """Registers a system turn with `compressor`, or the automatic prefixes' one; its prefix
-        id."""
+        """Registers a system turn by automatic prefix caching, with `compressor` or the
+        automatic prefixes' one; its prefix id. The server's own call: it takes none of the
+        tenant's concurrent calls, but its prefix quota holds."""
         call = PutPrefixCall(compressor or self.config.auto_prefix_compressor, text=text)
-        async for progress in self.put_prefix(call, tenant):
+        async for progress in self._registration(call, tenant, automatic=True):
             last = progress
         return last.prefix_id
 

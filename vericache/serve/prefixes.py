@@ -132,7 +132,7 @@ class PrefixRegistry:
         compressed = key.compressor.compress(full, context)
         spec = key.compressor.spec()
         record = PrefixRecord(
-            prefix_id, key.token_ids, key.chat, spec, full.nbytes, 0, tenant=key.tenant
+            prefix_id, key.token_ids, key.chat, spec, full.nbytes, 0, key.tenant, key.automatic
         )
         return self.catalog.add(record, compressed.to_state())
 

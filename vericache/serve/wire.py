@@ -74,6 +74,7 @@ def prefix_info(record: PrefixRecord) -> pb.PrefixInfo:
         compressor=compressor,
         full_kv_bytes=record.full_kv_bytes,
         compressed_kv_bytes=record.compressed_kv_bytes,
+        automatic=record.automatic,
     )
 
 

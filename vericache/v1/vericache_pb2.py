@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cvericache/v1/vericache.proto\x12\x0cvericache.v1\"r\n\nCompressor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05ratio\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04\x62its\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05\x64type\x18\x04 \x01(\tH\x02\x88\x01\x01\x42\x08\n\x06_ratioB\x07\n\x05_bitsB\x08\n\x06_dtype\"\x88\x01\n\x10PutPrefixRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.vericache.v1.TokenIdsH\x00\x12,\n\ncompressor\x18\x03 \x01(\x0b\x32\x18.vericache.v1.CompressorB\t\n\x07\x63ontent\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"h\n\x11PutPrefixProgress\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x0f\n\x07\x65xisted\x18\x05 \x01(\x08\"%\n\x10GetPrefixRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\x95\x01\n\nPrefixInfo\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12,\n\ncompressor\x18\x03 \x01(\x0b\x32\x18.vericache.v1.Compressor\x12\x15\n\rfull_kv_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13\x63ompressed_kv_bytes\x18\x05 \x01(\x03\"\x15\n\x13ListPrefixesRequest\"B\n\x14ListPrefixesResponse\x12*\n\x08prefixes\x18\x01 \x03(\x0b\x32\x18.vericache.v1.PrefixInfo\"(\n\x13\x44\x65letePrefixRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\'\n\x14\x44\x65letePrefixResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\xc2\x04\n\x0fGenerateRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12 \n\x04mode\x18\x05 \x01(\x0e\x32\x12.vericache.v1.Mode\x12\x16\n\tdraft_len\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x18\n\x0btemperature\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x0b \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x01H\x08\x88\x01\x01\x12(\n\x08\x63oupling\x18\x0f \x01(\x0e\x32\x16.vericache.v1.Coupling\x12\x31\n\ncompressor\x18\x10 \x01(\x0b\x32\x18.vericache.v1.CompressorH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0c\n\n_draft_lenB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_compressor\"t\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.vericache.v1.TokenChunkH\x00\x12,\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.vericache.v1.GenerateStatsH\x00\x42\x07\n\x05\x65vent\"-\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xc5\x02\n\rGenerateStats\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x1f\n\x17mean_accepted_per_round\x18\x04 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65pted_per_round\x18\x05 \x03(\x05\x12\x12\n\nlink_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bstore_bytes\x18\x07 \x01(\x03\x12\x13\n\x0blink_wait_s\x18\x08 \x01(\x01\x12\x14\n\x0cstore_wait_s\x18\t \x01(\x01\x12\x0e\n\x06ttft_s\x18\n \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x0f\n\x07total_s\x18\x0c \x01(\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x0e \x01(\x05\x42\x07\n\x05_seed*W\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tVERICACHE\x10\x01\x12\x0e\n\nFULL_LOCAL\x10\x02\x12\x0f\n\x0b\x46ULL_REMOTE\x10\x03\x12\t\n\x05LOSSY\x10\x04*?\n\x08\x43oupling\x12\x18\n\x14\x43OUPLING_UNSPECIFIED\x10\x00\x12\n\n\x06SEEDED\x10\x01\x12\r\n\tREJECTION\x10\x02\x32\x9d\x03\n\tVeriCache\x12N\n\tPutPrefix\x12\x1e.vericache.v1.PutPrefixRequest\x1a\x1f.vericache.v1.PutPrefixProgress0\x01\x12\x45\n\tGetPrefix\x12\x1e.vericache.v1.GetPrefixRequest\x1a\x18.vericache.v1.PrefixInfo\x12U\n\x0cListPrefixes\x12!.vericache.v1.ListPrefixesRequest\x1a\".vericache.v1.ListPrefixesResponse\x12U\n\x0c\x44\x65letePrefix\x12!.vericache.v1.DeletePrefixRequest\x1a\".vericache.v1.DeletePrefixResponse\x12K\n\x08Generate\x12\x1d.vericache.v1.GenerateRequest\x1a\x1e.vericache.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cvericache/v1/vericache.proto\x12\x0cvericache.v1\"r\n\nCompressor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\x05ratio\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04\x62its\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05\x64type\x18\x04 \x01(\tH\x02\x88\x01\x01\x42\x08\n\x06_ratioB\x07\n\x05_bitsB\x08\n\x06_dtype\"\x88\x01\n\x10PutPrefixRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.vericache.v1.TokenIdsH\x00\x12,\n\ncompressor\x18\x03 \x01(\x0b\x32\x18.vericache.v1.CompressorB\t\n\x07\x63ontent\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"h\n\x11PutPrefixProgress\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x03\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x0f\n\x07\x65xisted\x18\x05 \x01(\x08\"%\n\x10GetPrefixRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\xa8\x01\n\nPrefixInfo\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x03\x12,\n\ncompressor\x18\x03 \x01(\x0b\x32\x18.vericache.v1.Compressor\x12\x15\n\rfull_kv_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13\x63ompressed_kv_bytes\x18\x05 \x01(\x03\x12\x11\n\tautomatic\x18\x06 \x01(\x08\"\x15\n\x13ListPrefixesRequest\"B\n\x14ListPrefixesResponse\x12*\n\x08prefixes\x18\x01 \x03(\x0b\x32\x18.vericache.v1.PrefixInfo\"(\n\x13\x44\x65letePrefixRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\"\'\n\x14\x44\x65letePrefixResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\xc2\x04\n\x0fGenerateRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12 \n\x04mode\x18\x05 \x01(\x0e\x32\x12.vericache.v1.Mode\x12\x16\n\tdraft_len\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x18\n\x0btemperature\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\t \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x0b \x01(\x01H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x01H\x08\x88\x01\x01\x12(\n\x08\x63oupling\x18\x0f \x01(\x0e\x32\x16.vericache.v1.Coupling\x12\x31\n\ncompressor\x18\x10 \x01(\x0b\x32\x18.vericache.v1.CompressorH\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0c\n\n_draft_lenB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_compressor\"t\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.vericache.v1.TokenChunkH\x00\x12,\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.vericache.v1.GenerateStatsH\x00\x42\x07\n\x05\x65vent\"-\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xc5\x02\n\rGenerateStats\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x1f\n\x17mean_accepted_per_round\x18\x04 \x01(\x01\x12\x1a\n\x12\x61\x63\x63\x65pted_per_round\x18\x05 \x03(\x05\x12\x12\n\nlink_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bstore_bytes\x18\x07 \x01(\x03\x12\x13\n\x0blink_wait_s\x18\x08 \x01(\x01\x12\x14\n\x0cstore_wait_s\x18\t \x01(\x01\x12\x0e\n\x06ttft_s\x18\n \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x0f\n\x07total_s\x18\x0c \x01(\x01\x12\x11\n\x04seed\x18\r \x01(\x04H\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x0e \x01(\x05\x42\x07\n\x05_seed*W\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tVERICACHE\x10\x01\x12\x0e\n\nFULL_LOCAL\x10\x02\x12\x0f\n\x0b\x46ULL_REMOTE\x10\x03\x12\t\n\x05LOSSY\x10\x04*?\n\x08\x43oupling\x12\x18\n\x14\x43OUPLING_UNSPECIFIED\x10\x00\x12\n\n\x06SEEDED\x10\x01\x12\r\n\tREJECTION\x10\x02\x32\x9d\x03\n\tVeriCache\x12N\n\tPutPrefix\x12\x1e.vericache.v1.PutPrefixRequest\x1a\x1f.vericache.v1.PutPrefixProgress0\x01\x12\x45\n\tGetPrefix\x12\x1e.vericache.v1.GetPrefixRequest\x1a\x18.vericache.v1.PrefixInfo\x12U\n\x0cListPrefixes\x12!.vericache.v1.ListPrefixesRequest\x1a\".vericache.v1.ListPrefixesResponse\x12U\n\x0c\x44\x65letePrefix\x12!.vericache.v1.DeletePrefixRequest\x1a\".vericache.v1.DeletePrefixResponse\x12K\n\x08Generate\x12\x1d.vericache.v1.GenerateRequest\x1a\x1e.vericache.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vericache.v1.vericache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODE']._serialized_start=1871
-  _globals['_MODE']._serialized_end=1958
-  _globals['_COUPLING']._serialized_start=1960
-  _globals['_COUPLING']._serialized_end=2023
+  _globals['_MODE']._serialized_start=1890
+  _globals['_MODE']._serialized_end=1977
+  _globals['_COUPLING']._serialized_start=1979
+  _globals['_COUPLING']._serialized_end=2042
   _globals['_COMPRESSOR']._serialized_start=46
   _globals['_COMPRESSOR']._serialized_end=160
   _globals['_PUTPREFIXREQUEST']._serialized_start=163
@@ -46,23 +46,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPREFIXREQUEST']._serialized_start=432
   _globals['_GETPREFIXREQUEST']._serialized_end=469
   _globals['_PREFIXINFO']._serialized_start=472
-  _globals['_PREFIXINFO']._serialized_end=621
-  _globals['_LISTPREFIXESREQUEST']._serialized_start=623
-  _globals['_LISTPREFIXESREQUEST']._serialized_end=644
-  _globals['_LISTPREFIXESRESPONSE']._serialized_start=646
-  _globals['_LISTPREFIXESRESPONSE']._serialized_end=712
-  _globals['_DELETEPREFIXREQUEST']._serialized_start=714
-  _globals['_DELETEPREFIXREQUEST']._serialized_end=754
-  _globals['_DELETEPREFIXRESPONSE']._serialized_start=756
-  _globals['_DELETEPREFIXRESPONSE']._serialized_end=795
-  _globals['_GENERATEREQUEST']._serialized_start=798
-  _globals['_GENERATEREQUEST']._serialized_end=1376
-  _globals['_GENERATERESPONSE']._serialized_start=1378
-  _globals['_GENERATERESPONSE']._serialized_end=1494
-  _globals['_TOKENCHUNK']._serialized_start=1496
-  _globals['_TOKENCHUNK']._serialized_end=1541
-  _globals['_GENERATESTATS']._serialized_start=1544
-  _globals['_GENERATESTATS']._serialized_end=1869
-  _globals['_VERICACHE']._serialized_start=2026
-  _globals['_VERICACHE']._serialized_end=2439
+  _globals['_PREFIXINFO']._serialized_end=640
+  _globals['_LISTPREFIXESREQUEST']._serialized_start=642
+  _globals['_LISTPREFIXESREQUEST']._serialized_end=663
+  _globals['_LISTPREFIXESRESPONSE']._serialized_start=665
+  _globals['_LISTPREFIXESRESPONSE']._serialized_end=731
+  _globals['_DELETEPREFIXREQUEST']._serialized_start=733
+  _globals['_DELETEPREFIXREQUEST']._serialized_end=773
+  _globals['_DELETEPREFIXRESPONSE']._serialized_start=775
+  _globals['_DELETEPREFIXRESPONSE']._serialized_end=814
+  _globals['_GENERATEREQUEST']._serialized_start=817
+  _globals['_GENERATEREQUEST']._serialized_end=1395
+  _globals['_GENERATERESPONSE']._serialized_start=1397
+  _globals['_GENERATERESPONSE']._serialized_end=1513
+  _globals['_TOKENCHUNK']._serialized_start=1515
+  _globals['_TOKENCHUNK']._serialized_end=1560
+  _globals['_GENERATESTATS']._serialized_start=1563
+  _globals['_GENERATESTATS']._serialized_end=1888
+  _globals['_VERICACHE']._serialized_start=2045
+  _globals['_VERICACHE']._serialized_end=2458
 # @@protoc_insertion_point(module_scope)

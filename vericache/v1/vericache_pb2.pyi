@@ -78,18 +78,20 @@ class GetPrefixRequest(_message.Message):
     def __init__(self, prefix_id: _Optional[str] = ...) -> None: ...
 
 class PrefixInfo(_message.Message):
-    __slots__ = ("prefix_id", "num_tokens", "compressor", "full_kv_bytes", "compressed_kv_bytes")
+    __slots__ = ("prefix_id", "num_tokens", "compressor", "full_kv_bytes", "compressed_kv_bytes", "automatic")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
     FULL_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPRESSED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AUTOMATIC_FIELD_NUMBER: _ClassVar[int]
     prefix_id: str
     num_tokens: int
     compressor: Compressor
     full_kv_bytes: int
     compressed_kv_bytes: int
-    def __init__(self, prefix_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compressor: _Optional[_Union[Compressor, _Mapping]] = ..., full_kv_bytes: _Optional[int] = ..., compressed_kv_bytes: _Optional[int] = ...) -> None: ...
+    automatic: bool
+    def __init__(self, prefix_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., compressor: _Optional[_Union[Compressor, _Mapping]] = ..., full_kv_bytes: _Optional[int] = ..., compressed_kv_bytes: _Optional[int] = ..., automatic: bool = ...) -> None: ...
 
 class ListPrefixesRequest(_message.Message):
     __slots__ = ()
