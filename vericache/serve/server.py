@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,6 +30,13 @@ class HttpSettings:
     port: int  # 0: a free one
     model_name: str  # the id /v1/models lists and requests name
 
+
+log = logging.getLogger(__name__)
+
+# How long past its grace a stage of a stop may take before the stop goes on without it: gRPC's
+# asyncio server can fail to finish its stop after a streaming call was cancelled (grpc/grpc
+# issue 28999), and one stuck stage must not keep the rest of the server (its workers) running.
+STOP_STAGE_MARGIN_S = 30.0
 
 # Starts the coordinator; runs on the server's event loop.
 CoordinatorFactory = Callable[[], Awaitable[Coordinator]]
@@ -94,7 +103,7 @@ class BackgroundServer:
         if not self._thread.is_alive():
             return
         try:
-            self.run(self._stop(grace_s), timeout_s=grace_s + 120)
+            self.run(self._stop(grace_s), timeout_s=grace_s + 3 * STOP_STAGE_MARGIN_S)
         except TimeoutError:
             # What every thread was doing, for the log: a stop that hangs is a bug to find.
             faulthandler.dump_traceback(all_threads=True)
@@ -106,14 +115,25 @@ class BackgroundServer:
         stopping = [self._api.stop(grace_s)]
         if self._http is not None:
             stopping.append(self._http.stop(grace_s))
-        await asyncio.gather(*stopping)
-        await self.coordinator.close()
+        await _bounded(asyncio.gather(*stopping), grace_s + STOP_STAGE_MARGIN_S, "the API")
+        await _bounded(self.coordinator.close(), STOP_STAGE_MARGIN_S, "the coordinator")
 
     def __enter__(self) -> BackgroundServer:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+async def _bounded(stage: Awaitable, timeout_s: float, name: str) -> None:
+    """Awaits one stage of a stop; one that outlasts `timeout_s` is logged with every task's
+    stack (where it waits) and left behind, and the stop goes on."""
+    try:
+        await asyncio.wait_for(stage, timeout_s)
+    except TimeoutError:
+        log.error("%s did not stop within %.0f s; the stop goes on without it", name, timeout_s)
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
 
 
 def distributed_server(
