@@ -28,13 +28,16 @@ Summary:
   draft call and a verifier call, which in scheduled rounds also carries the round's full-KV load
   (rpcs_per_round_by_scheduling splits them by scheduling);
 - rtt20_over_rtt0: VERICACHE tokens/s with `--rtt-latency-ms` (20) of one-way latency on the link
-  over none, at x=30 with one drafter, the lower of the two schedulings (target >= 0.85);
+  over none, at x=30 with one drafter, the lower of the two schedulings (target >= 0.85). The two
+  cells are served in turn, sample by sample, and each sample with latency is set against the
+  one without it served just before: the median of those ratios, the machine's speed cancelled;
 - verifier_overhead: the verifier process's CPU seconds per output token over what the full-KV
   half of the same requests costs the in-process engine per output token: their verifications
   and the prefill of each prompt after its prefix (bench/remote_prefix_reference.py; target
-  <= 1.3). The reference is measured right after each VERICACHE cell's samples, at its draft
-  length, and the cell's samples are set against it: the machine's drift over the run cancels,
-  and the summary shows how far it went (reference_cpu_s_per_token_range);
+  <= 1.3), the most of any cell. The reference is measured in parts beside each VERICACHE cell's
+  samples (after the i-th sample, the i-th slice of the stream), at its draft length, so that it
+  spans the same minutes as the samples; the summary shows how far the machine's speed moved
+  (reference_cpu_s_per_token_range);
 - verifier_serving_overhead: the verifier's CPU over its own forward loop's plus the suffix
   prefills', in the same stream: serving's share alone;
 - identical: every sample's exact outputs equal FULL_LOCAL's, and the in-process engine's too.
@@ -52,7 +55,11 @@ from pathlib import Path
 
 from vericache.bench.common import compressor_from_label, environment, int_list
 from vericache.bench.remote_prefix_plot import plot  # noqa: F401 - the CLI's plot(result, path)
-from vericache.bench.remote_prefix_reference import EngineReference, reference_spread
+from vericache.bench.remote_prefix_reference import (
+    EngineReference,
+    ReferenceRun,
+    reference_spread,
+)
 from vericache.bench.serving import (
     Router,
     metric,
@@ -195,27 +202,42 @@ class Bench:
     drafter_kv_bytes: int
     bandwidth: float | None = None  # None: an open link (registration, calibration)
     rates: dict[str, float] | None = None  # per pool, alone: the FULL_BOTH router's weights
-    reference: EngineReference | None = None  # measured after each VERICACHE cell, if set
+    reference: EngineReference | None = None  # measured beside VERICACHE cells, if set
 
-    def serve(self, cell: Cell) -> tuple[dict, list[list[list[int]]]]:
-        """The cell's samples (one per repeat, each on fresh workers) and each sample's outputs.
+    def serve(self, *cells: Cell) -> list[tuple[dict, list[list[list[int]]]]]:
+        """Each cell's samples (one per repeat, each on fresh workers) and each sample's
+        outputs. Several cells are served in turn, sample by sample, so that they see the same
+        machine. After a VERICACHE cell's i-th sample (one without latency), the i-th part of its
+        in-process reference (referenced)."""
+        repeats = self.spec.repeats
+        samples = {cell: [] for cell in cells}
+        outputs = {cell: [] for cell in cells}
+        parts = {cell: [] for cell in cells}
+        for repeat in range(repeats):
+            for cell in cells:
+                sample, sample_outputs = self._serve_once(cell)
+                print(f"[remote-prefix] {cell.name}: {sample['tokens_per_s']:.2f} tokens/s")
+                samples[cell].append(sample)
+                outputs[cell].append(sample_outputs)
+                if self._is_referenced(cell):
+                    parts[cell].append(self.reference.measure(cell.draft_len, repeat, repeats))
+        return [
+            (self._record(cell, samples[cell], outputs[cell], parts[cell]), outputs[cell])
+            for cell in cells
+        ]
 
-        A VERICACHE cell without latency is followed by one in-process reference at its draft
-        length, which every sample of the cell is set against: a few minutes apart, the
-        machine's drift stays small, and a reference per sample would double the sweep."""
-        samples, outputs = [], []
-        for _ in range(self.spec.repeats):
-            sample, sample_outputs = self._serve_once(cell)
-            print(f"[remote-prefix] {cell.name}: {sample['tokens_per_s']:.2f} tokens/s")
-            samples.append(sample)
-            outputs.append(sample_outputs)
-        if self.reference and cell.mode == "vericache" and not cell.latency_s:
-            run = self.reference.measure(cell.draft_len)
-            reference_outputs = list(map(list, run.outputs))
-            for sample, sample_outputs in zip(samples, outputs):
-                sample["reference"] = run.record()
-                sample["reference_outputs_match"] = reference_outputs == sample_outputs
-        return cell_record(cell, samples), outputs
+    def _is_referenced(self, cell: Cell) -> bool:
+        return self.reference is not None and cell.mode == "vericache" and not cell.latency_s
+
+    @staticmethod
+    def _record(cell: Cell, samples, outputs, parts: list[ReferenceRun]) -> dict:
+        record = cell_record(cell, samples)
+        if parts:
+            run = ReferenceRun.combined(parts)
+            expected = run.stream_outputs()
+            record["reference"] = run.record(parts)
+            record["reference_outputs_match"] = [got == expected for got in outputs]
+        return record
 
     def _serve_once(self, cell: Cell) -> tuple[dict, list[list[int]]]:
         verifier = VerifierConfig(
@@ -313,20 +335,26 @@ def _register(client: Client, contexts, label: str) -> list[dict]:
 # --- The benchmark -------------------------------------------------------------------------------
 
 
-def vericache_cells(spec: StreamSpec) -> list[Cell]:
-    cells = [
-        Cell("vericache", drafters, draft_len, scheduling)
-        for drafters in spec.drafter_counts
-        for scheduling in spec.schedulings
-        for draft_len in spec.draft_lens
-    ]
-    if spec.rtt_latency_s > 0:
-        rtt_len = max(spec.draft_lens)
-        cells += [
-            Cell("vericache", 1, rtt_len, scheduling, spec.rtt_latency_s)
-            for scheduling in spec.schedulings
-        ]
-    return cells
+def vericache_cells(spec: StreamSpec) -> list[tuple[Cell, ...]]:
+    """The VERICACHE cells, each alone or (with latency on) the cell of the latency comparison
+    with its twin over a link with latency, served in turn."""
+    groups = []
+    for drafters in spec.drafter_counts:
+        for scheduling in spec.schedulings:
+            for draft_len in spec.draft_lens:
+                cell = Cell("vericache", drafters, draft_len, scheduling)
+                if _is_rtt_pair(cell, spec):
+                    groups.append((cell, replace(cell, latency_s=spec.rtt_latency_s)))
+                else:
+                    groups.append((cell,))
+    return groups
+
+
+def _is_rtt_pair(cell: Cell, spec: StreamSpec) -> bool:
+    """x = the largest, one drafter: the cell whose latency is measured."""
+    return (
+        spec.rtt_latency_s > 0 and cell.num_drafters == 1 and cell.draft_len == max(spec.draft_lens)
+    )
 
 
 def run(args) -> dict:
@@ -360,7 +388,7 @@ def _serve_all(bench: Bench, prefixes: list[dict]) -> list[dict]:
     """FULL_LOCAL first (it calibrates the link), then every other cell at that bandwidth, each
     VERICACHE cell followed by its in-process reference."""
     spec = bench.spec
-    full_local, local_outputs = bench.serve(Cell("full_local", 1))
+    ((full_local, local_outputs),) = bench.serve(Cell("full_local", 1))
     expected = local_outputs[0]
     full_local["outputs_match"] = all(outputs == expected for outputs in local_outputs)
     seconds_per_reply = statistics.median(s["wall_s"] for s in full_local["samples"]) / len(
@@ -373,19 +401,21 @@ def _serve_all(bench: Bench, prefixes: list[dict]) -> list[dict]:
     plan = [Cell("full_remote", n) for n in spec.drafter_counts]
     plan += [Cell("full_both", n) for n in spec.drafter_counts]
     for cell in plan:
-        cells.append(_served(bench, cell, expected))
+        cells += _served(bench, (cell,), expected)
     bench.reference = EngineReference(bench.model, prefixes, bench.jobs, spec)
     bench.reference.measure(max(spec.draft_lens))  # untimed: prefills the prefixes' full KV
-    for cell in vericache_cells(spec):
-        cells.append(_served(bench, cell, expected))
+    for group in vericache_cells(spec):
+        cells += _served(bench, group, expected)
     return cells
 
 
-def _served(bench: Bench, cell: Cell, expected: list[list[int]]) -> dict:
-    record, outputs = bench.serve(cell)
-    record["outputs_match"] = all(sample_outputs == expected for sample_outputs in outputs)
-    bench.rates[record["name"]] = record["tokens_per_s"]
-    return record
+def _served(bench: Bench, group: tuple[Cell, ...], expected: list[list[int]]) -> list[dict]:
+    records = []
+    for record, outputs in bench.serve(*group):
+        record["outputs_match"] = all(sample_outputs == expected for sample_outputs in outputs)
+        bench.rates[record["name"]] = record["tokens_per_s"]
+        records.append(record)
+    return records
 
 
 DEFINITIONS = {
@@ -395,15 +425,15 @@ DEFINITIONS = {
     "vericache_over_best_full": "VERICACHE tokens/s / best_full",
     "rpcs_per_round": "worker calls of VERICACHE rounds / rounds verified",
     "rtt20_over_rtt0": "VERICACHE tokens/s at the rtt latency / at none (x = the largest, 1 "
-    "drafter)",
-    "verifier_overhead": "verifier process CPU s per output token / in-process engine CPU s of "
-    "the same requests' verifications and suffix prefills per output token, same draft length, "
-    "measured right after the cell's samples; the median over a cell's samples",
+    "drafter), each sample over the one served just before it; the median",
+    "verifier_overhead": "verifier process CPU s per output token over the cell's samples / "
+    "in-process engine CPU s of the same requests' verifications and suffix prefills per output "
+    "token, same draft length, measured in parts beside the samples",
     "verifier_serving_overhead": "verifier process CPU s / (its forward loop's CPU s + the "
-    "paired reference's suffix prefill CPU s), the same stream: serving's share, the machine's "
-    "speed cancelled",
-    "reference_cpu_s_per_token_range": "per draft length, the lowest and highest in-process "
-    "reference of the run: how far the machine's speed moved",
+    "reference's suffix prefill CPU s), the same stream, per sample, the median: serving's "
+    "share, the machine's speed cancelled",
+    "reference_cpu_s_per_token_range": "per draft length, the lowest and highest part of an "
+    "in-process reference in the run: how far the machine's speed moved",
 }
 
 
@@ -422,8 +452,8 @@ def summarize(cells: list[dict], spec) -> dict:
         scheduling: max(_rpcs_per_round(c) for c in vericache if c["scheduling"] == scheduling)
         for scheduling in sorted({c["scheduling"] for c in vericache})
     }
-    paired = [c for c in vericache if all("reference" in s for s in c["samples"])]
-    overhead = {c["name"]: statistics.median(_verifier_overheads(c)) for c in paired}
+    paired = [c for c in vericache if "reference" in c]
+    overhead = {c["name"]: _verifier_overhead(c) for c in paired}
     serving = {c["name"]: _serving_overhead(c) for c in paired}
     rtt = _rtt_ratios(cells, spec)
     summary = {
@@ -437,14 +467,11 @@ def summarize(cells: list[dict], spec) -> dict:
         "rtt20_over_rtt0_by_scheduling": rtt,
         "verifier_overhead": max(overhead.values()) if overhead else None,
         "verifier_overhead_by_cell": overhead,
-        "verifier_overhead_range_by_cell": {
-            c["name"]: [min(_verifier_overheads(c)), max(_verifier_overheads(c))] for c in paired
-        },
         "reference_cpu_s_per_token_range": reference_spread(cells),
         "verifier_serving_overhead": max(serving.values()) if serving else None,
         "verifier_serving_overhead_by_cell": serving,
         "identical": all(c["outputs_match"] for c in cells if c["mode"] != "lossy")
-        and all(s.get("reference_outputs_match", True) for c in cells for s in c["samples"]),
+        and all(all(c.get("reference_outputs_match", [True])) for c in cells),
     }
     summary["meets_targets"] = {
         "rpcs_per_round": rpcs <= TARGETS["rpcs_per_round"],
@@ -460,34 +487,38 @@ def _rpcs_per_round(cell: dict) -> float:
     return calls / max(1.0, sum(s["verified_rounds"] for s in cell["samples"]))
 
 
-def _verifier_overheads(cell: dict) -> list[float]:
-    """Each sample's verifier CPU s per output token over its own paired reference's."""
-    return [
-        s["cpu_s"]["verifiers"] / s["num_tokens"] / s["reference"]["cpu_s_per_token"]
-        for s in cell["samples"]
-    ]
+def _verifier_overhead(cell: dict) -> float:
+    """The cell's verifier CPU s per output token over its reference's, both over the same
+    minutes."""
+    samples = cell["samples"]
+    cpu_s = sum(s["cpu_s"]["verifiers"] for s in samples)
+    per_token = cpu_s / sum(s["num_tokens"] for s in samples)
+    return per_token / cell["reference"]["cpu_s_per_token"]
 
 
 def _serving_overhead(cell: dict) -> float:
-    """The verifier's CPU over its own forward loop's plus the suffix prefills' (from the paired
+    """The verifier's CPU over its own forward loop's plus the suffix prefills' (from the
     reference), per sample, median: what serving adds, measured in the same process and stream."""
+    prefill_cpu_s = cell["reference"]["suffix_prefill_cpu_s"]
     ratios = [
-        s["cpu_s"]["verifiers"]
-        / (s["verifier_forward_cpu_s"] + s["reference"]["suffix_prefill_cpu_s"])
+        s["cpu_s"]["verifiers"] / (s["verifier_forward_cpu_s"] + prefill_cpu_s)
         for s in cell["samples"]
     ]
     return statistics.median(ratios)
 
 
 def _rtt_ratios(cells: list[dict], spec: StreamSpec) -> dict[str, float]:
+    """Per scheduling, the median over repeats of a sample with latency over the sample without
+    it served just before (bench.serve serves the pair in turn)."""
     by_name = {cell["name"]: cell for cell in cells}
     ratios = {}
     for scheduling in spec.schedulings:
         far = Cell("vericache", 1, max(spec.draft_lens), scheduling, spec.rtt_latency_s)
         near = replace(far, latency_s=0.0)
         if far.name in by_name and near.name in by_name:
-            ratios[scheduling] = (
-                by_name[far.name]["tokens_per_s"] / by_name[near.name]["tokens_per_s"]
+            pairs = zip(by_name[far.name]["samples"], by_name[near.name]["samples"])
+            ratios[scheduling] = statistics.median(
+                f["tokens_per_s"] / n["tokens_per_s"] for f, n in pairs
             )
     return ratios
 

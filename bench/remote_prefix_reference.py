@@ -9,12 +9,12 @@ costs. To them comes the prefill of each prompt after its prefix over the full K
 verifier also runs when it opens a request. Per output token, that is the CPU the distributed
 verifier is held to (`verifier_overhead`): what it spends beyond it is serving.
 
-This machine's speed drifts by a third within an hour, so one reference for a whole run cannot
-tell 1.3 from 1.4. The reference is therefore measured again right after every VERICACHE cell's
-samples, at that cell's draft length, and the cell's samples are set against it: they are a few
-minutes apart, and what the machine does over a few minutes mostly cancels. (A reference after
-every sample, a minute apart, would cancel more, but it decodes the whole stream one request at a
-time and costs about twice its sample, doubling the sweep.)
+This machine's speed drifts, and moves by a fifth from one sample to the next, so a reference
+measured before or after a cell's samples cannot tell 1.3 from 1.4. The reference is therefore
+measured in parts beside the samples: after a cell's i-th of n samples, the i-th of n slices of
+the stream's requests (every n-th request), at that cell's draft length. The parts together are
+one reference over the whole stream, spread over the same minutes as the samples it is set
+against, so what the machine does over them cancels, at no more cost than one reference.
 """
 
 from __future__ import annotations
@@ -33,48 +33,72 @@ from vericache.engine.request import Request, SamplingParams
 
 @dataclass(frozen=True)
 class ReferenceRun:
-    """One measurement of the stream's requests in the in-process engine at one draft length."""
+    """The in-process engine's cost of some of the stream's requests at one draft length."""
 
     draft_len: int
-    cpu_s_per_token: float  # (verification forwards + suffix prefills) CPU s / output tokens
-    suffix_prefill_cpu_s: float  # the prefills of every prompt after its prefix, summed
-    outputs: tuple[tuple[int, ...], ...]  # each request's output tokens, in stream order
+    verify_cpu_s: float  # the verification forwards' CPU s (full-KV rows)
+    suffix_prefill_cpu_s: float  # the prefills of each prompt after its prefix, summed
+    num_tokens: int  # output tokens
+    outputs: tuple[tuple[int, tuple[int, ...]], ...]  # (index in the stream, output tokens)
 
-    def record(self) -> dict:
-        """What a served sample keeps of its reference (the outputs are checked, not kept)."""
+    @property
+    def cpu_s_per_token(self) -> float:
+        return (self.verify_cpu_s + self.suffix_prefill_cpu_s) / max(1, self.num_tokens)
+
+    @classmethod
+    def combined(cls, parts: list[ReferenceRun]) -> ReferenceRun:
+        """Parts over slices of one stream as one run over all of it."""
+        return cls(
+            parts[0].draft_len,
+            sum(part.verify_cpu_s for part in parts),
+            sum(part.suffix_prefill_cpu_s for part in parts),
+            sum(part.num_tokens for part in parts),
+            tuple(sorted(output for part in parts for output in part.outputs)),
+        )
+
+    def stream_outputs(self) -> list[list[int]]:
+        """The outputs in stream order."""
+        return [list(tokens) for _, tokens in sorted(self.outputs)]
+
+    def record(self, parts: list[ReferenceRun]) -> dict:
+        """What a cell keeps of its reference (the outputs are checked, not kept)."""
         return {
             "draft_len": self.draft_len,
             "cpu_s_per_token": self.cpu_s_per_token,
             "suffix_prefill_cpu_s": self.suffix_prefill_cpu_s,
+            "parts_cpu_s_per_token": [part.cpu_s_per_token for part in parts],
         }
 
 
 class EngineReference:
-    """The in-process engine, built once (prefix KV prefilled on first use), measuring the
-    stream's requests whenever a served sample asks."""
+    """The in-process engine, built once (prefix KV prefilled on first use), measuring slices of
+    the stream's requests whenever a served sample asks."""
 
     def __init__(self, model: str, prefixes: list[dict], jobs, spec):
         self.engine = Engine.from_pretrained(model)
         self.requests = _requests(self.engine.tokenizer, prefixes, jobs, spec)
 
-    def measure(self, draft_len: int) -> ReferenceRun:
+    def measure(self, draft_len: int, part: int = 0, parts: int = 1) -> ReferenceRun:
+        """Requests part, part + parts, part + 2 parts, ... of the stream, one at a time."""
+        indices = range(part, len(self.requests), parts)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as each served worker runs
         try:
-            prefill_cpu_s = sum(self._suffix_prefill_cpu_s(r) for r in self.requests)
+            prefill_cpu_s = sum(self._suffix_prefill_cpu_s(self.requests[i]) for i in indices)
             before = self.engine.loop.exact_cpu_s
-            finished = []
-            for request in self.requests:
-                one = dataclasses.replace(request, draft_len=draft_len)
-                finished += self.engine.generate([one])
+            outputs = []
+            for index in indices:
+                one = dataclasses.replace(self.requests[index], draft_len=draft_len)
+                (finished,) = self.engine.generate([one])
+                outputs.append((index, tuple(finished.token_ids)))
             verify_cpu_s = self.engine.loop.exact_cpu_s - before
         finally:
             torch.set_num_threads(threads)
-        num_tokens = sum(len(out.token_ids) for out in finished)
-        per_token = (verify_cpu_s + prefill_cpu_s) / num_tokens
-        print(f"[remote-prefix] engine x={draft_len}: {per_token:.4f} s/token")
-        outputs = tuple(tuple(out.token_ids) for out in finished)
-        return ReferenceRun(draft_len, per_token, prefill_cpu_s, outputs)
+        num_tokens = sum(len(tokens) for _, tokens in outputs)
+        run = ReferenceRun(draft_len, verify_cpu_s, prefill_cpu_s, num_tokens, tuple(outputs))
+        print(f"[remote-prefix] engine x={draft_len} ({part + 1}/{parts}): "
+              f"{run.cpu_s_per_token:.4f} s/token")  # fmt: skip
+        return run
 
     def _suffix_prefill_cpu_s(self, request: Request) -> float:
         """The CPU seconds of the prompt's prefill after its prefix, over the prefix's full KV."""
@@ -99,12 +123,11 @@ def _requests(tokenizer, prefixes: list[dict], jobs, spec) -> list[Request]:
 
 
 def reference_spread(cells: list[dict]) -> dict[str, list[float]]:
-    """Per draft length, the lowest and highest reference measured over the run: how far this
-    machine's speed moved, which the paired ratios cancel."""
+    """Per draft length, the lowest and highest reference part measured over the run: how far
+    this machine's speed moved, which references spread beside their samples cancel."""
     by_len: dict[str, list[float]] = {}
     for cell in cells:
-        for sample in cell["samples"]:
-            if "reference" in sample:
-                run = sample["reference"]
-                by_len.setdefault(str(run["draft_len"]), []).append(run["cpu_s_per_token"])
+        if "reference" in cell:
+            run = cell["reference"]
+            by_len.setdefault(str(run["draft_len"]), []).extend(run["parts_cpu_s_per_token"])
     return {x: [min(values), max(values)] for x, values in sorted(by_len.items())}

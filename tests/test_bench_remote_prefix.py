@@ -4,6 +4,8 @@ end to end run on Ray (slow)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vericache.bench import remote_prefix
@@ -38,11 +40,14 @@ def test_quick_defaults_shrink_the_sweep_and_explicit_values_win():
 
 def test_the_sweep_covers_every_cell_and_the_latency_pair():
     spec = remote_prefix.stream_spec(_args())
-    cells = remote_prefix.vericache_cells(spec)
-    assert len(cells) == 3 * 2 * 2 + 2
-    far = [cell for cell in cells if cell.latency_s]
-    assert {cell.scheduling for cell in far} == {"per-request", "staggered"}
-    assert all(cell.draft_len == 30 and cell.num_drafters == 1 for cell in far)
+    groups = remote_prefix.vericache_cells(spec)
+    cells = [cell for group in groups for cell in group]
+    assert len(groups) == 3 * 2 * 2 and len(cells) == 3 * 2 * 2 + 2
+    pairs = [group for group in groups if len(group) == 2]
+    assert {far.scheduling for _, far in pairs} == {"per-request", "staggered"}
+    for near, far in pairs:  # served in turn: the latency twin of the cell without latency
+        assert far.latency_s and far == dataclasses.replace(near, latency_s=far.latency_s)
+        assert far.draft_len == 30 and far.num_drafters == 1
     assert len({cell.name for cell in cells}) == len(cells)
 
 
@@ -86,24 +91,23 @@ def test_a_stream_record_sums_its_requests():
 
 
 def _cell(
-    cell: Cell, *rates: float, calls=0, rounds=1, cpu=1.0, match=True, references=(0.1,)
+    cell: Cell, *rates: float, calls=0, rounds=1, cpu=1.0, match=True, reference=0.1, cpus=()
 ) -> dict:
-    """A cell's record; a VERICACHE sample without latency is paired with a reference run (CPU s
-    per token, in turn from `references`), as the benchmark pairs them."""
+    """A cell's record; a VERICACHE cell without latency has its reference (CPU s per token), as
+    the benchmark measures it beside the samples. `cpus`: each sample's verifier CPU s."""
     samples = [
         {"tokens_per_s": r, "round_calls": calls, "verified_rounds": rounds, "num_tokens": 10,
-         "cpu_s": {"verifiers": cpu}, "verifier_forward_cpu_s": 0.75 * cpu}
-        for r in rates
+         "cpu_s": {"verifiers": c}, "verifier_forward_cpu_s": 0.75 * c}
+        for r, c in zip(rates, cpus or [cpu] * len(rates))
     ]  # fmt: skip
+    record = cell_record(cell, samples) | {"outputs_match": match}
     if cell.mode == "vericache" and not cell.latency_s:
-        for i, sample in enumerate(samples):
-            per_token = references[i % len(references)]
-            sample["reference"] = {
-                "draft_len": cell.draft_len, "cpu_s_per_token": per_token,
-                "suffix_prefill_cpu_s": 0.5,
-            }  # fmt: skip
-            sample["reference_outputs_match"] = match
-    return cell_record(cell, samples) | {"outputs_match": match}
+        record["reference"] = {
+            "draft_len": cell.draft_len, "cpu_s_per_token": reference,
+            "suffix_prefill_cpu_s": 0.5, "parts_cpu_s_per_token": [reference, 1.5 * reference],
+        }  # fmt: skip
+        record["reference_outputs_match"] = [match] * len(samples)
+    return record
 
 
 def _table(vericache_per_request=30.0, full_both=20.0, match=True) -> list[dict]:
@@ -121,19 +125,24 @@ def _table(vericache_per_request=30.0, full_both=20.0, match=True) -> list[dict]
     ]
 
 
-def test_each_sample_is_set_against_its_own_reference():
+def test_a_cells_samples_together_are_set_against_its_reference():
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
-    drifting = _cell(Cell("vericache", 1, 30), 1, 2, 3, cpu=2.0, references=(0.1, 0.2, 0.25))
-    table = [*_table()[:5], drifting]
-    summary = remote_prefix.summarize(table, spec)
-    # 0.2 s/token against 0.1, 0.2 and 0.25: 2.0, 1.0 and 0.8, median 1.0.
-    assert summary["verifier_overhead"] == pytest.approx(1.0)
-    low, high = summary["verifier_overhead_range_by_cell"]["vericache x=30 d=1 per-request"]
-    assert low == pytest.approx(0.8) and high == pytest.approx(2.0)
-    assert summary["reference_cpu_s_per_token_range"] == {"30": [0.1, 0.25]}
-    disagreeing = _cell(Cell("vericache", 1, 30), 1, cpu=2.0)
-    disagreeing["samples"][0]["reference_outputs_match"] = False
+    drifting = _cell(Cell("vericache", 1, 30), 1, 2, 3, cpus=(1.0, 2.0, 3.0), reference=0.1)
+    summary = remote_prefix.summarize([*_table()[:5], drifting], spec)
+    # 6 CPU s over 30 tokens: 0.2 s/token, against the reference's 0.1.
+    assert summary["verifier_overhead"] == pytest.approx(2.0)
+    assert summary["reference_cpu_s_per_token_range"] == {"30": pytest.approx([0.1, 0.15])}
+    disagreeing = _cell(Cell("vericache", 1, 30), 1, 2, cpu=2.0)
+    disagreeing["reference_outputs_match"] = [True, False]
     assert not remote_prefix.summarize([*_table()[:5], disagreeing], spec)["identical"]
+
+
+def test_latency_is_set_against_the_sample_served_just_before_it():
+    spec = remote_prefix.stream_spec(_args("--draft-lens", "30", "--schedulings", "per-request"))
+    near = _cell(Cell("vericache", 1, 30), 40, 20, 30)  # the machine slowed down, then recovered
+    far = _cell(Cell("vericache", 1, 30, latency_s=0.02), 36, 19, 24)
+    summary = remote_prefix.summarize([*_table()[:5], near, far], spec)
+    assert summary["rtt20_over_rtt0"] == pytest.approx(0.9)  # 0.9, 0.95, 0.8: the median
 
 
 def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_workers():
@@ -161,28 +170,37 @@ def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_wo
 
 
 class _Reference:
-    """The in-process reference's stand-in: counts its runs, answers fixed outputs."""
+    """The in-process reference's stand-in over a stream of three requests: records the parts it
+    was asked for, each request's output is (its index,), each part's CPU s per token 0.1."""
 
-    def __init__(self, outputs):
-        self.outputs, self.draft_lens = outputs, []
+    def __init__(self):
+        self.asked = []
 
-    def measure(self, draft_len):
-        self.draft_lens.append(draft_len)
-        return ReferenceRun(draft_len, 0.1, 0.5, self.outputs)
+    def measure(self, draft_len, part=0, parts=1):
+        self.asked.append((draft_len, part, parts))
+        outputs = tuple((i, (i,)) for i in range(part, 3, parts))
+        return ReferenceRun(draft_len, 0.1 * len(outputs), 0.0, len(outputs), outputs)
 
 
-def test_a_cell_is_paired_with_one_reference_and_every_sample_is_checked(monkeypatch, tmp_path):
+def test_a_cells_reference_is_measured_in_parts_beside_its_samples(monkeypatch, tmp_path):
     spec = remote_prefix.stream_spec(_args("--draft-lens", "8", "--repeats", "3"))
-    bench = remote_prefix.Bench("m", tmp_path, spec, [], 0, reference=_Reference(((1, 2),)))
-    served = iter([[[1, 2]], [[1, 3]], *[[[1, 2]]] * 4])  # the second sample went wrong
-    monkeypatch.setattr(bench, "_serve_once", lambda cell: ({"tokens_per_s": 1.0}, next(served)))
-    record, outputs = bench.serve(Cell("vericache", 1, 8))
-    assert bench.reference.draft_lens == [8]  # one reference for the cell's three samples
-    assert [s["reference"]["draft_len"] for s in record["samples"]] == [8, 8, 8]
-    assert [s["reference_outputs_match"] for s in record["samples"]] == [True, False, True]
-    assert outputs == [[[1, 2]], [[1, 3]], [[1, 2]]]
-    bench.serve(Cell("vericache", 1, 8, latency_s=0.02))  # the latency pair is not referenced
-    assert bench.reference.draft_lens == [8]
+    bench = remote_prefix.Bench("m", tmp_path, spec, [], 0, reference=_Reference())
+    order = []
+    served = iter([[[0], [1], [2]], [[0], [9], [2]], [[0], [1], [2]]] * 2)  # one went wrong
+
+    def serve_once(cell):
+        order.append(cell.latency_s)
+        return {"tokens_per_s": 1.0}, next(served)
+
+    monkeypatch.setattr(bench, "_serve_once", serve_once)
+    near, far = Cell("vericache", 1, 8), Cell("vericache", 1, 8, latency_s=0.02)
+    (record, outputs), (far_record, _) = bench.serve(near, far)
+    assert order == [0.0, 0.02] * 3  # the pair in turn, sample by sample
+    assert bench.reference.asked == [(8, 0, 3), (8, 1, 3), (8, 2, 3)]  # the latency twin: none
+    assert record["reference"]["cpu_s_per_token"] == pytest.approx(0.1)
+    assert record["reference"]["parts_cpu_s_per_token"] == pytest.approx([0.1] * 3)
+    assert record["reference_outputs_match"] == [True, True, False]
+    assert outputs[2] == [[0], [9], [2]] and "reference" not in far_record
 
 
 def test_one_mismatched_cell_is_not_identical():
