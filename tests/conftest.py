@@ -20,8 +20,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under xdist, every test that starts Ray runs on one worker, which holds the session's one
-    Ray cluster (`ray_cluster`); the others never start one."""
+    """Every test that starts Ray (`ray_cluster`) is marked `ray`; under xdist those run on one
+    worker, which holds the session's one Ray cluster, and the others never start one."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if "ray_cluster" in getattr(item, "fixturenames", ())
+        and item.get_closest_marker("ray") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests that start Ray must be marked `ray`: {unmarked}")
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
