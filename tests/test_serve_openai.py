@@ -81,6 +81,28 @@ def test_chat_completions_equal_grpc_generate(oai, grpc_client, prefix_id, mode,
     assert vericache["seed"] == sampling.get("seed")
     if mode == "vericache":
         assert vericache["rounds"] < 24 and vericache["link_bytes"] > 0
+        accepted = vericache["accepted_per_round"]
+        assert len(accepted) == vericache["rounds"] and sum(accepted) > 0
+        assert max(accepted) <= 4  # the draft_len asked for bounds every round
+        # Each round commits its accepted drafts and one token of the verifier's own.
+        assert sum(accepted) + len(accepted) <= reply.usage.completion_tokens
+
+
+def test_stop_strings_and_max_completion_tokens_reach_the_decode(oai, prefix_id):
+    options = {"vericache": {"prefix_id": prefix_id, "draft_len": 3}}
+    whole = oai.chat.completions.create(
+        model=MODEL, messages=_messages(), max_completion_tokens=16, temperature=0,
+        extra_body=options,
+    )  # fmt: skip
+    assert whole.usage.completion_tokens == 16 and whole.choices[0].finish_reason == "length"
+    text = whole.choices[0].message.content
+    stop = text[len(text) // 2 :][:3]
+    stopped = oai.chat.completions.create(
+        model=MODEL, messages=_messages(), max_completion_tokens=16, temperature=0, stop=[stop],
+        extra_body=options,
+    )  # fmt: skip
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == text[: text.index(stop)]  # the stop left out
 
 
 def test_a_chat_without_a_prefix_runs_the_whole_conversation(oai):
