@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 
 from vericache.compress import build_compressor
-from vericache.serve.auth import Tenant
+from vericache.serve.auth import PrefixQuotaError, Tenant
 from vericache.serve.auto_prefix import (
     BLOCK_TOKENS,
     AutoPrefixCache,
@@ -152,3 +152,74 @@ def test_an_automatic_prefix_has_an_id_of_its_own_and_a_restart_takes_it_back():
 
     asyncio.run(twice())
     assert registered == ["a system turn"] and deleted == [restored.prefix_id]
+
+
+class _Registry:
+    """The coordinator's PutPrefix and DeletePrefix as the cache calls them: records what it was
+    asked, and refuses the first `quota_refusals` registrations as over the tenant's quota."""
+
+    def __init__(self, quota_refusals: int = 0):
+        self.registered: list[str] = []
+        self.deleted: list[str] = []
+        self.quota_refusals = quota_refusals
+
+    async def register(self, text, tenant, compressor) -> str:
+        if self.quota_refusals:
+            self.quota_refusals -= 1
+            raise PrefixQuotaError("over the tenant's prefix bytes")
+        self.registered.append(text)
+        return f"pfx-{text}"
+
+    async def delete(self, prefix_id, tenant) -> bool:
+        self.deleted.append(prefix_id)
+        return True
+
+
+def _cache(registry: _Registry, max_per_tenant: int, restored: list[PrefixRecord]):
+    config = CoordinatorConfig(auto_prefix_min_tokens=20, auto_prefix_max_per_tenant=max_per_tenant)
+    cache = AutoPrefixCache(
+        config, ServeMetrics("m"), FINGERPRINT, registry.register, registry.delete
+    )
+    cache.restore(restored)
+    return cache
+
+
+def _sighted_twice(cache: AutoPrefixCache, text: str, tenant: Tenant) -> None:
+    """A system turn that matches nothing, sent twice: it registers itself in the background."""
+    wish = PrefixWish(tuple(range(5000, 5060)), (text, tuple(range(5000, 5040))))
+
+    async def twice():
+        assert cache.match(tenant, wish) is None
+        assert cache.match(tenant, wish) is None
+        await asyncio.gather(*cache._tasks)
+
+    asyncio.run(twice())
+
+
+TENANT = Tenant("a", max_concurrent_requests=1)
+
+
+def test_the_least_recently_used_automatic_prefix_goes_first():
+    older = owned_record(range(1, 41), automatic=True)
+    newer = owned_record(range(200, 240), automatic=True)
+    registry = _Registry()
+    cache = _cache(registry, max_per_tenant=2, restored=[older, newer])
+    hit = cache.match(TENANT, PrefixWish(older.token_ids + (7, 8), None))
+    assert hit.prefix_id == older.prefix_id  # used last now: the newer one is the oldest in use
+    _sighted_twice(cache, "a third turn", TENANT)
+    assert registry.deleted == [newer.prefix_id]
+    assert registry.registered == ["a third turn"]
+
+
+def test_past_the_prefix_quota_an_automatic_prefix_makes_room_and_a_clients_never_does():
+    automatic = owned_record(range(1, 41), automatic=True)
+    registry = _Registry(quota_refusals=1)
+    cache = _cache(registry, max_per_tenant=4, restored=[automatic])
+    _sighted_twice(cache, "over the quota", TENANT)
+    assert registry.deleted == [automatic.prefix_id]  # room made, then registered
+    assert registry.registered == ["over the quota"]
+
+    clients_only = _Registry(quota_refusals=1)
+    cache = _cache(clients_only, max_per_tenant=4, restored=[owned_record(range(1, 41), False)])
+    _sighted_twice(cache, "over the quota", TENANT)
+    assert clients_only.deleted == [] and clients_only.registered == []  # left as it was

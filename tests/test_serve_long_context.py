@@ -191,17 +191,20 @@ def test_a_full_server_refuses_with_resource_exhausted(tiny_chat_checkpoint):
 def test_vericache_serve_long_context(tiny_chat_checkpoint):
     argv = [sys.executable, "-m", "vericache.cli.main", "serve", "--long-context"]
     argv += ["--model", str(tiny_chat_checkpoint), "--port", "0", "--pcie-bandwidth", "10GB/s"]
-    argv += ["--insecure-no-auth", "--metrics-port", "0"]
+    argv += ["--insecure-no-auth", "--metrics-port", "0", "--http-port", "0"]
+    argv += ["--served-model-name", "tiny", "--auto-prefix-min-tokens", "20"]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         lines = iter(process.stdout.readline, "")
         serving = next(line for line in lines if line.startswith("VeriCache serving on"))
         target = serving.split()[-1]
+        api_url = next(line for line in lines if line.startswith("OpenAI API on")).split()[-1]
         metrics_url = next(line for line in lines if line.startswith("Metrics on")).split()[-1]
         with Client(target, timeout=60) as client:
             prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
             full = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=12)
             exact = client.generate(PROMPT, prefix_id=prefix_id, max_tokens=12, draft_len=3)
+            _a_system_turn_sent_twice_registers_itself(api_url, client)
         assert exact.token_ids == full.token_ids
         with urllib.request.urlopen(metrics_url, timeout=10) as response:
             scraped = response.read().decode()
@@ -227,6 +230,22 @@ def test_vericache_serve_long_context(tiny_chat_checkpoint):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
+
+
+def _a_system_turn_sent_twice_registers_itself(api_url: str, client: Client) -> None:
+    """--http-port serves the chat API, and --auto-prefix-min-tokens registers a system turn
+    that long the second time it is sent."""
+    import httpx
+
+    system = CONTEXT.replace("values", "items")  # matches no registered prefix
+    body = {
+        "model": "tiny", "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": PROMPT}],
+    }  # fmt: skip
+    for _ in range(2):
+        reply = httpx.post(f"{api_url}/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+    assert wait_for(lambda: any(info.automatic for info in client.list_prefixes()), 60)
 
 
 def test_the_openai_http_api_serves_a_long_context_server(tiny_chat_checkpoint):
