@@ -29,7 +29,9 @@ def test_a_chat_body_carries_every_field_into_its_call():
         "model": "m", "max_tokens": 9, "max_completion_tokens": 7, "stop": ["\n\n", "END"],
         "messages": [
             {"role": "developer", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "Hi "}, {"type": "text", "text": "there"},
+            ]},
         ],
         "stream": True, "stream_options": {"include_usage": True},
         "vericache": EVERY_VERICACHE_FIELD, **EVERY_SAMPLING_FIELD,
