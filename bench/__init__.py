@@ -5,6 +5,7 @@ BENCHMARKS = {
     "batching": "vericache.bench.batching",
     "acceptance": "vericache.bench.acceptance",
     "codec": "vericache.bench.codec",
+    "coupling": "vericache.bench.coupling",
     "decode-speed": "vericache.bench.decode_speed",
     "exact-attention": "vericache.bench.exact_attention",
     "long-context": "vericache.bench.long_context",
