@@ -22,6 +22,8 @@ decoding.
 from __future__ import annotations
 
 import json
+import random
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,6 +284,9 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
         "identical": all(checked),
         "identical_rate": sum(checked) / max(1, len(checked)),
         "seeded_over_rejection_x30": seeded_over_rejection(table[default], labels),
+        "seeded_over_rejection_x30_pooled": pooled_seeded_over_rejection(
+            [r for r in records if r["draft_kv"] == default], labels
+        ),
         "dtype": args.dtype,
         "draft_kv": default,
         "meets_target": _meets_target(best),
@@ -320,6 +325,9 @@ DEFINITIONS = {
     "seeded_over_rejection_x30": "per temperature, the least over 4x compressors and the code and "
     "tool kinds of seeded coupling's x30 over rejection coupling's (target at T=0.7: >= "
     f"{SEEDED_OVER_REJECTION:g})",
+    "seeded_over_rejection_x30_pooled": "per temperature, seeded coupling's accepted per round at "
+    "x=30 over rejection coupling's, pooled over the 4x compressors and the code and tool "
+    "prompts (each prompt's mean over its rounds), with a 95% bootstrap interval over prompts",
 }
 
 
@@ -341,6 +349,48 @@ def seeded_over_rejection(table: dict, labels: list[str]) -> dict:
                     ratio = cell["30"]["mean"] / rejection["mean"]
                     ratios.setdefault(temperature, []).append(ratio)
     return {temperature: min(values) for temperature, values in ratios.items()}
+
+
+def pooled_seeded_over_rejection(
+    records: list[dict], labels: list[str], x: int = 30, draws: int = 2000
+) -> dict:
+    """Per temperature sampled with both couplings: the sum over prompts of seeded coupling's
+    per-prompt accepted per round at x over rejection coupling's, over the 4x compressors and
+    the code and tool kinds; its interval resamples prompts (a prompt's two couplings together:
+    the same prompt and seed)."""
+    by_label: dict[str, list[dict]] = {}
+    for record in records:
+        if record["kind"] in TARGET_KINDS:
+            by_label.setdefault(record["compressor"], []).append(record)
+    pooled = {}
+    for temperature in sorted({r.get("temperature") for r in records if r.get("temperature")}):
+        pairs = []  # (seeded, rejection) per prompt
+        for label in labels:
+            seeded = by_label.get(f"{label} T={temperature:g} seeded", [])
+            rejection = by_label.get(f"{label} T={temperature:g} rejection", [])
+            for one, other in zip(seeded, rejection):  # prompt by prompt, in the run's order
+                if one["first_mismatch"] and other["first_mismatch"]:
+                    pairs.append((_prompt_mean(one, x), _prompt_mean(other, x)))
+        if not pairs:
+            continue
+        rng = random.Random(0)
+        resampled = sorted(
+            _ratio([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(draws)
+        )
+        pooled[f"{temperature:g}"] = {
+            "ratio": _ratio(pairs),
+            "ci95": [resampled[int(0.025 * draws)], resampled[int(0.975 * draws) - 1]],
+            "num_prompts": len(pairs),
+        }
+    return pooled
+
+
+def _prompt_mean(record: dict, x: int) -> float:
+    return statistics.fmean(min(p, x) for p in record["first_mismatch"])
+
+
+def _ratio(pairs: list[tuple[float, float]]) -> float:
+    return sum(s for s, _ in pairs) / max(1e-9, sum(r for _, r in pairs))
 
 
 def _meets_target(best: dict) -> bool | None:

@@ -118,6 +118,24 @@ def test_sampled_settings_are_labelled_and_compared_by_coupling():
     assert ratios == {"0.7": pytest.approx(0.8)}  # the code cells: 20 / 25
 
 
+def test_the_pooled_ratio_sums_prompts_of_every_cell_and_resamples_them():
+    def sampled(kind, coupling, first_mismatch):
+        record = _record(kind, f"kivi-4bit T=0.7 {coupling}", first_mismatch)
+        return {**record, "temperature": 0.7}
+
+    records = [
+        sampled("code", "seeded", [20, 20]), sampled("code", "seeded", [10, 10]),
+        sampled("code", "rejection", [25, 25]), sampled("code", "rejection", [15, 15]),
+        sampled("tools", "seeded", [30, 30]), sampled("tools", "rejection", [30, 30]),
+        sampled("math", "seeded", [1]), sampled("math", "rejection", [30]),  # not a target kind
+    ]  # fmt: skip
+    (pooled,) = acceptance.pooled_seeded_over_rejection(records, ["kivi-4bit"]).values()
+    assert pooled["ratio"] == pytest.approx((20 + 10 + 30) / (25 + 15 + 30))
+    assert pooled["num_prompts"] == 3
+    low, high = pooled["ci95"]
+    assert 10 / 15 <= low <= pooled["ratio"] <= high <= 1.0  # between its prompts' own ratios
+
+
 @pytest.mark.slow
 def test_a_sampled_run_end_to_end(monkeypatch, tiny_chat_checkpoint, tmp_path):
     """The whole benchmark on the tiny chat model and two short prompts: greedy and sampled
