@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from vericache.bench.acceptance_report import (  # noqa: F401 - plot: the CLI's
     best_at_4x,
     markdown,
     plot,
+    prompt_mean,
     replay_table,
 )
 from vericache.bench.common import (
@@ -370,7 +370,7 @@ def pooled_seeded_over_rejection(
             rejection = by_label.get(f"{label} T={temperature:g} rejection", [])
             for one, other in zip(seeded, rejection):  # prompt by prompt, in the run's order
                 if one["first_mismatch"] and other["first_mismatch"]:
-                    pairs.append((_prompt_mean(one, x), _prompt_mean(other, x)))
+                    pairs.append((prompt_mean(one, x), prompt_mean(other, x)))
         if not pairs:
             continue
         rng = random.Random(0)
@@ -383,10 +383,6 @@ def pooled_seeded_over_rejection(
             "num_prompts": len(pairs),
         }
     return pooled
-
-
-def _prompt_mean(record: dict, x: int) -> float:
-    return statistics.fmean(min(p, x) for p in record["first_mismatch"])
 
 
 def _ratio(pairs: list[tuple[float, float]]) -> float:

@@ -40,11 +40,7 @@ def replay_table(records: list[dict], draft_lens: list[int]) -> dict:
     for (source, kind, label), group in sorted(groups.items()):
         cells = {}
         for x in draft_lens:
-            per_prompt = [
-                statistics.fmean(min(p, x) for p in r["first_mismatch"])
-                for r in group
-                if r["first_mismatch"]
-            ]
+            per_prompt = [prompt_mean(r, x) for r in group if r["first_mismatch"]]
             if not per_prompt:
                 continue
             mean, ci = mean_ci95(per_prompt)
@@ -56,6 +52,11 @@ def replay_table(records: list[dict], draft_lens: list[int]) -> dict:
             }
         table.setdefault(source, {}).setdefault(kind, {})[label] = cells
     return table
+
+
+def prompt_mean(record: dict, x: int) -> float:
+    """A prompt's accepted drafts per round at x, replayed from its rounds' first mismatches."""
+    return statistics.fmean(min(p, x) for p in record["first_mismatch"])
 
 
 def best_at_4x(x30: dict) -> dict | None:
