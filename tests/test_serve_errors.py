@@ -8,7 +8,13 @@ import time
 import grpc
 import pytest
 
-from tests.serve_fixtures import CONTEXT, open_sessions, start_server, wait_for
+from tests.serve_fixtures import (
+    CONTEXT,
+    a_tenth_of_its_time,
+    open_sessions,
+    start_server,
+    wait_for,
+)
 from vericache.client import Client
 from vericache.client.errors import (
     DeadlineExceededError,
@@ -120,11 +126,9 @@ def test_no_drafter_is_unavailable_and_full_local_still_serves(tiny_chat_checkpo
 
 def test_a_passed_deadline_stops_the_work(server):
     with Client(server.target) as client:
-        # A deadline a tenth of what the request takes without one: inside the request on a fast
-        # machine as on a loaded one.
-        started = time.monotonic()
-        client.generate("Count.", mode="full_local", max_tokens=400)
-        timeout_s = (time.monotonic() - started) / 10
+        timeout_s = a_tenth_of_its_time(
+            lambda: client.generate("Count.", mode="full_local", max_tokens=400)
+        )
         with pytest.raises(DeadlineExceededError):
             client.generate("Count.", mode="full_local", max_tokens=400, timeout=timeout_s)
     assert wait_for(lambda: open_sessions(server) == 0)
