@@ -33,6 +33,10 @@ def test_a_calibration_measures_fits_and_predicts_every_forward(tmp_path):
     assert profile.hbm_bytes_per_s > 0 and profile.peak_flops > 0
     assert profile.forward_overhead_s >= 0 and profile.layer_overhead_s >= 0
     assert [p["rows"] for p in result["products"]] == [1, 2, 8]
+    # The products' curve is what they measured, per weight byte, at every row count.
+    assert profile.product_curve == tuple(
+        (p["rows"], pytest.approx(p["seconds"] / p["weight_bytes"])) for p in result["products"]
+    )
     shapes = {
         (f["num_layers"], f["new_tokens"], f["context"], f["batch"]) for f in result["forwards"]
     }

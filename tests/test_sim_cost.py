@@ -132,3 +132,27 @@ def test_bad_rows_and_profiles_are_refused(tmp_path):
     (tmp_path / "zero.json").write_text(json.dumps({**device.__dict__, "compute_efficiency": 0}))
     with pytest.raises(InvalidRequestError, match="compute_efficiency"):
         device_profile(str(tmp_path / "zero.json"))
+
+
+def test_measured_products_follow_their_curve_not_the_roofline(tmp_path):
+    """Between the row counts timed the products' time is interpolated, past the last it grows
+    with the rows (flops bind); a calibration's curve survives its JSON."""
+    model = model_profile("smollm2-135m")
+    curve = ((1, 1e-10), (8, 2e-10), (16, 4e-10))
+    measured = DeviceProfile(**{**CPU_LIKE.__dict__, "product_curve": curve})
+    weight_bytes = model.weights_bytes()
+
+    def products_s(device, rows: int) -> float:
+        return forward_cost(model, device, [Row(rows, 0, 1.0)]).dense_s
+
+    assert products_s(measured, 1) == pytest.approx(weight_bytes * 1e-10)
+    assert products_s(measured, 12) == pytest.approx(weight_bytes * 3e-10)  # halfway 8 to 16
+    assert products_s(measured, 32) == pytest.approx(weight_bytes * 8e-10)  # twice 16's
+    roofline = max(weight_bytes / CPU_LIKE.bytes_per_s, 2 * model.num_params * 12 / 6e10)
+    assert products_s(CPU_LIKE, 12) == pytest.approx(roofline)
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(measured.__dict__))
+    assert device_profile(str(path)) == measured
+    for bad in (((2, 1e-10),), ((1, 1e-10), (1, 2e-10)), ((1, 0.0),), ((1, 1e-10, 3),)):
+        with pytest.raises(InvalidRequestError, match="product_curve"):
+            DeviceProfile(**{**CPU_LIKE.__dict__, "product_curve": bad})

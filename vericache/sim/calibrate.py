@@ -3,8 +3,10 @@
 The one part of vericache/sim that needs torch (the simulator reads only the JSON it writes). It
 builds random weights of the named architecture on the device (the whole model, or a slice of its
 layers where the whole does not fit) and times:
-- products through the engine's linear kernel at 1 to 512 rows: their weight bytes over the time
-  at one row is the sustained bandwidth, their flops at the most rows the sustained compute;
+- a layer's products through the engine's linear kernel at 1 to 512 rows: their seconds per
+  weight byte at each row count is the products' curve the cost model follows; their weight
+  bytes over the time at one row is the sustained bandwidth, their flops at their fastest the
+  sustained compute;
 - host-to-device copies (pinned on CUDA; a copy between buffers on CPU), alone and beside compute;
 - whole forwards through the engine's forward loop: decode steps at several contexts and batches,
   and verifications of x+1 tokens. From them come attention's own rates, where they differ from
@@ -33,11 +35,10 @@ import torch
 
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.errors import InvalidRequestError
-from vericache.model.linear import Linear
 from vericache.model.runner import ModelRunner
 from vericache.sim.cost import Row, attention_flops, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile
-from vericache.sim.random_weights import params_per_layer, random_runner
+from vericache.sim.random_weights import params_per_layer, random_layer, random_runner
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ def calibrate(
         forward_overhead_s=0.0,
         layer_overhead_s=0.0,
         allreduce_latency_s=base.allreduce_latency_s if base else 0.0,
+        product_curve=tuple((p["rows"], p["seconds"] / p["weight_bytes"]) for p in products),
     )
     profile = _with_attention_bandwidth(profile, model, forwards, element_size)
     profile = _with_overhead(profile, model, forwards, element_size)
@@ -151,23 +153,31 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
 
 
 def _products(model: ModelProfile, device, dtype, plan: CalibrationPlan) -> list[dict]:
-    """The MLP's up projection (the model's largest per-layer product) at each row count, over
-    enough distinct copies of the weight that they stream from memory, not from a cache, as a
-    forward's weights do."""
-    weight = torch.randn(model.intermediate_size, model.hidden_size, device=device).to(dtype)
-    copies = min(MAX_WEIGHT_COPIES, max(1, -(-plan.stream_bytes // weight.nbytes)))
-    linears = [Linear(weight.clone()) for _ in range(copies)]
+    """A layer's products (QKV, output, gate-up and down projections, as the engine runs them) at
+    each row count, over enough distinct copies of the layer that they stream from memory, not
+    from a cache, as a forward's weights do."""
+    layer_bytes = params_per_layer(model) * torch.finfo(dtype).bits // 8
+    copies = min(MAX_WEIGHT_COPIES, max(1, -(-plan.stream_bytes // layer_bytes)))
+    layers = [random_layer(model, device, dtype) for _ in range(copies)]
+    products = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
+    weights = [linear.weight for linear in products[0]]
     out = []
     for rows in plan.product_rows:
-        x = torch.randn(rows, model.hidden_size, device=device).to(dtype)
-        seconds = _timed(lambda x=x: [linear(x) for linear in linears], device, plan.repeats)
-        flops = 2 * rows * weight.numel() * copies
+        # One input per product's input width: [rows, in]
+        inputs = [torch.randn(rows, w.shape[1], device=device).to(dtype) for w in weights]
+
+        def run(inputs=inputs):
+            for layer in products:
+                for linear, x in zip(layer, inputs):
+                    linear(x)
+
+        seconds = _timed(run, device, plan.repeats)
         out.append(
             {
                 "rows": rows,
                 "seconds": seconds,
-                "flops": flops,
-                "weight_bytes": weight.nbytes * copies,
+                "flops": 2 * rows * sum(w.numel() for w in weights) * copies,
+                "weight_bytes": sum(w.nbytes for w in weights) * copies,
             }
         )
     return out

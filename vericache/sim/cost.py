@@ -1,10 +1,12 @@
 """The cost of one forward on one device (or one tensor-parallel group), from first principles.
 
-t = max(weight bytes / bandwidth, dense flops / compute)
-  + max(KV bytes / attention bandwidth, attention flops / attention compute)
+t = products + max(KV bytes / attention bandwidth, attention flops / attention compute)
   + overhead + communication, where
-- weight bytes are read once per forward, whatever the batch, and dense flops are 2 x parameters
-  per new token: the products;
+- the products read the weights once per forward, whatever the batch, and do 2 x parameters
+  flops per new token. Where `vericache calibrate` measured them at 1 to 512 rows, their time is
+  the weight bytes times the measured seconds per byte at the forward's row count (interpolated
+  between the row counts timed, and growing with the rows past the last, where flops bind); else
+  max(weight bytes / bandwidth, dense flops / compute), the roofline;
 - KV bytes are every row's KV read and written, and attention flops 4 x heads x head size per
   (query, key) pair and layer (QK^T and PV, a multiply and an add each): attention. The two run
   one after the other in every layer, so their times add; each is bound by whichever of its
@@ -93,7 +95,8 @@ def forward_cost(
     weights_s, dense_compute_s = weight_bytes / device.bytes_per_s, dense_flops / device.flops
     kv_s = kv_bytes / group / device.attention_read_bytes_per_s
     attention_compute_s = attention / group / device.attention_flops_per_s
-    dense_s, attention_s = max(weights_s, dense_compute_s), max(kv_s, attention_compute_s)
+    dense_s = products_seconds(device, weight_bytes, dense_flops, new_tokens)
+    attention_s = max(kv_s, attention_compute_s)
     overhead_s = device.forward_overhead_s + device.layer_overhead_s * model.num_layers
     num_exact = sum(row.exact for row in rows)
     row_s = device.row_overhead_s * len(rows) + device.exact_row_overhead_s * num_exact
@@ -123,6 +126,26 @@ def forward_seconds(
     """The seconds of a forward whose weights, activations and KV share one element size."""
     cost = forward_cost(model, device, rows, element_size, element_size, tensor_parallel)
     return cost.seconds
+
+
+def products_seconds(
+    device: DeviceProfile, weight_bytes: float, flops: float, num_rows: int
+) -> float:
+    """The products of a forward of `num_rows` new tokens: on the device's measured curve where
+    it has one, else the roofline."""
+    curve = device.product_curve
+    if not curve:
+        return max(weight_bytes / device.bytes_per_s, flops / device.flops)
+    upper = next((i for i, (rows, _) in enumerate(curve) if rows >= num_rows), None)
+    if upper is None:  # past the rows timed: flops bind, so the time grows with the rows
+        last_rows, last_per_byte = curve[-1]
+        return weight_bytes * last_per_byte * num_rows / last_rows
+    rows_above, per_byte_above = curve[upper]
+    if rows_above == num_rows or upper == 0:
+        return weight_bytes * per_byte_above
+    rows_below, per_byte_below = curve[upper - 1]
+    share = (num_rows - rows_below) / (rows_above - rows_below)
+    return weight_bytes * (per_byte_below + share * (per_byte_above - per_byte_below))
 
 
 def weights_fit(

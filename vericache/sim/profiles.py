@@ -72,8 +72,16 @@ class DeviceProfile:
     # one's does not (the 135M engine on an H200: about 8 ms a row over its 30 layers).
     row_overhead_s: float = 0.0
     exact_row_overhead_s: float = 0.0  # what a row on the batch-invariant kernels adds, per layer
+    # The products' measured seconds per weight byte at each row count, (rows, seconds / byte)
+    # with rows rising from 1: a device's kernels do not follow the roofline between its two
+    # ends (a CPU's products at 8 to 24 rows take 20-30% longer than max(bytes / bandwidth,
+    # flops / peak)). Empty: the roofline.
+    product_curve: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
+        # JSON gives lists; a frozen record keeps tuples.
+        object.__setattr__(self, "product_curve", tuple(map(tuple, self.product_curve)))
+        _check_product_curve(self)
         _check_positive(self, ("memory_bytes", "hbm_bytes_per_s", "peak_flops"))
         _check_positive(self, ("host_to_device_bytes_per_s", "interconnect_bytes_per_s"))
         for name in ("bandwidth_efficiency", "compute_efficiency"):
@@ -160,6 +168,19 @@ def _read(kind: str, name_or_path: str, record: type) -> dict:
             f"the profile {name_or_path}: unknown fields {unknown}, missing fields {missing}"
         )
     return data
+
+
+def _check_product_curve(profile: DeviceProfile) -> None:
+    rows = [point[0] for point in profile.product_curve]
+    valid = all(
+        len(point) == 2 and isinstance(point[0], int) and point[1] > 0
+        for point in profile.product_curve
+    )
+    if not valid or (rows and (rows[0] != 1 or rows != sorted(set(rows)))):
+        raise InvalidRequestError(
+            f"{profile.name}: product_curve must be (rows, seconds per byte > 0) pairs at rising "
+            "row counts from 1"
+        )
 
 
 def _check_positive(profile, names: tuple[str, ...]) -> None:

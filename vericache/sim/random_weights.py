@@ -28,30 +28,31 @@ def random_runner(model: ModelProfile, num_layers: int, device, dtype) -> ModelR
         tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
         layer_windows=(None,) * num_layers, eos_token_ids=(0,),
     )  # fmt: skip
-
-    def linear(out_features: int, in_features: int, weight_dtype=dtype) -> Linear:
-        weight = torch.randn(out_features, in_features, device=device) * in_features**-0.5
-        return Linear(weight.to(weight_dtype))
-
-    h, q, kv = (
-        model.hidden_size,
-        model.num_heads * model.head_dim,
-        model.num_kv_heads * model.head_dim,
-    )
-    ones = torch.ones(h, device=device, dtype=dtype)
-    layers = [
-        LayerWeights(
-            input_norm=ones,
-            qkv=linear(q + 2 * kv, h),
-            q_norm=None,
-            k_norm=None,
-            o_proj=linear(h, q),
-            post_attention_norm=ones,
-            gate_up=linear(2 * model.intermediate_size, h),
-            down=linear(h, model.intermediate_size),
-        )  # fmt: skip
-        for _ in range(num_layers)
-    ]
-    embed = torch.randn(model.vocab_size, h, device=device).to(dtype)
-    head = linear(model.vocab_size, h, torch.float32)
+    ones = torch.ones(model.hidden_size, device=device, dtype=dtype)
+    layers = [random_layer(model, device, dtype) for _ in range(num_layers)]
+    embed = torch.randn(model.vocab_size, model.hidden_size, device=device).to(dtype)
+    head = _linear(model.vocab_size, model.hidden_size, device, torch.float32)
     return ModelRunner(config, ModelWeights(embed, layers, ones, head), device)
+
+
+def random_layer(model: ModelProfile, device, dtype) -> LayerWeights:
+    """One decoder layer of random weights of `model`'s shapes, its products fused as the engine
+    runs them (QKV, and gate with up)."""
+    h, i = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    ones = torch.ones(h, device=device, dtype=dtype)
+    return LayerWeights(
+        input_norm=ones,
+        qkv=_linear(q + 2 * kv, h, device, dtype),
+        q_norm=None,
+        k_norm=None,
+        o_proj=_linear(h, q, device, dtype),
+        post_attention_norm=ones,
+        gate_up=_linear(2 * i, h, device, dtype),
+        down=_linear(h, i, device, dtype),
+    )
+
+
+def _linear(out_features: int, in_features: int, device, dtype) -> Linear:
+    weight = torch.randn(out_features, in_features, device=device) * in_features**-0.5
+    return Linear(weight.to(dtype))
