@@ -3,6 +3,8 @@ result."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.sim_scenarios import remote_prefix_scenario
@@ -35,6 +37,20 @@ def test_every_configuration_serves_every_token():
         vericache.tokens_per_s
         / max(result[name].tokens_per_s for name in ("full_local", "full_remote", "full_both"))
     )
+
+
+def test_a_verifier_that_keeps_two_sessions_resident_reloads_the_others_for_their_rounds():
+    """VeriCache's verifier as built (verifier_resident_bytes, room for two sessions' full KV):
+    all eight sessions go on at once instead of waiting for room to open, and a round finds its
+    session's full KV dropped by another's load more often than not."""
+    scenario = _scenario(arrivals=(0.0,) * 8, verifier_prefix_lru_bytes=0)
+    full = scenario.prefix_bytes(compressed=False) + scenario.own_bytes(256)
+    paged = simulate_vericache(scenario)
+    resident = simulate_vericache(dataclasses.replace(scenario, verifier_resident_bytes=2 * full))
+    assert resident.num_output_tokens == paged.num_output_tokens
+    assert resident.peak_kv_bytes <= 2 * full < paged.peak_kv_bytes
+    reloads = (resident.link_bytes - paged.link_bytes) / scenario.prefix_bytes(compressed=False)
+    assert reloads > len(resident.accepted_per_round) / 2
 
 
 def test_a_prefix_is_fetched_once_shared_and_evicted_least_recent_first_when_unreferenced():

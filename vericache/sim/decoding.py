@@ -37,6 +37,9 @@ class SimSequence:
             )
         request = Request((OTHER,), params=SamplingParams(max_new_tokens), mode=DecodeMode.FULL)
         self.seq = Sequence.start(request, (), max_positions - prompt_tokens + 1)
+        # Output tokens it may emit in all (the budget, within the context): what its KV is
+        # sized for, from its open to its end.
+        self.max_output_tokens = self.num_left
 
     @property
     def is_finished(self) -> bool:

@@ -21,9 +21,11 @@ Memory: with per-request rounds and in the full-KV configurations, a worker keep
 serves resident, as a paged server with prefix caching does (remote_prefix_workers.WorkerMemory):
 a prefix's KV is held once and shared by the sessions over it, cached after they end, fetched on
 a miss (a verifier's full KV from the store, a drafter's compressed or full KV over the network),
-and a session waits for room before it opens. Assumptions, stated: a compressed prefix keeps every
-token at `compressed_ratio` of the full bytes (quantization, KIVI); the network link of each
-drafter is its own.
+and a session waits for room before it opens. A verifier with `verifier_resident_bytes` keeps
+sessions' full KV as VeriCache's does instead (residency.py): each of its forwards brings its
+session's back, from the store, if another's load dropped it. Assumptions, stated: a compressed
+prefix keeps every token at `compressed_ratio` of the full bytes (quantization, KIVI); the network
+link of each drafter is its own.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class VeriCacheRequest:
     def start(cls, run: Run, prefix: int, num_tokens: int, arrival_s: float) -> None:
         drafter, verifier = least_busy(run.drafters), least_busy(run.verifiers)
         request = cls(run, prefix, run.sequence(num_tokens), arrival_s, drafter, verifier)
+        if verifier.residency is not None:  # a load moves the prefix's full KV
+            prefix_bytes = run.scenario.prefix_bytes(compressed=False)
+            verifier.residency.open(request, request.full_kv_bytes(), prefix_bytes)
         # Memory in one order, the verifier's first: no two sessions wait on each other. Each
         # admission brings its prefix, unless held: the full KV from the store to the verifier,
         # the compressed KV over the network to the drafter.
@@ -68,22 +73,34 @@ class VeriCacheRequest:
         )
 
     def verifier_session(self) -> Session:
-        """Over the prefix's full KV, which verifications attend over."""
+        """Over the prefix's full KV, which verifications attend over (the residency's, where
+        the verifier keeps one)."""
+        if self.verifier.residency is not None:
+            return Session(None, 0, 0)
         scenario = self.run.scenario
-        own = scenario.own_bytes(self.seq.num_left)
+        own = scenario.own_bytes(self.seq.max_output_tokens)
         key = self.run.prefix_key(self.prefix, self)
         return Session(key, scenario.prefix_bytes(compressed=False), own)
 
     def drafter_session(self) -> Session:
         """Over the prefix's compressed KV, beside the exact KV of its own tokens."""
         scenario = self.run.scenario
-        own = scenario.own_bytes(self.seq.num_left)
+        own = scenario.own_bytes(self.seq.max_output_tokens)
         key = self.run.prefix_key(self.prefix, self)
         return Session(key, scenario.prefix_bytes(compressed=True), own)
+
+    def full_kv_bytes(self) -> int:
+        """The session's full KV on the verifier: its prefix's and all its own tokens'."""
+        scenario = self.run.scenario
+        return scenario.prefix_bytes(compressed=False) + scenario.own_bytes(
+            self.seq.max_output_tokens
+        )
 
     def finished(self) -> None:
         self.verifier.memory.release(self.verifier_session())
         self.drafter.memory.release(self.drafter_session())
+        if self.verifier.residency is not None:
+            self.verifier.residency.close(self)
         self.run.finish(self.verifier, self.arrival_s)
         self.drafter.num_requests -= 1
 
@@ -93,7 +110,21 @@ class VeriCacheRequest:
 
     def _prefill(self) -> None:
         row = self.run.scenario.row(self.run.scenario.suffix_tokens, 0, compressed=False)
-        self.verifier.loop.submit(SimJob(lambda: row, 1, self._first_token))
+        self._on_verifier(row, self._first_token)
+
+    def _on_verifier(self, row: Row, then: Callable[[], None]) -> None:
+        """One verifier forward over the session's full KV, brought onto its device first (and
+        held there meanwhile) where the verifier keeps a residency."""
+        residency = self.verifier.residency
+        if residency is None:
+            self.verifier.loop.submit(SimJob(lambda: row, 1, then))
+            return
+
+        def done() -> None:
+            residency.release(self)
+            then()
+
+        residency.use(self, lambda: self.verifier.loop.submit(SimJob(lambda: row, 1, done)))
 
     def _first_token(self) -> None:
         self._committed(self.seq.first_token(), exact_tokens=self.run.scenario.suffix_tokens + 1)
@@ -129,7 +160,7 @@ class VeriCacheRequest:
 
     def _verify(self) -> None:
         row = self.run.scenario.row(self.seq.num_drafts + 1, self._after_prefix(), compressed=False)
-        self.verifier.loop.submit(SimJob(lambda: row, 1, self._verified))
+        self._on_verifier(row, self._verified)
 
     def _verified(self) -> None:
         num_drafts = self.seq.num_drafts
@@ -173,7 +204,7 @@ class _FullRequest:
     @property
     def session(self) -> Session:
         scenario = self.run.scenario
-        own = scenario.own_bytes(self.seq.num_left)
+        own = scenario.own_bytes(self.seq.max_output_tokens)
         key = self.run.prefix_key(self.prefix, self)
         return Session(key, scenario.prefix_bytes(compressed=False), own)
 

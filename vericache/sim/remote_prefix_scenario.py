@@ -59,6 +59,12 @@ class RemotePrefixScenario:
     # checking it) on its own device, between forwards, in bytes/s; None: at once, off the device
     # (a GPU's copy engines beside compute).
     network_receive_bytes_per_s: float | None = None
+    # Where set, a verifier keeps sessions' full KV as VeriCache's does (VerifierConfig.
+    # resident_bytes, sim/residency.py): at most this many bytes between calls, the least
+    # recently used dropped when a load needs room and loaded again by its next call. None: a
+    # per-request session holds its full KV from open to end (WorkerMemory), and scheduled rounds
+    # load it for every verification.
+    verifier_resident_bytes: int | None = None
 
     def __post_init__(self):
         counts = (self.num_verifiers, self.num_drafters, self.prefix_tokens, self.num_prefixes)
@@ -73,6 +79,9 @@ class RemotePrefixScenario:
         receive = self.network_receive_bytes_per_s
         if receive is not None and not receive > 0:
             raise InvalidRequestError("network_receive_bytes_per_s must be > 0")
+        resident = self.verifier_resident_bytes
+        if resident is not None and not 0 < resident <= self.kv_room_bytes:
+            raise InvalidRequestError("verifier_resident_bytes must lie in (0, kv_room_bytes]")
         lru = (self.verifier_prefix_lru_bytes, self.drafter_prefix_lru_bytes)
         if any(size is not None and size < 0 for size in lru):
             raise InvalidRequestError("a prefix LRU's bytes must be >= 0")

@@ -8,7 +8,9 @@ token is committed. Then the verifier's scheduler takes it, and each iteration o
 clock (a draft step long, refined by every draft the drafters report):
 - starts the plan's full-KV loads on the store link; the full KV is on the verifier's device only
   from its load to its verification, as the scheduler's memory ring plans it (unlike per-request
-  rounds, no session stays resident between rounds);
+  rounds, no session stays resident between rounds). A verifier that keeps VeriCache's residency
+  (`verifier_resident_bytes`) makes the session resident instead, held until verified, loading
+  only a session it dropped since, as the served verifier's load ahead does;
 - begins the round of each request whose first draft iteration it is: one draft call of the
   reserved length (within the budget and the context, the engine's round decides), which carries
   the last round's exact KV across the network, drafts step by step batched with the drafter's other
@@ -47,6 +49,7 @@ def simulate_vericache_scheduled(
 class _ScheduledRequest(VeriCacheRequest):
     exact_tokens: int = 0  # committed since the last draft call: their exact KV goes with the next
     drafted: bool = False
+    loading: bool = False  # its full KV on the store link
     loaded: bool = False
     batch: _Batch | None = None
 
@@ -60,7 +63,11 @@ class _ScheduledRequest(VeriCacheRequest):
         return Session(None, 0, 0)
 
     def _open(self) -> None:
-        """The prefill needs the prefix's full KV on the verifier for its own forward."""
+        """The prefill needs the prefix's full KV on the verifier for its own forward (which
+        the verifier's residency, if it keeps one, brings)."""
+        if self.verifier.residency is not None:
+            self._prefill()
+            return
         full = self.run.scenario.prefix_bytes(compressed=False)
         self.verifier.link.send(full, self._prefill)
 
@@ -99,15 +106,40 @@ class _ScheduledRequest(VeriCacheRequest):
         if self.batch is not None:
             self.batch.check()
 
-    def on_loaded(self) -> None:
-        self.loaded = True
+    @property
+    def is_in_flight(self) -> bool:
+        """Whether a call of its round is on its way: its draft, its load, or its verification
+        (waiting for them, or in the verifier's forward), as the coordinator's round tasks."""
+        is_drafting = self.seq.in_round and not self.drafted
+        is_verifying = self.batch is not None and not self.batch.is_done
+        return is_drafting or self.loading or is_verifying
+
+    def load(self, num_bytes: int) -> None:
+        """The plan's load ahead of the verification: over the store link, or made resident
+        (and held there until verified) by the verifier's residency, which moves nothing for a
+        session it still holds."""
+        self.loading = True
+        if self.verifier.residency is not None:
+            self.verifier.residency.use(self, self._on_loaded)
+        else:
+            self.verifier.link.send(num_bytes, self._on_loaded)
+
+    def _on_loaded(self) -> None:
+        self.loading, self.loaded = False, True
         if self.batch is not None:
             self.batch.check()
 
     def verify_job(self, done: Callable[[], None]) -> SimJob:
         scenario = self.run.scenario
         row = scenario.row(self.seq.num_drafts + 1, self._after_prefix(), compressed=False)
-        return SimJob(lambda: row, 1, done)
+        residency = self.verifier.residency
+
+        def verified() -> None:
+            if residency is not None:
+                residency.release(self)  # held since its load
+            done()
+
+        return SimJob(lambda: row, 1, verified)
 
     def report(self) -> tuple[int, bool]:
         """Commits the verified round; returns the accepted drafts and whether it finished."""
@@ -161,10 +193,16 @@ class VerifierSchedule:
         scenario = run.scenario
         self.run, self.verifier = run, verifier
         step_s = scenario.forward_s([scenario.row(1, scenario.suffix_tokens, compressed=True)])
+        # The plan's memory: the verifier's, or the full KV it keeps (as the coordinator plans
+        # within VerifierConfig.resident_bytes) beside its weights.
+        resident = scenario.verifier_resident_bytes
+        budget = (
+            scenario.memory_budget_bytes if resident is None else scenario.weights_bytes + resident
+        )
         costs = CostModel(
             step_s,
             link_bytes_per_s=scenario.store_bytes_per_s * scenario.tensor_parallel,
-            memory_budget_bytes=scenario.memory_budget_bytes,
+            memory_budget_bytes=budget,
             weights_bytes=scenario.weights_bytes,
         )
         self.scheduler = make_scheduler(costs)
@@ -181,11 +219,8 @@ class VerifierSchedule:
         return max(0, self.scheduler.metrics.peak_memory_bytes - self.scheduler.costs.weights_bytes)
 
     def add(self, entry: _ScheduledRequest) -> None:
-        scenario = self.run.scenario
-        full_kv_bytes = scenario.prefix_bytes(compressed=False) + scenario.own_bytes(
-            entry.seq.num_left
-        )
-        request = SchedulerRequest(entry.request_id, full_kv_bytes, 0, scenario.draft_len)
+        draft_len = self.run.scenario.draft_len
+        request = SchedulerRequest(entry.request_id, entry.full_kv_bytes(), 0, draft_len)
         self.scheduler.add_request(request)
         self.entries[entry.request_id] = entry
         if not self._ticking:
@@ -199,8 +234,7 @@ class VerifierSchedule:
         started = self.run.sim.now
         plan = self.scheduler.schedule()
         for load in plan.loads:
-            entry = self.entries[load.request_id]
-            self.verifier.link.send(load.num_bytes, entry.on_loaded)
+            self.entries[load.request_id].load(load.num_bytes)
         for request_id in plan.draft_ids:
             entry = self.entries[request_id]
             if not entry.seq.in_round:
@@ -239,5 +273,8 @@ class VerifierSchedule:
                 del self.entries[verify.request_id]
                 entry.finished()
         self.scheduler.end_iteration(None)  # the drafters time the steps
+        # An iteration lasts a draft step while work is in flight; with none (a plan's load
+        # iterations already served, say), the next follows at once, as the coordinator paces.
         wait = started + self.scheduler.costs.iteration_s - self.run.sim.now
-        self.run.sim.after(max(0.0, wait), self._iteration)
+        is_in_flight = any(entry.is_in_flight for entry in self.entries.values())
+        self.run.sim.after(max(0.0, wait) if is_in_flight else 0.0, self._iteration)

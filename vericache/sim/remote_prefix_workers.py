@@ -14,6 +14,7 @@ from vericache.sim.events import Device, Link, Simulation
 from vericache.sim.kv_memory import WorkerMemory
 from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
+from vericache.sim.residency import SimResidency
 
 if TYPE_CHECKING:
     from vericache.sim.remote_prefix_scheduled import VerifierSchedule
@@ -40,17 +41,24 @@ class Worker:
         room = run.scenario.kv_room_bytes
         inbound = self.link if receive_bytes_per_s is None else _Received(self, receive_bytes_per_s)
         self.memory = WorkerMemory(room, inbound, caching, prefix_lru_bytes)
+        self.residency: SimResidency | None = None  # a verifier's, where it keeps VeriCache's
         self.schedule: VerifierSchedule | None = None  # a verifier's, with scheduled rounds
 
     @property
     def kv_bytes(self) -> int:
-        """The KV it holds now: its sessions' and prefixes', and what its scheduler planned."""
+        """The KV it holds now: its sessions' and prefixes', and the full KV its residency holds
+        or else its scheduler planned."""
+        if self.residency is not None:
+            return self.memory.used_bytes + self.residency.held_bytes
         planned = self.schedule.kv_bytes if self.schedule is not None else 0
         return self.memory.used_bytes + planned
 
     @property
     def peak_kv_bytes(self) -> int:
-        """The most KV it held: its sessions' and prefixes', or what its scheduler planned."""
+        """The most KV it held: its sessions' and prefixes', or the full KV its residency held or
+        else its scheduler planned."""
+        if self.residency is not None:
+            return max(self.memory.peak_bytes, self.residency.peak_bytes)
         planned = self.schedule.peak_kv_bytes if self.schedule is not None else 0
         return max(self.memory.peak_bytes, planned)
 
@@ -85,6 +93,9 @@ class Run:
             )
             for i in range(scenario.num_verifiers)
         ]  # fmt: skip
+        if scenario.verifier_resident_bytes is not None:
+            for verifier in self.verifiers:
+                verifier.residency = SimResidency(scenario.verifier_resident_bytes, verifier.link)
         self.drafters = [
             Worker(
                 self, f"drafter{i}", scenario.network_bytes_per_s, scenario.network_latency_s,
