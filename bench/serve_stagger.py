@@ -29,7 +29,7 @@ from pathlib import Path
 from vericache.bench.common import compressor_from_label, environment, pyplot, save_figure
 from vericache.bench.serving import ray_server, ray_session, serve_stream, stream_record
 from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
-from vericache.client import Client
+from vericache.client import Client, PrefixInfo
 from vericache.engine.device_memory import cache_capacity, slot_bytes
 from vericache.engine.prompt import build_chat_prompt
 from vericache.model.config import ModelConfig
@@ -38,6 +38,7 @@ from vericache.scheduler import SchedulerConfig
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 
 POLICIES = ("per-request", "lockstep", "staggered")
+PREFIX_FIELDS = ("num_tokens", "full_kv_bytes", "compressed_kv_bytes")  # recorded of each prefix
 
 
 def add_arguments(parser) -> None:
@@ -108,8 +109,9 @@ def run(args) -> dict:
     resident_bytes = int(spec.resident_full_kvs * request_kv_bytes)
     with ray_session(1), tempfile.TemporaryDirectory() as directory:
         root = Path(directory)
-        prefix_ids, prefix_kv_bytes = _register(spec, root, contexts)
-        stream = [(prefix_ids[p], prompt) for p, prompt in jobs]
+        prefixes = _register(spec, root, contexts)
+        prefix_kv_bytes = max(p.full_kv_bytes for p in prefixes)
+        stream = [(prefixes[p].prefix_id, prompt) for p, prompt in jobs]
 
         def serve(scheduling: str, load_bandwidth: float | None, mode: str = "vericache"):
             verifier = VerifierConfig(
@@ -140,6 +142,9 @@ def run(args) -> dict:
         "environment": environment(),
         "request_full_kv_bytes": request_kv_bytes,
         "prefix_full_kv_bytes": prefix_kv_bytes,
+        # What the simulator needs of the prefixes and the drafter (bench sim-validate).
+        "prefixes": [{name: getattr(p, name) for name in PREFIX_FIELDS} for p in prefixes],
+        "drafter_kv_cache_bytes": DrafterConfig(model=spec.model).kv_cache_bytes,
         "calibration": calibration,
         "full_local": full_local,
         "runs": runs,
@@ -156,8 +161,8 @@ def _request_kv_bytes(spec: Setup, model_dir, tokenizer, contexts, jobs) -> int:
     return cache_capacity(wanted, config.max_position_embeddings) * slot_bytes(config, 4)
 
 
-def _register(spec: Setup, root: Path, contexts) -> tuple[list[str], int]:
-    """Registers every prefix; returns their ids and the largest one's full-KV bytes."""
+def _register(spec: Setup, root: Path, contexts) -> list[PrefixInfo]:
+    """Registers every prefix; returns what the server says of each."""
     params = compressor_from_label(spec.compressor).spec()["params"]
     verifier = VerifierConfig(model=spec.model, root=root)
     with ray_server(verifier, DrafterConfig(model=spec.model), 1) as server:
@@ -171,19 +176,23 @@ def _register(spec: Setup, root: Path, contexts) -> tuple[list[str], int]:
                 )
                 for context in contexts
             ]
-            full_kv_bytes = max(client.get_prefix(p).full_kv_bytes for p in prefix_ids)
-    return prefix_ids, full_kv_bytes
+            return [client.get_prefix(p) for p in prefix_ids]
 
 
-def _serve(spec: Setup, verifier: VerifierConfig, scheduling: str, stream, mode: str):
-    """The stream on fresh workers: its record (with the verifier's peak residency and, when
-    scheduled, the measured iteration time) and every output's token ids."""
-    config = CoordinatorConfig(
+def coordinator_config(spec: Setup, scheduling: str) -> CoordinatorConfig:
+    """How the stream's rounds are driven under one policy: all its requests at once."""
+    return CoordinatorConfig(
         default_draft_len=spec.draft_len,
         max_running=spec.num_requests,
         scheduling=scheduling,
         scheduler=SchedulerConfig(window=spec.window),
     )
+
+
+def _serve(spec: Setup, verifier: VerifierConfig, scheduling: str, stream, mode: str):
+    """The stream on fresh workers: its record (with the verifier's peak residency and, when
+    scheduled, the measured iteration time) and every output's token ids."""
+    config = coordinator_config(spec, scheduling)
     with ray_server(verifier, DrafterConfig(model=spec.model), 1, config) as server:
         wall_s, results, cpu_s, _ = serve_stream(
             server.target, stream, mode, spec.max_tokens, spec.draft_len, spec.num_requests

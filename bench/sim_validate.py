@@ -9,18 +9,22 @@ In one run, on one torch thread per worker (the Ray workers' setting, and the ca
    median of `--repeats` (3) serves.
 3. `bench long-context --quick`: full-KV decoding and VERICACHE at one memory budget, and
    `bench stagger --quick`: lock-step against staggered scheduling over a slow link.
-4. Each configuration simulated (bench/sim_validate_scenarios.py): the stream, the link, the
-   memory and the accepted drafts per round from the benchmark's own result, the device from the
-   profile. Nothing is fitted to the throughput.
+4. `bench serve-stagger --quick`: the distributed system's rounds per request, lock-step and
+   staggered, on Ray workers whose verifier holds two full KVs.
+5. Each configuration simulated (bench/sim_validate_scenarios.py, and bench/sim_validate_serve.py
+   for serve-stagger, its scheduled rounds planned by the scheduler the coordinator ran): the
+   stream, the link, the memory and the accepted drafts per round from the benchmark's own result,
+   the device from the profile. Nothing is fitted to the throughput.
 
 `--from-json` simulates an earlier run's measurements again with the simulator as it is now (a
 change to the simulator checked in seconds, nothing run for real); the result keeps the machine
-the measurements came from (`measured_environment`).
+the measurements came from (`measured_environment`). Serve-stagger is predicted where the earlier
+run measured it.
 
 Headline `cpu_prediction_error`: the largest |predicted / measured - 1| over the configurations
 (target <= 0.20). The committed H200 runs (long-context and stagger) are predicted too, from the
 H200 datasheet with the overheads of the committed decode-speed run on it:
-`gpu_prediction_error`. Serve-stagger is not predicted yet.
+`gpu_prediction_error`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from vericache.bench import long_context, remote_prefix, stagger
+from vericache.bench import long_context, remote_prefix, serve_stagger, stagger
 from vericache.bench.common import environment, pyplot, save_figure
 from vericache.bench.sim_validate_scenarios import (
     Prediction,
@@ -39,6 +43,7 @@ from vericache.bench.sim_validate_scenarios import (
     remote_prefix_predictions,
     stagger_predictions,
 )
+from vericache.bench.sim_validate_serve import serve_stagger_predictions
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_tokenizer_dir
 
 TARGET = 0.20
@@ -96,6 +101,7 @@ def _measure(args) -> tuple[dict, dict]:
         ),
         "long-context": long_context.run(_quick_args(long_context, args.model, device="cpu")),
         "stagger": stagger.run(_quick_args(stagger, args.model, device="cpu")),
+        "serve-stagger": serve_stagger.run(_quick_args(serve_stagger, args.model)),
     }
     return calibration, measured
 
@@ -108,6 +114,10 @@ def _predict(calibration: dict, measured: dict, model_name: str):
     predictions = remote_prefix_predictions(measured["remote-prefix"], model, profile, tokenizer)
     predictions += long_context_predictions(measured["long-context"], model, profile)
     predictions += stagger_predictions(measured["stagger"], model, profile)
+    if "serve-stagger" in measured:  # runs before it did not serve it
+        predictions += serve_stagger_predictions(
+            measured["serve-stagger"], model, profile, tokenizer
+        )
     gpu, gpu_device = gpu_predictions(committed_gpu_runs(), model, device_profile("h200"))
     return predictions, gpu, gpu_device
 

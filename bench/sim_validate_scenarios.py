@@ -98,8 +98,6 @@ def _remote_prefix_base(result: dict, model, device, tokenizer) -> RemotePrefixS
     full_local = next(c for c in result["cells"] if c["mode"] == "full_local")
     samples = full_local["samples"]
     num_tokens = statistics.mean(s["num_tokens"] for s in samples) / config["num_requests"]
-    store_bytes = sum(s["store_bytes"] for s in samples)
-    store_s = sum(s["store_wait_s"] for s in samples)
     ratio = statistics.mean(p["compressed_wire_bytes"] / p["full_wire_bytes"] for p in prefixes)
     params = compressor_from_label(config["compressor"]).spec()["params"]
     return RemotePrefixScenario(
@@ -109,12 +107,9 @@ def _remote_prefix_base(result: dict, model, device, tokenizer) -> RemotePrefixS
         num_drafters=1,
         prefix_tokens=round(statistics.mean(p["num_tokens"] for p in prefixes)),
         num_prefixes=config["num_prefixes"],
-        suffix_tokens=_suffix_tokens(tokenizer),
+        suffix_tokens=prompt_suffix_tokens(tokenizer),
         compressed_ratio=ratio,
-        # The verifier's loads from its store, as the stream measured them.
-        store_bytes_per_s=store_bytes / store_s
-        if store_s > 0
-        else device.host_to_device_bytes_per_s,
+        store_bytes_per_s=store_bytes_per_s(samples, device.host_to_device_bytes_per_s),
         network_bytes_per_s=result["bandwidth_bytes_per_s"],
         network_latency_s=0.0,
         draft_len=30,
@@ -131,6 +126,13 @@ def _remote_prefix_base(result: dict, model, device, tokenizer) -> RemotePrefixS
     )
 
 
+def store_bytes_per_s(records: list[dict], default: float) -> float:
+    """The verifier's loads from its store, as served streams measured them (`default` where
+    they waited for none)."""
+    store_s = sum(r["store_wait_s"] for r in records)
+    return sum(r["store_bytes"] for r in records) / store_s if store_s > 0 else default
+
+
 def _receive_bytes_per_s(cells: list[dict]) -> float | None:
     """What taking in fetched KV costs a drafter, from the run: the drafters' CPU in FULL_REMOTE
     beyond the verifier's in FULL_LOCAL for the same stream (the same decoding), per byte the
@@ -145,7 +147,7 @@ def _receive_bytes_per_s(cells: list[dict]) -> float | None:
     return fetched / extra_s if extra_s > 0 and fetched > 0 else None
 
 
-def _suffix_tokens(tokenizer) -> int:
+def prompt_suffix_tokens(tokenizer) -> int:
     """The prompt's tokens after its prefix: the chat template's turn and a question."""
     lengths = []
     for prompt in CONTEXT_PROMPTS:
@@ -157,16 +159,22 @@ def _suffix_tokens(tokenizer) -> int:
 def _cell_acceptance(cell: dict, max_tokens: int) -> AcceptanceTrace:
     if cell["mode"] != "vericache":
         return AcceptanceTrace("full-KV decoding drafts nothing", (0,))
-    samples = cell["samples"]
+    return served_acceptance(cell["samples"], cell["draft_len"], max_tokens, cell["name"])
+
+
+def served_acceptance(
+    records: list[dict], draft_len: int, max_tokens: int, what: str
+) -> AcceptanceTrace:
+    """The rounds of served streams (`serving.stream_record`s), each of whose rounds drafted
+    `draft_len` unless the budget cut it: their first mismatches where recorded, else rounds at
+    their mean accepted."""
     record = {"mean_accepted_per_round": statistics.mean(
-        s["mean_accepted_per_round"] for s in samples
+        r["mean_accepted_per_round"] for r in records
     )}  # fmt: skip
-    if all("accepted_per_round_by_request" in s for s in samples):
-        by_request = [a for s in samples for a in s["accepted_per_round_by_request"]]
-        record["first_mismatch"] = served_first_mismatches(
-            by_request, cell["draft_len"], max_tokens
-        )
-    return measured_acceptance(record, cell["draft_len"], cell["name"])
+    if all("accepted_per_round_by_request" in r for r in records):
+        by_request = [a for r in records for a in r["accepted_per_round_by_request"]]
+        record["first_mismatch"] = served_first_mismatches(by_request, draft_len, max_tokens)
+    return measured_acceptance(record, draft_len, what)
 
 
 def _simulation(cell: dict, rates: dict):

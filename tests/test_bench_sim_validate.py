@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from vericache.bench import sim_validate
+from vericache.bench import sim_validate, sim_validate_serve
+from vericache.bench.serve_stagger import POLICIES
 from vericache.bench.sim_validate_scenarios import (
     gpu_predictions,
     long_context_predictions,
@@ -18,7 +19,9 @@ from vericache.bench.sim_validate_scenarios import (
     served_first_mismatches,
     stagger_predictions,
 )
+from vericache.bench.sim_validate_serve import serve_stagger_predictions
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer
+from vericache.scheduler import LockstepScheduler, StaggeredScheduler
 from vericache.sim.profiles import DeviceProfile, device_profile, model_profile
 
 MODEL = model_profile("smollm2-135m")
@@ -95,6 +98,37 @@ STAGGER = {
 }  # fmt: skip
 
 
+def _served(tokens_per_s: float, accepted: list[list[int]]) -> dict:
+    rounds = [a for request in accepted for a in request]
+    return {
+        "tokens_per_s": tokens_per_s, "mean_accepted_per_round": sum(rounds) / len(rounds),
+        "accepted_per_round_by_request": accepted,
+    }  # fmt: skip
+
+
+# Four requests of 32 tokens over one 1200-token prefix, x = 12; the verifier holds two full KVs
+# and loads one in about six draft steps (the store read at 2 GB/s, then the 200 MB/s path).
+SERVE_STAGGER = {
+    "config": {
+        "model": DEFAULT_MODEL, "compressor": "kvzip-4x", "num_prefixes": 1, "num_requests": 4,
+        "max_tokens": 32, "draft_len": 12, "resident_full_kvs": 2.0, "load_draft_steps": 3.0,
+        "window": 160, "quick": True,
+    },
+    "summary": {"load_bandwidth_mb_s": 200.0},
+    "request_full_kv_bytes": 60_000_000,
+    "prefix_full_kv_bytes": 55_296_000,
+    "prefixes": [
+        {"num_tokens": 1200, "full_kv_bytes": 55_296_000, "compressed_kv_bytes": 13_824_000},
+    ],
+    "drafter_kv_cache_bytes": 4 << 30,
+    "full_local": {"store_bytes": 400_000_000, "store_wait_s": 0.2},
+    "runs": {
+        policy: _served(rate, [[12, 5, 12], [3, 12, 8, 6], [12, 12, 4], [7, 12, 9]])
+        for policy, rate in zip(POLICIES, (10.0, 8.0, 12.0))
+    },
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tokenizer(embedded_tokenizer_dir):
     return load_tokenizer(embedded_tokenizer_dir)  # its weights are never converted
@@ -155,13 +189,15 @@ def test_the_h200_profile_takes_its_overheads_from_the_committed_decode_speed_ru
 
 
 def test_the_benchmarks_run_at_their_quick_settings():
-    from vericache.bench import long_context, remote_prefix
+    from vericache.bench import long_context, remote_prefix, serve_stagger
 
     args = sim_validate._quick_args(remote_prefix, DEFAULT_MODEL)
     spec = remote_prefix.stream_spec(args)
     assert args.quick and spec.num_requests == 4 and spec.repeats == 1
     args = sim_validate._quick_args(long_context, DEFAULT_MODEL, device="cpu")
     assert args.quick and args.device == "cpu" and args.compressor == "snapkv-4x-bf16"
+    spec = serve_stagger.setup(sim_validate._quick_args(serve_stagger, DEFAULT_MODEL))
+    assert spec.quick and spec.num_requests == 4 and spec.max_tokens == 32
 
 
 def test_both_schedulings_are_simulated_by_their_own_scheduler():
@@ -188,19 +224,73 @@ def test_served_rounds_give_first_mismatches_without_the_rounds_the_budget_cut()
     assert served_first_mismatches([[0, 0]], 8, 3) == [0]
 
 
-def test_an_earlier_runs_measurements_are_simulated_again(tmp_path):
+@pytest.mark.parametrize("serve_stagger", [False, True], ids=["before-serve-stagger", "all"])
+def test_an_earlier_runs_measurements_are_simulated_again(tmp_path, serve_stagger):
+    """An earlier run is simulated again, serve-stagger where it measured it (runs before it
+    was served have none)."""
     from vericache.cli.bench import parse_benchmark_args
 
+    measured = {"remote-prefix": REMOTE_PREFIX, "long-context": LONG_CONTEXT, "stagger": STAGGER}
+    if serve_stagger:
+        measured["serve-stagger"] = SERVE_STAGGER
     earlier = {
         "profile": dataclasses.asdict(CPU),
-        "measured": {"remote-prefix": REMOTE_PREFIX, "long-context": LONG_CONTEXT,
-                     "stagger": STAGGER},
+        "measured": measured,
         "environment": {"cpu": "the machine that measured"},
-    }  # fmt: skip
+    }
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps(earlier))
     module, args = parse_benchmark_args("sim-validate", ["--from-json", str(path)])
     result = module.run(args)
     assert result["measured_environment"] == {"cpu": "the machine that measured"}
-    assert len(result["predictions"]) == len(REMOTE_PREFIX["cells"]) + 2 + 2 + 4  # 4: H200
+    num_served = len(POLICIES) if serve_stagger else 0
+    num_cpu = len(REMOTE_PREFIX["cells"]) + 2 + 2 + num_served
+    assert len(result["predictions"]) == num_cpu + 4  # 4: H200
+    served = [p for p in result["predictions"] if p["benchmark"] == "serve-stagger"]
+    assert [p["configuration"] for p in served] == list(POLICIES)[:num_served]
     assert result["summary"]["cpu_prediction_error"] >= 0
+
+
+def test_every_serve_stagger_policy_is_predicted(tokenizer):
+    predictions = serve_stagger_predictions(SERVE_STAGGER, MODEL, CPU, tokenizer)
+    assert [p.configuration for p in predictions] == list(POLICIES)
+    assert {p.benchmark for p in predictions} == {"serve-stagger"}
+    for p in predictions:
+        assert p.measured_tokens_per_s == SERVE_STAGGER["runs"][p.configuration]["tokens_per_s"]
+        assert p.predicted_tokens_per_s > 0
+
+
+def test_serve_staggers_scheduled_policies_are_planned_by_the_coordinators_own_scheduler(
+    tokenizer, monkeypatch
+):
+    """Lock-step and staggered rounds, each by the scheduler the served coordinator made for it,
+    with the run's window (lock-step's loads after its drafts, as served)."""
+    made = []
+    real = sim_validate_serve.simulate_vericache_scheduled
+
+    def recorded(scenario, make_scheduler):
+        def make(costs):
+            made.append(make_scheduler(costs))
+            return made[-1]
+
+        return real(scenario, make)
+
+    monkeypatch.setattr(sim_validate_serve, "simulate_vericache_scheduled", recorded)
+    per_request, lockstep, staggered = serve_stagger_predictions(
+        SERVE_STAGGER, MODEL, CPU, tokenizer
+    )
+    assert [type(scheduler) for scheduler in made] == [LockstepScheduler, StaggeredScheduler]
+    assert {scheduler.config.window for scheduler in made} == {160}
+    assert made[0].draft_len == 12 and not made[0].overlap_loads
+    # Two full KVs of room for four requests, each load six draft steps long: lock-step's
+    # verifications wait for their loads after the drafts, staggered ones do not.
+    assert staggered.predicted_tokens_per_s > lockstep.predicted_tokens_per_s
+
+
+def test_serve_stagger_follows_the_accepted_drafts_of_its_per_request_rounds(tokenizer):
+    base = serve_stagger_predictions(SERVE_STAGGER, MODEL, CPU, tokenizer)
+    changed = copy.deepcopy(SERVE_STAGGER)
+    changed["runs"]["per-request"] = _served(10.0, [[1, 0, 2, 0, 1, 3, 0, 1, 2, 0, 1, 0]] * 4)
+    lower = serve_stagger_predictions(changed, MODEL, CPU, tokenizer)
+    for before, after in zip(base, lower, strict=True):
+        assert after.predicted_tokens_per_s < before.predicted_tokens_per_s

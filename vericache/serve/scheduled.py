@@ -271,6 +271,13 @@ def new_scheduled_rounds(
         memory_budget_bytes=about.weights_bytes + about.resident_bytes,
         weights_bytes=about.weights_bytes,
     )
+    new_scheduler = scheduler_for(config)
+    return ScheduledRounds(verifier, new_scheduler, costs, about.slot_bytes, metrics)
+
+
+def scheduler_for(config: CoordinatorConfig) -> Callable[[CostModel], BaseScheduler]:
+    """The scheduler of a verifier's rounds under `config.scheduling` (staggered or lockstep)
+    and its settings; the simulator plans a served run's rounds with the same one."""
 
     def new_scheduler(costs: CostModel) -> BaseScheduler:
         if config.scheduling == "lockstep":
@@ -278,7 +285,7 @@ def new_scheduled_rounds(
             return LockstepScheduler(costs, draft_len, config.scheduler)
         return StaggeredScheduler(costs, config.scheduler)
 
-    return ScheduledRounds(verifier, new_scheduler, costs, about.slot_bytes, metrics)
+    return new_scheduler
 
 
 async def _nothing_drafted() -> Drafted:
