@@ -3,7 +3,8 @@ workloads simulated with the CPU profile calibrated in the same run, and predict
 against measured ones per configuration.
 
 In one run, on one torch thread per worker (the Ray workers' setting, and the calibration's):
-1. `vericache calibrate`'s measurements on this CPU give the device profile (vericache/sim).
+1. `vericache calibrate`'s measurements on this CPU give the device profile (vericache/sim), each
+   timing the mean of a calibration before the benchmarks and one after them.
 2. `bench remote-prefix --quick`: FULL_LOCAL, FULL_REMOTE, FULL_BOTH and VERICACHE at two draft
    lengths and over a link with latency, served through the SDK on Ray workers, each cell the
    median of `--repeats` (3) serves.
@@ -16,8 +17,9 @@ In one run, on one torch thread per worker (the Ray workers' setting, and the ca
    stream, the link, the memory and the accepted drafts per round from the benchmark's own result,
    the device from the profile. Nothing is fitted to the throughput.
 
-`--from-json` simulates an earlier run's measurements again with the simulator as it is now (a
-change to the simulator checked in seconds, nothing run for real); the result keeps the machine
+`--from-json` simulates an earlier run's measurements again with the simulator as it is now, its
+profile fitted again to its stored calibration timings (a change to the simulator or the fit
+checked in seconds, nothing run for real); the result keeps the machine
 the measurements came from (`measured_environment`). Serve-stagger is predicted where the earlier
 run measured it.
 
@@ -45,6 +47,8 @@ from vericache.bench.sim_validate_scenarios import (
 )
 from vericache.bench.sim_validate_serve import serve_stagger_predictions
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_tokenizer_dir
+from vericache.sim.calibration_fit import averaged, refit
+from vericache.sim.profiles import model_profile
 
 TARGET = 0.20
 RESULTS = Path(__file__).parent / "results"
@@ -68,6 +72,8 @@ def run(args) -> dict:
     if args.from_json is not None:
         earlier = json.loads(args.from_json.read_text())
         calibration = {**earlier.get("calibration", {}), "profile": earlier["profile"]}
+        if "forwards" in calibration:  # its measurements stored: fitted by today's fit
+            calibration = refit(calibration, model_profile(ARCH))
         measured = earlier["measured"]
         measured_on = earlier.get("measured_environment", earlier["environment"])
     else:
@@ -84,17 +90,17 @@ def run(args) -> dict:
 
 
 def _measure(args) -> tuple[dict, dict]:
-    """This CPU's profile (one torch thread, as a worker runs) and the quick benchmarks run."""
+    """This CPU's profile (one torch thread, as a worker runs), calibrated before and after the
+    quick benchmarks run, so that a drift of the machine's speed over the run averages out."""
     import torch
 
     from vericache.sim.calibrate import CalibrationPlan, calibrate
-    from vericache.sim.profiles import model_profile
 
     torch.set_num_threads(1)
     model = model_profile(ARCH)
     device = torch.device("cpu")
-    calibration = calibrate(model, device, CalibrationPlan.for_device(device, model))
-    print(f"[sim-validate] calibrated: {calibration['profile']['hbm_bytes_per_s'] / 1e9:.1f} GB/s")
+    plan = CalibrationPlan.for_device(device, model)
+    before = calibrate(model, device, plan)
     measured = {
         "remote-prefix": remote_prefix.run(
             _quick_args(remote_prefix, args.model, repeats=args.repeats)
@@ -103,11 +109,13 @@ def _measure(args) -> tuple[dict, dict]:
         "stagger": stagger.run(_quick_args(stagger, args.model, device="cpu")),
         "serve-stagger": serve_stagger.run(_quick_args(serve_stagger, args.model)),
     }
+    calibration = averaged(before, calibrate(model, device, plan), model)
+    print(f"[sim-validate] calibrated: {calibration['profile']['hbm_bytes_per_s'] / 1e9:.1f} GB/s")
     return calibration, measured
 
 
 def _predict(calibration: dict, measured: dict, model_name: str):
-    from vericache.sim.profiles import DeviceProfile, device_profile, model_profile
+    from vericache.sim.profiles import DeviceProfile, device_profile
 
     model, profile = model_profile(ARCH), DeviceProfile(**calibration["profile"])
     tokenizer = load_tokenizer(resolve_tokenizer_dir(model_name))  # no weights needed

@@ -294,3 +294,39 @@ def test_serve_stagger_follows_the_accepted_drafts_of_its_per_request_rounds(tok
     lower = serve_stagger_predictions(changed, MODEL, CPU, tokenizer)
     for before, after in zip(base, lower, strict=True):
         assert after.predicted_tokens_per_s < before.predicted_tokens_per_s
+
+
+def test_an_earlier_runs_calibration_timings_are_fitted_again(tmp_path):
+    """Where an earlier run stored its calibration's timings, its profile is fitted again to them
+    (here: timings of a device like CPU, under a stored profile ten times too fast)."""
+    from vericache.cli.bench import parse_benchmark_args
+    from vericache.sim.calibration_fit import predicted_seconds
+
+    products = [
+        {"rows": rows, "weight_bytes": 1e9, "flops": 2e9 * rows,
+         "seconds": max(1e9 / CPU.hbm_bytes_per_s, 2e9 * rows / CPU.peak_flops)}
+        for rows in (1, 2, 4, 8, 64)  # the roofline turns at 4 rows: exact between them
+    ]  # fmt: skip
+    forwards = [
+        {"num_layers": layers, "new_tokens": 1, "context": context, "batch": batch, "exact": False}
+        for layers in (15, 30)
+        for context in (1024, 4096)
+        for batch in (1, 4)
+    ]
+    for forward in forwards:
+        forward["seconds"] = predicted_seconds(CPU, MODEL, forward, 4)
+    stored = dataclasses.replace(CPU, hbm_bytes_per_s=10 * CPU.hbm_bytes_per_s)
+    earlier = {
+        "profile": dataclasses.asdict(stored),
+        "calibration": {"dtype": "float32", "products": products, "forwards": forwards},
+        "measured": {"remote-prefix": REMOTE_PREFIX, "long-context": LONG_CONTEXT,
+                     "stagger": STAGGER},
+        "environment": {"cpu": "the machine that measured"},
+    }  # fmt: skip
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    module, args = parse_benchmark_args("sim-validate", ["--from-json", str(path)])
+    result = module.run(args)
+    assert result["profile"]["hbm_bytes_per_s"] == pytest.approx(CPU.hbm_bytes_per_s)
+    for forward in result["calibration"]["forwards"]:
+        assert forward["predicted_s"] == pytest.approx(forward["seconds"], rel=0.05)

@@ -10,9 +10,9 @@ import torch
 
 from vericache.cli.main import main
 from vericache.errors import InvalidRequestError
-from vericache.sim import calibrate as calibration
+from vericache.sim import calibration_fit as calibration
 from vericache.sim.calibrate import CalibrationPlan, calibrate
-from vericache.sim.profiles import ModelProfile, device_profile
+from vericache.sim.profiles import DeviceProfile, ModelProfile, device_profile
 
 TINY = ModelProfile(
     name="tiny", source="test", num_layers=4, hidden_size=64, intermediate_size=128, num_heads=4,
@@ -33,10 +33,13 @@ def test_a_calibration_measures_fits_and_predicts_every_forward(tmp_path):
     assert profile.hbm_bytes_per_s > 0 and profile.peak_flops > 0
     assert profile.forward_overhead_s >= 0 and profile.layer_overhead_s >= 0
     assert [p["rows"] for p in result["products"]] == [1, 2, 8]
-    # The products' curve is what they measured, per weight byte, at every row count.
-    assert profile.product_curve == tuple(
-        (p["rows"], pytest.approx(p["seconds"] / p["weight_bytes"])) for p in result["products"]
-    )
+    # The products' curve: seconds per weight byte at every row count, never falling as they grow.
+    per_byte = [p["seconds"] / p["weight_bytes"] for p in result["products"]]
+    curve = profile.product_curve
+    assert [rows for rows, _ in curve] == [1, 2, 8]
+    assert all(fitted <= timed for (_, fitted), timed in zip(curve, per_byte))
+    assert [fitted for _, fitted in curve] == sorted(fitted for _, fitted in curve)
+    assert curve[-1][1] == pytest.approx(per_byte[-1])
     shapes = {
         (f["num_layers"], f["new_tokens"], f["context"], f["batch"]) for f in result["forwards"]
     }
@@ -55,7 +58,7 @@ def test_the_overhead_fit_recovers_a_known_fixed_and_per_layer_cost():
     for layers in (2, 4, 8):
         for context in (1000, 5000):
             forward = {"num_layers": layers, "new_tokens": 1, "context": context, "batch": 1}
-            explained = calibration._predict(profile, TINY, forward, 2)
+            explained = calibration.predicted_seconds(profile, TINY, forward, 2)
             forward["seconds"] = explained + 1e-3 + 5e-5 * layers
             forwards.append(forward)
     forwards = [f for f in forwards if f["num_layers"] in (2, 8)]
@@ -63,7 +66,8 @@ def test_the_overhead_fit_recovers_a_known_fixed_and_per_layer_cost():
     assert fitted.forward_overhead_s == pytest.approx(1e-3, rel=1e-6)
     assert fitted.layer_overhead_s == pytest.approx(5e-5, rel=1e-6)
     for forward in forwards:
-        assert calibration._predict(fitted, TINY, forward, 2) == pytest.approx(forward["seconds"])
+        predicted = calibration.predicted_seconds(fitted, TINY, forward, 2)
+        assert predicted == pytest.approx(forward["seconds"])
 
 
 def test_a_plan_that_cannot_fit_is_refused():
@@ -77,7 +81,8 @@ def test_the_command_writes_a_profile_and_refuses_what_it_cannot_do(tmp_path, ca
     arch.write_text(json.dumps(dataclasses.asdict(TINY)))
     out = tmp_path / "cpu.json"
     assert main(["calibrate", "--device", "cpu", "--arch", str(arch), "--out", str(out),
-                 "--layers", "2"]) == 0  # fmt: skip
+                 "--layers", "2", "--repeats", "1"]) == 0  # fmt: skip
+    assert json.loads(out.read_text())["plan"]["repeats"] == 1
     assert device_profile(str(out)).is_measured and "GB/s" in capsys.readouterr().out
     if not torch.cuda.is_available():
         assert main(["calibrate", "--device", "cuda", "--arch", str(arch), "--out", str(out)]) == 2
@@ -108,7 +113,7 @@ def test_the_attention_fit_recovers_known_attention_rates():
         for context in (20000, 60000)
     ]  # fmt: skip
     for forward in forwards:
-        forward["seconds"] = calibration._predict(truth, TINY, forward, 2)
+        forward["seconds"] = calibration.predicted_seconds(truth, TINY, forward, 2)
     fitted = calibration._with_attention_bandwidth(start, TINY, forwards, 2)
     assert fitted.attention_bytes_per_s == pytest.approx(truth.attention_bytes_per_s, rel=1e-6)
     assert fitted.row_overhead_s == pytest.approx(truth.row_overhead_s, rel=1e-6)
@@ -120,7 +125,8 @@ def test_the_attention_fit_recovers_known_attention_rates():
     fitted = calibration._with_attention_compute(fitted, TINY, forwards, 2)
     assert fitted.attention_flops == pytest.approx(truth.attention_flops, rel=1e-6)
     for forward in forwards:
-        assert calibration._predict(fitted, TINY, forward, 2) == pytest.approx(forward["seconds"])
+        predicted = calibration.predicted_seconds(fitted, TINY, forward, 2)
+        assert predicted == pytest.approx(forward["seconds"])
 
 
 def test_rows_of_one_size_fit_the_bandwidth_alone():
@@ -136,7 +142,37 @@ def test_rows_of_one_size_fit_the_bandwidth_alone():
         for batch in (1, 8)
     ]
     for forward in forwards:
-        forward["seconds"] = calibration._predict(truth, TINY, forward, 2)
+        forward["seconds"] = calibration.predicted_seconds(truth, TINY, forward, 2)
     fitted = calibration._with_attention_bandwidth(start, TINY, forwards, 2)
     assert fitted.row_overhead_s == 0.0
     assert fitted.attention_bytes_per_s == pytest.approx(truth.attention_bytes_per_s, rel=1e-6)
+
+
+def test_the_products_curve_never_falls_as_the_rows_grow():
+    timed = ((1, 4.0), (2, 5.0), (4, 3.0), (8, 6.0))
+    products = [{"rows": rows, "seconds": s, "weight_bytes": 10} for rows, s in timed]
+    curve = calibration.product_curve(products)
+    assert [rows for rows, _ in curve] == [1, 2, 4, 8]
+    assert [fitted for _, fitted in curve] == pytest.approx([0.3, 0.3, 0.3, 0.6])
+
+
+def test_a_stored_calibration_is_fitted_again_and_two_average_into_one():
+    first = calibrate(TINY, torch.device("cpu"), PLAN)
+    tampered = first | {"profile": first["profile"] | {"layer_overhead_s": 1.0}}
+    assert calibration.refit(tampered, TINY)["profile"] == first["profile"]
+
+    def slowed(result: dict, factor: float) -> dict:
+        return result | {
+            name: [t | {"seconds": factor * t["seconds"]} for t in result[name]]
+            for name in ("products", "forwards")
+        }
+
+    both = calibration.averaged(first, slowed(first, 3.0), TINY)
+    for name in ("products", "forwards"):  # each timing the mean of the two
+        seconds = [2 * t["seconds"] for t in first[name]]
+        assert [t["seconds"] for t in both[name]] == pytest.approx(seconds)
+    profile = DeviceProfile(**both["profile"])
+    assert profile.hbm_bytes_per_s == pytest.approx(first["profile"]["hbm_bytes_per_s"] / 2)
+    assert all(f["predicted_s"] > 0 for f in both["forwards"])
+    with pytest.raises(InvalidRequestError, match="one plan and dtype"):
+        calibration.averaged(first, first | {"dtype": "bfloat16"}, TINY)

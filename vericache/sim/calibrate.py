@@ -3,20 +3,13 @@
 The one part of vericache/sim that needs torch (the simulator reads only the JSON it writes). It
 builds random weights of the named architecture on the device (the whole model, or a slice of its
 layers where the whole does not fit) and times:
-- a layer's products through the engine's linear kernel at 1 to 512 rows: their seconds per
-  weight byte at each row count is the products' curve the cost model follows; their weight
-  bytes over the time at one row is the sustained bandwidth, their flops at their fastest the
-  sustained compute;
+- a layer's products through the engine's linear kernel at 1 to 512 rows;
 - host-to-device copies (pinned on CUDA; a copy between buffers on CPU), alone and beside compute;
-- whole forwards through the engine's forward loop: decode steps at several contexts and batches,
-  and verifications of x+1 tokens. From them come attention's own rates, where they differ from
-  the products' (a CPU's attention kernel streams KV slower): the KV bandwidth from how decode
-  steps grow with the batch (each row adds its KV and nearly nothing else), the attention compute
-  from what verifications leave unexplained. What the cost model then does not predict is
-  overhead: its part that grows with the layer count is the overhead per layer, the rest the
-  overhead per forward (fitted from forwards of two slices of different depth).
-Every forward is then predicted with the fitted profile beside its measurement, so the JSON shows
-how well the cost model fits the device it was measured on.
+- whole forwards through the engine's forward loop, in two slices of different depth: decode
+  steps at several contexts and batches, on both kernel sets, and verifications of x+1 tokens.
+calibration_fit.py fits the profile to them. Every forward is then predicted with the fitted
+profile beside its measurement, so the JSON shows how well the cost model fits the device it was
+measured on.
 """
 
 from __future__ import annotations
@@ -36,13 +29,13 @@ import torch
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.errors import InvalidRequestError
 from vericache.model.runner import ModelRunner
-from vericache.sim.cost import Row, attention_flops, forward_cost
+from vericache.sim.calibration_fit import fit_profile, predicted_seconds
 from vericache.sim.profiles import DeviceProfile, ModelProfile
-from vericache.sim.random_weights import params_per_layer, random_layer, random_runner
+from vericache.sim.random_weights import random_layer, random_runner
 
 log = logging.getLogger(__name__)
 
-MAX_WEIGHT_COPIES = 256  # enough for any real model's layer to stream; tiny test shapes stay fast
+MAX_WEIGHT_COPIES = 64  # of a layer: enough for a real model's to stream; tiny ones stay fast
 
 
 @dataclass(frozen=True)
@@ -77,7 +70,8 @@ class CalibrationPlan:
             )
         # float32, and the CPU linear kernel keeps a second, packed copy of every weight.
         layers = _layers_that_fit(model, _memory_bytes(device) * 0.25, bytes_per_param=8)
-        return cls(layers, contexts=(1024, 4096), batches=(1, 4), repeats=3)
+        # A shared CPU's timings scatter: the median of nine.
+        return cls(layers, contexts=(1024, 4096), batches=(1, 4), repeats=9)
 
 
 def calibrate(
@@ -101,30 +95,26 @@ def calibrate(
     _release(device)  # the deeper slice's weights, before the shallower one's are built
     forwards += _forwards(model, shallow, device, dtype, plan)
     unmeasured = f"from {base.source}" if base else "taken as fast as a host copy"
-    profile = DeviceProfile(
+    start = DeviceProfile(
         name=f"{base.name}-measured" if base else device.type,
         source=f"measured by vericache calibrate on {_device_name(device)}; the interconnect and "
         f"all-reduce latency, which one device cannot measure: {unmeasured}",
         memory_bytes=_memory_bytes(device),
-        hbm_bytes_per_s=max(p["weight_bytes"] / p["seconds"] for p in products if p["rows"] == 1),
-        peak_flops=max(p["flops"] / p["seconds"] for p in products),
+        hbm_bytes_per_s=1.0,  # fitted below, as every rate and overhead
+        peak_flops=1.0,
         host_to_device_bytes_per_s=copies["alone_bytes_per_s"],
         interconnect_bytes_per_s=(
             base.interconnect_bytes_per_s if base else copies["alone_bytes_per_s"]
         ),
-        bandwidth_efficiency=1.0,  # measured rates are sustained ones
+        bandwidth_efficiency=1.0,
         compute_efficiency=1.0,
         forward_overhead_s=0.0,
         layer_overhead_s=0.0,
         allreduce_latency_s=base.allreduce_latency_s if base else 0.0,
-        product_curve=tuple((p["rows"], p["seconds"] / p["weight_bytes"]) for p in products),
     )
-    profile = _with_attention_bandwidth(profile, model, forwards, element_size)
-    profile = _with_overhead(profile, model, forwards, element_size)
-    profile = _with_exact_rows(profile, model, forwards, element_size)
-    profile = _with_attention_compute(profile, model, forwards, element_size)
+    profile = fit_profile(start, model, products, forwards, element_size)
     for forward in forwards:
-        forward["predicted_s"] = _predict(profile, model, forward, element_size)
+        forward["predicted_s"] = predicted_seconds(profile, model, forward, element_size)
     return {
         "profile": dataclasses.asdict(profile),
         "model": model.name,
@@ -156,7 +146,7 @@ def _products(model: ModelProfile, device, dtype, plan: CalibrationPlan) -> list
     """A layer's products (QKV, output, gate-up and down projections, as the engine runs them) at
     each row count, over enough distinct copies of the layer that they stream from memory, not
     from a cache, as a forward's weights do."""
-    layer_bytes = params_per_layer(model) * torch.finfo(dtype).bits // 8
+    layer_bytes = model.params_per_layer() * torch.finfo(dtype).bits // 8
     copies = min(MAX_WEIGHT_COPIES, max(1, -(-plan.stream_bytes // layer_bytes)))
     layers = [random_layer(model, device, dtype) for _ in range(copies)]
     products = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down) for layer in layers]
@@ -256,163 +246,9 @@ def _filled_cache(runner: ModelRunner, context: int, room: int):
     return cache
 
 
-# --- Fitting ----------------------------------------------------------------------------------
-
-
-def _sliced(model: ModelProfile, forward: dict, element_size: int):
-    """The slice a forward ran (its layers, and what it reads of the weights) and its rows."""
-    sliced = dataclasses.replace(
-        model,
-        num_layers=forward["num_layers"],
-        num_params=_params_read(model, forward["num_layers"], element_size),
-    )
-    kv = sliced.kv_bytes_per_token(element_size)
-    row = Row(forward["new_tokens"], forward["context"], kv, exact=_is_exact(forward))
-    return sliced, [row] * forward["batch"]
-
-
-def _is_exact(forward: dict) -> bool:
-    """On the batch-invariant kernels: verifications always, decode steps where recorded so."""
-    return forward.get("exact", forward["new_tokens"] > 1)
-
-
-def _is_fast_step(forward: dict) -> bool:
-    return forward["new_tokens"] == 1 and not _is_exact(forward)
-
-
-def _cost(profile: DeviceProfile, model: ModelProfile, forward: dict, element_size: int):
-    sliced, rows = _sliced(model, forward, element_size)
-    return forward_cost(sliced, profile, rows, weight_element_size=element_size)
-
-
-def _predict(profile: DeviceProfile, model: ModelProfile, forward: dict, element_size: int):
-    return _cost(profile, model, forward, element_size).seconds
-
-
-def _with_attention_bandwidth(profile: DeviceProfile, model, forwards: list[dict], element_size):
-    """Attention's KV bandwidth and the overhead of a row: between the smallest and the largest
-    batch of decode steps at one depth and context, each added row costs its KV over the
-    bandwidth plus the row's overhead in every layer (less what the products add). With rows of
-    several KV sizes both are fitted (least squares); with one, or a fit that makes either
-    negative, the bandwidth alone (the median), the rows' overhead then inside it."""
-    groups: dict[tuple[int, int], list[dict]] = {}
-    for forward in forwards:
-        if _is_fast_step(forward):
-            groups.setdefault((forward["num_layers"], forward["context"]), []).append(forward)
-    points = []  # (KV bytes of a row, layers, seconds a row adds)
-    for (layers, _), group in groups.items():
-        small, large = min(group, key=_batch), max(group, key=_batch)
-        if large["batch"] == small["batch"]:
-            continue
-        small_cost, large_cost = (_cost(profile, model, f, element_size) for f in (small, large))
-        added_rows = large["batch"] - small["batch"]
-        seconds_added = (
-            large["seconds"] - small["seconds"] - (large_cost.dense_s - small_cost.dense_s)
-        )
-        kv_added = large_cost.kv_bytes - small_cost.kv_bytes
-        if seconds_added > 0:
-            points.append((kv_added / added_rows, layers, seconds_added / added_rows))
-    if not points:
-        return profile
-    fitted = _bandwidth_and_row_overhead(points)
-    if fitted is not None:
-        rate, row_overhead_s = fitted
-        return dataclasses.replace(
-            profile, attention_bytes_per_s=rate, row_overhead_s=row_overhead_s
-        )
-    rates = [kv / seconds for kv, _, seconds in points]
-    return dataclasses.replace(profile, attention_bytes_per_s=statistics.median(rates))
-
-
-def _bandwidth_and_row_overhead(points: list[tuple[float, int, float]]):
-    """Least squares of seconds = kv / rate + row_overhead x layers over the points; (rate,
-    row_overhead) if both come out positive (the KV sizes must differ), else None."""
-    sxx = sum(kv * kv for kv, _, _ in points)
-    sxl = sum(kv * layers for kv, layers, _ in points)
-    sll = sum(layers * layers for _, layers, _ in points)
-    sxy = sum(kv * s for kv, _, s in points)
-    sly = sum(layers * s for _, layers, s in points)
-    determinant = sxx * sll - sxl * sxl
-    if determinant <= 1e-9 * sxx * sll:  # every row the same size over its layers
-        return None
-    per_byte = (sxy * sll - sly * sxl) / determinant
-    row_overhead_s = (sxx * sly - sxl * sxy) / determinant
-    if per_byte <= 0 or row_overhead_s < 0:
-        return None
-    return 1 / per_byte, row_overhead_s
-
-
-def _with_attention_compute(profile: DeviceProfile, model, forwards: list[dict], element_size):
-    """Attention's compute: in each verification, its attention flops over the seconds the
-    products, the overhead and its KV's streaming leave (the median; unchanged where they leave
-    none, attention then bound by its bytes)."""
-    rates = []
-    for forward in forwards:
-        if forward["new_tokens"] == 1:
-            continue
-        cost = _cost(profile, model, forward, element_size)
-        left = forward["seconds"] - cost.dense_s - cost.overhead_s - cost.communication_s
-        kv_s = cost.kv_bytes / profile.attention_read_bytes_per_s
-        if left > kv_s:
-            rates.append(attention_flops(*_sliced(model, forward, element_size)) / left)
-    if not rates:
-        return profile
-    return dataclasses.replace(profile, attention_flops=statistics.median(rates))
-
-
-def _with_exact_rows(profile: DeviceProfile, model, forwards: list[dict], element_size: int):
-    """What a row on the batch-invariant kernels adds per layer: each exact decode step over the
-    fast one of its shape, per row and layer (the median; never below zero)."""
-    fast = {_shape(f): f["seconds"] for f in forwards if _is_fast_step(f)}
-    extras = [
-        (f["seconds"] - fast[_shape(f)]) / (f["batch"] * f["num_layers"])
-        for f in forwards
-        if f["new_tokens"] == 1 and _is_exact(f) and _shape(f) in fast
-    ]
-    if not extras:
-        return profile
-    return dataclasses.replace(profile, exact_row_overhead_s=max(0.0, statistics.median(extras)))
-
-
-def _shape(forward: dict) -> tuple[int, int, int]:
-    return forward["num_layers"], forward["context"], forward["batch"]
-
-
-def _batch(forward: dict) -> int:
-    return forward["batch"]
-
-
-def _with_overhead(profile: DeviceProfile, model, forwards: list[dict], element_size: int):
-    """Overhead per layer and per forward, from what bandwidth and compute leave unexplained in
-    the decode steps of the two slices (never below zero)."""
-    residual: dict[int, list[float]] = {}
-    for forward in forwards:
-        if _is_fast_step(forward):
-            unexplained = forward["seconds"] - _predict(profile, model, forward, element_size)
-            residual.setdefault(forward["num_layers"], []).append(unexplained)
-    if not residual:  # no decode step fitted beside the weights
-        return profile
-    depths = sorted(residual)
-    median = {depth: statistics.median(values) for depth, values in residual.items()}
-    per_layer = 0.0
-    if len(depths) > 1 and depths[-1] > depths[0]:
-        per_layer = (median[depths[-1]] - median[depths[0]]) / (depths[-1] - depths[0])
-    per_layer = max(0.0, per_layer)
-    fixed = max(0.0, median[depths[-1]] - per_layer * depths[-1])
-    return dataclasses.replace(profile, forward_overhead_s=fixed, layer_overhead_s=per_layer)
-
-
-def _params_read(model: ModelProfile, num_layers: int, element_size: int) -> int:
-    """What a forward of the random runner reads, counted in parameters of `element_size`: its
-    layers and its LM head, which the engine keeps in float32 (a forward looks up only its own
-    rows of the embedding table)."""
-    head = model.vocab_size * model.hidden_size * 4 // element_size
-    return params_per_layer(model) * num_layers + head
-
-
 def _layers_that_fit(model: ModelProfile, free_bytes: float, bytes_per_param: int) -> int:
     """The deepest slice whose weights take at most `free_bytes` (at least 2 layers)."""
-    per_layer = bytes_per_param * params_per_layer(model)
+    per_layer = bytes_per_param * model.params_per_layer()
     head = (bytes_per_param + 4) * model.vocab_size * model.hidden_size  # embedding, float32 head
     return max(2, min(model.num_layers, int((free_bytes - head) // per_layer)))
 

@@ -45,6 +45,12 @@ class ModelProfile:
     def weights_bytes(self, element_size: int = 2) -> int:
         return self.num_params * element_size
 
+    def params_per_layer(self) -> int:
+        """One decoder layer's parameters: attention's projections, the MLP's, two norms."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+
     def kv_bytes_per_token(self, element_size: int = 2) -> int:
         """Full KV of one token: keys and values of every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size

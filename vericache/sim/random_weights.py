@@ -12,12 +12,6 @@ from vericache.model.weights import LayerWeights, ModelWeights
 from vericache.sim.profiles import ModelProfile
 
 
-def params_per_layer(model: ModelProfile) -> int:
-    h, i = model.hidden_size, model.intermediate_size
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h  # attention, MLP, two norms
-
-
 def random_runner(model: ModelProfile, num_layers: int, device, dtype) -> ModelRunner:
     """The engine's model runner over random weights of `model`'s shapes, `num_layers` deep."""
     config = ModelConfig(
