@@ -41,7 +41,6 @@ from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.model.loader import DEFAULT_MODEL, LoadedModel, load_model
 from vericache.model.runner import ModelRunner
-from vericache.sim.workload import first_mismatches
 
 TARGET = 1.8
 
@@ -197,13 +196,11 @@ def run_engine(runner, tokenizer, requests, long_context: LongContextConfig) -> 
         "mean_accepted_per_round": _mean(
             [a for out in outputs for a in out.stats.accepted_per_round]
         ),
-        # Each round's first rejected draft, where the round tells it (bench/acceptance.py).
-        "first_mismatch": [
-            position
+        # Each round's drafts made and kept, to replay in the simulator (bench sim-validate).
+        "rounds": [
+            [drafted, accepted]
             for out in outputs
-            for position in first_mismatches(
-                out.stats.drafted_per_round, out.stats.accepted_per_round, _draft_len(requests)
-            )
+            for drafted, accepted in zip(out.stats.drafted_per_round, out.stats.accepted_per_round)
         ],
         "iterations": {
             "count": len(iterations),

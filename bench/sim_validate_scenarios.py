@@ -5,14 +5,16 @@ the profile calibrated in the same run. No constant is fitted to the measured th
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from vericache.bench.common import compressor_from_label
 from vericache.bench.workloads import CONTEXT_PROMPTS
 from vericache.engine.prompt import build_chat_prompt
 from vericache.scheduler import LockstepScheduler, SchedulerConfig, StaggeredScheduler
 from vericache.sim import long_context as sim_long_context
-from vericache.sim.long_context import LongContextScenario, SimReport
+from vericache.sim.long_context import LongContextScenario
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.remote_prefix import FullPool, simulate_full
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
@@ -20,11 +22,14 @@ from vericache.sim.scenario import vericache_simulation
 from vericache.sim.workload import (
     AcceptanceTrace,
     OutputLengths,
-    first_mismatches,
     rate_for_mean_accepted,
+    trace_from_rounds,
 )
 
 ELEMENT_SIZE = 4  # the CPU benchmarks run the model in float32
+# A quick run has few rounds, so one simulation's acceptance draws scatter its tokens/s by tens of
+# percent: a prediction is the mean over this many seeds.
+NUM_SEEDS = 5
 
 
 @dataclass(frozen=True)
@@ -40,30 +45,34 @@ class Prediction:
 
 
 def measured_acceptance(run: dict, draft_len: int, what: str) -> AcceptanceTrace:
-    """The run's own rounds: each one's first rejected draft where the run recorded them (rounds
-    cut short by the token budget with every draft kept tell none and are left out, as in bench
-    acceptance), else rounds drawn at the per-draft rate that gives its mean accepted."""
+    """The run's own rounds where it recorded them (`rounds`: drafts made and kept, each a first
+    mismatch or, where it kept all, a lower bound); for runs before that, the first mismatches
+    they recorded (rounds that kept all their drafts left out); else rounds drawn at the
+    per-draft rate that gives its mean accepted."""
     source = f"measured in this run: {what}"
+    rounds = [(d, a) for d, a in run.get("rounds") or () if d > 0]
+    if rounds:
+        return trace_from_rounds(source, *map(list, zip(*rounds)))
     if run.get("first_mismatch"):
         return AcceptanceTrace(source, tuple(run["first_mismatch"]))
     mean = min(run["mean_accepted_per_round"] or 0.0, draft_len - 1e-6)
-    rounds = AcceptanceTrace.from_rate(rate_for_mean_accepted(mean, draft_len), what)
-    return AcceptanceTrace(source, rounds.first_mismatch)
+    by_rate = AcceptanceTrace.from_rate(rate_for_mean_accepted(mean, draft_len), what)
+    return AcceptanceTrace(source, by_rate.first_mismatch)
 
 
-def served_first_mismatches(
+def served_rounds(
     accepted_by_request: list[list[int]], draft_len: int, max_tokens: int
-) -> list[int]:
-    """First mismatches of served requests, whose stats give each round's accepted drafts but not
-    how many it drafted: a round drafts what the budget leaves (x, or fewer near the end)."""
-    positions = []
-    for accepted in accepted_by_request:
+) -> list[list[int]]:
+    """[drafts made, drafts kept] of each round of served requests, whose stats give each
+    round's accepted drafts but not how many it drafted: a round drafts what the budget leaves
+    (x, or fewer near the end)."""
+    rounds = []
+    for by_round in accepted_by_request:
         emitted = 1  # the prefill's token
-        for num_accepted in accepted:
-            drafted = max(0, min(draft_len, max_tokens - emitted - 1))
-            positions += first_mismatches([drafted], [num_accepted], draft_len)
+        for num_accepted in by_round:
+            rounds.append([max(0, min(draft_len, max_tokens - emitted - 1)), num_accepted])
             emitted += num_accepted + 1
-    return positions
+    return rounds
 
 
 # --- Remote prefix ---------------------------------------------------------------------------
@@ -84,7 +93,8 @@ def remote_prefix_predictions(
             network_latency_s=cell["latency_s"],
             acceptance=_cell_acceptance(cell, result["config"]["max_tokens"]),
         )
-        predicted = _steady_tokens_per_s(scenario, _simulation(cell, rates))
+        simulate = _simulation(cell, rates)
+        predicted = mean_over_seeds(scenario, partial(_steady_tokens_per_s, simulate=simulate))
         if cell["mode"] in ("full_local", "full_remote"):
             rates[(cell["mode"], cell["num_drafters"])] = predicted
         predictions.append(
@@ -173,7 +183,7 @@ def served_acceptance(
     )}  # fmt: skip
     if all("accepted_per_round_by_request" in r for r in records):
         by_request = [a for r in records for a in r["accepted_per_round_by_request"]]
-        record["first_mismatch"] = served_first_mismatches(by_request, draft_len, max_tokens)
+        record["rounds"] = served_rounds(by_request, draft_len, max_tokens)
     return measured_acceptance(record, draft_len, what)
 
 
@@ -191,6 +201,11 @@ def _simulation(cell: dict, rates: dict):
         return lambda scenario: simulate_full(scenario, FullPool.BOTH, pools)
     pool = FullPool.LOCAL if cell["mode"] == "full_local" else FullPool.REMOTE
     return lambda scenario: simulate_full(scenario, pool)
+
+
+def mean_over_seeds(scenario, tokens_per_s: Callable[[object], float]) -> float:
+    """The mean of `tokens_per_s(scenario)` over NUM_SEEDS seeds of the scenario's draws."""
+    return statistics.mean(tokens_per_s(replace(scenario, seed=seed)) for seed in range(NUM_SEEDS))
 
 
 def _steady_tokens_per_s(scenario: RemotePrefixScenario, simulate) -> float:
@@ -221,8 +236,8 @@ def long_context_predictions(
     )
     # The budget is the engine's, weights and KV: no reserve beside it.
     scenario = _long_context_scenario(config, runs["vericache"], model, device, reserve=0.0)
-    vericache = sim_long_context.simulate_vericache(scenario, StaggeredScheduler)
-    full = sim_long_context.simulate_full_kv(scenario)
+    vericache = mean_over_seeds(scenario, partial(_vericache_tokens_per_s, make=StaggeredScheduler))
+    full = sim_long_context.simulate_full_kv(scenario).tokens_per_s  # draws no acceptance
     return [
         _long_context_prediction("long-context", "full", runs["full"], full),
         _long_context_prediction("long-context", "vericache", runs["vericache"], vericache),
@@ -244,9 +259,13 @@ def stagger_predictions(
     predictions = []
     for name, make_scheduler in schedulers.items():
         scenario = _long_context_scenario(config, runs[name], model, device)
-        report = sim_long_context.simulate_vericache(scenario, make_scheduler)
-        predictions.append(_long_context_prediction("stagger", name, runs[name], report))
+        predicted = mean_over_seeds(scenario, partial(_vericache_tokens_per_s, make=make_scheduler))
+        predictions.append(_long_context_prediction("stagger", name, runs[name], predicted))
     return predictions
+
+
+def _vericache_tokens_per_s(scenario: LongContextScenario, make) -> float:
+    return sim_long_context.simulate_vericache(scenario, make).tokens_per_s
 
 
 def _long_context_scenario(
@@ -269,8 +288,8 @@ def _long_context_scenario(
     )
 
 
-def _long_context_prediction(benchmark: str, mode: str, run: dict, report: SimReport):
-    return Prediction(benchmark, mode, run["stats"]["decode_tokens_per_s"], report.tokens_per_s)
+def _long_context_prediction(benchmark: str, mode: str, run: dict, predicted: float):
+    return Prediction(benchmark, mode, run["stats"]["decode_tokens_per_s"], predicted)
 
 
 # --- The committed H200 runs -----------------------------------------------------------------

@@ -15,6 +15,7 @@ from vericache.bench.serve_stagger import POLICIES, Setup, coordinator_config
 from vericache.bench.sim_validate_scenarios import (
     ELEMENT_SIZE,
     Prediction,
+    mean_over_seeds,
     prompt_suffix_tokens,
     served_acceptance,
     store_bytes_per_s,
@@ -37,9 +38,10 @@ def serve_stagger_predictions(
     spec = Setup(**result["config"])
     predictions = []
     for policy in POLICIES:
-        report = _simulation(spec, policy)(scenario)
+        simulate = _simulation(spec, policy)
+        predicted = mean_over_seeds(scenario, lambda s, run=simulate: run(s).tokens_per_s)
         measured = result["runs"][policy]["tokens_per_s"]
-        predictions.append(Prediction("serve-stagger", policy, measured, report.tokens_per_s))
+        predictions.append(Prediction("serve-stagger", policy, measured, predicted))
     return predictions
 
 

@@ -7,16 +7,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import random
+import statistics
 
 import pytest
 
 from vericache.bench import sim_validate, sim_validate_serve
 from vericache.bench.serve_stagger import POLICIES
 from vericache.bench.sim_validate_scenarios import (
+    NUM_SEEDS,
     gpu_predictions,
     long_context_predictions,
+    measured_acceptance,
     remote_prefix_predictions,
-    served_first_mismatches,
+    served_rounds,
     stagger_predictions,
 )
 from vericache.bench.sim_validate_serve import serve_stagger_predictions
@@ -217,11 +221,25 @@ def test_taking_fetched_kv_in_costs_the_drafter_what_the_run_measured(tokenizer)
     assert charged.predicted_tokens_per_s < uncharged.predicted_tokens_per_s
 
 
-def test_served_rounds_give_first_mismatches_without_the_rounds_the_budget_cut():
+def test_served_rounds_are_rebuilt_from_the_budget():
     # x=4, 12 tokens: rounds accept 4 of 4, 1 of 4 (its second rejected), then 3 of the 3 the
-    # budget leaves: that one tells no mismatch.
-    assert served_first_mismatches([[4, 1, 3]], 4, 12) == [4, 1]
-    assert served_first_mismatches([[0, 0]], 8, 3) == [0]
+    # budget leaves; at 3 tokens and x=8, one round of 1 draft (rejected), then none to draft.
+    assert served_rounds([[4, 1, 3]], 4, 12) == [[4, 4], [4, 1], [3, 3]]
+    assert served_rounds([[0, 0]], 8, 3) == [[1, 0], [0, 0]]
+
+
+def test_rounds_that_kept_all_their_drafts_are_lower_bounds_not_left_out():
+    # Every round cut short by the budget with all its drafts kept, but one that rejected its
+    # sixth: leaving them out replayed 5 a round; as lower bounds they replay what they kept.
+    run = {"rounds": [[23, 23], [12, 12], [6, 5], [3, 3], [0, 0]], "mean_accepted_per_round": 9}
+    trace = measured_acceptance(run, 30, "test")
+    assert (trace.first_mismatch, trace.kept_all) == ((5,), (23, 12, 3))
+    rng = random.Random(0)
+    draws = [trace.accepted(12, rng) for _ in range(4000)]
+    # At x=12: 23 and 12 keep 12; 3 goes on past 3, to 23, 12 or 5 (12, 12, 5); 5 stays 5.
+    assert statistics.mean(draws) == pytest.approx((12 + 12 + 5 + (12 + 12 + 5) / 3) / 4, rel=0.03)
+    older = {"first_mismatch": [5, 0], "mean_accepted_per_round": 9}  # before rounds were kept
+    assert measured_acceptance(older, 30, "test").first_mismatch == (5, 0)
 
 
 @pytest.mark.parametrize("serve_stagger", [False, True], ids=["before-serve-stagger", "all"])
@@ -279,7 +297,9 @@ def test_serve_staggers_scheduled_policies_are_planned_by_the_coordinators_own_s
     per_request, lockstep, staggered = serve_stagger_predictions(
         SERVE_STAGGER, MODEL, CPU, tokenizer
     )
-    assert [type(scheduler) for scheduler in made] == [LockstepScheduler, StaggeredScheduler]
+    # One scheduler per simulation: each policy is simulated at every seed of its draws.
+    expected = [LockstepScheduler] * NUM_SEEDS + [StaggeredScheduler] * NUM_SEEDS
+    assert [type(scheduler) for scheduler in made] == expected
     assert {scheduler.config.window for scheduler in made} == {160}
     assert made[0].draft_len == 12 and not made[0].overlap_loads
     # Two full KVs of room for four requests, each load six draft steps long: lock-step's

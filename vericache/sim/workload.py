@@ -28,21 +28,43 @@ class AcceptanceTrace:
 
     source: str  # "measured: ..." or "published: ..."
     first_mismatch: tuple[int, ...]  # per round, in [0, MAX_DRAFT_LEN]
+    # Rounds that kept every draft they made, fewer than the longest (a token budget cut them
+    # short): the drafts each kept, a lower bound on where its first mismatch would have been.
+    kept_all: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not self.first_mismatch:
+        if not self.first_mismatch and not self.kept_all:
             raise InvalidRequestError("an acceptance trace needs at least one round")
-        if not all(0 <= p <= MAX_DRAFT_LEN for p in self.first_mismatch):
+        if not all(0 <= p <= MAX_DRAFT_LEN for p in self.first_mismatch + self.kept_all):
             raise InvalidRequestError(f"first mismatches lie in [0, {MAX_DRAFT_LEN}]")
 
     def accepted(self, draft_len: int, rng: random.Random) -> int:
         """The drafts one round of `draft_len` accepts, a recorded round drawn at random."""
         if not 0 <= draft_len <= MAX_DRAFT_LEN:
             raise InvalidRequestError(f"draft length {draft_len} is past {MAX_DRAFT_LEN}")
-        return min(rng.choice(self.first_mismatch), draft_len)
+        if not self.kept_all:
+            return min(rng.choice(self.first_mismatch), draft_len)
+        return min(self._drawn(draft_len, rng), draft_len)
+
+    def _drawn(self, draft_len: int, rng: random.Random) -> int:
+        """A round drawn at random; one that kept all its c < draft_len drafts goes on as a round
+        drawn from those that got past c (its chance passed to the right, as in the Kaplan-Meier
+        estimator), until one tells its mismatch or none got further. Leaving such rounds out
+        instead keeps only those that rejected a draft: under a small budget, most of them."""
+        rounds = [(p, False) for p in self.first_mismatch] + [(c, True) for c in self.kept_all]
+        position, is_lower_bound = rng.choice(rounds)
+        while is_lower_bound and position < draft_len:
+            further = [(p, b) for p, b in rounds if p > position or (p == position and not b)]
+            if not further:
+                return position
+            position, is_lower_bound = rng.choice(further)
+        return position
 
     def mean_accepted(self, draft_len: int) -> float:
-        return sum(min(p, draft_len) for p in self.first_mismatch) / len(self.first_mismatch)
+        """Per round at `draft_len`, rounds that kept all their drafts counted at those (a lower
+        bound)."""
+        rounds = self.first_mismatch + self.kept_all
+        return sum(min(p, draft_len) for p in rounds) / len(rounds)
 
     @classmethod
     def from_rate(cls, rate: float, source: str, num_rounds: int = 4096, seed: int = 0):
@@ -64,6 +86,15 @@ def first_mismatches(drafted: list[int], accepted: list[int], draft_len: int) ->
     """Each round's first rejected draft (draft_len: none was), where the round tells it: it
     rejected a draft, or drafted all draft_len and kept them."""
     return [a for d, a in zip(drafted, accepted) if a < d or d == draft_len]
+
+
+def trace_from_rounds(source: str, drafted: list[int], accepted: list[int]) -> AcceptanceTrace:
+    """Rounds as a run made them (drafts made, drafts kept; rounds that drafted nothing tell
+    nothing): those that rejected a draft tell their first mismatch, those that kept all a lower
+    bound."""
+    rounds = [(d, a) for d, a in zip(drafted, accepted) if d > 0]
+    rejected = tuple(a for d, a in rounds if a < d)
+    return AcceptanceTrace(source, rejected, tuple(a for d, a in rounds if a >= d))
 
 
 def trace_from_bench(result: dict, kind: str, compressor: str, draft_kv: str = "verifier"):
