@@ -213,10 +213,6 @@ def run_engine(runner, tokenizer, requests, long_context: LongContextConfig) -> 
     }
 
 
-def _draft_len(requests: list[Request]) -> int:
-    return max(request.draft_len for request in requests)
-
-
 def without_tokens(run: dict) -> dict:
     return {key: value for key, value in run.items() if key != "token_ids"}
 

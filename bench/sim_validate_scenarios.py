@@ -50,9 +50,10 @@ def measured_acceptance(run: dict, draft_len: int, what: str) -> AcceptanceTrace
     they recorded (rounds that kept all their drafts left out); else rounds drawn at the
     per-draft rate that gives its mean accepted."""
     source = f"measured in this run: {what}"
-    rounds = [(d, a) for d, a in run.get("rounds") or () if d > 0]
-    if rounds:
-        return trace_from_rounds(source, *map(list, zip(*rounds)))
+    rounds = run.get("rounds") or []
+    if any(drafted > 0 for drafted, _ in rounds):
+        drafted, accepted = zip(*rounds)
+        return trace_from_rounds(source, list(drafted), list(accepted))
     if run.get("first_mismatch"):
         return AcceptanceTrace(source, tuple(run["first_mismatch"]))
     mean = min(run["mean_accepted_per_round"] or 0.0, draft_len - 1e-6)
@@ -176,8 +177,8 @@ def served_acceptance(
     records: list[dict], draft_len: int, max_tokens: int, what: str
 ) -> AcceptanceTrace:
     """The rounds of served streams (`serving.stream_record`s), each of whose rounds drafted
-    `draft_len` unless the budget cut it: their first mismatches where recorded, else rounds at
-    their mean accepted."""
+    `draft_len` unless the budget cut it: rebuilt from their accepted drafts where recorded, else
+    rounds at their mean accepted."""
     record = {"mean_accepted_per_round": statistics.mean(
         r["mean_accepted_per_round"] for r in records
     )}  # fmt: skip

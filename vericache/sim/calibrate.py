@@ -29,7 +29,7 @@ import torch
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.errors import InvalidRequestError
 from vericache.model.runner import ModelRunner
-from vericache.sim.calibration_fit import fit_profile, predicted_seconds
+from vericache.sim.calibration_fit import refit
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.random_weights import random_layer, random_runner
 
@@ -85,7 +85,6 @@ def calibrate(
     its all-reduce latency) comes from `base` (a datasheet profile) and the source says so;
     without one, the interconnect is taken to be as fast as a host copy."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    element_size = torch.finfo(dtype).bits // 8
     products = _products(model, device, dtype, plan)
     log.info("products timed at %s rows", ",".join(map(str, plan.product_rows)))
     copies = _copies(device, plan)
@@ -100,7 +99,7 @@ def calibrate(
         source=f"measured by vericache calibrate on {_device_name(device)}; the interconnect and "
         f"all-reduce latency, which one device cannot measure: {unmeasured}",
         memory_bytes=_memory_bytes(device),
-        hbm_bytes_per_s=1.0,  # fitted below, as every rate and overhead
+        hbm_bytes_per_s=1.0,  # fitted by refit below, as every rate and overhead
         peak_flops=1.0,
         host_to_device_bytes_per_s=copies["alone_bytes_per_s"],
         interconnect_bytes_per_s=(
@@ -112,11 +111,8 @@ def calibrate(
         layer_overhead_s=0.0,
         allreduce_latency_s=base.allreduce_latency_s if base else 0.0,
     )
-    profile = fit_profile(start, model, products, forwards, element_size)
-    for forward in forwards:
-        forward["predicted_s"] = predicted_seconds(profile, model, forward, element_size)
-    return {
-        "profile": dataclasses.asdict(profile),
+    measured = {
+        "profile": dataclasses.asdict(start),
         "model": model.name,
         "dtype": str(dtype).removeprefix("torch."),
         "plan": dataclasses.asdict(plan),
@@ -124,6 +120,7 @@ def calibrate(
         "copies": copies,
         "forwards": forwards,
     }
+    return refit(measured, model)  # every rate and overhead fitted, every forward predicted
 
 
 # --- Measurements ---------------------------------------------------------------------------------

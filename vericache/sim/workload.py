@@ -16,6 +16,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from vericache.errors import InvalidRequestError
 
@@ -51,7 +52,7 @@ class AcceptanceTrace:
         drawn from those that got past c (its chance passed to the right, as in the Kaplan-Meier
         estimator), until one tells its mismatch or none got further. Leaving such rounds out
         instead keeps only those that rejected a draft: under a small budget, most of them."""
-        rounds = [(p, False) for p in self.first_mismatch] + [(c, True) for c in self.kept_all]
+        rounds = self._rounds
         position, is_lower_bound = rng.choice(rounds)
         while is_lower_bound and position < draft_len:
             further = [(p, b) for p, b in rounds if p > position or (p == position and not b)]
@@ -59,6 +60,11 @@ class AcceptanceTrace:
                 return position
             position, is_lower_bound = rng.choice(further)
         return position
+
+    @cached_property
+    def _rounds(self) -> list[tuple[int, bool]]:
+        """(position, whether a lower bound) of every round, built once: drawn from per round."""
+        return [(p, False) for p in self.first_mismatch] + [(c, True) for c in self.kept_all]
 
     def mean_accepted(self, draft_len: int) -> float:
         """Per round at `draft_len`, rounds that kept all their drafts counted at those (a lower
