@@ -30,8 +30,9 @@ from vericache.bench.common import compressor_from_label, environment, pyplot, s
 from vericache.bench.serving import ray_server, ray_session, serve_stream, stream_record
 from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
 from vericache.client import Client, PrefixInfo
-from vericache.engine.device_memory import cache_capacity, slot_bytes
+from vericache.engine.device_memory import slot_bytes
 from vericache.engine.prompt import build_chat_prompt
+from vericache.kv.slots import cache_capacity
 from vericache.model.config import ModelConfig
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 from vericache.scheduler import SchedulerConfig

@@ -21,9 +21,8 @@ import torch
 from vericache.compress.base import TokenDropping
 from vericache.engine.request import Request
 from vericache.errors import InvalidRequestError, VeriCacheError
-from vericache.kv.cache import aligned
+from vericache.kv import slots
 from vericache.model.config import ModelConfig
-from vericache.model.kernels import KEY_ALIGN
 
 
 class DeviceMemoryError(VeriCacheError):
@@ -84,21 +83,16 @@ class DeviceMemory:
 
 def slot_bytes(config: ModelConfig, element_size: int) -> int:
     """Bytes one token takes in a dense cache: keys, values and one int32 position per KV head."""
-    return config.kv_bytes_per_token(element_size) + 4 * config.num_layers * config.num_kv_heads
+    return slots.slot_bytes(
+        config.kv_bytes_per_token(element_size), config.num_layers, config.num_kv_heads
+    )
 
 
 def full_kv_capacity(request: Request, max_positions: int) -> int:
-    """Slots a request's full KV reserves: the prompt, every output token and one round's drafts
-    (every driver reserves this)."""
-    num_tokens = len(request.prompt_ids) + request.params.max_new_tokens + request.draft_len + 1
-    return cache_capacity(num_tokens, max_positions)
-
-
-def cache_capacity(num_tokens: int, max_positions: int) -> int:
-    """Slots to reserve for a sequence that may reach `num_tokens` tokens, within the model's
-    context: batch-invariant attention reads keys in whole blocks, so reserve them now, not on
-    growth."""
-    return aligned(min(num_tokens, max_positions), KEY_ALIGN)
+    """Slots a request's full KV reserves (`slots.full_kv_slots`)."""
+    return slots.full_kv_slots(
+        len(request.prompt_ids), request.params.max_new_tokens, request.draft_len, max_positions
+    )
 
 
 def full_kv_bytes(request: Request, config: ModelConfig, element_size: int) -> int:

@@ -1,14 +1,3 @@
-from vericache.kv.cache import DenseLayerKV, KVCache, LayerKV
-from vericache.kv.compressed import CompressedKV
-from vericache.kv.quantized import QuantizedLayerKV
-from vericache.kv.state import CacheState, LayerState
-
-__all__ = [
-    "CacheState",
-    "CompressedKV",
-    "DenseLayerKV",
-    "KVCache",
-    "LayerKV",
-    "LayerState",
-    "QuantizedLayerKV",
-]
+"""KV caches: dense (cache.py), compressed (compressed.py), quantized (quantized.py), their wire
+format (codec.py), and the slots a request reserves (slots.py, torch-free for the simulator).
+Import from the modules: the package imports nothing, so that slots.py needs no torch."""

@@ -21,18 +21,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from vericache.errors import CacheStateError
+from vericache.kv.slots import aligned
 from vericache.kv.state import CacheState, LayerState
 
 if TYPE_CHECKING:
     from vericache.kv.exact import ExactKV
     from vericache.kv.pool import BufferPool
-
-# Buffers grow in multiples of this many slots.
-SLOT_ALIGNMENT = 256
-
-
-def aligned(num_slots: int, multiple: int = SLOT_ALIGNMENT) -> int:
-    return -(-num_slots // multiple) * multiple
 
 
 def write_head_major(target: torch.Tensor, start: int, source: torch.Tensor) -> None:

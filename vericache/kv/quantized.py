@@ -16,7 +16,8 @@ import torch
 from vericache.errors import CacheStateError
 from vericache.kernels.packed_attention import PackedKV, packed_attention
 from vericache.kernels.quant import codes_per_byte, dequantize_packed, pack, quantize
-from vericache.kv.cache import DenseLayerKV, aligned
+from vericache.kv.cache import DenseLayerKV
+from vericache.kv.slots import aligned
 from vericache.kv.state import LayerState
 
 if TYPE_CHECKING:

@@ -29,11 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from vericache.kernels import triton_invariant_attention, triton_ops
-from vericache.kv.cache import aligned
+from vericache.kv.slots import KEY_ALIGN, aligned
 from vericache.model import linear
 from vericache.model.linear import CUDA_ROW_BLOCK, map_row_blocks, pad_rows
 
-KEY_ALIGN = 1024
 QUERY_ROW_ALIGN = 4
 
 
