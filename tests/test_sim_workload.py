@@ -25,7 +25,18 @@ def test_a_recorded_round_replays_at_any_shorter_draft_length():
     drawn = {trace.accepted(5, rng) for _ in range(200)}
     assert drawn == {0, 3, 5}  # a round that matched 10 or 64 accepts all 5 at x=5
     with pytest.raises(InvalidRequestError):
-        trace.accepted(MAX_DRAFT_LEN + 1, rng)
+        trace.accepted(-1, rng)
+
+
+def test_a_round_past_the_recorded_length_goes_on_as_a_fresh_round():
+    """A round that kept all MAX_DRAFT_LEN recorded drafts tells nothing of the next: a longer
+    round draws again for the rest."""
+    trace = AcceptanceTrace("measured: test", (MAX_DRAFT_LEN, 5))
+    rng = random.Random(2)
+    drawn = {trace.accepted(100, rng) for _ in range(300)}
+    assert drawn == {5, MAX_DRAFT_LEN + 5, 100}
+    always = AcceptanceTrace("measured: test", (MAX_DRAFT_LEN,))
+    assert always.accepted(3 * MAX_DRAFT_LEN + 1, rng) == 3 * MAX_DRAFT_LEN + 1
     for bad in ((), (-1,), (MAX_DRAFT_LEN + 1,)):
         with pytest.raises(InvalidRequestError):
             AcceptanceTrace("measured: bad", bad)

@@ -40,9 +40,21 @@ class AcceptanceTrace:
             raise InvalidRequestError(f"first mismatches lie in [0, {MAX_DRAFT_LEN}]")
 
     def accepted(self, draft_len: int, rng: random.Random) -> int:
-        """The drafts one round of `draft_len` accepts, a recorded round drawn at random."""
-        if not 0 <= draft_len <= MAX_DRAFT_LEN:
-            raise InvalidRequestError(f"draft length {draft_len} is past {MAX_DRAFT_LEN}")
+        """The drafts one round of `draft_len` accepts, a recorded round drawn at random. Past
+        MAX_DRAFT_LEN no round tells anything: a round that keeps its first MAX_DRAFT_LEN drafts
+        goes on as a fresh round (a staggered scheduler drafts on while a load is under way, and
+        can exceed it)."""
+        if draft_len < 0:
+            raise InvalidRequestError(f"a draft length is >= 0, got {draft_len}")
+        kept = 0
+        while True:
+            wanted = min(draft_len - kept, MAX_DRAFT_LEN)
+            drawn = self._one_round(wanted, rng)
+            kept += drawn
+            if drawn < MAX_DRAFT_LEN or kept == draft_len:
+                return kept
+
+    def _one_round(self, draft_len: int, rng: random.Random) -> int:
         if not self.kept_all:
             return min(rng.choice(self.first_mismatch), draft_len)
         return min(self._drawn(draft_len, rng), draft_len)
