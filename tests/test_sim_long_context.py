@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 
+from vericache.engine.device_memory import full_kv_bytes
+from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.errors import InvalidRequestError
+from vericache.model.config import ModelConfig, RopeConfig
 from vericache.scheduler import LockstepScheduler, StaggeredScheduler
 from vericache.sim.long_context import LongContextScenario, simulate_full_kv, simulate_vericache
 from vericache.sim.profiles import device_profile, model_profile
@@ -54,8 +56,11 @@ def test_every_token_and_byte_is_accounted_for():
     report = simulate_vericache(scenario, StaggeredScheduler)
     assert report.num_output_tokens == 8 * 64 and len(report.latencies_s) == 8
     rounds = len(report.accepted_per_round)
-    full_kv = math.ceil((8192 + 64) * scenario.kv_bytes_per_token)
-    assert report.link_bytes == rounds * full_kv  # one full-KV load per verification
+    # One load per verification, of the full KV held so far (the prompt, and fewer than 64
+    # outputs), not of the whole blocks the scheduler reserved for it.
+    lower, upper = (rounds * scenario.full_kv_bytes(n) for n in (0, 63))
+    assert lower <= report.link_bytes <= upper
+    assert upper < rounds * scenario.reserved_full_kv_bytes(64)
     assert 0 < report.device_busy_s <= report.elapsed_s + 1e-9
     assert report.stall_s >= 0 and report.num_forwards >= rounds / 8
     rounds = zip(report.accepted_per_round, report.draft_lens, strict=True)
@@ -87,8 +92,8 @@ def test_the_simulation_is_deterministic_and_its_decisions_are_the_schedulers(mo
 # Pinned: a change to the event core, the cost model, the schedulers or the engine's round
 # (engine/sequence.py, which decodes every simulated request) moves these on purpose.
 GOLDEN = {
-    "mistral staggered": 359.9367935243338,
-    "mistral lockstep": 305.0544989951496,
+    "mistral staggered": 357.4503189389567,
+    "mistral lockstep": 305.1071926346208,
     "mistral full": 494.29737358385864,
     "qwen staggered": 46.4351596334602,
     "qwen full": 32.57614512076114,
@@ -132,3 +137,25 @@ def test_full_kv_decoding_batches_what_memory_holds():
     huge = _mistral(prompt_tokens=30_000, activation_reserve=0.64)
     with pytest.raises(InvalidRequestError, match="more than a worker's"):
         simulate_full_kv(huge)
+
+
+def test_a_request_reserves_what_the_engine_reserves():
+    """The scheduler books memory and link time by the reservation: the simulator must tell it
+    the engine's (whole blocks of slots with their positions), not the KV's own size."""
+    profile = model_profile("smollm2-135m")
+    config = ModelConfig(
+        model_type="llama", vocab_size=512, hidden_size=profile.hidden_size,
+        intermediate_size=1536, num_layers=profile.num_layers, num_heads=profile.num_heads,
+        num_kv_heads=profile.num_kv_heads, head_dim=profile.head_dim,
+        max_position_embeddings=profile.max_positions, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0), tie_word_embeddings=True, qkv_bias=False, o_bias=False,
+        mlp_bias=False, qk_norm=False, layer_windows=(None,) * profile.num_layers,
+        eos_token_ids=(2,),
+    )  # fmt: skip
+    scenario = dataclasses.replace(
+        _mistral(), model=profile, prompt_tokens=1131, draft_len=12, element_size=4
+    )
+    request = Request((1,) * 1131, params=SamplingParams(32), mode=DecodeMode.FULL, draft_len=12)
+    reserved = scenario.reserved_full_kv_bytes(32)
+    assert reserved == full_kv_bytes(request, config, 4)
+    assert reserved > 1.6 * scenario.full_kv_bytes(32)  # 2048 slots for 1176 tokens

@@ -97,6 +97,6 @@ def test_a_small_scenario_gives_its_golden_results():
     assert result["vericache"].tokens_per_s == pytest.approx(GOLDEN["staggered"], rel=1e-9)
 
 
-# Pinned: a change to the event core, the batch loop, the cost model, the schedulers or the
-# engine's round moves these on purpose.
-GOLDEN = {"staggered": 351.1017477707567, "lockstep": 328.5352882469257}
+# Pinned: a change to the event core, the batch loop, the cost model, the schedulers, the
+# engine's round or what a session reserves moves these on purpose.
+GOLDEN = {"staggered": 316.6145556533349, "lockstep": 328.5352882469257}

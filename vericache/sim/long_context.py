@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vericache.errors import InvalidRequestError
+from vericache.kv.slots import full_kv_slots
 from vericache.scheduler import BaseScheduler, CostModel
 from vericache.scheduler.records import IterationPlan, SchedulerRequest
 from vericache.sim.batch_loop import SimBatchLoop, SimJob
@@ -98,8 +99,20 @@ class LongContextScenario:
         return math.ceil(self.kv_budget * self.prompt_tokens)
 
     def full_kv_bytes(self, num_output_tokens: int) -> int:
-        """A request's full KV at its end, on one device of the group."""
+        """A request's full KV with this many output tokens, on one device of the group: what a
+        load moves."""
         return math.ceil((self.prompt_tokens + num_output_tokens) * self.kv_bytes_per_token)
+
+    def reserved_full_kv_bytes(self, max_output_tokens: int) -> int:
+        """What the engine reserves for a request's full KV, and tells its scheduler: whole blocks
+        of slots for the prompt, every output token and one round's drafts (kv/slots.py), on one
+        device of the group. The scheduler books memory and each load's link time by it; at short
+        contexts the blocks add much (a 1.2k-token request reserves 2k slots)."""
+        model = self.model
+        num_slots = full_kv_slots(
+            self.prompt_tokens, max_output_tokens, self.draft_len, model.max_positions
+        )
+        return math.ceil(num_slots * model.slot_bytes(self.element_size) / self.tensor_parallel)
 
     @property
     def kept_kv_bytes_per_token(self) -> float:
@@ -222,8 +235,11 @@ class _VeriCacheRun:
                 self.sim.at(self.arriving[0].arrival_s, self._iteration)
             return
         plan = self.scheduler.schedule()
-        for load in plan.loads:
-            self.link.send(load.num_bytes, lambda rid=load.request_id: self._loaded(rid))
+        for load in plan.loads:  # the KV it holds so far, not the reservation the plan booked
+            num_bytes = self.scenario.full_kv_bytes(
+                self.live[load.request_id].seq.num_output_tokens
+            )
+            self.link.send(num_bytes, lambda rid=load.request_id: self._loaded(rid))
         self._stalled = (plan, self.sim.now)
         self._run_when_loaded()
 
@@ -234,7 +250,7 @@ class _VeriCacheRun:
             self.scheduler.add_request(
                 SchedulerRequest(
                     request.request_id,
-                    full_kv_bytes=scenario.full_kv_bytes(request.max_output_tokens),
+                    full_kv_bytes=scenario.reserved_full_kv_bytes(request.max_output_tokens),
                     compressed_kv_bytes=scenario.compressed_kv_bytes(request.max_output_tokens),
                     draft_len=scenario.draft_len,
                 )
@@ -340,7 +356,7 @@ def simulate_full_kv(scenario: LongContextScenario) -> SimReport:
 
 def _decode_full(scenario, request: _Request, loop: SimBatchLoop, memory, report) -> None:
     seq, kv = request.seq, scenario.kv_bytes_per_token
-    session = Session(None, 0, scenario.full_kv_bytes(request.max_output_tokens))
+    session = Session(None, 0, scenario.reserved_full_kv_bytes(request.max_output_tokens))
 
     def row() -> Row:
         return Row(1, scenario.prompt_tokens + seq.num_output_tokens, kv, exact=True)

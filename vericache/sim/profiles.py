@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from vericache.errors import InvalidRequestError
+from vericache.kv import slots
 
 _PROFILES = "profiles"
 
@@ -54,6 +55,13 @@ class ModelProfile:
     def kv_bytes_per_token(self, element_size: int = 2) -> int:
         """Full KV of one token: keys and values of every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+    def slot_bytes(self, element_size: int = 2) -> int:
+        """One token's slot in a dense cache, as the engine reserves it: its keys, values and
+        positions."""
+        return slots.slot_bytes(
+            self.kv_bytes_per_token(element_size), self.num_layers, self.num_kv_heads
+        )
 
 
 @dataclass(frozen=True)

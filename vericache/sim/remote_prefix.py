@@ -90,11 +90,9 @@ class VeriCacheRequest:
         return Session(key, scenario.prefix_bytes(compressed=True), own)
 
     def full_kv_bytes(self) -> int:
-        """The session's full KV on the verifier: its prefix's and all its own tokens'."""
-        scenario = self.run.scenario
-        return scenario.prefix_bytes(compressed=False) + scenario.own_bytes(
-            self.seq.max_output_tokens
-        )
+        """The session's full KV on the verifier, as the verifier allocates it and tells its
+        scheduler: whole blocks of slots for its prefix and all its own tokens."""
+        return self.run.scenario.reserved_full_kv_bytes(self.seq.max_output_tokens)
 
     def finished(self) -> None:
         self.verifier.memory.release(self.verifier_session())

@@ -114,15 +114,17 @@ class _ScheduledRequest(VeriCacheRequest):
         is_verifying = self.batch is not None and not self.batch.is_done
         return is_drafting or self.loading or is_verifying
 
-    def load(self, num_bytes: int) -> None:
-        """The plan's load ahead of the verification: over the store link, or made resident
-        (and held there until verified) by the verifier's residency, which moves nothing for a
-        session it still holds."""
+    def load(self) -> None:
+        """The plan's load ahead of the verification: the prefix's full KV over the store link
+        (what the verifier loads, not the blocks the plan reserved for the session), or made
+        resident (and held there until verified) by the verifier's residency, which moves
+        nothing for a session it still holds."""
         self.loading = True
         if self.verifier.residency is not None:
             self.verifier.residency.use(self, self._on_loaded)
         else:
-            self.verifier.link.send(num_bytes, self._on_loaded)
+            prefix_bytes = self.run.scenario.prefix_bytes(compressed=False)
+            self.verifier.link.send(prefix_bytes, self._on_loaded)
 
     def _on_loaded(self) -> None:
         self.loading, self.loaded = False, True
@@ -234,7 +236,7 @@ class VerifierSchedule:
         started = self.run.sim.now
         plan = self.scheduler.schedule()
         for load in plan.loads:
-            self.entries[load.request_id].load(load.num_bytes)
+            self.entries[load.request_id].load()
         for request_id in plan.draft_ids:
             entry = self.entries[request_id]
             if not entry.seq.in_round:
