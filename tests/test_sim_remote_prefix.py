@@ -175,3 +175,19 @@ def test_a_token_dropper_drafts_over_the_tokens_it_keeps():
     )
     with pytest.raises(InvalidRequestError, match="compressed_token_share"):
         _scenario(compressed_token_share=0.0)
+
+
+def test_a_fetched_prefix_is_taken_in_beside_the_forwards_before_its_session_starts():
+    """The drafter decodes and checks a fetched prefix on its host, beside its device: a lone
+    request waits for the take-in (after the link), and the device's forwards take no longer."""
+    scenario = _scenario(arrivals=(0.0,), num_prefixes=1)
+    prefix_bytes = scenario.prefix_bytes(compressed=False)
+    receive_bytes_per_s = prefix_bytes / 0.5  # half a second to take it in
+    plain = simulate_full(scenario, FullPool.REMOTE)
+    taken_in = simulate_full(
+        dataclasses.replace(scenario, network_receive_bytes_per_s=receive_bytes_per_s),
+        FullPool.REMOTE,
+    )
+    assert taken_in.elapsed_s == pytest.approx(plain.elapsed_s + 0.5)
+    assert taken_in.device_busy_s == pytest.approx(plain.device_busy_s)
+    assert taken_in.num_output_tokens == plain.num_output_tokens

@@ -56,9 +56,8 @@ class RemotePrefixScenario:
     verifier_prefix_lru_bytes: int | None = None
     drafter_prefix_lru_bytes: int | None = None
     prefixes_in_turn: bool = False  # request i asks prefix i % num_prefixes (bench remote-prefix)
-    # How fast a drafter takes in a prefix fetched over the network (decoding its wire format,
-    # checking it) on its own device, between forwards, in bytes/s; None: at once, off the device
-    # (a GPU's copy engines beside compute).
+    # How fast a drafter's host takes in a prefix fetched over the network (decoding its wire
+    # format, checking it), one at a time beside the device's forwards, in bytes/s; None: at once.
     network_receive_bytes_per_s: float | None = None
     # Where set, a verifier keeps sessions' full KV as VeriCache's does (VerifierConfig.
     # resident_bytes, sim/residency.py): at most this many bytes between calls, the least
