@@ -30,7 +30,8 @@ def test_the_summary_names_both_pipelines_and_the_bands(quick):
         # The planners search a space that holds the paper's configuration's neighbours.
         assert summary[f"{pipeline}_best_speedup"] > 0
     assert (summary["pipeline2_miss_reason"] is None) == summary["pipeline2_in_band"]
-    assert summary["cpu_prediction_error"] is None  # bench sim-validate's to give
+    # bench sim-validate's, from its committed result
+    assert summary["cpu_prediction_error"] == paper_repro.committed_cpu_prediction_error()
     assert result["pipeline1"]["paper_config"]["sources"]["device"].startswith("datasheet")
 
 
@@ -58,3 +59,10 @@ def test_the_table_and_the_figure_are_written(quick, tmp_path):
     path = tmp_path / "paper.png"
     paper_repro.plot(result, path)
     assert path.stat().st_size > 1000
+
+
+def test_the_cpu_prediction_error_is_the_committed_sim_validate_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(paper_repro, "SIM_VALIDATE", tmp_path / "sim_validate.json")
+    assert paper_repro.committed_cpu_prediction_error() is None
+    paper_repro.SIM_VALIDATE.write_text('{"summary": {"cpu_prediction_error": 0.12}}')
+    assert paper_repro.committed_cpu_prediction_error() == 0.12
