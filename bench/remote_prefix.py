@@ -50,16 +50,23 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vericache.bench.common import compressor_from_label, environment, int_list
+from vericache.bench.remote_prefix_cells import (
+    Cell,
+    StreamSpec,
+    cell_record,
+    request_stream,
+    vericache_cells,
+)
 from vericache.bench.remote_prefix_plot import plot  # noqa: F401 - the CLI's plot(result, path)
 from vericache.bench.remote_prefix_reference import (
     EngineReference,
     ReferenceRun,
-    reference_spread,
 )
+from vericache.bench.remote_prefix_summary import DEFINITIONS, summarize
 from vericache.bench.serving import (
     Router,
     metric,
@@ -74,14 +81,6 @@ from vericache.engine.link import LinkSpec
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
-
-TARGETS = {
-    "rpcs_per_round": 2.0,  # at most
-    "rtt20_over_rtt0": 0.85,  # at least
-    "verifier_overhead": 1.3,  # at most
-}
-HEADLINE = {"draft_len": 30, "num_drafters": 1, "scheduling": "per-request"}
-FULL_MODES = ("full_local", "full_remote", "full_both")
 
 
 def add_arguments(parser) -> None:
@@ -105,34 +104,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rtt-latency-ms", type=float, default=20.0, help="one-way, for rtt20")
 
 
-@dataclass(frozen=True)
-class StreamSpec:
-    """The request stream and how it is served (resolved from the arguments)."""
-
-    compressor: str
-    draft_lens: tuple[int, ...]
-    drafter_counts: tuple[int, ...]
-    schedulings: tuple[str, ...]
-    num_prefixes: int
-    prefix_tokens: tuple[int, int]
-    num_requests: int
-    max_tokens: int
-    concurrency: int
-    repeats: int
-    ratio: float
-    drafter_kv_prefixes: float
-    rtt_latency_s: float
-
-    def __post_init__(self):
-        counts = (*self.draft_lens, *self.drafter_counts, self.num_prefixes, self.num_requests)
-        if min(*counts, self.max_tokens, self.concurrency, self.repeats) < 1:
-            raise InvalidRequestError(f"counts must be >= 1: {self}")
-        if not self.ratio > 0 or not self.drafter_kv_prefixes > 0 or self.rtt_latency_s < 0:
-            raise InvalidRequestError(f"--ratio and --drafter-kv must be > 0: {self}")
-        if set(self.schedulings) - {"per-request", "staggered", "lockstep"}:
-            raise InvalidRequestError(f"unknown scheduling in {self.schedulings}")
-
-
 def stream_spec(args) -> StreamSpec:
     def pick(value, full, quick):
         return value if value is not None else (quick if args.quick else full)
@@ -152,33 +123,6 @@ def stream_spec(args) -> StreamSpec:
         drafter_kv_prefixes=args.drafter_kv,
         rtt_latency_s=args.rtt_latency_ms / 1e3,
     )
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One configuration of the table."""
-
-    mode: str  # vericache, full_local, full_remote or full_both
-    num_drafters: int
-    draft_len: int | None = None  # VERICACHE only
-    scheduling: str = "per-request"
-    latency_s: float = 0.0  # one way, on the link toward the drafters
-
-    @property
-    def name(self) -> str:
-        if self.mode != "vericache":
-            return f"{self.mode} d={self.num_drafters}"
-        latency = f" rtt={2e3 * self.latency_s:g}ms" if self.latency_s else ""
-        return f"vericache x={self.draft_len} d={self.num_drafters} {self.scheduling}{latency}"
-
-
-def request_stream(prefix_ids: list[str], num_requests: int) -> list[tuple[str, str]]:
-    """(prefix id, prompt) of each request: the prefixes in turn, then the next prompt."""
-    num_prefixes = len(prefix_ids)
-    return [
-        (prefix_ids[i % num_prefixes], CONTEXT_PROMPTS[i // num_prefixes % len(CONTEXT_PROMPTS)])
-        for i in range(num_requests)
-    ]
 
 
 def bandwidth_for(ratio: float, full_wire_bytes: float, seconds_per_reply: float) -> float:
@@ -282,18 +226,6 @@ def _server_counts(server) -> dict[str, float]:
     }
 
 
-def cell_record(cell: Cell, samples: list[dict]) -> dict:
-    rates = [s["tokens_per_s"] for s in samples]
-    return {
-        **asdict(cell),
-        "name": cell.name,
-        "tokens_per_s": statistics.median(rates),
-        "tokens_per_s_min": min(rates),
-        "tokens_per_s_max": max(rates),
-        "samples": samples,
-    }
-
-
 def _register(client: Client, contexts, label: str) -> list[dict]:
     """Registers every prefix, timing each stage; one FULL_REMOTE request each (one output
     token) measures the bytes its full KV puts on the link."""
@@ -333,28 +265,6 @@ def _register(client: Client, contexts, label: str) -> list[dict]:
 
 
 # --- The benchmark -------------------------------------------------------------------------------
-
-
-def vericache_cells(spec: StreamSpec) -> list[tuple[Cell, ...]]:
-    """The VERICACHE cells, each alone or (with latency on) the cell of the latency comparison
-    with its twin over a link with latency, served in turn."""
-    groups = []
-    for drafters in spec.drafter_counts:
-        for scheduling in spec.schedulings:
-            for draft_len in spec.draft_lens:
-                cell = Cell("vericache", drafters, draft_len, scheduling)
-                if _is_rtt_pair(cell, spec):
-                    groups.append((cell, replace(cell, latency_s=spec.rtt_latency_s)))
-                else:
-                    groups.append((cell,))
-    return groups
-
-
-def _is_rtt_pair(cell: Cell, spec: StreamSpec) -> bool:
-    """x = the largest, one drafter: the cell whose latency is measured."""
-    return (
-        spec.rtt_latency_s > 0 and cell.num_drafters == 1 and cell.draft_len == max(spec.draft_lens)
-    )
 
 
 def run(args) -> dict:
@@ -416,111 +326,6 @@ def _served(bench: Bench, group: tuple[Cell, ...], expected: list[list[int]]) ->
         bench.rates[record["name"]] = record["tokens_per_s"]
         records.append(record)
     return records
-
-
-DEFINITIONS = {
-    "tokens_per_s": "output tokens of the whole stream / its wall time; the median of the "
-    "cell's repeats, with tokens_per_s_min and _max",
-    "best_full": "the most tokens/s of FULL_LOCAL, FULL_REMOTE and FULL_BOTH on the same drafters",
-    "vericache_over_best_full": "VERICACHE tokens/s / best_full",
-    "rpcs_per_round": "worker calls of VERICACHE rounds / rounds verified",
-    "rtt20_over_rtt0": "VERICACHE tokens/s at the rtt latency / at none (x = the largest, 1 "
-    "drafter), each sample over the one served just before it; the median",
-    "verifier_overhead": "verifier process CPU s per output token over the cell's samples / "
-    "in-process engine CPU s of the same requests' verifications and suffix prefills per output "
-    "token, same draft length, measured in parts beside the samples",
-    "verifier_serving_overhead": "verifier process CPU s / (its forward loop's CPU s + the "
-    "reference's suffix prefill CPU s), the same stream, per sample, the median: serving's "
-    "share, the machine's speed cancelled",
-    "reference_cpu_s_per_token_range": "per draft length, the lowest and highest part of an "
-    "in-process reference in the run: how far the machine's speed moved",
-}
-
-
-def summarize(cells: list[dict], spec) -> dict:
-    by_name = {cell["name"]: cell for cell in cells}
-    vericache = [c for c in cells if c["mode"] == "vericache" and not c["latency_s"]]
-
-    def best_full(num_drafters: int) -> float:
-        names = ["full_local d=1"] + [f"{m} d={num_drafters}" for m in FULL_MODES[1:]]
-        return max(by_name[name]["tokens_per_s"] for name in names if name in by_name)
-
-    over = {c["name"]: c["tokens_per_s"] / best_full(c["num_drafters"]) for c in vericache}
-    headline = Cell("vericache", **HEADLINE).name
-    rpcs = max(_rpcs_per_round(c) for c in vericache)
-    rpcs_by_scheduling = {
-        scheduling: max(_rpcs_per_round(c) for c in vericache if c["scheduling"] == scheduling)
-        for scheduling in sorted({c["scheduling"] for c in vericache})
-    }
-    paired = [c for c in vericache if "reference" in c]
-    overhead = {c["name"]: _verifier_overhead(c) for c in paired}
-    serving = {c["name"]: _serving_overhead(c) for c in paired}
-    rtt = _rtt_ratios(cells, spec)
-    summary = {
-        "vericache_over_best_full": over.get(headline),
-        "headline_cell": headline,
-        "vericache_over_best_full_by_cell": over,
-        "best_full_tokens_per_s": {n: best_full(n) for n in spec.drafter_counts},
-        "rpcs_per_round": rpcs,
-        "rpcs_per_round_by_scheduling": rpcs_by_scheduling,
-        "rtt20_over_rtt0": min(rtt.values()) if rtt else None,
-        "rtt20_over_rtt0_by_scheduling": rtt,
-        "verifier_overhead": max(overhead.values()) if overhead else None,
-        "verifier_overhead_by_cell": overhead,
-        "reference_cpu_s_per_token_range": reference_spread(cells),
-        "verifier_serving_overhead": max(serving.values()) if serving else None,
-        "verifier_serving_overhead_by_cell": serving,
-        "identical": all(c["outputs_match"] for c in cells if c["mode"] != "lossy")
-        and all(all(c.get("reference_outputs_match", [True])) for c in cells),
-    }
-    summary["meets_targets"] = {
-        "rpcs_per_round": rpcs <= TARGETS["rpcs_per_round"],
-        "rtt20_over_rtt0": bool(rtt) and summary["rtt20_over_rtt0"] >= TARGETS["rtt20_over_rtt0"],
-        "verifier_overhead": bool(overhead)
-        and summary["verifier_overhead"] <= TARGETS["verifier_overhead"],
-    }
-    return summary
-
-
-def _rpcs_per_round(cell: dict) -> float:
-    calls = sum(s["round_calls"] for s in cell["samples"])
-    return calls / max(1.0, sum(s["verified_rounds"] for s in cell["samples"]))
-
-
-def _verifier_overhead(cell: dict) -> float:
-    """The cell's verifier CPU s per output token over its reference's, both over the same
-    minutes."""
-    samples = cell["samples"]
-    cpu_s = sum(s["cpu_s"]["verifiers"] for s in samples)
-    per_token = cpu_s / sum(s["num_tokens"] for s in samples)
-    return per_token / cell["reference"]["cpu_s_per_token"]
-
-
-def _serving_overhead(cell: dict) -> float:
-    """The verifier's CPU over its own forward loop's plus the suffix prefills' (from the
-    reference), per sample, median: what serving adds, measured in the same process and stream."""
-    prefill_cpu_s = cell["reference"]["suffix_prefill_cpu_s"]
-    ratios = [
-        s["cpu_s"]["verifiers"] / (s["verifier_forward_cpu_s"] + prefill_cpu_s)
-        for s in cell["samples"]
-    ]
-    return statistics.median(ratios)
-
-
-def _rtt_ratios(cells: list[dict], spec: StreamSpec) -> dict[str, float]:
-    """Per scheduling, the median over repeats of a sample with latency over the sample without
-    it served just before (bench.serve serves the pair in turn)."""
-    by_name = {cell["name"]: cell for cell in cells}
-    ratios = {}
-    for scheduling in spec.schedulings:
-        far = Cell("vericache", 1, max(spec.draft_lens), scheduling, spec.rtt_latency_s)
-        near = replace(far, latency_s=0.0)
-        if far.name in by_name and near.name in by_name:
-            pairs = zip(by_name[far.name]["samples"], by_name[near.name]["samples"])
-            ratios[scheduling] = statistics.median(
-                f["tokens_per_s"] / n["tokens_per_s"] for f, n in pairs
-            )
-    return ratios
 
 
 def _token_range(text: str) -> tuple[int, int]:

@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from vericache.bench import remote_prefix
-from vericache.bench.remote_prefix import Cell, cell_record
+from vericache.bench.remote_prefix_cells import Cell, cell_record, request_stream, vericache_cells
 from vericache.bench.remote_prefix_reference import ReferenceRun
+from vericache.bench.remote_prefix_summary import summarize
 from vericache.bench.serving import Router, stream_record
 from vericache.bench.workloads import CONTEXT_PROMPTS
 from vericache.cli.bench import parse_benchmark_args
@@ -40,7 +41,7 @@ def test_quick_defaults_shrink_the_sweep_and_explicit_values_win():
 
 def test_the_sweep_covers_every_cell_and_the_latency_pair():
     spec = remote_prefix.stream_spec(_args())
-    groups = remote_prefix.vericache_cells(spec)
+    groups = vericache_cells(spec)
     cells = [cell for group in groups for cell in group]
     assert len(groups) == 3 * 2 * 2 and len(cells) == 3 * 2 * 2 + 2
     pairs = [group for group in groups if len(group) == 2]
@@ -52,7 +53,7 @@ def test_the_sweep_covers_every_cell_and_the_latency_pair():
 
 
 def test_the_stream_cycles_over_prefixes_then_prompts():
-    jobs = remote_prefix.request_stream(["a", "b"], 5)
+    jobs = request_stream(["a", "b"], 5)
     assert [prefix for prefix, _ in jobs] == ["a", "b", "a", "b", "a"]
     assert [prompt for _, prompt in jobs] == [CONTEXT_PROMPTS[i] for i in (0, 0, 1, 1, 2)]
 
@@ -128,26 +129,26 @@ def _table(vericache_per_request=30.0, full_both=20.0, match=True) -> list[dict]
 def test_a_cells_samples_together_are_set_against_its_reference():
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
     drifting = _cell(Cell("vericache", 1, 30), 1, 2, 3, cpus=(1.0, 2.0, 3.0), reference=0.1)
-    summary = remote_prefix.summarize([*_table()[:5], drifting], spec)
+    summary = summarize([*_table()[:5], drifting], spec)
     # 6 CPU s over 30 tokens: 0.2 s/token, against the reference's 0.1.
     assert summary["verifier_overhead"] == pytest.approx(2.0)
     assert summary["reference_cpu_s_per_token_range"] == {"30": pytest.approx([0.1, 0.15])}
     disagreeing = _cell(Cell("vericache", 1, 30), 1, 2, cpu=2.0)
     disagreeing["reference_outputs_match"] = [True, False]
-    assert not remote_prefix.summarize([*_table()[:5], disagreeing], spec)["identical"]
+    assert not summarize([*_table()[:5], disagreeing], spec)["identical"]
 
 
 def test_latency_is_set_against_the_sample_served_just_before_it():
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30", "--schedulings", "per-request"))
     near = _cell(Cell("vericache", 1, 30), 40, 20, 30)  # the machine slowed down, then recovered
     far = _cell(Cell("vericache", 1, 30, latency_s=0.02), 36, 19, 24)
-    summary = remote_prefix.summarize([*_table()[:5], near, far], spec)
+    summary = summarize([*_table()[:5], near, far], spec)
     assert summary["rtt20_over_rtt0"] == pytest.approx(0.9)  # 0.9, 0.95, 0.8: the median
 
 
 def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_workers():
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
-    summary = remote_prefix.summarize(_table(), spec)
+    summary = summarize(_table(), spec)
     assert summary["headline_cell"] == "vericache x=30 d=1 per-request"
     assert summary["vericache_over_best_full"] == pytest.approx(30 / 20)  # over FULL_BOTH
     assert summary["vericache_over_best_full_by_cell"]["vericache x=30 d=2 per-request"] == (
@@ -165,7 +166,7 @@ def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_wo
         "rpcs_per_round": True, "rtt20_over_rtt0": False, "verifier_overhead": False,
     }  # fmt: skip
     # FULL_LOCAL the best: one full-KV cell beats the others on the same workers.
-    slow_both = remote_prefix.summarize(_table(full_both=5), spec)
+    slow_both = summarize(_table(full_both=5), spec)
     assert slow_both["vericache_over_best_full"] == pytest.approx(30 / 15)
 
 
@@ -205,7 +206,7 @@ def test_a_cells_reference_is_measured_in_parts_beside_its_samples(monkeypatch, 
 
 def test_one_mismatched_cell_is_not_identical():
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
-    assert not remote_prefix.summarize(_table(match=False), spec)["identical"]
+    assert not summarize(_table(match=False), spec)["identical"]
 
 
 def test_a_cell_reports_its_median_and_spread(tmp_path):
@@ -215,7 +216,7 @@ def test_a_cell_reports_its_median_and_spread(tmp_path):
     spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
     result = {
         "cells": _table(),
-        "summary": remote_prefix.summarize(_table(), spec),
+        "summary": summarize(_table(), spec),
         "config": {"num_requests": 4, "num_prefixes": 2, "concurrency": 2, "max_tokens": 8,
                    "compressor": "c", "repeats": 3},
         "bandwidth_bytes_per_s": 5e6,

@@ -1,0 +1,102 @@
+"""The remote-prefix benchmark's table (bench/remote_prefix.py): the stream it serves, its
+configurations, which of them are served together, and a cell's record of its serves."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, replace
+
+from vericache.bench.workloads import CONTEXT_PROMPTS
+from vericache.errors import InvalidRequestError
+
+HEADLINE = {"draft_len": 30, "num_drafters": 1, "scheduling": "per-request"}
+FULL_MODES = ("full_local", "full_remote", "full_both")
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """The request stream and how it is served (resolved from the arguments)."""
+
+    compressor: str
+    draft_lens: tuple[int, ...]
+    drafter_counts: tuple[int, ...]
+    schedulings: tuple[str, ...]
+    num_prefixes: int
+    prefix_tokens: tuple[int, int]
+    num_requests: int
+    max_tokens: int
+    concurrency: int
+    repeats: int
+    ratio: float
+    drafter_kv_prefixes: float
+    rtt_latency_s: float
+
+    def __post_init__(self):
+        counts = (*self.draft_lens, *self.drafter_counts, self.num_prefixes, self.num_requests)
+        if min(*counts, self.max_tokens, self.concurrency, self.repeats) < 1:
+            raise InvalidRequestError(f"counts must be >= 1: {self}")
+        if not self.ratio > 0 or not self.drafter_kv_prefixes > 0 or self.rtt_latency_s < 0:
+            raise InvalidRequestError(f"--ratio and --drafter-kv must be > 0: {self}")
+        if set(self.schedulings) - {"per-request", "staggered", "lockstep"}:
+            raise InvalidRequestError(f"unknown scheduling in {self.schedulings}")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration of the table."""
+
+    mode: str  # vericache, full_local, full_remote or full_both
+    num_drafters: int
+    draft_len: int | None = None  # VERICACHE only
+    scheduling: str = "per-request"
+    latency_s: float = 0.0  # one way, on the link toward the drafters
+
+    @property
+    def name(self) -> str:
+        if self.mode != "vericache":
+            return f"{self.mode} d={self.num_drafters}"
+        latency = f" rtt={2e3 * self.latency_s:g}ms" if self.latency_s else ""
+        return f"vericache x={self.draft_len} d={self.num_drafters} {self.scheduling}{latency}"
+
+
+def request_stream(prefix_ids: list[str], num_requests: int) -> list[tuple[str, str]]:
+    """(prefix id, prompt) of each request: the prefixes in turn, then the next prompt."""
+    num_prefixes = len(prefix_ids)
+    return [
+        (prefix_ids[i % num_prefixes], CONTEXT_PROMPTS[i // num_prefixes % len(CONTEXT_PROMPTS)])
+        for i in range(num_requests)
+    ]
+
+
+def vericache_cells(spec: StreamSpec) -> list[tuple[Cell, ...]]:
+    """The VERICACHE cells, each alone or (with latency on) the cell of the latency comparison
+    with its twin over a link with latency, served in turn."""
+    groups = []
+    for drafters in spec.drafter_counts:
+        for scheduling in spec.schedulings:
+            for draft_len in spec.draft_lens:
+                cell = Cell("vericache", drafters, draft_len, scheduling)
+                if _is_rtt_pair(cell, spec):
+                    groups.append((cell, replace(cell, latency_s=spec.rtt_latency_s)))
+                else:
+                    groups.append((cell,))
+    return groups
+
+
+def _is_rtt_pair(cell: Cell, spec: StreamSpec) -> bool:
+    """x = the largest, one drafter: the cell whose latency is measured."""
+    return (
+        spec.rtt_latency_s > 0 and cell.num_drafters == 1 and cell.draft_len == max(spec.draft_lens)
+    )
+
+
+def cell_record(cell: Cell, samples: list[dict]) -> dict:
+    rates = [s["tokens_per_s"] for s in samples]
+    return {
+        **asdict(cell),
+        "name": cell.name,
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_max": max(rates),
+        "samples": samples,
+    }
