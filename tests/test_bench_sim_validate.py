@@ -350,3 +350,15 @@ def test_an_earlier_runs_calibration_timings_are_fitted_again(tmp_path):
     assert result["profile"]["hbm_bytes_per_s"] == pytest.approx(CPU.hbm_bytes_per_s)
     for forward in result["calibration"]["forwards"]:
         assert forward["predicted_s"] == pytest.approx(forward["seconds"], rel=0.05)
+
+
+def test_a_remote_prefix_cell_is_compared_with_the_mean_of_its_serves(tokenizer):
+    """Serves can differ by a race (FULL_BOTH: whether the remote drafter holds the prefix it is
+    sent), so the measured side is the mean of them, not one side's median."""
+    raced = copy.deepcopy(REMOTE_PREFIX)
+    cell = raced["cells"][0]
+    first = cell["samples"][0]
+    cell["samples"] = [first | {"tokens_per_s": rate} for rate in (19.1, 19.1, 26.4)]
+    cell["tokens_per_s"] = 19.1  # the median
+    measured = remote_prefix_predictions(raced, MODEL, CPU, tokenizer)[0].measured_tokens_per_s
+    assert measured == pytest.approx((19.1 + 19.1 + 26.4) / 3)
