@@ -39,8 +39,8 @@ PAPER = {
                   "bandwidth_ratio": {60: 1.92, 10: 3.01}},
     "pipeline2": {"band": [1.33, 2.11], "gains_vanish_past_load_ratio": 5},
 }  # fmt: skip
-# Past the paper's 0.2, at the paper's acceptance (an assumption: drafts over a smaller compressed KV
-# are accepted less): what a smaller compressed KV would give on the same hardware.
+# Past the paper's 0.2, at the paper's acceptance (an assumption: drafts over a smaller
+# compressed KV are accepted less): what a smaller compressed KV would give on the same hardware.
 KV_BUDGETS = (0.74, 0.6, 0.4, 0.2, 0.15, 0.1)
 BANDWIDTH_RATIOS = (60, 40, 20, 10)
 REMOTE_PER_LOCAL = (1, 2, 4, 8)
@@ -97,8 +97,9 @@ def run(args) -> dict:
 
 
 def committed_cpu_prediction_error() -> float | None:
-    """The simulator's largest error against measured CPU runs: `bench sim-validate`'s, as its
-    committed result gives it (None where there is none)."""
+    """The simulator's largest error against measured CPU runs: `bench sim-validate`'s, as the
+    repository's committed result gives it (None where there is none, as in an installed copy):
+    the run that measured it, not this one."""
     path = SIM_VALIDATE
     if not path.is_file():
         return None

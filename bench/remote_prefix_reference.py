@@ -120,14 +120,3 @@ def _requests(tokenizer, prefixes: list[dict], jobs, spec) -> list[Request]:
         request = Request(ids.token_ids, ids.num_prefix_tokens, params, compressor=compressor)
         requests.append(request)
     return requests
-
-
-def reference_spread(cells: list[dict]) -> dict[str, list[float]]:
-    """Per draft length, the lowest and highest reference part measured over the run: how far
-    this machine's speed moved, which references spread beside their samples cancel."""
-    by_len: dict[str, list[float]] = {}
-    for cell in cells:
-        if "reference" in cell:
-            run = cell["reference"]
-            by_len.setdefault(str(run["draft_len"]), []).extend(run["parts_cpu_s_per_token"])
-    return {x: [min(values), max(values)] for x, values in sorted(by_len.items())}

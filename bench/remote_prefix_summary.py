@@ -8,7 +8,6 @@ import statistics
 from dataclasses import replace
 
 from vericache.bench.remote_prefix_cells import FULL_MODES, HEADLINE, Cell, StreamSpec
-from vericache.bench.remote_prefix_reference import reference_spread
 
 TARGETS = {
     "rpcs_per_round": 2.0,  # at most
@@ -36,7 +35,7 @@ DEFINITIONS = {
 }
 
 
-def summarize(cells: list[dict], spec) -> dict:
+def summarize(cells: list[dict], spec: StreamSpec) -> dict:
     by_name = {cell["name"]: cell for cell in cells}
     vericache = [c for c in cells if c["mode"] == "vericache" and not c["latency_s"]]
 
@@ -120,3 +119,14 @@ def _rtt_ratios(cells: list[dict], spec: StreamSpec) -> dict[str, float]:
                 f["tokens_per_s"] / n["tokens_per_s"] for f, n in pairs
             )
     return ratios
+
+
+def reference_spread(cells: list[dict]) -> dict[str, list[float]]:
+    """Per draft length, the lowest and highest reference part measured over the run: how far
+    this machine's speed moved, which references spread beside their samples cancel."""
+    by_len: dict[str, list[float]] = {}
+    for cell in cells:
+        if "reference" in cell:
+            run = cell["reference"]
+            by_len.setdefault(str(run["draft_len"]), []).extend(run["parts_cpu_s_per_token"])
+    return {x: [min(values), max(values)] for x, values in sorted(by_len.items())}

@@ -32,7 +32,7 @@ from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
 from vericache.client import Client, PrefixInfo
 from vericache.engine.device_memory import slot_bytes
 from vericache.engine.prompt import build_chat_prompt
-from vericache.kv.slots import cache_capacity
+from vericache.kv.slots import reserved_full_kv_bytes
 from vericache.model.config import ModelConfig
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 from vericache.scheduler import SchedulerConfig
@@ -158,8 +158,10 @@ def _request_kv_bytes(spec: Setup, model_dir, tokenizer, contexts, jobs) -> int:
     longest = max(
         len(build_chat_prompt(tokenizer, contexts[p].text, prompt).token_ids) for p, prompt in jobs
     )
-    wanted = longest + spec.max_tokens + spec.draft_len + 1
-    return cache_capacity(wanted, config.max_position_embeddings) * slot_bytes(config, 4)
+    return reserved_full_kv_bytes(
+        longest, spec.max_tokens, spec.draft_len, config.max_position_embeddings,
+        slot_bytes(config, 4),
+    )  # fmt: skip
 
 
 def _register(spec: Setup, root: Path, contexts) -> list[PrefixInfo]:

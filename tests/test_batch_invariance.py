@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vericache.kv.slots import KEY_ALIGN
 from vericache.model import linear
-from vericache.model.kernels import KEY_ALIGN, attention
+from vericache.model.kernels import attention
 from vericache.model.linear import Linear
 from vericache.model.loader import load_model
 from vericache.model.runner import ModelRunner, SequenceInput

@@ -68,6 +68,18 @@ def test_every_token_and_byte_is_accounted_for():
     assert "datasheet" in report.sources[0] and report.sources[1].startswith("published")
 
 
+def test_a_load_moves_the_full_kv_held_so_far():
+    """Each verification's load moves the prompt's KV and that of the outputs committed before
+    its round, not the whole blocks the scheduler reserved for the request."""
+    scenario = _mistral(arrivals=(0.0,))
+    report = simulate_vericache(scenario, StaggeredScheduler)
+    expected, num_outputs = 0, 0
+    for accepted in report.accepted_per_round:
+        expected += scenario.full_kv_bytes(num_outputs)
+        num_outputs += accepted + 1
+    assert len(report.accepted_per_round) > 2 and report.link_bytes == expected
+
+
 def test_the_simulation_is_deterministic_and_its_decisions_are_the_schedulers(monkeypatch):
     first = simulate_vericache(_qwen(), StaggeredScheduler)
     again = simulate_vericache(_qwen(), StaggeredScheduler)

@@ -78,3 +78,23 @@ def test_a_held_session_is_not_dropped_and_a_closed_one_frees_its_room():
     residency.close(0)
     sim.run()
     assert waiting == [3.0] and link.bytes_delivered == 3 * PREFIX
+
+
+def test_a_load_that_does_not_fit_holds_up_none_behind_it():
+    """A (5 bytes) held; C (6) cannot load beside it, B (5) can: B loads at once, as each of the
+    served verifier's waiters checks for its own room."""
+    sim = Simulation()
+    residency = SimResidency(10, Link(sim, "store", 1e9))
+    for key, size in (("a", 5), ("c", 6), ("b", 5)):
+        residency.open(key, size, size)
+    ready = []
+    residency.use("a", lambda: ready.append("a"))
+    sim.run()
+    residency.use("c", lambda: ready.append("c"))
+    residency.use("b", lambda: ready.append("b"))
+    sim.run()
+    assert ready == ["a", "b"]
+    residency.release("a")
+    residency.release("b")
+    sim.run()
+    assert ready == ["a", "b", "c"]

@@ -96,8 +96,13 @@ def full_kv_capacity(request: Request, max_positions: int) -> int:
 
 
 def full_kv_bytes(request: Request, config: ModelConfig, element_size: int) -> int:
-    capacity = full_kv_capacity(request, config.max_position_embeddings)
-    return capacity * slot_bytes(config, element_size)
+    return slots.reserved_full_kv_bytes(
+        len(request.prompt_ids),
+        request.params.max_new_tokens,
+        request.draft_len,
+        config.max_position_embeddings,
+        slot_bytes(config, element_size),
+    )
 
 
 def compressed_element_size(request: Request, element_size: int) -> int:

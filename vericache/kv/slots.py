@@ -27,7 +27,22 @@ def slot_bytes(kv_bytes_per_token: int, num_layers: int, num_kv_heads: int) -> i
     return kv_bytes_per_token + POSITION_BYTES * num_layers * num_kv_heads
 
 
-def full_kv_slots(num_prompt_tokens: int, max_new_tokens: int, draft_len: int, max_positions: int):
+def full_kv_slots(
+    num_prompt_tokens: int, max_new_tokens: int, draft_len: int, max_positions: int
+) -> int:
     """Slots a request's full KV reserves: the prompt, every output token and one round's drafts
     with the verifier's own token (every driver reserves this)."""
     return cache_capacity(num_prompt_tokens + max_new_tokens + draft_len + 1, max_positions)
+
+
+def reserved_full_kv_bytes(
+    num_prompt_tokens: int,
+    max_new_tokens: int,
+    draft_len: int,
+    max_positions: int,
+    bytes_per_slot: int,
+) -> int:
+    """What a request's full KV reserves, in bytes: what the engine and the coordinator book with
+    their schedulers, and what the verifier's residency counts."""
+    num_slots = full_kv_slots(num_prompt_tokens, max_new_tokens, draft_len, max_positions)
+    return num_slots * bytes_per_slot

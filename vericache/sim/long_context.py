@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vericache.errors import InvalidRequestError
-from vericache.kv.slots import full_kv_slots
+from vericache.kv.slots import reserved_full_kv_bytes
 from vericache.scheduler import BaseScheduler, CostModel
 from vericache.scheduler.records import IterationPlan, SchedulerRequest
 from vericache.sim.batch_loop import SimBatchLoop, SimJob
@@ -109,10 +109,14 @@ class LongContextScenario:
         device of the group. The scheduler books memory and each load's link time by it; at short
         contexts the blocks add much (a 1.2k-token request reserves 2k slots)."""
         model = self.model
-        num_slots = full_kv_slots(
-            self.prompt_tokens, max_output_tokens, self.draft_len, model.max_positions
+        reserved = reserved_full_kv_bytes(
+            self.prompt_tokens,
+            max_output_tokens,
+            self.draft_len,
+            model.max_positions,
+            model.slot_bytes(self.element_size),
         )
-        return math.ceil(num_slots * model.slot_bytes(self.element_size) / self.tensor_parallel)
+        return math.ceil(reserved / self.tensor_parallel)
 
     @property
     def kept_kv_bytes_per_token(self) -> float:

@@ -63,7 +63,7 @@ class VeriCacheRequest:
         request = cls(run, prefix, run.sequence(num_tokens), arrival_s, drafter, verifier)
         if verifier.residency is not None:  # a load moves the prefix's full KV
             prefix_bytes = run.scenario.prefix_bytes(compressed=False)
-            verifier.residency.open(request, request.full_kv_bytes(), prefix_bytes)
+            verifier.residency.open(request, request.reserved_full_kv_bytes(), prefix_bytes)
         # Memory in one order, the verifier's first: no two sessions wait on each other. Each
         # admission brings its prefix, unless held: the full KV from the store to the verifier,
         # the compressed KV over the network to the drafter.
@@ -89,7 +89,7 @@ class VeriCacheRequest:
         key = self.run.prefix_key(self.prefix, self)
         return Session(key, scenario.prefix_bytes(compressed=True), own)
 
-    def full_kv_bytes(self) -> int:
+    def reserved_full_kv_bytes(self) -> int:
         """The session's full KV on the verifier, as the verifier allocates it and tells its
         scheduler: whole blocks of slots for its prefix and all its own tokens."""
         return self.run.scenario.reserved_full_kv_bytes(self.seq.max_output_tokens)

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
-from vericache.kv.slots import full_kv_slots
+from vericache.kv.slots import reserved_full_kv_bytes
 from vericache.sim.cost import Row, forward_seconds
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
@@ -133,11 +133,13 @@ class RemotePrefixScenario:
     def reserved_full_kv_bytes(self, max_output_tokens: int) -> int:
         """A session's full KV on a verifier as the verifier allocates it (kv/slots.py): whole
         blocks of slots for the prompt, every output token and one round's drafts."""
-        prompt_tokens = self.prefix_tokens + self.suffix_tokens
-        num_slots = full_kv_slots(
-            prompt_tokens, max_output_tokens, self.draft_len, self.model.max_positions
+        return reserved_full_kv_bytes(
+            self.prefix_tokens + self.suffix_tokens,
+            max_output_tokens,
+            self.draft_len,
+            self.model.max_positions,
+            self.model.slot_bytes(self.element_size),
         )
-        return num_slots * self.model.slot_bytes(self.element_size)
 
     def own_bytes(self, num_output_tokens: int) -> int:
         """The exact KV a session comes to hold of its own: its suffix and its output."""

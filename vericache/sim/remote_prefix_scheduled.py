@@ -6,9 +6,11 @@ A request opens as in per-request rounds (remote_prefix.py): the drafter fetches
 prefix unless it holds it, the verifier loads the full prefix and prefills the suffix, and the first
 token is committed. Then the verifier's scheduler takes it, and each iteration of the verifier's
 clock (a draft step long, refined by every draft the drafters report):
-- starts the plan's full-KV loads on the store link; the full KV is on the verifier's device only
-  from its load to its verification, as the scheduler's memory ring plans it (unlike per-request
-  rounds, no session stays resident between rounds). A verifier that keeps VeriCache's residency
+- starts the plan's full-KV loads on the store link, each moving the prefix's full KV (the
+  session's own tokens' KV stays on the verifier between rounds, outside the plan); the prefix's
+  is on the verifier's device only from its load to its verification, as the scheduler's memory
+  ring plans it (booked at the session's whole reservation, kv/slots.py). A verifier that keeps
+  VeriCache's residency
   (`verifier_resident_bytes`) makes the session resident instead, held until verified, loading
   only a session it dropped since, as the served verifier's load ahead does;
 - begins the round of each request whose first draft iteration it is: one draft call of the
@@ -222,7 +224,7 @@ class VerifierSchedule:
 
     def add(self, entry: _ScheduledRequest) -> None:
         draft_len = self.run.scenario.draft_len
-        request = SchedulerRequest(entry.request_id, entry.full_kv_bytes(), 0, draft_len)
+        request = SchedulerRequest(entry.request_id, entry.reserved_full_kv_bytes(), 0, draft_len)
         self.scheduler.add_request(request)
         self.entries[entry.request_id] = entry
         if not self._ticking:

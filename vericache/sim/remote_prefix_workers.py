@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
+from vericache.errors import InvalidRequestError
 from vericache.sim.batch_loop import SimBatchLoop
 from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
@@ -133,6 +134,11 @@ class Run:
             for _ in range(self.scenario.concurrency):
                 self._start_next()
         self.sim.run()
+        if len(self.report.latencies_s) != len(jobs):
+            raise InvalidRequestError(
+                f"the simulation ended with {len(jobs) - len(self.report.latencies_s)} of "
+                f"{len(jobs)} requests unserved: they never fit or never got their KV"
+            )
         self.report.elapsed_s = self.sim.now
         workers = self.verifiers + self.drafters
         self.report.device_busy_s = sum(w.loop.device.busy_s for w in workers)

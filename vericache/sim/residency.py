@@ -64,18 +64,20 @@ class SimResidency:
         return sum(s.full_bytes for s in self._sessions.values() if s.is_resident or s.is_loading)
 
     def _admit_waiting(self) -> None:
-        """Starts the waiting loads in turn while they fit (a load fits an empty device)."""
-        while self._waiting:
-            key = self._waiting[0]
+        """Starts every waiting load that fits, in the order they came (a load fits an empty
+        device). One that does not fit holds up none behind it: each of the served verifier's
+        waiters checks for its own room, and holding a smaller load behind a larger one can
+        deadlock a scheduled batch (its other session pinned, its room never freed)."""
+        for key in list(self._waiting):
             session = self._sessions.get(key)
             if session is None:  # closed while it waited
-                self._waiting.popleft()
+                self._waiting.remove(key)
                 continue
             self._evict(self.held_bytes + session.full_bytes - self.budget_bytes)
             held = self.held_bytes
             if held + session.full_bytes > self.budget_bytes and held > 0:
-                return
-            self._waiting.popleft()
+                continue
+            self._waiting.remove(key)
             session.is_waiting, session.is_loading = False, True
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             self.link.send(session.load_bytes, lambda s=session: self._loaded(s))
