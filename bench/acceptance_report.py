@@ -104,6 +104,48 @@ def _cell(cell: dict | None) -> str:
 
 
 def plot(result: dict, path) -> None:
+    """The run's figure: where it sampled in more than one way, each way side by side at x=30
+    (`plot_samplings`); else accepted per round against draft length (`plot_draft_lengths`)."""
+    table = result["table"][result["summary"]["draft_kv"]]
+    labels = {label for compressors in table.values() for label in compressors}
+    if len({label.partition(" ")[2] for label in labels}) > 1:
+        plot_samplings(result, path)
+    else:
+        plot_draft_lengths(result, path)
+
+
+def plot_samplings(result: dict, path, x: str = "30") -> None:
+    """Accepted per round at x=30 with 95% intervals: a panel per workload kind, a group of bars
+    per compressor, a bar per way of sampling (greedy, or a temperature with a coupling). Forty
+    lines against the draft length are too many to read; this compares what the run is for."""
+    plt = pyplot()
+    table = result["table"][result["summary"]["draft_kv"]]
+    labels = sorted({label for compressors in table.values() for label in compressors})
+    compressors = list(dict.fromkeys(label.partition(" ")[0] for label in labels))
+    samplings = list(dict.fromkeys(label.partition(" ")[2] for label in labels))
+    width = 0.8 / len(samplings)
+    fig, axes = plt.subplots(len(table), 1, figsize=(12, 3.2 * len(table)), squeeze=False)
+    for axis, (kind, by_label) in zip(axes[:, 0], table.items()):
+        for index, sampling in enumerate(samplings):
+            cells = [by_label.get(f"{c} {sampling}".strip(), {}).get(x) for c in compressors]
+            positions = [i + (index - (len(samplings) - 1) / 2) * width for i in range(len(cells))]
+            shown = [(pos, cell) for pos, cell in zip(positions, cells) if cell is not None]
+            axis.bar([pos for pos, _ in shown], [cell["mean"] for _, cell in shown], width,
+                     yerr=[_half_width(cell) for _, cell in shown], capsize=2,
+                     color=f"C{index % 10}", label=sampling or "greedy")  # fmt: skip
+        axis.axhline(TARGET_X30, color="red", linestyle=":", linewidth=1)
+        axis.set_xticks(range(len(compressors)), compressors, fontsize=8)
+        axis.set(title=f"{kind}, x={x}", ylabel="accepted per round", ylim=(0, int(x) + 2))
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=8, ncol=len(samplings), loc="upper center",
+               bbox_to_anchor=(0.5, 0.97))  # fmt: skip
+    fig.suptitle("accepted drafts per round at x=30 (replayed from first mismatches at x=64); "
+                 "bars: 95% CI over prompts; dotted: the target", fontsize=9)  # fmt: skip
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
+
+
+def plot_draft_lengths(result: dict, path) -> None:
     """Accepted per round against draft length with 95% intervals: a column per workload kind, a
     row per strength (2x/4x/8x, i.e. 8/4/2 bits), a colour per compressor family and a line style
     and marker per way of sampling (greedy, or a temperature with a coupling)."""

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from vericache.bench import acceptance
+from vericache.bench import acceptance, acceptance_report
 from vericache.bench.acceptance_report import best_at_4x, mean_ci95, replay_table
 
 
@@ -83,6 +83,22 @@ def test_the_result_summarizes_replayed_cells_and_plots(tmp_path):
     assert result["config"]["trace_draft_len"] == 64
     acceptance.plot(result, tmp_path / "acceptance.png")
     assert (tmp_path / "acceptance.png").stat().st_size > 1000
+
+
+def test_a_run_that_samples_more_than_one_way_plots_them_side_by_side_at_x30(tmp_path, monkeypatch):
+    records = [
+        _record("code", "kivi-4bit", [64, 10]),
+        _record("code", "kivi-4bit T=0.7 seeded", [20, 40]),
+        _record("tools", "kivi-4bit T=0.7 rejection", [0, 5]),
+    ]
+    args = argparse.Namespace(draft_kv="verifier", quick=True, draft_lens=[10, 30], model="m",
+                              dtype="float32")  # fmt: skip
+    labels = ["kivi-4bit", "kivi-4bit T=0.7 seeded", "kivi-4bit T=0.7 rejection"]
+    result = acceptance._result(records, labels, args, 64, 3)
+    drawn = []
+    monkeypatch.setattr(acceptance_report, "plot_draft_lengths", lambda *a: drawn.append("x"))
+    acceptance.plot(result, tmp_path / "sampled.png")
+    assert not drawn and (tmp_path / "sampled.png").stat().st_size > 1000
 
 
 def test_a_checkpoint_keeps_finished_compressors_for_the_next_run(tmp_path):
