@@ -37,9 +37,7 @@ TEMPERATURES = (0.3, 0.7, 1.0)
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def engine(request, tiny_checkpoint):
-    return Engine.from_pretrained(
-        str(tiny_checkpoint("llama")), dtype=request.param, device="cuda"
-    )
+    return Engine.from_pretrained(str(tiny_checkpoint("llama")), dtype=request.param, device="cuda")
 
 
 def _every_temperature(mode, compressor=None) -> list[Request]:

@@ -179,7 +179,5 @@ def test_a_clients_prefix_of_the_same_text_is_its_own_and_never_evicted(server):
         # client's, of the same text, stays.
         _chat(server, KEY_A, system("tuples"))
         _chat(server, KEY_A, system("tuples"))
-        assert wait_for(
-            lambda: registered.prefix_id not in {p.prefix_id for p in automatic()}, 60
-        )
+        assert wait_for(lambda: registered.prefix_id not in {p.prefix_id for p in automatic()}, 60)
         assert own in {p.prefix_id for p in client.list_prefixes()}
