@@ -49,18 +49,14 @@ class AcceptanceTrace:
         kept = 0
         while True:
             wanted = min(draft_len - kept, MAX_DRAFT_LEN)
-            drawn = self._one_round(wanted, rng)
+            drawn = min(self._drawn(wanted, rng), wanted)
             kept += drawn
             if drawn < MAX_DRAFT_LEN or kept == draft_len:
                 return kept
 
-    def _one_round(self, draft_len: int, rng: random.Random) -> int:
-        if not self.kept_all:
-            return min(rng.choice(self.first_mismatch), draft_len)
-        return min(self._drawn(draft_len, rng), draft_len)
-
     def _drawn(self, draft_len: int, rng: random.Random) -> int:
-        """A round drawn at random; one that kept all its c < draft_len drafts goes on as a round
+        """A round drawn at random (without lower bounds, simply one of the first mismatches, the
+        same draw as from them alone); one that kept all its c < draft_len drafts goes on as a round
         drawn from those that got past c (its chance passed to the right, as in the Kaplan-Meier
         estimator), until one tells its mismatch or none got further. Leaving such rounds out
         instead keeps only those that rejected a draft: under a small budget, most of them."""
