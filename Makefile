@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e ".[gguf,bench,dev,serve,proto]"
 	$(PY) -m pip install --quiet --no-deps $(NO_DEPS_PACKAGES)
+# The CPU kernels, built once for this machine (without a compiler: library attention).
+	$(PY) -m vericache.kernels.cpu_build || true
 	touch $@
 
 install: $(STAMP)

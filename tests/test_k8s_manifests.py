@@ -347,3 +347,12 @@ def test_dockerfile_bakes_the_configured_model_and_serves_the_api_port():
     assert entrypoint == ["vericache"]
     args = build_parser().parse_args(command)
     assert args.local and args.port == int(exposed) and args.host == "0.0.0.0"
+
+
+def test_dockerfile_builds_the_cpu_kernels_as_make_install_does():
+    build = "python -m vericache.kernels.cpu_build"
+    assert build in (ROOT / "Makefile").read_text().replace("$(PY)", "python")
+    assert re.search(rf"^RUN .*{re.escape(build)}", DOCKERFILE, re.M)
+    (folder,) = re.findall(r"^ENV TORCH_EXTENSIONS_DIR=(\S+)$", DOCKERFILE, re.M)
+    assert re.search(rf"chown -R vericache .*{re.escape(folder)}", DOCKERFILE)  # its user may build
+    assert re.search(r"apt-get install .* g\+\+", DOCKERFILE)

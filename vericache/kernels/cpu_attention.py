@@ -6,9 +6,9 @@ steps (one token each) and, being batch-invariant by construction, for every exa
 (full decode steps and verifications alike). A third op attends over the packed codes of a KIVI
 layer (cpu_packed_attention.cpp), for draft steps over a quantized cache.
 
-The C++ ops are compiled on first use for this machine's vector width (torch's cpp_extension,
-cached under TORCH_EXTENSIONS_DIR, in a folder per source tree, build flags and torch version)
-and registered as torch.ops.vericache_cpu.attention,
+The C++ ops are compiled once per machine for its vector width (cpu_build.py: at install, or by
+the first process that needs them; every later process loads the built library) and registered
+as torch.ops.vericache_cpu.attention,
 .store_kv and .packed_attention, which serve the same caches (`accepts`). Where they cannot be
 built (no compiler or ninja), `accepts` says no once a warning has been logged, and callers use
 library attention, append sequence by sequence, and dequantize packed layers block by block.
@@ -16,16 +16,13 @@ library attention, append sequence by sequence, and dequantize packed layers blo
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import functools
-import hashlib
 import logging
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from vericache.kernels import cpu_build
 
 logger = logging.getLogger(__name__)
 
@@ -44,70 +41,26 @@ _ISA_FLAGS = {
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
-def extension() -> tuple[str, list[str]]:
-    """The extension's name and compiler flags for this machine's vector width."""
+def extension() -> cpu_build.Extension:
+    """The extension's name, sources and compiler flags for this machine's vector width."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _ISA_FLAGS:
         capability = "DEFAULT"  # ATen's portable vectors: 8 floats, whatever the compiler makes
     flags = _ISA_FLAGS.get(capability, [])
     flags = [*flags, f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
-    cflags = ["-O3", "-std=c++20", "-fopenmp", *flags]
-    return f"vericache_cpu_attention_{capability.lower()}", cflags
+    cflags = ("-O3", "-std=c++20", "-fopenmp", *flags)
+    name = f"vericache_cpu_attention_{capability.lower()}"
+    return cpu_build.Extension(name, tuple(_SOURCES), cflags, ldflags=("-fopenmp",))
 
 
 @functools.cache
 def _ops():
-    name, cflags = extension()
     try:
-        from torch.utils import cpp_extension
-
-        directory = build_directory(name, cflags)
-        with build_lock(directory):
-            cpp_extension.load(
-                name=name,
-                sources=[str(source) for source in _SOURCES],
-                extra_cflags=cflags,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+        cpu_build.load(extension())
     except Exception as error:  # no compiler or ninja: library attention instead
         logger.warning("CPU attention kernel unavailable (%s): library attention instead", error)
         return None
     return torch.ops.vericache_cpu
-
-
-def build_directory(name: str, cflags: list[str]) -> Path:
-    """Where the extension builds: one folder per source tree, flags and torch version. torch's
-    own folder is one per name, so two checkouts rebuild over each other's objects (its ninja
-    file names the sources by path), and a torch upgrade could load objects built for another."""
-    from torch.utils import cpp_extension
-
-    key = hashlib.blake2b(digest_size=8)
-    for part in (torch.__version__, *cflags, *map(str, _SOURCES)):
-        key.update(part.encode() + b"\0")
-    for source in _SOURCES:
-        key.update(source.read_bytes())
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    directory = Path(root) / f"{name}-{key.hexdigest()}"
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
-
-
-@contextlib.contextmanager
-def build_lock(directory: Path) -> Iterator[None]:
-    """Holds an flock on the build folder while torch builds or loads there. torch marks a build
-    with a `lock` file that a killed build leaves behind, and every later load waits on it
-    forever; an flock dies with its process, so whoever holds it knows any `lock` file is left
-    over from a dead build and removes it."""
-    with open(directory / "build.flock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-        stale = directory / "lock"
-        if stale.exists():
-            logger.warning("removing the lock of a CPU kernel build that did not finish")
-            stale.unlink()
-        yield
 
 
 def accepts(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

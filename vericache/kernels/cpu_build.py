@@ -1,0 +1,197 @@
+"""Building a C++ extension once per machine and install, whatever process asks for it.
+
+torch's `cpp_extension.load` runs ninja in every process that loads an extension, and ninja
+rebuilds whenever its log does not know the compile command. Two ninja binaries (the `ninja`
+wheel in the virtual environment, and the system's), picked by PATH, keep logs that each throws
+away as the other's version: a Ray worker and the CLI then rebuilt the same objects after each
+other, a minute each, and a restarted worker missed its migration wait while it compiled.
+
+Here the build happens once. Its folder is keyed by everything that decides the library: torch
+(version and headers), Python's headers, the compiler and its version, the flags, and the
+sources' paths and contents. Once the library is whole, a `built` stamp names it, and every later
+process loads it straight: no ninja, no compiler, no lock, so a restarted worker never compiles.
+(ccache in front of the compiler, or which ninja runs, do not change the library and are left
+out of the key.) Concurrent first uses serialise on an flock; the ones that waited find the stamp.
+
+`python -m vericache.kernels.cpu_build` builds the CPU kernels ahead of their first use
+(`make install`, the Docker image).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STAMP = "built"  # JSON: the library's file name and the key's parts, written once it is whole
+
+
+@dataclass(frozen=True)
+class Extension:
+    """What a C++ extension is built from."""
+
+    name: str
+    sources: tuple[Path, ...]
+    cflags: tuple[str, ...]
+    ldflags: tuple[str, ...] = ()
+
+
+def load(extension: Extension) -> Path:
+    """Registers the extension's ops in this process, building it first if no process on this
+    machine has (raises where it cannot be built). Returns the library's path."""
+    directory = build_directory(extension)
+    library = built_library(directory)
+    if library is None:
+        with build_lock(directory):
+            library = built_library(directory) or _build(extension, directory)
+    torch.ops.load_library(str(library))
+    return library
+
+
+def built_library(directory: Path) -> Path | None:
+    """The library a finished build left in `directory`, or None: also when the library is not
+    the one the build stamped (a half-copied or damaged file is rebuilt, never loaded)."""
+    try:
+        stamp = json.loads((directory / STAMP).read_text())
+        library = directory / Path(stamp["library"]).name
+        is_whole = _digest(library) == stamp["digest"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not is_whole:
+        logger.warning("the built %s differs from its build's record: building again", library.name)
+        return None
+    return library
+
+
+def _digest(path: Path) -> str:
+    return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+
+
+def build_directory(extension: Extension) -> Path:
+    """Where the extension builds: one folder per key (see the module's docstring), under
+    $TORCH_EXTENSIONS_DIR or torch's default root."""
+    from torch.utils import cpp_extension
+
+    key = hashlib.blake2b(digest_size=8)
+    for part in key_parts(extension):
+        key.update(part.encode() + b"\0")
+    for source in extension.sources:
+        key.update(source.read_bytes())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    directory = Path(root) / f"{extension.name}-{key.hexdigest()}"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def key_parts(extension: Extension) -> list[str]:
+    """Everything but the sources' contents that enters the compile and link commands."""
+    from torch.utils import cpp_extension
+
+    return [
+        torch.__version__,
+        *cpp_extension.include_paths("cpu"),  # torch's headers, where this torch lies
+        sysconfig.get_path("include", scheme="posix_prefix") or "",  # Python.h
+        *compiler_identity(),
+        *extension.cflags,
+        "--",
+        *extension.ldflags,
+        *map(str, extension.sources),
+    ]
+
+
+def compiler_identity() -> list[str]:
+    """The C++ compiler torch would run ($CXX or c++): its resolved path and its version."""
+    from torch.utils import cpp_extension
+
+    compiler = cpp_extension.get_cxx_compiler()
+    found = shutil.which(compiler)
+    if found is None:
+        return [compiler, "(not found)"]
+    try:
+        version = subprocess.run(
+            [found, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout.splitlines()[:1]
+    except (OSError, subprocess.SubprocessError):
+        version = ["(no version)"]
+    return [os.path.realpath(found), *version]
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Holds an flock on the build folder while torch builds there. torch marks a build with a
+    `lock` file that a killed build leaves behind, and every later build waits on it forever; an
+    flock dies with its process, so whoever holds it knows any `lock` file is left over from a
+    dead build and removes it."""
+    with open(directory / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing the lock of a kernel build that did not finish")
+            stale.unlink()
+        yield
+
+
+def _build(extension: Extension, directory: Path) -> Path:
+    """Compiles and links under the lock, then stamps the folder (written whole, then renamed
+    into place, so a reader sees no stamp or a complete one)."""
+    from torch.utils import cpp_extension
+
+    logger.warning("building the %s kernels once for this machine (about a minute)", extension.name)
+    _ninja_on_path()
+    for leftover in directory.iterdir():  # a killed or damaged build's files: start clean
+        if leftover.name != "build.flock" and leftover.is_file():
+            leftover.unlink()
+    library = cpp_extension.load(
+        name=extension.name,
+        sources=[str(source) for source in extension.sources],
+        extra_cflags=list(extension.cflags),
+        extra_ldflags=list(extension.ldflags),
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    library = Path(library)
+    stamp = {"library": library.name, "digest": _digest(library), "key": key_parts(extension)}
+    partial = directory / f"{STAMP}.partial"
+    partial.write_text(json.dumps(stamp, indent=1))
+    partial.replace(directory / STAMP)
+    return library
+
+
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH. A virtual environment's tools run without activating it
+    (`.venv/bin/vericache`) see no ninja where the system has none: the `ninja` wheel this
+    package depends on lies beside the interpreter, so its folder is added."""
+    beside = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (beside / "ninja").is_file():
+        os.environ["PATH"] = f"{beside}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def main() -> int:
+    from vericache.kernels import cpu_attention
+
+    try:
+        library = load(cpu_attention.extension())
+    except Exception as error:  # noqa: BLE001 - reported in one line; attention falls back
+        print(f"CPU kernels not built ({error}): library attention instead", file=sys.stderr)
+        return 1
+    print(f"CPU kernels ready: {library}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
