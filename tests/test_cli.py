@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from vericache.cli.main import main
 from vericache.compress import COMPRESSORS, build_compressor
@@ -50,6 +51,23 @@ def test_bad_arguments_exit_nonzero_with_one_line(capsys, args, message):
     assert out == ""
     assert len(err.strip().splitlines()) == 1
     assert message in err
+
+
+@pytest.mark.parametrize(
+    "device, num_cuda_devices, message",
+    [
+        ("cuda", 0, "device 'cuda' asked for, but CUDA is not available"),
+        ("cuda:2", 1, "device 'cuda:2' asked for, but CUDA has 1 device(s)"),
+    ],
+)
+def test_a_device_this_machine_lacks_is_one_line(
+    monkeypatch, capsys, device, num_cuda_devices, message
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: num_cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_cuda_devices)
+    code, out, err = run_cli(["generate", "--prompt", "hi", "--device", device], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err
 
 
 def test_prompt_longer_than_the_context_is_one_line(capsys, tmp_path, tiny_chat_checkpoint):

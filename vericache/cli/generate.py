@@ -215,8 +215,15 @@ def check_device(name: str) -> None:
         device = torch.device(name)
     except RuntimeError as exc:
         raise InvalidRequestError(f"unknown device {name!r}") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
         raise InvalidRequestError(f"device {name!r} asked for, but CUDA is not available")
+    num_devices = torch.cuda.device_count()
+    if device.index is not None and device.index >= num_devices:
+        raise InvalidRequestError(
+            f"device {name!r} asked for, but CUDA has {num_devices} device(s)"
+        )
 
 
 def run(args) -> int:

@@ -1,6 +1,7 @@
 """`vericache serve`: the gRPC API over Ray verifiers and drafters, until interrupted.
 
-`--local` starts a Ray instance on this machine offering one `verifier` and N `drafter` resources;
+`--local` starts a Ray instance of its own on this machine offering one `verifier` and N `drafter`
+resources (all its ports on loopback when --host is: cli/local_ray.py);
 `--address auto` (or HOST:PORT) joins a running cluster whose nodes offer them (cluster/, k8s/).
 `--long-context` serves from this process alone, no Ray: one long-context engine (compressed KV on
 the device, full KV in host memory) within `--memory-budget`, over a link of `--pcie-bandwidth`
@@ -17,7 +18,6 @@ and TLS.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
@@ -26,7 +26,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vericache.cli.generate import add_long_context_arguments, long_context_config
+from vericache.cli.generate import add_long_context_arguments, check_device, long_context_config
+from vericache.cli.local_ray import is_loopback, start_ray
 from vericache.engine.link import LinkSpec, parse_bandwidth, parse_size
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES, cache_root
@@ -51,7 +52,7 @@ def add_parser(commands) -> None:
         "serve", help="serve the gRPC API on Ray drafters and verifiers, or --long-context"
     )
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--local", action="store_true", help="start a Ray instance here")
+    where.add_argument("--local", action="store_true", help="start a Ray instance of its own here")
     where.add_argument("--address", help="join a running Ray cluster ('auto' or HOST:PORT)")
     parser.add_argument("--host", default="127.0.0.1", help="API address (0.0.0.0: every one)")
     parser.add_argument("--port", type=int, default=50051)
@@ -192,14 +193,7 @@ def transfer_host(args) -> str | None:
     on loopback (drafters on other nodes could not reach it anyway); None: the node's address."""
     if args.transfer_host:
         return args.transfer_host
-    return args.host if _is_loopback(args.host) else None
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        return False
+    return args.host if is_loopback(args.host) else None
 
 
 def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
@@ -228,14 +222,13 @@ def coordinator_config(args) -> CoordinatorConfig:
     )
 
 
-def start_ray(args) -> None:
-    import ray
-
-    if args.local:
-        resources = {"verifier": args.verifiers, "drafter": args.drafters}
-        ray.init(resources=resources, include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(address=args.address, log_to_driver=False)
+def check_local_device(args) -> None:
+    """A device this machine lacks fails here, in one line, before any worker starts (a worker
+    would die loading the model, and Ray would report it as a dead actor much later)."""
+    if args.address:  # the workers run on the cluster's nodes, which may have what this one lacks
+        return
+    if args.device != "auto":  # auto: CUDA where the worker finds it, else the CPU
+        check_device(args.device)
 
 
 def run(args) -> int:
@@ -247,6 +240,7 @@ def run(args) -> int:
     if long_context is None and not is_on_ray:
         raise InvalidRequestError("serve needs one of --local, --address or --long-context")
     config = coordinator_config(args)
+    check_local_device(args)
     if not args.drain_timeout >= 0:
         raise InvalidRequestError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     configure_logging(args.log_format)
