@@ -110,7 +110,7 @@ class FakeState:
         if request.prompt == FOREVER:
             chunk = vericache_pb2.TokenChunk(text=" again", token_ids=[7])
             return (vericache_pb2.GenerateResponse(chunk=chunk) for _ in range(2000))
-        num_tokens = min(request.max_tokens, MAX_FAKE_TOKENS)
+        num_tokens = min(_max_tokens(request), MAX_FAKE_TOKENS)
         replies = []
         for start in range(0, num_tokens, 2):  # two accepted tokens per round
             ids = list(range(100 + start, 100 + min(start + 2, num_tokens)))
@@ -123,10 +123,15 @@ class FakeState:
         return replies
 
 
+def _max_tokens(request) -> int:
+    """The request's max_tokens, or the real server's default where it leaves it unset."""
+    return request.max_tokens if request.HasField("max_tokens") else 256
+
+
 def _stats(request, num_tokens: int) -> vericache_pb2.GenerateStats:
     accepted = [min(2, num_tokens - start) for start in range(0, num_tokens, 2)]
     return vericache_pb2.GenerateStats(
-        finish_reason="length" if request.max_tokens <= MAX_FAKE_TOKENS else "stop",
+        finish_reason="length" if _max_tokens(request) <= MAX_FAKE_TOKENS else "stop",
         num_tokens=num_tokens, rounds=len(accepted), accepted_per_round=accepted,
         mean_accepted_per_round=num_tokens / len(accepted), link_bytes=4096, store_bytes=8192,
         link_wait_s=0.01, store_wait_s=0.02, ttft_s=0.03, tokens_per_s=100.0, total_s=0.06,

@@ -185,6 +185,14 @@ def test_limits_answer_resource_exhausted(connect, server):
         assert b2.generate(PROMPT, mode="full_local", max_tokens=2).token_ids
 
 
+def test_a_request_leaving_max_tokens_unset_gets_the_default_within_its_tenants_cap(connect):
+    # A's cap (16) lies below the server's default max_tokens (256): the default is clamped to
+    # it rather than refused.
+    with connect(KEY_A) as a:
+        result = a.generate(PROMPT, mode="full_local")
+        assert 1 <= len(result.token_ids) <= 16
+
+
 def test_health_needs_no_key_on_either_port(server, tls):
     request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
     credentials = grpc.ssl_channel_credentials(tls[1])

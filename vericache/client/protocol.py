@@ -72,7 +72,7 @@ def generate_request(
     prompt: str,
     prefix_id: str | None,
     mode: str,
-    max_tokens: int,
+    max_tokens: int | None,
     stop: Sequence[str],
     draft_len: int | None,
     stop_token_ids: Sequence[int] = (),
@@ -83,7 +83,8 @@ def generate_request(
         raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
     if mode not in MODES:
         raise InvalidRequestError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
-    _check_count("max_tokens", max_tokens)
+    if max_tokens is not None:  # None: the server's default, within the API key's limit
+        _check_count("max_tokens", max_tokens)
     if draft_len is not None:
         _check_count("draft_len", draft_len)
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string, not its letters

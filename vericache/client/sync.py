@@ -222,7 +222,7 @@ class Client:
         *,
         prefix_id: str | None = None,
         mode: ModeName = "vericache",
-        max_tokens: int = 256,
+        max_tokens: int | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,
@@ -235,7 +235,9 @@ class Client:
         """Generates a reply to `prompt` after the registered prefix `prefix_id` (None: none).
 
         `mode` is "vericache" (lossless speculative decoding), "full_local", "full_remote" or
-        "lossy"; `draft_len` is the number of tokens drafted per round (None: the server's).
+        "lossy"; `draft_len` is the number of tokens drafted per round (None: the server's), and
+        `max_tokens` the most tokens generated (None: the server's default, within the API key's
+        limit).
         Decoding stops at the first of `stop` (the text ends before it) or of `stop_token_ids`
         (end tokens besides the model's EOS, kept in the output). `compressor` (with `ratio` or
         `bits`) asks for the prefix's compressor: a named prefix must have been registered with
@@ -256,7 +258,7 @@ class Client:
         *,
         prefix_id: str | None = None,
         mode: ModeName = "vericache",
-        max_tokens: int = 256,
+        max_tokens: int | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         draft_len: int | None = None,

@@ -263,7 +263,7 @@ class Coordinator:
         draft_len = config.default_draft_len if call.draft_len is None else call.draft_len
         if not 1 <= draft_len <= config.max_draft_len:
             raise InvalidRequestError(f"draft_len must lie in [1, {config.max_draft_len}]")
-        params = self._sampling_params(call)
+        params = self._sampling_params(call, tenant)
         record, prompt_ids = await self._prompt(call, tenant)
         mode = call.mode or (ServeMode.VERICACHE if record else ServeMode.FULL_LOCAL)
         if record is None and mode is not ServeMode.FULL_LOCAL:
@@ -291,8 +291,10 @@ class Coordinator:
         prefix_id = record.prefix_id if record else None
         return RequestPlan(session_id, mode, prefix_id, tenant.name, request, config.decode_chunk)
 
-    def _sampling_params(self, call: GenerateCall) -> SamplingParams:
-        max_tokens = self.config.default_max_tokens if call.max_tokens is None else call.max_tokens
+    def _sampling_params(self, call: GenerateCall, tenant: Tenant) -> SamplingParams:
+        max_tokens = call.max_tokens
+        if max_tokens is None:  # the default, within what the tenant may ask for
+            max_tokens = min(self.config.default_max_tokens, tenant.max_output_tokens or 1 << 62)
         if not 1 <= max_tokens <= self.config.max_output_tokens:
             raise InvalidRequestError(
                 f"max_tokens must lie in [1, {self.config.max_output_tokens}], got {max_tokens}"
