@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 
 import httpx
 import pytest
@@ -240,6 +242,8 @@ def test_server_sent_events_are_framed_as_openai_frames_them(base_url, prefix_id
     ("body", "status", "words"),
     [
         (b"{not json", 400, "not valid JSON"),
+        (b"\xff\xff\xff\xff", 400, "not UTF-8"),
+        (b'{"model": "\xc3\x28", "messages": []}', 400, "not UTF-8"),
         (b"[1, 2]", 400, "a JSON object"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temprature": 1}, 400,
          "temprature"),
@@ -273,6 +277,7 @@ def test_errors_have_openai_shape_and_status(base_url, body, status, words):
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"] and error["code"] == status
+    assert re.search(r"\(request id [0-9a-f]{32}\)$", error["message"]), error["message"]
     assert "Traceback" not in error["message"] and "/" not in error["message"]
 
 
@@ -377,3 +382,16 @@ def test_api_keys_and_tenants(keyed):
     with pytest.raises(openai.RateLimitError):  # a's limit: 16 output tokens
         as_a.chat.completions.create(model=MODEL, messages=_messages(), max_tokens=64)
     assert wait_for(lambda: open_sessions(keyed) == 0)
+
+
+def test_refusals_are_logged_with_the_tenant_and_request_id(keyed, caplog):
+    url = f"http://{keyed.host}:{keyed.http_port}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {KEY_A}", "content-type": "application/json"}
+    with caplog.at_level(logging.INFO, logger="vericache.serve"):
+        bad = httpx.post(url, content=b"\xff\xff", headers=headers, timeout=60)
+        anonymous = httpx.post(url, content=b"{}", timeout=60)
+    assert bad.status_code == 400 and anonymous.status_code == 401
+    for reply, tenant in ((bad, "a"), (anonymous, None)):
+        request_id = reply.json()["error"]["message"][-33:-1]
+        (line,) = [r for r in caplog.records if getattr(r, "request_id", None) == request_id]
+        assert line.tenant == tenant and f"refused for tenant {tenant!r}" in line.getMessage()

@@ -7,10 +7,11 @@ coordinator: what the openai client, LangChain, curl and load generators speak.
   `vericache` block (rounds, accepted per round, link bytes, seed), and `usage`.
 - GET /health: 200, or 503 while no worker of a needed kind is up. GET /metrics: the server's
   Prometheus registry, as `--metrics-port` serves it.
-- Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and status: 400
-  bad request (bad JSON, unknown fields and wrong types included), 401 no or wrong key, 404
-  unknown model or prefix, 429 over a limit, 503 unavailable, 504 past its timeout, 500 anything
-  else (its message says only that it failed, with the request id the server's log carries).
+- Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (openai_errors.py),
+  and status: 400 bad request (a body that is not UTF-8 JSON, unknown fields and wrong types
+  included), 401 no or wrong key, 404 unknown model or prefix, 429 over a limit, 503 unavailable,
+  504 past its timeout, 500 anything else (its message says only that it failed). Every message
+  ends with the request id that the server's log line of the refusal carries, with the tenant.
 - Auth: `Authorization: Bearer <key>` against the same tenants as gRPC, checked before anything
   else reads the request: a caller without a valid key hears 401 whatever its body holds.
 - `return_token_ids` (vLLM's field) adds each choice's output token ids (`token_ids`), whole or
@@ -24,86 +25,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vericache.errors import (
-    DataLossError,
-    DeadlineExceededError,
-    InvalidRequestError,
-    PrefixNotFoundError,
-    QueueFullError,
-    UnsupportedModelError,
-    VeriCacheError,
-    WorkerUnavailableError,
-)
+from vericache.errors import DeadlineExceededError, WorkerUnavailableError
 from vericache.serve.api_types import GenerateSummary, OutputChunk
 from vericache.serve.auth import Access, Tenant, UnauthenticatedError
 from vericache.serve.coordinator import Coordinator
+from vericache.serve.openai_errors import ModelNotFoundError, error_body, error_of, handle_errors
 from vericache.serve.openai_schema import ChatCompletionRequest, CompletionRequest
-
-log = logging.getLogger(__name__)
-
-# A typed error's HTTP status and OpenAI error type, in the order they are matched.
-_ERRORS: list[tuple[type[Exception], int, str]] = [
-    (UnauthenticatedError, 401, "authentication_error"),
-    (InvalidRequestError, 400, "invalid_request_error"),
-    (UnsupportedModelError, 400, "invalid_request_error"),
-    (PrefixNotFoundError, 404, "not_found_error"),
-    (QueueFullError, 429, "rate_limit_error"),
-    (WorkerUnavailableError, 503, "service_unavailable"),
-    (DataLossError, 500, "data_loss"),
-    (DeadlineExceededError, 504, "timeout"),
-]
-
-
-class ModelNotFoundError(VeriCacheError):
-    """The request names a model this server does not serve."""
-
-
-def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def _error_of(exc: Exception, request_id: str) -> tuple[int, dict]:
-    if isinstance(exc, ModelNotFoundError):
-        return 404, error_body(str(exc), "invalid_request_error", 404, "model")
-    for error_type, status, name in _ERRORS:
-        if isinstance(exc, error_type):
-            log.info("HTTP request refused: %s", exc, extra={"request_id": request_id})
-            return status, error_body(str(exc), name, status)
-    log.error("HTTP request failed", exc_info=exc, extra={"request_id": request_id})
-    return 500, error_body(
-        f"the request failed on the server (request id {request_id})", "api_error", 500
-    )
 
 
 class _Authenticated:
-    """ASGI middleware: the API key of every /v1/ request is checked before its body is read or
-    its route chosen; the tenant goes on in the request's state."""
+    """ASGI middleware: every request gets its request id, and the API key of every /v1/ request
+    is checked before its body is read or its route chosen; the tenant goes on in the request's
+    state."""
 
     def __init__(self, app: ASGIApp, access: Access):
         self.app, self.access = app, access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["request_id"] = uuid.uuid4().hex
+        if scope["path"].startswith("/v1/"):
             metadata = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
             try:
-                tenant = self.access.tenant_for(metadata)
+                state["tenant"] = self.access.tenant_for(metadata)
             except UnauthenticatedError as exc:
-                body = error_body(str(exc), "authentication_error", 401)
-                await JSONResponse(body, 401)(scope, receive, send)
+                status, body = error_of(exc, state["request_id"], None)
+                await JSONResponse(body, status)(scope, receive, send)
                 return
-            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 
@@ -111,24 +72,7 @@ def openai_app(coordinator: Coordinator, access: Access, model_name: str) -> Fas
     """The HTTP API over `coordinator`; `model_name` is the one id /v1/models lists."""
     app = FastAPI(title="VeriCache", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Authenticated, access=access)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        if first["type"] == "json_invalid":
-            message = f"the request body is not valid JSON: {first['ctx']['error']}"
-        elif not where:
-            message = "the request body must be a JSON object"
-        else:
-            message = f"{where}: {first['msg']}"
-        return JSONResponse(error_body(message, "invalid_request_error", 400, where or None), 400)
-
-    @app.exception_handler(VeriCacheError)
-    @app.exception_handler(Exception)  # anything else: a 500 in OpenAI's shape, saying no more
-    async def refused(request: Request, exc: Exception) -> JSONResponse:
-        status, body = _error_of(exc, getattr(request.state, "request_id", "-"))
-        return JSONResponse(body, status)
+    handle_errors(app)
 
     def tenant(request: Request) -> Tenant:
         return request.state.tenant  # checked by _Authenticated
@@ -173,12 +117,11 @@ def openai_app(coordinator: Coordinator, access: Access, model_name: str) -> Fas
 
 
 async def _respond(coordinator, tenant: Tenant, body, request: Request, chat: bool) -> Response:
-    request_id = uuid.uuid4().hex
-    request.state.request_id = request_id
+    request_id = request.state.request_id  # given by _Authenticated
     events = coordinator.generate(body.generate_call(), tenant, request_id)
     if body.timeout_s is not None:
         events = _within(events, body.timeout_s)
-    reply = _Reply(request_id, request.app.state.model_name, chat, body.return_token_ids)
+    reply = _Reply(request_id, tenant, request.app.state.model_name, chat, body.return_token_ids)
     first = await _first_event(events)  # refusals answer with their status, before any stream
     if body.stream:
         stream = reply.stream(first, events, body.include_usage)
@@ -229,8 +172,11 @@ async def _chain(first, events: AsyncIterator) -> AsyncIterator:
 class _Reply:
     """The response bodies of one request, OpenAI's shapes for completions or chat."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, with_token_ids: bool = False):
+    def __init__(
+        self, request_id: str, tenant: Tenant, model: str, chat: bool, with_token_ids: bool = False
+    ):
         self.request_id = request_id
+        self.tenant = tenant  # for the log line of an error in the stream
         self.with_token_ids = with_token_ids
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -291,7 +237,7 @@ class _Reply:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the status line is sent: tell it in the stream
-                _, body = _error_of(exc, self.request_id)
+                _, body = error_of(exc, self.request_id, self.tenant)
                 yield _sse(body)
         yield "data: [DONE]\n\n"
 
