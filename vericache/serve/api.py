@@ -12,8 +12,11 @@ RPC (the client went away, or its deadline passed) cancels the handler, and the 
 closes the request's sessions on the workers.
 
 Each RPC first maps the caller's API key to its tenant (auth.py): UNAUTHENTICATED without a valid
-one. grpc.health.v1 and reflection need no key (kubelet's probes send none). With TLS, health is
-also served in plaintext on `Access.health_port`, alone: kubelet's gRPC probes cannot speak TLS.
+one; then a request whose bytes did not decode (malformed.py) is INVALID_ARGUMENT. Refusals are
+logged with the tenant. grpc.health.v1 and reflection need no key (kubelet's probes send none).
+With TLS, health is also served in plaintext on `Access.health_port`, alone: kubelet's gRPC probes
+cannot speak TLS. Health follows the workers at once as the backend announces their deaths and
+returns (backend.py `AnnouncesServing`).
 """
 
 from __future__ import annotations
@@ -39,14 +42,16 @@ from vericache.errors import (
 )
 from vericache.serve import wire
 from vericache.serve.auth import Access, Tenant, UnauthenticatedError
+from vericache.serve.backend import AnnouncesServing, ServingBackend
 from vericache.serve.coordinator import Coordinator
+from vericache.serve.malformed import TolerantDecoding, check_decoded
 from vericache.serve.metrics import ServeMetrics
 from vericache.v1 import vericache_pb2, vericache_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = vericache_pb2.DESCRIPTOR.services_by_name["VeriCache"].full_name
-HEALTH_INTERVAL_S = 0.25  # how often health follows the workers
+HEALTH_INTERVAL_S = 0.25  # how often health polls a backend that announces no changes
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 _STATUS = [
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
@@ -67,25 +72,41 @@ def _code_of(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+@dataclass
+class _Rpc:
+    request_id: str  # ends the detail of its failure, and is in the log lines of the RPC
+    tenant: Tenant | None = None  # the caller's, once its API key is known
+
+
 @contextlib.asynccontextmanager
-async def _statuses(context: grpc.aio.ServicerContext, method: str, metrics: ServeMetrics):
-    """Yields the RPC's request id; aborts the RPC with the status code of a typed error."""
-    request_id = uuid.uuid4().hex
+async def _statuses(
+    context: grpc.aio.ServicerContext,
+    method: str,
+    request,
+    access: Access,
+    metrics: ServeMetrics,
+):
+    """Yields the RPC's request id and tenant: the caller's key is checked first, then that the
+    request decoded (malformed.py); aborts the RPC with the status code of a typed error."""
+    rpc = _Rpc(uuid.uuid4().hex)
     try:
-        yield request_id
+        rpc.tenant = access.tenant_for(context.invocation_metadata())
+        check_decoded(request, method)
+        yield rpc
     except Exception as exc:  # noqa: BLE001 - every error becomes a status, the server goes on
         if isinstance(exc, grpc.aio.AbortError):
             raise
         code = _code_of(exc)
         metrics.request_failed(code.name)
-        extra = {"request_id": request_id, "code": code.name}
+        tenant = rpc.tenant.name if rpc.tenant is not None else None
+        extra = {"request_id": rpc.request_id, "code": code.name, "tenant": tenant}
         if code is grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", method, extra=extra)
+            log.exception("%s failed for tenant %r", method, tenant, extra=extra)
             detail = f"{method} failed on the server"
         else:
-            log.info("%s refused: %s", method, exc, extra=extra)
+            log.info("%s refused for tenant %r: %s", method, tenant, exc, extra=extra)
             detail = str(exc)
-        await context.abort(code, f"{detail} (request id {request_id})")
+        await context.abort(code, f"{detail} (request id {rpc.request_id})")
 
 
 class VeriCacheService(vericache_pb2_grpc.VeriCacheServicer):
@@ -93,42 +114,37 @@ class VeriCacheService(vericache_pb2_grpc.VeriCacheServicer):
         self.coordinator = coordinator
         self.access = access
 
-    def _statuses(self, context: grpc.aio.ServicerContext, method: str):
-        return _statuses(context, method, self.coordinator.metrics)
-
-    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
-        return self.access.tenant_for(context.invocation_metadata())
+    def _statuses(self, context: grpc.aio.ServicerContext, method: str, request):
+        return _statuses(context, method, request, self.access, self.coordinator.metrics)
 
     async def PutPrefix(self, request, context):  # noqa: N802 - gRPC method names
-        async with self._statuses(context, "PutPrefix"):
+        async with self._statuses(context, "PutPrefix", request) as rpc:
             call = wire.put_prefix_call(request)
             # Closed at once when the RPC ends early: the registration's cleanup (stopping its
             # prefill, then freeing the tenant's slot) runs before the handler returns.
-            registration = self.coordinator.put_prefix(call, self._tenant(context))
+            registration = self.coordinator.put_prefix(call, rpc.tenant)
             async with contextlib.aclosing(registration):
                 async for progress in registration:
                     yield wire.progress_message(progress)
 
     async def GetPrefix(self, request, context):  # noqa: N802
-        async with self._statuses(context, "GetPrefix"):
-            record = await self.coordinator.get_prefix(request.prefix_id, self._tenant(context))
+        async with self._statuses(context, "GetPrefix", request) as rpc:
+            record = await self.coordinator.get_prefix(request.prefix_id, rpc.tenant)
             return wire.prefix_info(record)
 
     async def ListPrefixes(self, request, context):  # noqa: N802
-        async with self._statuses(context, "ListPrefixes"):
-            return wire.prefix_list(await self.coordinator.list_prefixes(self._tenant(context)))
+        async with self._statuses(context, "ListPrefixes", request) as rpc:
+            return wire.prefix_list(await self.coordinator.list_prefixes(rpc.tenant))
 
     async def DeletePrefix(self, request, context):  # noqa: N802
-        async with self._statuses(context, "DeletePrefix"):
-            tenant = self._tenant(context)
-            deleted = await self.coordinator.delete_prefix(request.prefix_id, tenant)
+        async with self._statuses(context, "DeletePrefix", request) as rpc:
+            deleted = await self.coordinator.delete_prefix(request.prefix_id, rpc.tenant)
             return vericache_pb2.DeletePrefixResponse(deleted=deleted)
 
     async def Generate(self, request, context):  # noqa: N802
-        async with self._statuses(context, "Generate") as request_id:
+        async with self._statuses(context, "Generate", request) as rpc:
             call = wire.generate_call(request)
-            tenant = self._tenant(context)
-            async for event in self.coordinator.generate(call, tenant, request_id):
+            async for event in self.coordinator.generate(call, rpc.tenant, rpc.request_id):
                 yield wire.generate_response(event)
 
 
@@ -151,7 +167,7 @@ async def start_server(
     server on `access.health_port` (0 picks one) if set. Health reports SERVING for the whole
     server and for vericache.v1.VeriCache. `access` None: no API keys and no TLS."""
     access = access or Access()
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[TolerantDecoding(SERVICE_NAME)])
     service = VeriCacheService(coordinator, access)
     vericache_pb2_grpc.add_VeriCacheServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
@@ -171,15 +187,21 @@ async def start_server(
         servers.append(health_only)
     for running in servers:
         await running.start()
-    health_task = asyncio.create_task(_follow_workers(coordinator, health_servicer))
+    health_task = asyncio.create_task(_follow_workers(coordinator.backend, health_servicer))
     return ApiServers(servers, port, health_port, health_task)
 
 
-async def _follow_workers(coordinator: Coordinator, health_servicer) -> None:
-    """SERVING while some worker of every kind is up, NOT_SERVING while one kind has none."""
+async def _follow_workers(backend: ServingBackend, health_servicer) -> None:
+    """SERVING while some worker of every kind is up, NOT_SERVING while one kind has none: at once
+    when the backend announces a change (a call found a worker gone: health says so before the
+    next request is placed or refused), within HEALTH_INTERVAL_S of one it does not announce."""
+    changed = asyncio.Event()
+    if isinstance(backend, AnnouncesServing):
+        backend.watch_serving(changed.set)
     shown = None
     while True:
-        serving = coordinator.backend.is_serving()
+        changed.clear()  # before the read: a change after it wakes the wait below
+        serving = backend.is_serving()
         if serving != shown:
             status = health_pb2.HealthCheckResponse.SERVING if serving else _NOT_SERVING
             for name in ("", SERVICE_NAME):
@@ -187,4 +209,5 @@ async def _follow_workers(coordinator: Coordinator, health_servicer) -> None:
             if shown is not None:
                 log.warning("health: %s", health_pb2.HealthCheckResponse.ServingStatus.Name(status))
             shown = serving
-        await asyncio.sleep(HEALTH_INTERVAL_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), HEALTH_INTERVAL_S)

@@ -11,7 +11,7 @@ A backend owns prefixes and decoding:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
 from vericache.serve.api_types import ServeMode
@@ -47,3 +47,12 @@ class ServingBackend(Protocol):
     def serve(self, served: ServedRequest) -> AsyncIterator[list[int]]:
         """Decodes a checked request, committing through `served`; yields each batch of tokens
         committed. Closing the iterator early frees what the request holds."""
+
+
+@runtime_checkable
+class AnnouncesServing(Protocol):
+    """A backend that says at once when `is_serving` may have changed (its workers' deaths and
+    returns), so that health never lags them; health polls a backend that does not."""
+
+    def watch_serving(self, on_change: Callable[[], None]) -> None:
+        """Calls `on_change` on the event loop's thread whenever `is_serving` may have changed."""

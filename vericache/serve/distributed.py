@@ -6,12 +6,14 @@ runs its rounds (rounds.py: on their own, or on the verifier's schedule, schedul
 its sessions on the workers when it ends, is cancelled or fails.
 
 Workers die: a call (or the probe, twice a second) that finds its worker gone marks it not alive
-(handles.py), and nothing is placed on it until the probe finds it answering again (a Ray actor
-restarted). A request whose worker died goes on from its last committed token on other workers,
-or on the restarted one, at most `max_migrations` times: its new sessions open with everything
-committed so far, so its stream goes on as if nothing happened (rounds.py,
-`ServedRequest.history`); a scheduled request leaves its schedule with its failure and joins it
-again with its new sessions. `is_serving` is False while no worker of some kind is up.
+(handles.py), and so does a probe that gets no answer in time; nothing is placed on it until the
+probe finds it answering again (a Ray actor restarted). Each change is announced at once
+(`watch_serving`): health follows it before the next request is placed. A request whose worker
+died goes on from its last committed token on other workers, or on the restarted one, at most
+`max_migrations` times: its new sessions open with everything committed so far, so its stream
+goes on as if nothing happened (rounds.py, `ServedRequest.history`); a scheduled request leaves
+its schedule with its failure and joins it again with its new sessions. `is_serving` is False
+while no worker of some kind is up.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from vericache.errors import UnsupportedModelError, WorkerUnavailableError
 from vericache.serve.api_types import ServeMode
@@ -38,6 +40,7 @@ from vericache.serve.worker_api import (
 
 log = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.5  # how often every worker is asked how it is
+PROBE_TIMEOUT_S = 5.0  # a worker that does not answer a probe within it is not alive
 
 
 class DistributedBackend:
@@ -105,26 +108,41 @@ class DistributedBackend:
         kinds = [self.verifiers, self.drafters] if with_drafters else [self.verifiers]
         return all(any(worker.alive for worker in kind) for kind in kinds)
 
+    def watch_serving(self, on_change: Callable[[], None]) -> None:
+        """Calls `on_change` at once whenever a worker is marked alive or not alive."""
+        for worker in [*self.verifiers, *self.drafters]:
+            worker.watch(on_change)
+
     async def _probe_workers(self) -> None:
         """Asks every worker, every PROBE_INTERVAL_S, how it is: one that died while idle is
         marked not alive before a request finds it, one that answers again is back, and the new
         port of a restarted verifier's KV transfer service is known before drafters need it."""
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            for worker in [*self.verifiers, *self.drafters]:
-                await self._ask(worker)
+            # All at once: a worker slow to answer delays no other's probe.
+            await asyncio.gather(*(self._ask(w) for w in [*self.verifiers, *self.drafters]))
 
     async def _ask(self, worker) -> None:
         """One probe of a worker: alive (and, for a verifier, where its KV transfer service
-        listens) when it answers; marked not alive by its handle when it is gone."""
-        was_alive = worker.alive
-        with contextlib.suppress(Exception):  # gone (now marked so), or slow: next time
-            about = await asyncio.wait_for(worker.describe(), PROBE_INTERVAL_S * 4)
-            if isinstance(about, VerifierInfo):
-                self._addresses[worker.name] = about.transfer_address
-            worker.alive = True
-            if not was_alive:
-                log.info("worker %s is back", worker.name)
+        listens) when it answers; not alive when it is gone or does not answer in time."""
+        was_alive, num_times_gone = worker.alive, worker.num_times_gone
+        try:
+            about = await asyncio.wait_for(worker.describe(), PROBE_TIMEOUT_S)
+        except TimeoutError:
+            # Neither an answer nor an error: a worker that cannot say who it is cannot serve a
+            # request either. Ray fails a call to a dead or restarting actor after about 2 s,
+            # so the timeout is longer: that error comes first and marks it just the same.
+            if was_alive:
+                log.warning("worker %s did not answer within %g s", worker.name, PROBE_TIMEOUT_S)
+            worker.mark_gone()
+            return
+        except Exception:  # noqa: BLE001 - gone (its handle marked it so), or failing: next time
+            return
+        if isinstance(about, VerifierInfo):
+            self._addresses[worker.name] = about.transfer_address
+        # Found gone while the probe was out: the answer may predate that, so the next one says.
+        if worker.mark_back(num_times_gone) and not was_alive:
+            log.info("worker %s is back", worker.name)
 
     # --- Prefixes: the first verifier's catalog (verifiers sharing a root share it) ---------------
 

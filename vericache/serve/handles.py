@@ -175,9 +175,38 @@ class _Handle:
         self.transport = transport
         self.name = name
         self.active = 0  # sessions the coordinator has placed on it
-        # False from a call that found the worker gone until it answers again (a restarted
-        # actor): the coordinator places nothing on a worker that is not alive.
-        self.alive = True
+        # False from a call that found the worker gone until a probe finds it answering again (a
+        # restarted actor): the coordinator places nothing on a worker that is not alive.
+        self._alive = True
+        # Calls that found the worker gone: an answer to a probe sent before the latest of them
+        # may come from the worker as it was before it died, and is no sign that it is back.
+        self.num_times_gone = 0
+        self._watchers: list[Callable[[], None]] = []
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def watch(self, on_change: Callable[[], None]) -> None:
+        """Calls `on_change` at once, on the changing thread, whenever `alive` changes."""
+        self._watchers.append(on_change)
+
+    def mark_gone(self) -> None:
+        self.num_times_gone += 1
+        self._set_alive(False)
+
+    def mark_back(self, num_times_gone: int) -> bool:
+        """Marks the worker alive after a probe sent when it had been found gone
+        `num_times_gone` times; returns whether it is alive now."""
+        if num_times_gone == self.num_times_gone:
+            self._set_alive(True)
+        return self._alive
+
+    def _set_alive(self, alive: bool) -> None:
+        if alive != self._alive:
+            self._alive = alive
+            for on_change in self._watchers:
+                on_change()
 
     async def _call(self, method: Callable[..., T], *args: Any) -> T:
         return await self._answered(self.transport.start(method, *args).result)
@@ -186,7 +215,7 @@ class _Handle:
         try:
             return await result
         except WorkerGoneError:
-            self.alive = False
+            self.mark_gone()
             raise
 
     async def shutdown(self) -> None:
