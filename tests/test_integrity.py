@@ -3,6 +3,7 @@ undisturbed run, or in DATA_LOSS; never in OK with other tokens."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -73,15 +74,19 @@ def test_damaged_full_kv_is_rebuilt_and_the_output_is_unchanged(
 
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_damaged_compressed_kv_is_rebuilt_and_the_output_is_unchanged(
-    tiny_chat_checkpoint, damaged_root, damage
+    tiny_chat_checkpoint, damaged_root, damage, caplog
 ):
     root, prefix_id, tokens = damaged_root
     (compressed,) = (root / "prefixes").glob("*.vkv")
     DAMAGES[damage](compressed)
     with start_server(tiny_chat_checkpoint, root, num_drafters=1) as server:
         with Client(server.target, timeout=120) as client:
-            generate_twice(client, prefix_id, tokens)  # rebuilt once, then read as stored
+            with caplog.at_level(logging.WARNING, logger="vericache.serve.metrics"):
+                generate_twice(client, prefix_id, tokens)  # rebuilt once, then read as stored
         assert corruptions(server) == {"full_kv": 0, "compressed_kv": 1, "record": 0}
+    # The server's own log says so, with the request that met it (a Ray worker's log is apart).
+    (logged,) = [r for r in caplog.records if "integrity check" in r.getMessage()]
+    assert logged.kind == "compressed_kv" and logged.request_id
     assert compressed.is_file()  # written again
 
 

@@ -115,6 +115,12 @@ def test_a_verifier_that_restarts_takes_its_request_back(served):
     thread.join(120)
     assert outcome["got"] == (reference.text, reference.token_ids, "length")
     assert wait_for(lambda: health(server) == health_pb2.HealthCheckResponse.SERVING)
+    # Its restart is timed, from the call that found it gone to the probe that found it back.
+    metrics = server.coordinator.metrics
+    labels = {"model_name": metrics.model_name, "kind": "verifier"}
+    sample = metrics.registry.get_sample_value
+    assert sample("vericache:worker_restart_seconds_count", labels) == 1
+    assert 0.5 <= sample("vericache:worker_restart_seconds_sum", labels) < 30
 
 
 @pytest.mark.parametrize("mode", ["full_local", "full_remote"])

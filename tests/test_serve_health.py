@@ -17,6 +17,7 @@ from vericache.serve import api, distributed
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.distributed import DistributedBackend
 from vericache.serve.handles import InProcess, VerifierHandle
+from vericache.serve.worker_api import DrafterInfo, WorkerStartup
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -54,9 +55,9 @@ class _Worker:
     def __init__(self):
         self.answer = threading.Event()
 
-    def describe(self) -> str:
+    def describe(self) -> DrafterInfo:
         self.answer.wait(30)
-        return "about"
+        return DrafterInfo(model=None, startup=WorkerStartup(0.0, 0.0, 0.0))
 
 
 def _backend() -> tuple[DistributedBackend, VerifierHandle, _Worker, list[bool]]:

@@ -29,6 +29,7 @@ from vericache.serve.api_types import ServeMode
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics
+from vericache.serve.restarts import Restarts
 from vericache.serve.rounds import ServedRequest, run_request
 from vericache.serve.scheduled import ScheduledRounds, new_scheduled_rounds
 from vericache.serve.worker_api import (
@@ -57,6 +58,9 @@ class DistributedBackend:
         # Verifier name -> the schedule of its VERICACHE rounds; empty: each request on its own.
         self.schedules: dict[str, ScheduledRounds] = {}
         self._probe: asyncio.Task | None = None
+        self._restarts = Restarts(self.config.worker_wait_s)
+        for worker in [*verifiers, *drafters]:  # each restart timed from its worker found gone
+            worker.watch(lambda worker=worker: worker.alive or self._restarts.gone(worker.name))
 
     async def start(self, metrics: ServeMetrics) -> ModelInfo:
         if not self.verifiers:
@@ -68,6 +72,9 @@ class DistributedBackend:
         models = {about.model for about in [*described, *drafters]}
         if len({model.fingerprint for model in models}) != 1:
             raise UnsupportedModelError(f"workers serve different models: {sorted(models)}")
+        self._restarts.metrics = metrics
+        for about in [*described, *drafters]:
+            self._restarts.started(about.startup)
         if self.config.scheduling != "per-request" and self.drafters:
             await self._start_schedules(described, metrics)
         self._probe = asyncio.create_task(self._probe_workers(), name="probe-workers")
@@ -138,11 +145,13 @@ class DistributedBackend:
             return
         except Exception:  # noqa: BLE001 - gone (its handle marked it so), or failing: next time
             return
-        if isinstance(about, VerifierInfo):
+        is_verifier = isinstance(about, VerifierInfo)
+        if is_verifier:
             self._addresses[worker.name] = about.transfer_address
         # Found gone while the probe was out: the answer may predate that, so the next one says.
         if worker.mark_back(num_times_gone) and not was_alive:
-            log.info("worker %s is back", worker.name)
+            kind = "verifier" if is_verifier else "drafter"
+            self._restarts.back(worker.name, kind, about.startup)
 
     # --- Prefixes: the first verifier's catalog (verifiers sharing a root share it) ---------------
 
@@ -208,7 +217,7 @@ class DistributedBackend:
 
     async def _wait_for_workers(self, served: ServedRequest) -> None:
         """Until a worker of each kind the request needs is alive, or `worker_wait_s` passed."""
-        deadline = time.monotonic() + self.config.worker_wait_s
+        deadline = time.monotonic() + self._restarts.wait_s()
         while not self._are_up(served.plan.mode.needs_drafter):
             if time.monotonic() > deadline:
                 raise WorkerUnavailableError("no worker came back to go on with the request")

@@ -59,15 +59,17 @@ class Drafter:
     def __init__(self, config: DrafterConfig):
         self.config = config
         self._secret = required(config.secret)
-        _, self.runner, self.info = load_worker_model(config)
+        model = load_worker_model(config)
+        self.runner, self.info = model.runner, model.info
         self._fetchers: dict[str, KVFetcher] = {}  # by verifier address
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()  # calls run on many threads
         self._buffers = BufferPool(config.kv_cache_bytes)  # of closed sessions
         self._loop = BatchLoop(self.runner, "drafter-batch")
+        self.startup = model.startup()
 
     def describe(self) -> DrafterInfo:
-        return DrafterInfo(self.info)
+        return DrafterInfo(self.info, self.startup)
 
     def time_draft_step(self) -> float:
         """Seconds of one draft step: a first estimate for a scheduler, which refines it."""

@@ -155,7 +155,8 @@ async def start_long_context_coordinator(
     config: CoordinatorConfig | None = None,
 ) -> Coordinator:
     """Loads the model once; a failed engine iteration restarts the engine over the same one."""
-    loaded, runner, info = await asyncio.to_thread(load_worker_model, worker)
+    model = await asyncio.to_thread(load_worker_model, worker)
+    loaded, runner, info = model.loaded, model.runner, model.info
 
     def make_engine() -> LongContextEngine:
         return LongContextEngine(runner, loaded.tokenizer, EngineConfig(), long_context)

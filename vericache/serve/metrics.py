@@ -38,6 +38,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)  # fmt: skip
 BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+RESTART_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 300.0, 600.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
@@ -69,6 +70,11 @@ class ServeMetrics:
         self._migrations = self._counter(
             "request_migrations", "Times requests went on elsewhere after a worker died."
         )
+        self._restarts = Histogram(
+            _name("worker_restart_seconds"),
+            "Seconds from a worker found gone to its answering again (a restarted Ray actor).",
+            ("model_name", "kind"), registry=self.registry, buckets=RESTART_BUCKETS,
+        )  # fmt: skip
         self._ttft = self._histogram(
             "time_to_first_token_seconds", "Time to the first output token.", TTFT_BUCKETS
         )
@@ -178,6 +184,11 @@ class ServeMetrics:
 
     def requests_migrated(self, count: int) -> None:
         self._migrations.labels(self.model_name).inc(count)
+
+    def worker_restarted(self, kind: str, seconds: float) -> None:
+        """A worker of `kind` ("verifier" or "drafter") answers again `seconds` after a call or
+        probe found it gone."""
+        self._restarts.labels(self.model_name, kind).observe(seconds)
 
     def link_used(self, num_bytes: int, wait_s: float) -> None:
         self._link_bytes.labels(self.model_name).inc(num_bytes)
@@ -295,6 +306,13 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
             metrics.store_lookup(hit=True, num_bytes=traffic.store_bytes)
         for kind in traffic.corruptions:
             metrics.store_corrupted(kind)
+            # The worker that found it logs in its own process (a Ray worker's log): the
+            # server's log says it too, with the request that met it.
+            log.warning(
+                "a worker found stored %s failing its integrity check (never served: rebuilt, "
+                "or DATA_LOSS for its prefix)", kind.value,
+                extra={"request_id": served.plan.session_id, "kind": kind.value},
+            )  # fmt: skip
         elapsed = time.perf_counter() - served.started_at
         finish_reason = served.seq.finish_reason or ("error" if failed else "abort")
         if not failed:

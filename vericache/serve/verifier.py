@@ -62,8 +62,9 @@ _DRAFT_POLL_S = 0.05
 class Verifier:
     def __init__(self, config: VerifierConfig):
         self.config = config
-        loaded, self.runner, self.info = load_worker_model(config)
-        self.prefixes = PrefixRegistry(config, loaded, self.runner, self.info)
+        model = load_worker_model(config)
+        self.runner, self.info = model.runner, model.info
+        self.prefixes = PrefixRegistry(config, model.loaded, self.runner, self.info)
         self.link = ThrottledLink(config.link)  # toward the drafters
         self._device_path = ThrottledLink(LinkSpec(config.load_bandwidth))  # store -> device
         self._slot_bytes = slot_bytes(self.runner.config, self.runner.dtype.itemsize)
@@ -77,6 +78,7 @@ class Verifier:
         )
         host = config.transfer_host or "127.0.0.1"
         self._transfer = TransferServer(service, host, config.transfer_port)
+        self.startup = model.startup()
 
     @property
     def transfer_address(self) -> str:
@@ -89,6 +91,7 @@ class Verifier:
             weights_bytes=self.runner.weights.nbytes,
             slot_bytes=self._slot_bytes,
             resident_bytes=self.config.resident_bytes,
+            startup=self.startup,
         )
 
     def measure_load_bandwidth(self) -> float:

@@ -9,6 +9,9 @@ in worker_api.py.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from vericache.engine.device_memory import slot_bytes
@@ -18,7 +21,7 @@ from vericache.kv.codec import model_fingerprint
 from vericache.model.loader import LoadedModel, load_model
 from vericache.model.runner import ModelRunner
 from vericache.serve.config import WorkerConfig
-from vericache.serve.worker_api import ModelInfo
+from vericache.serve.worker_api import ModelInfo, WorkerStartup
 
 
 class SessionNotFoundError(VeriCacheError):
@@ -31,14 +34,34 @@ class DraftFailedError(VeriCacheError):
     not the verifier's)."""
 
 
-def load_worker_model(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner, ModelInfo]:
+@dataclass(frozen=True)
+class WorkerModel:
+    """A worker's model, loaded, and how long its stages of the start took."""
+
+    loaded: LoadedModel
+    runner: ModelRunner
+    info: ModelInfo
+    started_at: float  # time.perf_counter() when the load began
+    model_s: float
+    kernels_s: float
+
+    def startup(self) -> WorkerStartup:
+        """The worker's start so far: call once the rest of it is ready."""
+        rest_s = time.perf_counter() - self.started_at - self.model_s - self.kernels_s
+        return WorkerStartup(self.model_s, self.kernels_s, rest_s)
+
+
+def load_worker_model(config: WorkerConfig) -> WorkerModel:
+    started_at = time.perf_counter()
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_model(config.model, dtype=config.dtype, device=device)
-    runner = ModelRunner(loaded.config, loaded.weights, device)
+    model_s = time.perf_counter() - started_at
+    runner = ModelRunner(loaded.config, loaded.weights, device)  # loads the CPU kernels
+    kernels_s = time.perf_counter() - started_at - model_s
     info = ModelInfo(
         model=config.model,
         fingerprint=model_fingerprint(loaded.config, config.model),
@@ -47,7 +70,7 @@ def load_worker_model(config: WorkerConfig) -> tuple[LoadedModel, ModelRunner, M
         eos_token_ids=tuple(loaded.config.eos_token_ids),
         full_kv_bytes_per_token=slot_bytes(loaded.config, runner.dtype.itemsize),
     )
-    return loaded, runner, info
+    return WorkerModel(loaded, runner, info, started_at, model_s, kernels_s)
 
 
 def first_token(logits: torch.Tensor, sampler: SequenceSampler | None = None) -> int:

@@ -41,17 +41,33 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class WorkerStartup:
+    """Seconds a worker took to start, by stage: what a restarted worker costs before it serves
+    again (with its process's start and imports, which the coordinator sees in the whole)."""
+
+    model_s: float  # the weights onto the device (converted once, on a machine's first use)
+    kernels_s: float  # the runner and its kernels (loaded; built only where no process has)
+    rest_s: float  # the rest of the worker: its store and catalog, buffers, services
+
+    @property
+    def total_s(self) -> float:
+        return self.model_s + self.kernels_s + self.rest_s
+
+
+@dataclass(frozen=True)
 class VerifierInfo:
     model: ModelInfo
     transfer_address: str  # the KVTransfer service drafters fetch prefixes' KV from
     weights_bytes: int
     slot_bytes: int  # one token of full KV in a cache slot, positions included
     resident_bytes: int  # the budget of full KV kept on the device across sessions
+    startup: WorkerStartup
 
 
 @dataclass(frozen=True)
 class DrafterInfo:
     model: ModelInfo
+    startup: WorkerStartup
 
 
 @dataclass(frozen=True)
