@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2
 from tests.serve_fixtures import start_server, wait_for
 from tests.test_migration import health, kill
 from vericache.client import Client, ServerUnavailableError
+from vericache.errors import WorkerGoneError
 from vericache.serve import api, distributed
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.distributed import DistributedBackend
@@ -93,3 +94,26 @@ def test_a_probe_answer_that_may_predate_a_death_does_not_bring_the_worker_back(
     assert not handle.alive and changes == [False]
     asyncio.run(backend._ask(handle))  # a probe sent after the death
     assert handle.alive and changes == [False, True]
+
+
+async def _gone() -> None:
+    raise WorkerGoneError("the worker is gone")
+
+
+def test_a_death_reported_by_a_call_from_before_the_worker_came_back_leaves_it_alive():
+    backend, handle, worker, changes = _backend()
+    worker.answer.set()
+
+    async def restart_then_late_errors() -> None:
+        before_the_restart = handle.num_times_back
+        handle.mark_gone()
+        await backend._ask(handle)  # the restarted worker answers
+        assert handle.alive
+        with pytest.raises(WorkerGoneError):  # a call made to the worker that died fails late
+            await handle._answered(_gone(), before_the_restart)
+        assert handle.alive and changes == [False, True]
+        with pytest.raises(WorkerGoneError):  # a call made to the worker that came back
+            await handle._answered(_gone(), handle.num_times_back)
+        assert not handle.alive and changes == [False, True, False]
+
+    asyncio.run(restart_then_late_errors())

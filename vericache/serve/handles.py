@@ -181,6 +181,9 @@ class _Handle:
         # Calls that found the worker gone: an answer to a probe sent before the latest of them
         # may come from the worker as it was before it died, and is no sign that it is back.
         self.num_times_gone = 0
+        # Times it came back: a call started before the latest may fail with the death of the
+        # worker as it was then, and is no sign that the worker that came back is gone.
+        self.num_times_back = 0
         self._watchers: list[Callable[[], None]] = []
 
     @property
@@ -191,14 +194,19 @@ class _Handle:
         """Calls `on_change` at once, on the changing thread, whenever `alive` changes."""
         self._watchers.append(on_change)
 
-    def mark_gone(self) -> None:
+    def mark_gone(self, num_times_back: int | None = None) -> None:
+        """Marks the worker not alive; with `num_times_back`, only if it has not come back since
+        the call that found it gone started then."""
+        if num_times_back is not None and num_times_back != self.num_times_back:
+            return
         self.num_times_gone += 1
         self._set_alive(False)
 
     def mark_back(self, num_times_gone: int) -> bool:
         """Marks the worker alive after a probe sent when it had been found gone
         `num_times_gone` times; returns whether it is alive now."""
-        if num_times_gone == self.num_times_gone:
+        if num_times_gone == self.num_times_gone and not self._alive:
+            self.num_times_back += 1
             self._set_alive(True)
         return self._alive
 
@@ -209,13 +217,14 @@ class _Handle:
                 on_change()
 
     async def _call(self, method: Callable[..., T], *args: Any) -> T:
-        return await self._answered(self.transport.start(method, *args).result)
+        num_times_back = self.num_times_back
+        return await self._answered(self.transport.start(method, *args).result, num_times_back)
 
-    async def _answered(self, result: Awaitable[T]) -> T:
+    async def _answered(self, result: Awaitable[T], num_times_back: int) -> T:
         try:
             return await result
         except WorkerGoneError:
-            self.mark_gone()
+            self.mark_gone(num_times_back)
             raise
 
     async def shutdown(self) -> None:
@@ -319,7 +328,8 @@ class DrafterHandle(_Handle):
         call = dataclasses.replace(call, arrives_in_s=call.arrives_in_s + self.latency_s)
         started = self.transport.start(self.worker.draft, call)
         answer = dataclasses.replace(started.answer, latency_s=self.latency_s)
-        return DraftInFlight(self._answered(self._back(started.result)), answer)
+        answered = self._answered(self._back(started.result), self.num_times_back)
+        return DraftInFlight(answered, answer)
 
     async def _back(self, result: Awaitable[T]) -> T:
         answered = await result
