@@ -1,12 +1,18 @@
 """Soak: bounded clients stream for bounded seconds over registered prefixes, in mixed modes, with
-random cancels and one worker killed (SIGKILL) in the middle. Nothing may be lost, repeated or
+random cancels and workers killed (SIGKILL) on the way: the drafter a third of the way in and the
+verifier two thirds (`--kill both`), or one of them midway. Nothing may be lost, repeated or
 wrong: every completed request equals full-KV decoding of its prompt, and every cancelled one
 streamed a prefix of it.
 
-Summary: `lost_tokens` and `duplicated_tokens` (completed requests against their reference, both
-0), `identical` (every completed request's tokens, and every cancelled one's text a prefix),
-latency p50 and p99 of completed requests, and `metrics_match`: the server's request counters
-equal what the clients saw (success of every reason = completed + cancelled, failures = failed).
+Summary: `lost_tokens` and `duplicated_tokens` (completed requests against their reference) and
+`wrong` (requests whose tokens or text differ from it), all 0; `identical`; `failed_mid_stream`
+(streams that failed after their first token: a migration that did not happen, 0) apart from
+`refused` (calls answered UNAVAILABLE before any token, while no worker of a kind they need was
+up, as health said); latency p50 and p99 of completed requests; `restarts`, each kill's seconds
+until the worker answered again (from the kill, and from the server's
+`worker_restart_seconds`, which starts when the server found it gone); and `metrics_match`: the
+server's request counters equal what the clients saw (success of every reason = completed +
+cancelled, failures = failed).
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--cancel-share", type=float, default=0.2)
-    parser.add_argument("--kill", choices=["drafter", "verifier", "none"], default="drafter")
+    parser.add_argument(
+        "--kill", choices=["both", "drafter", "verifier", "none"], default="both",
+        help="both: the drafter a third of the way in, the verifier at two thirds",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--context-chars", type=int, default=4000, help="of each prefix's text")
 
@@ -55,6 +64,8 @@ class Outcome:
     text: str
     token_ids: list[int]
     latency_s: float
+    started_s: float = 0.0  # after the soak began
+    num_deltas: int = 0  # text deltas streamed before it completed, was cancelled or failed
 
 
 def run(args) -> dict:
@@ -70,10 +81,12 @@ def run(args) -> dict:
                 ]
                 references = _references(client, prefix_ids, args.max_tokens)
             before = _request_counts(server)
-            outcomes, killed_at = _soak(server, prefix_ids, args, seconds)
+            outcomes, restarts = _soak(server, prefix_ids, args, seconds)
             after = _settled_counts(server)
+            restarts = _with_server_timings(server, restarts)
     summary = _summary(outcomes, references, before, after)
-    summary["killed"] = args.kill if killed_at is not None else "none"
+    summary["killed"] = args.kill
+    summary["restarts"] = restarts
     return {
         "benchmark": "soak",
         "summary": summary,
@@ -106,10 +119,9 @@ def _references(client: Client, prefix_ids: list[str], max_tokens: int) -> dict:
     }
 
 
-def _soak(
-    server, prefix_ids: list[str], args, seconds: float
-) -> tuple[list[Outcome], float | None]:
-    deadline = time.monotonic() + seconds
+def _soak(server, prefix_ids: list[str], args, seconds: float) -> tuple[list[Outcome], list]:
+    began = time.monotonic()
+    deadline = began + seconds
     outcomes: list[Outcome] = []
     lock = threading.Lock()
 
@@ -117,7 +129,7 @@ def _soak(
         chooser = random.Random(seed)
         with Client(server.target, timeout=300, retries=0) as client:
             while time.monotonic() < deadline:
-                outcome = _one_request(client, prefix_ids, args, chooser)
+                outcome = _one_request(client, prefix_ids, args, chooser, began)
                 with lock:
                     outcomes.append(outcome)
 
@@ -126,45 +138,84 @@ def _soak(
     ]
     for thread in threads:
         thread.start()
-    killed_at = None
-    if args.kill != "none":
-        time.sleep(seconds / 2)
-        _kill(server, args.kill)
-        killed_at = time.monotonic()
+    restarts = [_kill_and_time(server, kind, began + at_s) for kind, at_s in _kills(args, seconds)]
     for thread in threads:
         thread.join()
-    return outcomes, killed_at
+    return outcomes, restarts
 
 
-def _one_request(client: Client, prefix_ids: list[str], args, chooser: random.Random) -> Outcome:
+def _kills(args, seconds: float) -> list[tuple[str, float]]:
+    """(kind, seconds into the soak) of each kill."""
+    if args.kill == "both":
+        return [("drafter", seconds / 3), ("verifier", 2 * seconds / 3)]
+    return [] if args.kill == "none" else [(args.kill, seconds / 2)]
+
+
+def _kill_and_time(server, kind: str, at: float) -> dict:
+    """SIGKILLs the first worker of `kind` at `at` (time.monotonic()); returns the seconds until
+    the server found it gone and until it answered again."""
+    time.sleep(max(at - time.monotonic(), 0.0))
+    backend = server.coordinator.backend
+    handle = (backend.drafters if kind == "drafter" else backend.verifiers)[0]
+    import ray
+
+    pid = ray.get(handle.worker.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    found_gone_s = _seconds_until(lambda: not handle.alive, killed_at, timeout_s=30)
+    back_s = _seconds_until(lambda: handle.alive, killed_at, timeout_s=300)
+    return {"kind": kind, "found_gone_s": found_gone_s, "back_after_kill_s": back_s}
+
+
+def _seconds_until(condition, since: float, timeout_s: float) -> float | None:
+    while not condition():
+        if time.monotonic() - since > timeout_s:
+            return None
+        time.sleep(0.02)
+    return round(time.monotonic() - since, 3)
+
+
+def _with_server_timings(server, restarts: list[dict]) -> list[dict]:
+    """Each kill with the server's own timing of its restart (`worker_restart_seconds`, from the
+    worker found gone: one observation per kill of a kind)."""
+    metrics = server.coordinator.metrics
+    timed = []
+    for kind in sorted({restart["kind"] for restart in restarts}):
+        labels = {"model_name": metrics.model_name, "kind": kind}
+        total = metrics.registry.get_sample_value("vericache:worker_restart_seconds_sum", labels)
+        count = metrics.registry.get_sample_value("vericache:worker_restart_seconds_count", labels)
+        for restart in restarts:
+            if restart["kind"] == kind:
+                mean = round(total / count, 3) if count else None
+                timed.append({**restart, "server_restart_s": mean, "server_restarts": count})
+    return timed
+
+
+def _one_request(
+    client: Client, prefix_ids: list[str], args, chooser: random.Random, began: float
+) -> Outcome:
     mode = chooser.choice(MODES)
     p, q = chooser.randrange(len(prefix_ids)), chooser.randrange(len(PROMPTS))
     cancel_after = chooser.randint(1, 4) if chooser.random() < args.cancel_share else None
     started = time.perf_counter()
-    text, status, token_ids = "", "completed", []
+    started_s = time.monotonic() - began
+    text, status, token_ids, num_deltas = "", "completed", [], 0
     try:
         with client.stream(
             PROMPTS[q], prefix_id=prefix_ids[p], mode=mode, max_tokens=args.max_tokens
         ) as stream:
-            for count, delta in enumerate(stream, start=1):
+            for delta in stream:
                 text += delta
-                if cancel_after is not None and count >= cancel_after:
+                num_deltas += 1
+                if cancel_after is not None and num_deltas >= cancel_after:
                     status = "cancelled"
                     break
             if status == "completed":
                 token_ids = list(stream.result().token_ids)
     except VeriCacheError as exc:
         status = type(exc).__name__
-    return Outcome(mode, p, q, status, text, token_ids, time.perf_counter() - started)
-
-
-def _kill(server, kind: str) -> None:
-    backend = server.coordinator.backend
-    handle = (backend.drafters if kind == "drafter" else backend.verifiers)[0]
-    import ray
-
-    pid = ray.get(handle.worker.__ray_call__.remote(lambda self: os.getpid()))
-    os.kill(pid, signal.SIGKILL)
+    latency_s = time.perf_counter() - started
+    return Outcome(mode, p, q, status, text, token_ids, latency_s, round(started_s, 3), num_deltas)
 
 
 def _request_counts(server) -> dict[str, float]:
@@ -194,15 +245,14 @@ def _summary(outcomes: list[Outcome], references: dict, before: dict, after: dic
     completed = [o for o in outcomes if o.status == "completed"]
     cancelled = [o for o in outcomes if o.status == "cancelled"]
     failed = [o for o in outcomes if o.status not in ("completed", "cancelled")]
-    lost = duplicated = 0
-    identical = True
+    lost = duplicated = wrong = 0
     for outcome in completed:
         reference = references[(outcome.prefix, outcome.prompt)].token_ids
         lost += max(0, len(reference) - len(outcome.token_ids))
         duplicated += max(0, len(outcome.token_ids) - len(reference))
-        identical &= outcome.token_ids == list(reference)
-    for outcome in cancelled:
-        identical &= references[(outcome.prefix, outcome.prompt)].text.startswith(outcome.text)
+        wrong += outcome.token_ids != list(reference)
+    for outcome in [*cancelled, *failed]:  # what they streamed is a start of the reference
+        wrong += not references[(outcome.prefix, outcome.prompt)].text.startswith(outcome.text)
     latencies = sorted(o.latency_s for o in completed)
     counted = {name: after[name] - before[name] for name in after}
     return {
@@ -211,9 +261,12 @@ def _summary(outcomes: list[Outcome], references: dict, before: dict, after: dic
         "cancelled": len(cancelled),
         "failed": len(failed),
         "failures": sorted({o.status for o in failed}),
+        "refused": sum(o.num_deltas == 0 for o in failed),
+        "failed_mid_stream": sum(o.num_deltas > 0 for o in failed),
         "lost_tokens": lost,
         "duplicated_tokens": duplicated,
-        "identical": identical,
+        "wrong": wrong,
+        "identical": wrong == 0,
         "latency_p50_s": statistics.median(latencies) if latencies else None,
         "latency_p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
         if latencies

@@ -21,5 +21,9 @@ def test_a_short_soak_with_a_killed_drafter_loses_nothing(ray_cluster, tiny_chat
     summary = module.run(args)["summary"]
     assert summary["killed"] == "drafter" and summary["completed"] > 0
     assert summary["lost_tokens"] == 0 and summary["duplicated_tokens"] == 0
+    assert summary["wrong"] == 0 and summary["failed_mid_stream"] == 0, summary
+    (restart,) = summary["restarts"]
+    assert restart["kind"] == "drafter" and restart["back_after_kill_s"] is not None
+    assert restart["server_restarts"] == 1 and restart["server_restart_s"] > 0
     assert summary["identical"], summary
     assert summary["metrics_match"], summary
