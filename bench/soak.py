@@ -278,20 +278,33 @@ def _summary(outcomes: list[Outcome], references: dict, before: dict, after: dic
 
 
 def plot(result: dict, path) -> None:
+    """Each request's latency against when it started, with the kills marked."""
+    from types import SimpleNamespace
+
     from vericache.bench.common import pyplot, save_figure
 
     plt = pyplot()
-    figure, axis = plt.subplots(figsize=(8, 4))
-    for status in ("completed", "cancelled"):
-        points = [o for o in result["outcomes"] if o["status"] == status]
-        axis.scatter(range(len(points)), [o["latency_s"] for o in points], label=status, s=12)
-    axis.set_xlabel("request")
+    figure, axis = plt.subplots(figsize=(9, 4))
+    outcomes = result["outcomes"]
+    groups = {
+        "completed": [o for o in outcomes if o["status"] == "completed"],
+        "cancelled": [o for o in outcomes if o["status"] == "cancelled"],
+        "refused": [o for o in outcomes if o["status"] not in ("completed", "cancelled")],
+    }
+    for status, points in groups.items():
+        xs = [o["started_s"] for o in points]
+        axis.scatter(xs, [o["latency_s"] for o in points], label=status, s=14)
+    config = SimpleNamespace(**result["config"])
+    for kind, at_s in _kills(config, config.seconds):
+        axis.axvline(at_s, color="grey", linestyle="--", linewidth=1)
+        axis.annotate(f"{kind} killed", (at_s, axis.get_ylim()[1]), fontsize=8, va="top")
+    axis.set_xlabel("request started, s into the soak")
     axis.set_ylabel("latency, s")
-    axis.legend()
+    axis.legend(loc="upper left")
     summary = result["summary"]
     title = (
-        f"soak: {summary['requests']} requests, {summary['killed']} killed, identical "
-        f"{summary['identical']}, lost {summary['lost_tokens']}, duplicated "
-        f"{summary['duplicated_tokens']}"
+        f"soak: {summary['requests']} requests, {summary['killed']} killed; lost "
+        f"{summary['lost_tokens']}, repeated {summary['duplicated_tokens']}, wrong "
+        f"{summary.get('wrong', 0)}"
     )
     save_figure(figure, path, title)
