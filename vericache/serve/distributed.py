@@ -1,9 +1,11 @@
 """The distributed backend: verifier and drafter workers (in this process, or Ray actors across
 nodes), with prefixes in the verifiers' full-KV store and catalog.
 
-It places each request on the least busy verifier (and, for the modes that need one, drafter),
-runs its rounds (rounds.py: on their own, or on the verifier's schedule, scheduled.py) and closes
-its sessions on the workers when it ends, is cancelled or fails.
+It places each request on the verifier (and, for the modes that need one, the drafter) that holds
+its prefix, by rendezvous hashing with a load bound (scheduler/placement.py: a hot prefix spills to
+the least busy worker; a request without a prefix goes there at once), runs its rounds (rounds.py:
+on their own, or on the verifier's schedule, scheduled.py) and closes its sessions on the workers
+when it ends, is cancelled or fails.
 
 Workers die: a call (or the probe, twice a second) that finds its worker gone marks it not alive
 (handles.py), and so does a probe that gets no answer in time; nothing is placed on it until the
@@ -25,6 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from vericache.errors import UnsupportedModelError, WorkerUnavailableError
+from vericache.scheduler.placement import Candidate, place
 from vericache.serve.api_types import ServeMode
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import CoordinatorConfig
@@ -224,8 +227,10 @@ class DistributedBackend:
             await asyncio.sleep(PROBE_INTERVAL_S / 2)
 
     async def _serve_on_workers(self, served: ServedRequest) -> AsyncIterator[list[int]]:
-        verifier = _least_busy(self.verifiers, "verifier")
-        drafter = _least_busy(self.drafters, "drafter") if served.plan.mode.needs_drafter else None
+        prefix_id = served.plan.prefix_id
+        verifier = _placed(self.verifiers, prefix_id, "verifier")
+        needs_drafter = served.plan.mode.needs_drafter
+        drafter = _placed(self.drafters, prefix_id, "drafter") if needs_drafter else None
         workers = [w for w in (verifier, drafter) if w is not None]
         for worker in workers:
             worker.active += 1
@@ -242,8 +247,9 @@ class DistributedBackend:
             await asyncio.shield(asyncio.gather(*closing, return_exceptions=True))
 
 
-def _least_busy(workers: list, kind: str):
+def _placed(workers: list, prefix_id: str | None, kind: str):
+    """The alive worker that holds the prefix (scheduler/placement.py), or the least busy one."""
     alive = [worker for worker in workers if worker.alive]
     if not alive:
         raise WorkerUnavailableError(f"no {kind} is running")
-    return min(alive, key=lambda w: w.active)
+    return alive[place(prefix_id, [Candidate(w.name, w.active) for w in alive])]
