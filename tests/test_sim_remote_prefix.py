@@ -124,14 +124,14 @@ def test_a_small_scenario_gives_its_golden_result_and_bad_input_is_refused():
     assert simulate_vericache(_scenario(arrivals=(0.0,))).num_output_tokens in (64, 256)
 
 
-# Pinned: a change to the event core, the batch loop, the cost model, the workers' memory or the
-# engine's round (engine/sequence.py, which decodes every simulated request) moves these on
-# purpose.
+# Pinned: a change to the event core, the batch loop, the cost model, the workers' memory, the
+# engine's round (engine/sequence.py, which decodes every simulated request) or placement
+# (scheduler/placement.py) moves these on purpose.
 GOLDEN = {
-    "vericache": 316.53499245019026,
+    "vericache": 391.8899667609891,
     "full_local": 498.64111747244243,
-    "full_remote": 225.63312067643943,
-    "full_both": 490.7348373590752,
+    "full_remote": 372.5611570599033,
+    "full_both": 382.2462403690401,
 }
 
 

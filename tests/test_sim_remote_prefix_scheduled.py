@@ -78,9 +78,12 @@ def test_a_verifier_that_keeps_sessions_resident_loads_only_what_it_dropped():
     loaded = simulate_vericache_scheduled(resident, StaggeredScheduler)
     reloaded = simulate_vericache_scheduled(scenario, StaggeredScheduler)
     assert loaded.num_output_tokens == reloaded.num_output_tokens
-    # Loading for every verification moves at least a prefix a round more.
+    # Loading for every verification moves at least a prefix a round more, less what the
+    # drafters' own traffic (fetches, exact KV handed over) may differ by between two runs of
+    # different timing: within one compressed prefix.
     rounds = len(reloaded.accepted_per_round)
-    assert reloaded.link_bytes - loaded.link_bytes >= rounds * full
+    slack = scenario.prefix_bytes(compressed=True)
+    assert reloaded.link_bytes - loaded.link_bytes >= rounds * full - slack
     after = simulate_vericache_scheduled(resident, lambda c: LockstepScheduler(c, 24))
     beside = simulate_vericache_scheduled(resident, _lockstep)
     assert after.tokens_per_s == pytest.approx(beside.tokens_per_s, rel=0.05)
@@ -98,5 +101,6 @@ def test_a_small_scenario_gives_its_golden_results():
 
 
 # Pinned: a change to the event core, the batch loop, the cost model, the schedulers, the
-# engine's round or what a session reserves moves these on purpose.
-GOLDEN = {"staggered": 316.6145556533349, "lockstep": 328.5352882469257}
+# engine's round, what a session reserves or placement (scheduler/placement.py) moves these on
+# purpose.
+GOLDEN = {"staggered": 355.12247862562594, "lockstep": 299.3615055285684}

@@ -41,7 +41,7 @@ from vericache.sim.decoding import SimSequence
 from vericache.sim.kv_memory import Session
 from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
-from vericache.sim.remote_prefix_workers import Run, Worker, least_busy
+from vericache.sim.remote_prefix_workers import Run, Worker, placed
 
 
 def simulate_vericache(scenario: RemotePrefixScenario) -> SimReport:
@@ -59,7 +59,8 @@ class VeriCacheRequest:
 
     @classmethod
     def start(cls, run: Run, prefix: int, num_tokens: int, arrival_s: float) -> None:
-        drafter, verifier = least_busy(run.drafters), least_busy(run.verifiers)
+        key = run.placement_key(prefix)
+        drafter, verifier = placed(run.drafters, key), placed(run.verifiers, key)
         request = cls(run, prefix, run.sequence(num_tokens), arrival_s, drafter, verifier)
         if verifier.residency is not None:  # a load moves the prefix's full KV
             prefix_bytes = run.scenario.prefix_bytes(compressed=False)
@@ -194,7 +195,7 @@ class _FullRequest:
     @classmethod
     def start(cls, run, prefix, num_tokens, arrival_s, pool: FullPool, rates) -> None:
         local = pool is FullPool.LOCAL or (pool is FullPool.BOTH and _route_local(run, rates))
-        worker = least_busy(run.verifiers if local else run.drafters)
+        worker = placed(run.verifiers if local else run.drafters, run.placement_key(prefix))
         request = cls(run, run.sequence(num_tokens), arrival_s, worker, prefix)
         # The prefix's full KV, unless held: from the store (a verifier) or over the network.
         worker.memory.admit(request.session, request._prefill)

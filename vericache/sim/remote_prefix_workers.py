@@ -9,6 +9,7 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 from vericache.errors import InvalidRequestError
+from vericache.scheduler.placement import Candidate, place
 from vericache.sim.batch_loop import SimBatchLoop
 from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
@@ -35,6 +36,7 @@ class Worker:
     ):
         # Each device of a tensor-parallel group moves its share over its own link at once.
         inbound_bytes_per_s *= run.scenario.tensor_parallel
+        self.name = name  # what placement ranks it by, as the server's worker names
         self.loop = SimBatchLoop(Device(run.sim, name), run.scenario.forward_s)
         self.link = Link(run.sim, f"{name}-in", inbound_bytes_per_s, latency_s)
         self.num_requests = 0  # in flight here, admitted or waiting for memory
@@ -94,7 +96,7 @@ class Run:
         self.rng = random.Random(scenario.seed + 1)
         self.verifiers = [
             Worker(
-                self, f"verifier{i}", scenario.store_bytes_per_s, 0.0,
+                self, f"verifier-{i}", scenario.store_bytes_per_s, 0.0,
                 scenario.verifier_prefix_lru_bytes,
             )
             for i in range(scenario.num_verifiers)
@@ -104,7 +106,7 @@ class Run:
                 verifier.residency = SimResidency(scenario.verifier_resident_bytes, verifier.link)
         self.drafters = [
             Worker(
-                self, f"drafter{i}", scenario.network_bytes_per_s, scenario.network_latency_s,
+                self, f"drafter-{i}", scenario.network_bytes_per_s, scenario.network_latency_s,
                 scenario.drafter_prefix_lru_bytes, scenario.network_receive_bytes_per_s,
             )
             for i in range(scenario.num_drafters)
@@ -153,6 +155,10 @@ class Run:
         prompt_tokens = scenario.prefix_tokens + scenario.suffix_tokens
         return SimSequence(prompt_tokens, num_tokens, scenario.model.max_positions)
 
+    def placement_key(self, prefix: int) -> str | None:
+        """What placement ranks workers by: the prefix, or nothing where no prefix is held."""
+        return f"prefix-{prefix}" if self.scenario.prefix_caching else None
+
     def prefix_key(self, prefix: int, request: object) -> Hashable:
         """What a session's prefix is held under: the prefix, shared, or without prefix caching
         a copy of the session's own."""
@@ -177,7 +183,10 @@ class Run:
             self.sim.at(now, lambda: self._start(self, prefix, num_tokens, now))
 
 
-def least_busy(workers: list[Worker]) -> Worker:
-    worker = min(workers, key=lambda w: w.num_requests)
+def placed(workers: list[Worker], prefix_key: str | None) -> Worker:
+    """The worker the server would place the request on (scheduler/placement.py): its prefix's
+    holder, or the least busy past the load bound or without a prefix."""
+    candidates = [Candidate(worker.name, worker.num_requests) for worker in workers]
+    worker = workers[place(prefix_key, candidates)]
     worker.num_requests += 1
     return worker
