@@ -111,7 +111,7 @@ def test_the_folder_key_covers_flags_sources_and_compiler(tmp_path, monkeypatch)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     extension = cpu_attention.extension()
     here = cpu_build.build_directory(extension)
-    assert here.parent == tmp_path and here.name.startswith(extension.name)
+    assert here.parent.parent == tmp_path and here.parent.name.startswith(extension.name)
     assert cpu_build.build_directory(extension) == here
     other_flags = cpu_build.Extension(
         extension.name, extension.sources, (*extension.cflags, "-DOTHER"), extension.ldflags
@@ -130,7 +130,18 @@ def test_the_folder_key_covers_flags_sources_and_compiler(tmp_path, monkeypatch)
     compiler.write_text("#!/bin/sh\necho 'other-c++ 1.0'\n")
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
-    assert cpu_build.build_directory(extension) != here
+    elsewhere = cpu_build.build_directory(extension)
+    assert elsewhere != here and elsewhere.parent == here.parent  # the same sources' folder
+
+
+def test_without_a_compiler_a_build_of_the_same_sources_is_loaded(tmp_path, monkeypatch):
+    directory = built_here()
+    library = cpu_build.built_library(directory)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_build.built_for(cpu_attention.extension()) == library  # no build is tried
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here
+    with pytest.raises(cpu_build.NoCompilerError, match="no C\\+\\+ compiler"):
+        cpu_build.load(cpu_attention.extension())
 
 
 def _library_name(directory: Path) -> str:

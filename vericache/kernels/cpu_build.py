@@ -1,17 +1,17 @@
 """Building a C++ extension once per machine and install, whatever process asks for it.
 
 torch's `cpp_extension.load` runs ninja in every process that loads an extension, and ninja
-rebuilds whenever its log does not know the compile command. Two ninja binaries (the `ninja`
-wheel in the virtual environment, and the system's), picked by PATH, keep logs that each throws
-away as the other's version: a Ray worker and the CLI then rebuilt the same objects after each
-other, a minute each, and a restarted worker missed its migration wait while it compiled.
+rebuilds whenever its log does not know the compile command, as when two ninja binaries on two
+processes' PATHs each discard the other's log. Here a build happens once, and every later process
+loads the library it left: no ninja, no compiler, no lock, so a restarted worker never compiles.
 
-Here the build happens once. Its folder is keyed by everything that decides the library: torch
-(version and headers), Python's headers, the compiler and its version, the flags, and the
-sources' paths and contents. Once the library is whole, a `built` stamp names it, and every later
-process loads it straight: no ninja, no compiler, no lock, so a restarted worker never compiles.
-(ccache in front of the compiler, or which ninja runs, do not change the library and are left
-out of the key.) Concurrent first uses serialise on an flock; the ones that waited find the stamp.
+Folders: `<root>/<name>-<sources key>/<compiler key>`. The sources key covers what the library is
+built from: torch (version, and its headers where this torch lies), Python's headers, the flags,
+and the sources' paths and contents; the compiler key, the compiler torch runs ($CXX or c++) and
+its version. Once a library is whole, a `built` stamp names it with its digest (a damaged file is
+rebuilt, never loaded). A process with a compiler loads its own compiler's build; one without
+(a runtime image, a node started from another shell) loads any whole build of the same sources.
+Concurrent first uses serialise on an flock; the ones that waited find the stamp.
 
 `python -m vericache.kernels.cpu_build` builds the CPU kernels ahead of their first use
 (`make install`, the Docker image).
@@ -50,16 +50,33 @@ class Extension:
     ldflags: tuple[str, ...] = ()
 
 
+class NoCompilerError(RuntimeError):
+    """No whole build of these sources, and no compiler to make one."""
+
+
 def load(extension: Extension) -> Path:
     """Registers the extension's ops in this process, building it first if no process on this
     machine has (raises where it cannot be built). Returns the library's path."""
-    directory = build_directory(extension)
-    library = built_library(directory)
+    library = built_for(extension)
     if library is None:
+        directory = build_directory(extension)
         with build_lock(directory):
             library = built_library(directory) or _build(extension, directory)
     torch.ops.load_library(str(library))
     return library
+
+
+def built_for(extension: Extension) -> Path | None:
+    """The whole build this process loads: its compiler's, or without a compiler any one of
+    these sources (raises NoCompilerError where there is none)."""
+    compiler = compiler_identity()
+    if compiler is not None:
+        return built_library(sources_directory(extension) / _key_of(compiler, "cc"))
+    for directory in sorted(sources_directory(extension).glob("cc-*")):
+        library = built_library(directory)
+        if library is not None:
+            return library
+    raise NoCompilerError("no C++ compiler ($CXX or c++) and no build of the kernels to load")
 
 
 def built_library(directory: Path) -> Path | None:
@@ -82,30 +99,33 @@ def _digest(path: Path) -> str:
 
 
 def build_directory(extension: Extension) -> Path:
-    """Where the extension builds: one folder per key (see the module's docstring), under
-    $TORCH_EXTENSIONS_DIR or torch's default root."""
-    from torch.utils import cpp_extension
-
-    key = hashlib.blake2b(digest_size=8)
-    for part in key_parts(extension):
-        key.update(part.encode() + b"\0")
-    for source in extension.sources:
-        key.update(source.read_bytes())
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    directory = Path(root) / f"{extension.name}-{key.hexdigest()}"
+    """Where this process's compiler builds the extension (see the module's docstring)."""
+    compiler = compiler_identity()
+    if compiler is None:
+        raise NoCompilerError("no C++ compiler ($CXX or c++) to build the kernels")
+    directory = sources_directory(extension) / _key_of(compiler, "cc")
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 
 
+def sources_directory(extension: Extension) -> Path:
+    """The folder of every build of these sources, under $TORCH_EXTENSIONS_DIR or torch's
+    default root."""
+    from torch.utils import cpp_extension
+
+    contents = [source.read_bytes().decode(errors="replace") for source in extension.sources]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / _key_of([*key_parts(extension), *contents], extension.name)
+
+
 def key_parts(extension: Extension) -> list[str]:
-    """Everything but the sources' contents that enters the compile and link commands."""
+    """What enters the compile and link commands, but for the compiler and the sources' contents."""
     from torch.utils import cpp_extension
 
     return [
         torch.__version__,
-        *cpp_extension.include_paths("cpu"),  # torch's headers, where this torch lies
+        *cpp_extension.include_paths(),  # torch's headers, where this torch lies (CPU)
         sysconfig.get_path("include", scheme="posix_prefix") or "",  # Python.h
-        *compiler_identity(),
         *extension.cflags,
         "--",
         *extension.ldflags,
@@ -113,21 +133,27 @@ def key_parts(extension: Extension) -> list[str]:
     ]
 
 
-def compiler_identity() -> list[str]:
-    """The C++ compiler torch would run ($CXX or c++): its resolved path and its version."""
+def compiler_identity() -> list[str] | None:
+    """The C++ compiler torch would run ($CXX or c++) and the version it reports; None where
+    there is none. (Its version, not its path: ccache in front of it reports the compiler's.)"""
     from torch.utils import cpp_extension
 
     compiler = cpp_extension.get_cxx_compiler()
     found = shutil.which(compiler)
     if found is None:
-        return [compiler, "(not found)"]
+        return None
     try:
-        version = subprocess.run(
-            [found, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout.splitlines()[:1]
+        answer = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        version = ["(no version)"]
-    return [os.path.realpath(found), *version]
+        return None
+    return [compiler, *answer.stdout.splitlines()[:1]]
+
+
+def _key_of(parts: list[str], name: str) -> str:
+    key = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        key.update(part.encode() + b"\0")
+    return f"{name}-{key.hexdigest()}"
 
 
 @contextlib.contextmanager
@@ -165,7 +191,8 @@ def _build(extension: Extension, directory: Path) -> Path:
         verbose=False,
     )
     library = Path(library)
-    stamp = {"library": library.name, "digest": _digest(library), "key": key_parts(extension)}
+    key = {"sources": key_parts(extension), "compiler": compiler_identity()}
+    stamp = {"library": library.name, "digest": _digest(library), "key": key}
     partial = directory / f"{STAMP}.partial"
     partial.write_text(json.dumps(stamp, indent=1))
     partial.replace(directory / STAMP)
