@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.serve_fixtures import CONTEXT, start_server, wait_for
 from vericache.client import Client, ServerUnavailableError
 from vericache.errors import WorkerGoneError
+from vericache.scheduler.placement import ranking
 from vericache.serve.config import CoordinatorConfig
 
 PROMPT = "Which function multiplies by three?"
@@ -32,6 +33,11 @@ class Dying:
         if self.dead:
             return self.inner.start(_gone)
         return self.inner.start(method, *args)
+
+    def start_probe(self, method):
+        if self.dead:
+            return self.inner.start_probe(_gone)
+        return self.inner.start_probe(method)
 
     async def release(self, worker) -> None:
         await self.inner.release(worker)
@@ -85,9 +91,16 @@ def served(tiny_chat_checkpoint, tmp_path):
         server.stop()
 
 
+def holder_first(server, prefix_id: str) -> list:
+    """The drafters, the one placement sends the prefix's requests to first."""
+    drafters = server.coordinator.backend.drafters
+    order = ranking(prefix_id, [drafter.name for drafter in drafters])
+    return [drafters[i] for i in order]
+
+
 def test_a_dead_drafter_moves_its_request_to_another_and_the_stream_is_unchanged(served):
     server, client, prefix_id, reference = served(num_drafters=2)
-    first, second = server.coordinator.backend.drafters
+    first, second = holder_first(server, prefix_id)
     dying = kill(first, "draft", at=3)  # the request's third round finds its drafter gone
     text, token_ids, reason = streamed(client, prefix_id, "vericache")
     assert (text, token_ids, reason) == (reference.text, reference.token_ids, "length")
@@ -137,7 +150,7 @@ def test_a_request_decoding_alone_goes_on_after_its_worker_died(served, mode):
 
 def test_past_max_migrations_the_request_is_unavailable(served):
     server, client, prefix_id, _ = served(num_drafters=2, max_migrations=0)
-    kill(server.coordinator.backend.drafters[0], "draft", at=2)
+    kill(holder_first(server, prefix_id)[0], "draft", at=2)
     with pytest.raises(ServerUnavailableError):
         streamed(client, prefix_id, "vericache")
     # The other drafter serves the next request.
@@ -146,7 +159,7 @@ def test_past_max_migrations_the_request_is_unavailable(served):
 
 def test_a_request_on_a_staggered_schedule_moves_to_another_drafter(served):
     server, client, prefix_id, reference = served(num_drafters=2, scheduling="staggered")
-    first, second = server.coordinator.backend.drafters
+    first, second = holder_first(server, prefix_id)
     kill(first, "draft", at=3)
     kill(second, "draft", at=10**6)  # counts its calls
     text, token_ids, reason = streamed(client, prefix_id, "vericache")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -63,7 +64,7 @@ class DistributedBackend:
         self._probe: asyncio.Task | None = None
         self._restarts = Restarts(self.config.worker_wait_s)
         for worker in [*verifiers, *drafters]:  # each restart timed from its worker found gone
-            worker.watch(lambda worker=worker: worker.alive or self._restarts.gone(worker.name))
+            worker.watch(functools.partial(self._on_alive_change, worker))
 
     async def start(self, metrics: ServeMetrics) -> ModelInfo:
         if not self.verifiers:
@@ -76,8 +77,8 @@ class DistributedBackend:
         if len({model.fingerprint for model in models}) != 1:
             raise UnsupportedModelError(f"workers serve different models: {sorted(models)}")
         self._restarts.metrics = metrics
-        for about in [*described, *drafters]:
-            self._restarts.started(about.startup)
+        for worker, about in zip([*self.verifiers, *self.drafters], [*described, *drafters]):
+            self._restarts.started(worker.name, about.startup)
         if self.config.scheduling != "per-request" and self.drafters:
             await self._start_schedules(described, metrics)
         self._probe = asyncio.create_task(self._probe_workers(), name="probe-workers")
@@ -117,6 +118,10 @@ class DistributedBackend:
     def _are_up(self, with_drafters: bool) -> bool:
         kinds = [self.verifiers, self.drafters] if with_drafters else [self.verifiers]
         return all(any(worker.alive for worker in kind) for kind in kinds)
+
+    def _on_alive_change(self, worker) -> None:
+        if not worker.alive:
+            self._restarts.gone(worker.name)
 
     def watch_serving(self, on_change: Callable[[], None]) -> None:
         """Calls `on_change` at once whenever a worker is marked alive or not alive."""

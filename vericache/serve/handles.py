@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_CONCURRENT_CALLS = 64
+# The Ray concurrency group of probes (describe): a thread of its own, so that a probe never
+# waits behind the calls a busy worker holds, and its silence means the worker cannot answer.
+PROBE_GROUP = "probe"
 T = TypeVar("T")
 
 
@@ -77,6 +80,10 @@ class Transport(Protocol):
     def start(self, method: Callable[..., T], *args: Any) -> Started[T]:
         """Starts a worker method (a bound method, or a Ray actor's method) with `args`; its
         result raises what the worker raised."""
+
+    def start_probe(self, method: Callable[[], T]) -> Awaitable[T]:
+        """Starts a method that answers at once (describe) apart from the worker's other calls,
+        which it never waits behind."""
 
     async def release(self, worker: Any) -> None:
         """Frees what runs the worker once it has shut down."""
@@ -138,14 +145,19 @@ def _translated(exc: Exception, name: str) -> Exception:
 class InProcess:
     def __init__(self, name: str):
         self._executor = ThreadPoolExecutor(MAX_CONCURRENT_CALLS, thread_name_prefix=name)
+        self._probes = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{PROBE_GROUP}")
 
     def start(self, method: Callable[..., T], *args: Any) -> Started[T]:
         future = self._executor.submit(functools.partial(method, *args))
         return Started(asyncio.wrap_future(future), LocalAnswer(future))
 
+    def start_probe(self, method: Callable[[], T]) -> Awaitable[T]:
+        return asyncio.wrap_future(self._probes.submit(method))
+
     async def release(self, worker: Any) -> None:
         # Waited for off the loop: a call still running may need the loop to finish.
         await asyncio.to_thread(self._executor.shutdown, wait=True)
+        self._probes.shutdown(wait=False)
 
 
 class OverRay:
@@ -155,6 +167,9 @@ class OverRay:
     def start(self, method, *args: Any) -> Started:
         ref = method.remote(*args)
         return Started(self._result(ref), RayAnswer(ref, self.name))
+
+    def start_probe(self, method) -> Awaitable:
+        return self._result(method.options(concurrency_group=PROBE_GROUP).remote())
 
     async def _result(self, ref):
         try:
@@ -191,7 +206,8 @@ class _Handle:
         return self._alive
 
     def watch(self, on_change: Callable[[], None]) -> None:
-        """Calls `on_change` at once, on the changing thread, whenever `alive` changes."""
+        """Calls `on_change` at once whenever `alive` changes: on the event loop, where every
+        call and probe that marks the worker runs."""
         self._watchers.append(on_change)
 
     def mark_gone(self, num_times_back: int | None = None) -> None:
@@ -220,6 +236,10 @@ class _Handle:
         num_times_back = self.num_times_back
         return await self._answered(self.transport.start(method, *args).result, num_times_back)
 
+    async def _probe(self, method: Callable[[], T]) -> T:
+        num_times_back = self.num_times_back
+        return await self._answered(self.transport.start_probe(method), num_times_back)
+
     async def _answered(self, result: Awaitable[T], num_times_back: int) -> T:
         try:
             return await result
@@ -240,7 +260,7 @@ class VerifierHandle(_Handle):
     worker: Verifier
 
     async def describe(self) -> VerifierInfo:
-        return await self._call(self.worker.describe)
+        return await self._probe(self.worker.describe)
 
     async def measure_load_bandwidth(self) -> float:
         return await self._call(self.worker.measure_load_bandwidth)
@@ -301,15 +321,18 @@ class DrafterHandle(_Handle):
         self.latency_s = latency_s  # one way, across the slow link
 
     async def _call(self, method: Callable[..., T], *args: Any) -> T:
+        return await self._across_link(super()._call(method, *args))
+
+    async def _across_link(self, call: Awaitable[T]) -> T:
         if self.latency_s > 0:
             await asyncio.sleep(self.latency_s)  # the call goes out...
-        result = await super()._call(method, *args)
+        result = await call
         if self.latency_s > 0:
             await asyncio.sleep(self.latency_s)  # ...and its answer comes back
         return result
 
     async def describe(self) -> DrafterInfo:
-        return await self._call(self.worker.describe)
+        return await self._across_link(self._probe(self.worker.describe))
 
     async def time_draft_step(self) -> float:
         return await self._call(self.worker.time_draft_step)

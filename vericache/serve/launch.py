@@ -24,6 +24,7 @@ from vericache.serve.distributed import DistributedBackend
 from vericache.serve.drafter import Drafter
 from vericache.serve.handles import (
     MAX_CONCURRENT_CALLS,
+    PROBE_GROUP,
     DrafterHandle,
     InProcess,
     OverRay,
@@ -102,7 +103,9 @@ def ray_workers(
             max_concurrency=MAX_CONCURRENT_CALLS, max_restarts=-1, max_task_retries=0,
             enable_task_events=False,
         )  # fmt: skip
-        return ray.remote(cls).options(**options).remote(config)
+        # Probes on a thread of their own (handles.PROBE_GROUP): the class's, not a call's option.
+        remote_class = ray.remote(concurrency_groups={PROBE_GROUP: 1})(cls)
+        return remote_class.options(**options).remote(config)
 
     verifiers = [
         actor(_RayVerifier, VERIFIER_RESOURCE, verifier, f"vericache-{group}-verifier-{i}")

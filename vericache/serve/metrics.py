@@ -72,9 +72,11 @@ class ServeMetrics:
         )
         self._restarts = Histogram(
             _name("worker_restart_seconds"),
-            "Seconds from a worker found gone to its answering again (a restarted Ray actor).",
+            "Seconds from a worker found gone to its new process answering (a restarted actor).",
             ("model_name", "kind"), registry=self.registry, buckets=RESTART_BUCKETS,
         )  # fmt: skip
+        for kind in ("verifier", "drafter"):  # every series from the start, at 0
+            self._restarts.labels(self.model_name, kind)
         self._ttft = self._histogram(
             "time_to_first_token_seconds", "Time to the first output token.", TTFT_BUCKETS
         )

@@ -9,6 +9,8 @@ in worker_api.py.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -48,7 +50,8 @@ class WorkerModel:
     def startup(self) -> WorkerStartup:
         """The worker's start so far: call once the rest of it is ready."""
         rest_s = time.perf_counter() - self.started_at - self.model_s - self.kernels_s
-        return WorkerStartup(self.model_s, self.kernels_s, rest_s)
+        process = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+        return WorkerStartup(self.model_s, self.kernels_s, rest_s, process)
 
 
 def load_worker_model(config: WorkerConfig) -> WorkerModel:

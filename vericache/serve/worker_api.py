@@ -48,6 +48,7 @@ class WorkerStartup:
     model_s: float  # the weights onto the device (converted once, on a machine's first use)
     kernels_s: float  # the runner and its kernels (loaded; built only where no process has)
     rest_s: float  # the rest of the worker: its store and catalog, buffers, services
+    process: str = ""  # which process started: a new one after a restart
 
     @property
     def total_s(self) -> float:
