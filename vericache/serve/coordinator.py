@@ -294,7 +294,9 @@ class Coordinator:
     def _sampling_params(self, call: GenerateCall, tenant: Tenant) -> SamplingParams:
         max_tokens = call.max_tokens
         if max_tokens is None:  # the default, within what the tenant may ask for
-            max_tokens = min(self.config.default_max_tokens, tenant.max_output_tokens or 1 << 62)
+            max_tokens = self.config.default_max_tokens
+            if tenant.max_output_tokens is not None:
+                max_tokens = min(max_tokens, tenant.max_output_tokens)
         if not 1 <= max_tokens <= self.config.max_output_tokens:
             raise InvalidRequestError(
                 f"max_tokens must lie in [1, {self.config.max_output_tokens}], got {max_tokens}"

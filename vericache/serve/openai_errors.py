@@ -73,7 +73,9 @@ def error_of(exc: Exception, request_id: str, tenant: Tenant | None) -> tuple[in
     for error_type, status, name in _ERRORS:
         if isinstance(exc, error_type):
             return status, refusal(str(exc), status, name, request_id, tenant)
-    log.error("HTTP request failed", exc_info=exc, extra={"request_id": request_id})
+    name = tenant.name if tenant is not None else None
+    extra = {"request_id": request_id, "code": 500, "tenant": name}
+    log.error("HTTP request failed for tenant %r", name, exc_info=exc, extra=extra)
     return 500, error_body(
         f"the request failed on the server (request id {request_id})", "api_error", 500
     )
