@@ -3,6 +3,7 @@ on another worker, or on the same one once it is back, and streams what it would
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -124,7 +125,8 @@ def test_a_verifier_that_restarts_takes_its_request_back(served):
     with pytest.raises(ServerUnavailableError):  # needs a verifier: refused at once
         client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=2)
     time.sleep(0.5)
-    dying.revive()  # "restarted"
+    dying.revive()  # "restarted": a new process, as its start says
+    verifier.worker.startup = dataclasses.replace(verifier.worker.startup, process="restarted")
     thread.join(120)
     assert outcome["got"] == (reference.text, reference.token_ids, "length")
     assert wait_for(lambda: health(server) == health_pb2.HealthCheckResponse.SERVING)

@@ -147,7 +147,8 @@ def _table(rows: dict, args) -> str:
     lines.append(
         "\nidentical: requests whose tokens equal FULL_LOCAL's (VERICACHE and FULL_REMOTE must be "
         "all; LOSSY need not). link MB: bytes over the slow link to the drafter (a prefix in its "
-        "LRU costs nothing). store MB: full KV loaded from the verifier's store."
+        "LRU costs nothing). store MB: full KV loaded from the verifier's store (it holds one "
+        "copy of each prefix, shared by every request on it: read once)."
     )
     lines.append(_verdict(rows))
     return "\n".join(lines)

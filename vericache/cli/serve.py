@@ -71,6 +71,11 @@ def add_parser(commands) -> None:
     parser.add_argument("--link-bandwidth", help="emulated slow link, e.g. 1.2GB/s (off: real)")
     parser.add_argument("--link-latency", help="emulated one-way link latency, e.g. 2ms")
     parser.add_argument("--resident-bytes", default="4GiB", help="full KV a verifier keeps")
+    parser.add_argument(
+        "--prefix-cache-bytes",
+        default="4GiB",
+        help="a verifier's copies of prefixes' full KV, one per prefix, shared by its sessions",
+    )
     parser.add_argument("--drafter-cache-bytes", default="4GiB", help="a drafter's prefix LRU")
     parser.add_argument("--draft-len", type=int, default=30, help="default tokens per draft")
     parser.add_argument(
@@ -202,6 +207,7 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
         **common,
         root=args.root or cache_root() / "store",
         resident_bytes=parse_size(args.resident_bytes),
+        prefix_cache_bytes=parse_size(args.prefix_cache_bytes),
         link=LinkSpec.parse(args.link_bandwidth, args.link_latency),
         load_bandwidth=parse_bandwidth(args.pcie_bandwidth) if args.pcie_bandwidth else None,
         transfer_host=transfer_host(args),

@@ -36,6 +36,7 @@ class VerifierConfig(WorkerConfig):
     root: Path = Path("vericache-store")  # the store's fs:// tier and the prefix catalog
     store_cpu_bytes: int = 1 << 30  # LMCache's CPU tier
     resident_bytes: int = 4 << 30  # full KV kept between rounds, over all sessions
+    prefix_cache_bytes: int = 4 << 30  # one copy per prefix, shared by its sessions
     link: LinkSpec = LinkSpec()  # toward the drafters
     # Host-to-device path of full-KV loads from the store (PCIe): None, as fast as the copy goes;
     # bytes/s to hold them to (emulates PCIe on CPU, as the long-context mode's loads).
@@ -57,6 +58,10 @@ class VerifierConfig(WorkerConfig):
             raise InvalidRequestError(f"load_bandwidth must be > 0, got {self.load_bandwidth}")
         if not self.draft_wait_s > 0:
             raise InvalidRequestError(f"draft_wait_s must be > 0, got {self.draft_wait_s}")
+        if self.prefix_cache_bytes < 1:
+            raise InvalidRequestError(
+                f"prefix_cache_bytes must be 1 byte or more, got {self.prefix_cache_bytes}"
+            )
         if not self.staged_ttl_s > 0 or self.max_staged_prefixes < 1:
             raise InvalidRequestError(
                 f"staged_ttl_s must be > 0 and max_staged_prefixes >= 1, got {self.staged_ttl_s} "

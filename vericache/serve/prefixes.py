@@ -39,7 +39,6 @@ from vericache.serve.catalog import (
     compressor_of,
 )
 from vericache.serve.config import VerifierConfig
-from vericache.serve.kv_transfer import KVKind
 from vericache.serve.staging import StagedPrefixes
 from vericache.serve.store import FullKVStore, LoadResult, StoreCorruptionError
 from vericache.serve.worker_api import ModelInfo, Traffic
@@ -173,13 +172,6 @@ class PrefixRegistry:
             return self.store.load(token_ids, capacity, pool=pool, namespace=namespace)
         except StoreCorruptionError:  # the store damages what it has just written
             raise DataLossError("the full-KV store fails its checks as it is written") from None
-
-    def kv_for_drafter(self, prefix_id: str, kind: int) -> CacheState:
-        """KVTransfer's source (called from the transfer server's thread)."""
-        if kind == KVKind.FULL:
-            record = self.catalog.get(prefix_id)
-            return self.load_full(record.token_ids, record.tenant, 0).cache.to_state()
-        return self.compressed_state(prefix_id)
 
     def compressed_state(self, prefix_id: str) -> CacheState:
         """A prefix's compressed KV; compressed again from its full KV where it failed its check."""

@@ -3,9 +3,9 @@
 The verifier holds at most `budget_bytes` of full KV across its sessions (a session larger than
 that alone). Past it, the least recently used sessions not in use drop their prefix's KV and keep
 only the exact KV of the tokens after it; their next call reloads the prefix (`load_prefix`, from
-the store), waiting for room while the full KV of calls in progress, or loaded ahead of a
-verification (`Session.pinned`), fills the budget. The buffers of a closed or evicted session go
-back to the worker's `BufferPool` for the next session, once no call uses them.
+the worker's shared copy of it), waiting for room while the full KV of calls in progress, or
+loaded ahead of a verification (`Session.pinned`), fills the budget. The buffers of a closed or
+evicted session go back to the worker's `BufferPool` for the next session, once no call uses them.
 
 A scheduled load (`load_ahead`) makes a session resident in the background and pins it there;
 the session's next call waits for that load and reports what it cost, so the load needs no call
@@ -26,6 +26,7 @@ from vericache.errors import WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
+from vericache.kv.shared_prefix import HeldPrefix
 from vericache.serve.worker import SessionNotFoundError
 from vericache.serve.worker_api import Residency, Traffic
 
@@ -42,6 +43,9 @@ class Session:
     pinned: bool = False  # loaded ahead of its verification: not to be evicted either
     closed: bool = False  # its request ended while a call used it: release when that ends
     namespace: str = ""  # where the store keeps its prefix's KV: the prefix owner's
+    # The worker's shared copy of its prefix's KV (kv/shared_prefix.py), pinned while the session
+    # lives: its cache is built from it, and rebuilt from it after an eviction.
+    shared: HeldPrefix | None = None
 
 
 # A session's prefix KV made resident: the cache (with room for its capacity) and what it cost.

@@ -6,13 +6,19 @@ the link, and runs the full-KV half of every request: the prefill of its prompt,
 of each round of drafts (FULL_LOCAL: plain greedy decoding). Its forwards go through the engine's
 forward loop, batched across sessions: verifications whose drafts arrive together share forwards.
 
-Residency (residency.py): the verifier holds at most `resident_bytes` of full KV across sessions;
-an evicted session's next call reloads its prefix from the store (at `load_bandwidth` where set:
-emulated PCIe). Every call reports the bytes it loaded from the store and the time it took.
+Prefixes are shared (kv/shared_prefix.py): the verifier holds one copy of each prefix's full KV
+within `prefix_cache_bytes`, loaded from the store (at `load_bandwidth` where set: emulated PCIe)
+by the first session that needs it and pinned while any session uses it; drafters fetching a
+prefix's full KV read that copy too. Residency (residency.py): the verifier holds at most
+`resident_bytes` of sessions' full KV; a session's cache starts as a copy of its prefix's, and an
+evicted session's next call copies it again, reading nothing from the store. Every call reports
+the bytes it loaded from the store and the time it took.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import torch
@@ -27,11 +33,13 @@ from vericache.errors import InvalidRequestError, WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
+from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
+from vericache.kv.state import CacheState
 from vericache.serve.batching import BatchLoop
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.cluster_secret import required
 from vericache.serve.config import VerifierConfig
-from vericache.serve.kv_transfer import KVTransferService, TransferServer
+from vericache.serve.kv_transfer import KVKind, KVTransferService, TransferServer
 from vericache.serve.prefixes import PrefixRegistry
 from vericache.serve.residency import ResidentSessions, Session
 from vericache.serve.worker import (
@@ -55,6 +63,8 @@ from vericache.serve.worker_api import (
     VerifyCall,
 )
 
+log = logging.getLogger(__name__)
+
 # How often a verification waiting for its drafts looks whether its session closed meanwhile.
 _DRAFT_POLL_S = 0.05
 
@@ -73,8 +83,13 @@ class Verifier:
             config.resident_bytes, self._slot_bytes, self._load, self._buffers
         )
         self._loop = BatchLoop(self.runner, "verifier-batch")
+        # One copy of each prefix's full KV, shared by the sessions and fetches that use it.
+        self._prefix_copies: SharedPrefixes[KVCache] = SharedPrefixes(config.prefix_cache_bytes)
+        self._held: dict[str, HeldPrefix[KVCache]] = {}  # session id -> its prefix's copy
+        self._held_lock = threading.Lock()
+        log.info("verifier prefix cache: %.2f GiB", config.prefix_cache_bytes / 2**30)
         service = KVTransferService(
-            self.prefixes.kv_for_drafter, self.info.fingerprint, self.link, required(config.secret)
+            self._kv_for_drafter, self.info.fingerprint, self.link, required(config.secret)
         )
         host = config.transfer_host or "127.0.0.1"
         self._transfer = TransferServer(service, host, config.transfer_port)
@@ -121,7 +136,10 @@ class Verifier:
         return self.prefixes.records()
 
     def delete_prefix(self, prefix_id: str) -> PrefixRecord:
-        return self.prefixes.delete(prefix_id)
+        record = self.prefixes.delete(prefix_id)
+        # Sessions using it keep its copy until they close; no new one gets it.
+        self._prefix_copies.retire((record.tenant, record.token_ids))
+        return record
 
     # --- Sessions ---------------------------------------------------------------------------------
 
@@ -135,8 +153,10 @@ class Verifier:
         if prompt[: len(prefix)] != prefix or len(prompt) <= len(prefix):
             raise InvalidRequestError("the prompt must extend the prefix by at least one token")
         owner = record.tenant if record else ""
-        self._sessions.add(call.session_id, Session(prefix, call.capacity, namespace=owner))
+        session = Session(prefix, call.capacity, namespace=owner)
+        self._sessions.add(call.session_id, session)
         try:
+            shared = self._hold_prefix(call.session_id, session) if prefix else Traffic()
             with self._sessions.using(call.session_id) as (session, loaded):
                 suffix = torch.tensor(prompt[len(prefix) :], dtype=torch.long)
                 chunk = self.config.prefill_chunk
@@ -149,7 +169,7 @@ class Verifier:
         except BaseException:
             self.close_session(call.session_id)
             raise
-        traffic = loaded + Traffic(link_bytes=exact.nbytes if exact else 0)
+        traffic = shared + loaded + self._found() + Traffic(link_bytes=exact.nbytes if exact else 0)
         return VerifierOpened(first, exact, delay, traffic)
 
     def verify(self, call: VerifyCall) -> Verified:
@@ -177,7 +197,7 @@ class Verifier:
             session.cache.truncate(kept)  # the rest was the drafts'
             exact = ExactKV.of(session.cache, before, kept)
         delay = self._hand_over(exact)
-        traffic = loaded + Traffic(link_bytes=exact.nbytes)
+        traffic = loaded + self._found() + Traffic(link_bytes=exact.nbytes)
         return Verified(tuple(tokens), accepted, exact, delay, traffic, forward_s)
 
     def _drafted(self, call: VerifyCall) -> Drafted:
@@ -208,6 +228,10 @@ class Verifier:
 
     def close_session(self, session_id: str) -> None:
         self._sessions.remove(session_id)
+        with self._held_lock:
+            held = self._held.pop(session_id, None)
+        if held is not None:  # a call still using the session works on its own cache
+            self._prefix_copies.release(held)
 
     @property
     def num_sessions(self) -> int:
@@ -229,19 +253,54 @@ class Verifier:
     # --- Internals --------------------------------------------------------------------------------
 
     def _load(self, session: Session) -> tuple[KVCache, Traffic]:
-        """A session's prefix KV from the store (or an empty cache), onto the device."""
-        if not session.prefix_tokens:
+        """A session's cache: a copy of its prefix's shared full KV with room for its capacity
+        (a device copy: nothing from the store), or an empty one."""
+        if session.shared is None:
             return self.runner.new_cache(session.capacity, self._buffers), Traffic()
-        loaded = self.prefixes.load_full(
-            session.prefix_tokens, session.namespace, session.capacity, self._buffers
-        )
-        held = self._device_path.send_blocking(loaded.bytes_loaded, first=True)
-        traffic = Traffic(
-            store_bytes=loaded.bytes_loaded,
-            store_s=loaded.seconds + held,
-            corruptions=self.prefixes.take_corruptions(),
-        )
-        return loaded.cache, traffic
+        return session.shared.cache.clone(session.capacity, self._buffers), Traffic()
+
+    def _hold_prefix(self, session_id: str, session: Session) -> Traffic:
+        """Pins the session's prefix's shared copy, loading it from the store if this worker holds
+        none; what the session's own load cost (nothing where the copy was held)."""
+        loaded, held = self._shared_prefix(session.namespace, session.prefix_tokens)
+        session.shared = held
+        with self._held_lock:
+            self._held[session_id] = held
+        return loaded
+
+    def _shared_prefix(
+        self, namespace: str, token_ids: tuple[int, ...]
+    ) -> tuple[Traffic, HeldPrefix[KVCache]]:
+        loads = []
+
+        def load() -> KVCache:
+            loads.append(self.prefixes.load_full(token_ids, namespace, 0))
+            return loads[0].cache
+
+        estimate = len(token_ids) * self._slot_bytes
+        held = self._prefix_copies.acquire((namespace, token_ids), load, nbytes=estimate)
+        if not loads:
+            return Traffic(), held
+        moved_s = self._device_path.send_blocking(loads[0].bytes_loaded, first=True)
+        traffic = Traffic(store_bytes=loads[0].bytes_loaded, store_s=loads[0].seconds + moved_s)
+        return traffic, held
+
+    def _found(self) -> Traffic:
+        """Stored data found failing its check since the last call reported (by any session's
+        load, or a drafter's fetch), for the request at hand to report."""
+        return Traffic(corruptions=self.prefixes.take_corruptions())
+
+    def _kv_for_drafter(self, prefix_id: str, kind: int) -> CacheState:
+        """KVTransfer's source (the transfer server's thread): a prefix's compressed KV, or its
+        full KV from the shared copy (loaded once)."""
+        if kind != KVKind.FULL:
+            return self.prefixes.compressed_state(prefix_id)
+        record = self.prefixes.get(prefix_id)
+        _, held = self._shared_prefix(record.tenant, record.token_ids)
+        try:
+            return held.cache.to_state()
+        finally:
+            self._prefix_copies.release(held)
 
     def _hand_over(self, exact: ExactKV) -> float:
         """Books the drafter's copy of `exact` on the link toward the drafters; returns the
