@@ -34,6 +34,7 @@ from vericache.errors import VeriCacheError
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 
 MODES = ("vericache", "full_local", "full_remote")
+REFUSED_BACKOFF_S = 0.5
 PROMPTS = (
     "Which function here is the most useful? Say why.",
     "Write a short example that calls two of these functions.",
@@ -132,6 +133,10 @@ def _soak(server, prefix_ids: list[str], args, seconds: float) -> tuple[list[Out
                 outcome = _one_request(client, prefix_ids, args, chooser, began)
                 with lock:
                     outcomes.append(outcome)
+                if outcome.status not in ("completed", "cancelled") and outcome.num_deltas == 0:
+                    # Refused (no worker of a kind up): back off as a client told so would,
+                    # rather than count thousands of instant refusals.
+                    time.sleep(REFUSED_BACKOFF_S)
 
     threads = [
         threading.Thread(target=client_loop, args=(args.seed + i,)) for i in range(args.clients)
