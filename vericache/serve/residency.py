@@ -81,7 +81,8 @@ class ResidentSessions:
         with self._lock:
             self._sessions[session_id] = session
 
-    def remove(self, session_id: str) -> None:
+    def remove(self, session_id: str) -> Session | None:
+        """Forgets the session (its cache goes once no call uses it); the session, if held."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
             pending = self._ahead.pop(session_id, None)
@@ -92,6 +93,7 @@ class ResidentSessions:
                 if not session.in_use:
                     self._release(session)
             self._room.notify_all()
+        return session
 
     def clear(self) -> None:
         """Forgets every session, for good: calls waiting for room are woken and refused."""

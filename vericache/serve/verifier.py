@@ -18,7 +18,6 @@ the bytes it loaded from the store and the time it took.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import torch
@@ -85,8 +84,6 @@ class Verifier:
         self._loop = BatchLoop(self.runner, "verifier-batch")
         # One copy of each prefix's full KV, shared by the sessions and fetches that use it.
         self._prefix_copies: SharedPrefixes[KVCache] = SharedPrefixes(config.prefix_cache_bytes)
-        self._held: dict[str, HeldPrefix[KVCache]] = {}  # session id -> its prefix's copy
-        self._held_lock = threading.Lock()
         log.info("verifier prefix cache: %.2f GiB", config.prefix_cache_bytes / 2**30)
         service = KVTransferService(
             self._kv_for_drafter, self.info.fingerprint, self.link, required(config.secret)
@@ -156,7 +153,7 @@ class Verifier:
         session = Session(prefix, call.capacity, namespace=owner)
         self._sessions.add(call.session_id, session)
         try:
-            shared = self._hold_prefix(call.session_id, session) if prefix else Traffic()
+            shared = self._hold_prefix(session) if prefix else Traffic()
             with self._sessions.using(call.session_id) as (session, loaded):
                 suffix = torch.tensor(prompt[len(prefix) :], dtype=torch.long)
                 chunk = self.config.prefill_chunk
@@ -227,11 +224,10 @@ class Verifier:
         return Decoded(tuple(tokens), loaded)
 
     def close_session(self, session_id: str) -> None:
-        self._sessions.remove(session_id)
-        with self._held_lock:
-            held = self._held.pop(session_id, None)
-        if held is not None:  # a call still using the session works on its own cache
-            self._prefix_copies.release(held)
+        session = self._sessions.remove(session_id)
+        if session is not None and session.shared is not None:
+            # A call still using the session works on its own cache, not the shared copy.
+            self._prefix_copies.release(session.shared)
 
     @property
     def num_sessions(self) -> int:
@@ -259,13 +255,10 @@ class Verifier:
             return self.runner.new_cache(session.capacity, self._buffers), Traffic()
         return session.shared.cache.clone(session.capacity, self._buffers), Traffic()
 
-    def _hold_prefix(self, session_id: str, session: Session) -> Traffic:
-        """Pins the session's prefix's shared copy, loading it from the store if this worker holds
-        none; what the session's own load cost (nothing where the copy was held)."""
-        loaded, held = self._shared_prefix(session.namespace, session.prefix_tokens)
-        session.shared = held
-        with self._held_lock:
-            self._held[session_id] = held
+    def _hold_prefix(self, session: Session) -> Traffic:
+        """Pins the session's prefix's shared copy until it closes, loading it from the store if
+        this worker holds none; what the session's own load cost (nothing where it was held)."""
+        loaded, session.shared = self._shared_prefix(session.namespace, session.prefix_tokens)
         return loaded
 
     def _shared_prefix(
