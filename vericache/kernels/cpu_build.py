@@ -57,11 +57,12 @@ class NoCompilerError(RuntimeError):
 def load(extension: Extension) -> Path:
     """Registers the extension's ops in this process, building it first if no process on this
     machine has (raises where it cannot be built). Returns the library's path."""
-    library = built_for(extension)
+    sources, compiler = sources_directory(extension), compiler_identity()
+    library = _built_in(sources, compiler)
     if library is None:
-        directory = build_directory(extension)
+        directory = _compiler_directory(sources, compiler)
         with build_lock(directory):
-            library = built_library(directory) or _build(extension, directory)
+            library = built_library(directory) or _build(extension, directory, compiler)
     torch.ops.load_library(str(library))
     return library
 
@@ -69,10 +70,13 @@ def load(extension: Extension) -> Path:
 def built_for(extension: Extension) -> Path | None:
     """The whole build this process loads: its compiler's, or without a compiler any one of
     these sources (raises NoCompilerError where there is none)."""
-    compiler = compiler_identity()
+    return _built_in(sources_directory(extension), compiler_identity())
+
+
+def _built_in(sources: Path, compiler: list[str] | None) -> Path | None:
     if compiler is not None:
-        return built_library(sources_directory(extension) / _key_of(compiler, "cc"))
-    for directory in sorted(sources_directory(extension).glob("cc-*")):
+        return built_library(sources / _key_of(compiler, "cc"))
+    for directory in sorted(sources.glob("cc-*")):
         library = built_library(directory)
         if library is not None:
             return library
@@ -100,10 +104,13 @@ def _digest(path: Path) -> str:
 
 def build_directory(extension: Extension) -> Path:
     """Where this process's compiler builds the extension (see the module's docstring)."""
-    compiler = compiler_identity()
+    return _compiler_directory(sources_directory(extension), compiler_identity())
+
+
+def _compiler_directory(sources: Path, compiler: list[str] | None) -> Path:
     if compiler is None:
         raise NoCompilerError("no C++ compiler ($CXX or c++) to build the kernels")
-    directory = sources_directory(extension) / _key_of(compiler, "cc")
+    directory = sources / _key_of(compiler, "cc")
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 
@@ -171,7 +178,7 @@ def build_lock(directory: Path) -> Iterator[None]:
         yield
 
 
-def _build(extension: Extension, directory: Path) -> Path:
+def _build(extension: Extension, directory: Path, compiler: list[str]) -> Path:
     """Compiles and links under the lock, then stamps the folder (written whole, then renamed
     into place, so a reader sees no stamp or a complete one)."""
     from torch.utils import cpp_extension
@@ -191,7 +198,7 @@ def _build(extension: Extension, directory: Path) -> Path:
         verbose=False,
     )
     library = Path(library)
-    key = {"sources": key_parts(extension), "compiler": compiler_identity()}
+    key = {"sources": key_parts(extension), "compiler": compiler}
     stamp = {"library": library.name, "digest": _digest(library), "key": key}
     partial = directory / f"{STAMP}.partial"
     partial.write_text(json.dumps(stamp, indent=1))
