@@ -109,6 +109,53 @@ def test_reads_16_bit_slots_as_their_float32_widening(dtype, head_dim):
         torch.testing.assert_close(rows, expected, **TOLERANCE)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("prefix_slots", [256, 512, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_shared_prefix_changes_no_bit(prefix_slots, head_dim, dtype):
+    # Sessions over one prefix read one shared copy of it (kv/prefixed.py): each row's attention
+    # over [shared prefix | own slots] is bit for bit its attention over one buffer holding both,
+    # whichever other sessions share the prefix or the call, and read alone.
+    torch.manual_seed(prefix_slots + head_dim)
+    prefix_keys = head_major_layer(prefix_slots, 3, head_dim, prefix_slots + 7).to(dtype)
+    prefix_values = head_major_layer(prefix_slots, 3, head_dim, prefix_slots).to(dtype)
+    other_keys = head_major_layer(256, 3, head_dim, 300).to(dtype)
+    other_values = head_major_layer(256, 3, head_dim, 256).to(dtype)
+    shapes = [(1, 1), (40, 31), (129, 1), (300, 9)]  # own slots, new tokens
+    own_keys = [head_major_layer(t, 3, head_dim, t + 3).to(dtype) for t, _ in shapes]
+    own_values = [head_major_layer(t, 3, head_dim, t + 1).to(dtype) for t, _ in shapes]
+    counts = [n for _, n in shapes]
+    queries = torch.randn(sum(counts) + 1, 9, head_dim) * 2
+    shared = cpu_attention.attention(
+        queries,
+        [*own_keys, other_keys[:5]],
+        [*own_values, other_values[:5]],
+        [*counts, 1],
+        prefixes=[(other_keys, other_values), (prefix_keys, prefix_values)],
+        prefix_of=[1, 1, 1, 1, 0],
+    ).split([*counts, 1])
+    for b, rows in enumerate(queries.split([*counts, 1])[:-1]):
+        whole_keys = torch.cat([prefix_keys, own_keys[b]])
+        whole_values = torch.cat([prefix_values, own_values[b]])
+        alone = cpu_attention.attention(rows, [whole_keys], [whole_values], [counts[b]])
+        assert torch.equal(shared[b], alone), b
+        expected = library_attention(rows, whole_keys.float(), whole_values.float())
+        torch.testing.assert_close(alone, expected, **TOLERANCE)
+    whole = [torch.cat([other_keys, other_keys[:5]]), torch.cat([other_values, other_values[:5]])]
+    last = cpu_attention.attention(queries[-1:], [whole[0]], [whole[1]], [1])
+    assert torch.equal(shared[-1], last)
+
+
+def test_refuses_a_prefix_that_is_not_whole_chunks():
+    keys = torch.randn(5, 3, 64)
+    with pytest.raises(RuntimeError, match="whole chunks"):
+        cpu_attention.attention(
+            torch.randn(1, 9, 64), [keys], [keys], [1], [(keys[:3], keys[:3])], [0]
+        )
+    with pytest.raises(RuntimeError, match="no prefix"):
+        cpu_attention.attention(torch.randn(1, 9, 64), [keys], [keys], [1], [], [0])
+
+
 def test_rejects_inputs_it_cannot_serve():
     keys = [torch.randn(5, 3, 64)]
     with pytest.raises(RuntimeError, match="float32"):

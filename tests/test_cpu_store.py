@@ -11,7 +11,6 @@ import torch
 from vericache.compress import build_compressor
 from vericache.kernels import cpu_attention
 from vericache.kv.cache import DenseLayerKV
-from vericache.model import runner as runner_module
 from vericache.model.loader import load_model
 from vericache.model.runner import ModelRunner, SequenceInput
 
@@ -105,7 +104,7 @@ def test_runner_stores_dense_layers_in_one_call_and_appends_the_rest(tiny_checkp
     logits = forward(caches)
     assert calls == [2] * loaded.config.num_layers
     # Without the store every layer appends on its own: the same caches, bit for bit.
-    monkeypatch.setattr(runner_module, "DenseLayerKV", type("NotDense", (), {}))
+    monkeypatch.setattr(DenseLayerKV, "is_dense", False)
     expected = forward(reference)
     for got, want in zip(logits, expected):
         assert torch.equal(got, want)

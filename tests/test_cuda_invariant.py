@@ -85,6 +85,45 @@ def test_invariant_attention_matches_reference_and_single_steps(dtypes, window):
         assert torch.equal(alone, verified[m : m + 1]), f"token {m}"
 
 
+@pytest.mark.parametrize("num_prefix", [256, 512])
+@pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 128)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtypes", list(DTYPES), ids=lambda d: f"{d[0]}-{d[1]}")
+def test_invariant_attention_over_a_shared_prefix_is_the_concatenation(dtypes, shape, num_prefix):
+    """A shared prefix read as a segment of its own (kv/prefixed.py) gives the attention over
+    one buffer [prefix | cache] bit for bit, and a token's bits the same alone as verified."""
+    model_dtype, cache_dtype = dtypes
+    num_kv_heads, group, head_dim = shape
+    torch.manual_seed(0)
+    kernel = triton_invariant_attention.invariant_attention
+    prefix = _head_major(num_prefix, num_kv_heads, head_dim, 1024, cache_dtype)
+    keys, values = _head_major(300, num_kv_heads, head_dim, 512, cache_dtype)
+    for num_new, num_slots in [(1, 1), (1, 300), (5, 5), (5, 77), (31, 31), (31, 300)]:
+        q = torch.randn(num_new, num_kv_heads * group, head_dim, device="cuda").to(model_dtype)
+        split = kernel(q, keys, values, num_slots, prefix_keys=prefix[0], prefix_values=prefix[1])
+        whole_keys, whole_values = (
+            torch.cat([p, t[:num_slots]]) for p, t in zip(prefix, (keys, values))
+        )
+        whole = kernel(q, whole_keys, whole_values, num_prefix + num_slots)
+        assert torch.equal(split, whole), f"{num_new} new of {num_slots} own slots"
+    tolerance = DTYPES[dtypes]
+    expected = _reference(q, whole_keys, whole_values, num_prefix + num_slots, None)
+    torch.testing.assert_close(split.double(), expected, atol=tolerance, rtol=tolerance)
+    for m in range(num_new):
+        alone = kernel(q[m : m + 1], keys, values, num_slots - num_new + m + 1, None, *prefix)
+        assert torch.equal(alone, split[m : m + 1]), f"token {m}"
+
+
+def test_invariant_attention_refuses_an_unaligned_prefix_and_a_window_over_one():
+    keys, values = _head_major(10, 3, 64, 16, torch.float32)
+    q = torch.randn(2, 9, 64, device="cuda")
+    kernel = triton_invariant_attention.invariant_attention
+    with pytest.raises(ValueError, match="multiple"):
+        kernel(q, keys, values, 10, None, *_head_major(100, 3, 64, 128, torch.float32))
+    window_mask = torch.ones(3, 2, 10, dtype=torch.bool, device="cuda")
+    with pytest.raises(ValueError, match="window"):
+        kernel(q, keys, values, 10, window_mask, *_head_major(256, 3, 64, 256, torch.float32))
+
+
 def test_fast_attention_over_16_bit_keys_runs_the_kernel_unconverted():
     torch.manual_seed(1)
     keys, values = _head_major(700, 3, 64, 1024, torch.bfloat16)
@@ -103,9 +142,9 @@ def test_float32_model_drafts_over_a_bfloat16_cache(tiny_checkpoint, monkeypatch
     mixed_calls = []
     kernel = triton_invariant_attention.invariant_attention
 
-    def counting(q, keys, *args):
+    def counting(q, keys, *args, **kwargs):
         mixed_calls.append(keys.dtype != q.dtype)
-        return kernel(q, keys, *args)
+        return kernel(q, keys, *args, **kwargs)
 
     monkeypatch.setattr(triton_invariant_attention, "invariant_attention", counting)
     engine = Engine.from_pretrained(str(tiny_checkpoint("llama")), device="cuda")

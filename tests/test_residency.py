@@ -21,7 +21,7 @@ LAYERS, HEADS, DIM, CAPACITY = 2, 2, 8, 256
 PREFIX = tuple(range(10))
 
 
-def _sessions(budget_bytes: int) -> ResidentSessions:
+def _sessions(budget_bytes: int, release_prefix=lambda held: None) -> ResidentSessions:
     pool = BufferPool(1 << 30)
 
     def load_prefix(session: Session) -> tuple[KVCache, Traffic]:
@@ -35,7 +35,7 @@ def _sessions(budget_bytes: int) -> ResidentSessions:
         return cache, Traffic(store_bytes=cache.nbytes)
 
     slot_bytes = LAYERS * 2 * HEADS * DIM * 4
-    return ResidentSessions(budget_bytes, slot_bytes, load_prefix, pool)
+    return ResidentSessions(budget_bytes, slot_bytes, load_prefix, pool, release_prefix)
 
 
 def test_a_session_closed_during_a_call_keeps_its_buffers_until_the_call_ends():
@@ -153,3 +153,18 @@ def test_a_load_ahead_of_a_session_already_closed_starts_nothing():
     sessions = _sessions(budget_bytes=1 << 30)
     sessions.load_ahead("gone")  # its request ended before the call that carried the load
     assert sessions._ahead == {}
+
+
+def test_a_closed_session_unpins_its_prefix_once_its_last_call_ends():
+    # Its cache reads the shared prefix in place: the pin must outlast a call in flight.
+    released = []
+    sessions = _sessions(budget_bytes=1 << 30, release_prefix=released.append)
+    held = object()
+    sessions.add("a", Session(PREFIX, CAPACITY, shared=held))
+    with sessions.using("a"):
+        sessions.remove("a")
+        assert released == []
+    assert released == [held]
+    sessions.add("b", Session(PREFIX, CAPACITY, shared=held))
+    sessions.remove("b")
+    assert released == [held, held]

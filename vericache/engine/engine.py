@@ -29,6 +29,7 @@ from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.exact import ExactKV
+from vericache.kv.prefixed import shared_clone
 from vericache.model.loader import DEFAULT_MODEL, load_model
 from vericache.model.runner import DEFAULT_PREFILL_CHUNK, ModelRunner
 from vericache.scheduler.adaptive import MeasuredRoundCosts, acceptance_rate, best_draft_len
@@ -244,12 +245,15 @@ class Engine:
     def _prefix_caches(
         self, prefix_ids: tuple[int, ...], mode: DecodeMode, compressor, capacity: int
     ) -> tuple[KVCache | None, CompressedKV | None]:
-        """The request's own caches, holding its prefix: copies of the prefix store's full KV
-        (with room for `capacity` tokens; none for LOSSY) and compressed KV (none for FULL)."""
-        full = None if mode is DecodeMode.LOSSY else self.prefix_kv(prefix_ids).clone(capacity)
+        """The request's own caches over its prefix: the prefix store's full KV (room for
+        `capacity` tokens; none for LOSSY) and compressed KV (none for FULL), each read in place
+        by every request on the prefix, which holds its own tokens alone (kv/prefixed.py)."""
+        full = None
+        if mode is not DecodeMode.LOSSY:
+            full = shared_clone(self.prefix_kv(prefix_ids), capacity)
         compressed = None
         if mode is not DecodeMode.FULL:
-            compressed = self.compressed_prefix_kv(prefix_ids, compressor).clone()
+            compressed = shared_clone(self.compressed_prefix_kv(prefix_ids, compressor), 0)
         return full, compressed
 
     def compressed_prefix_kv(self, prefix_ids: tuple[int, ...], compressor) -> CompressedKV:

@@ -1,16 +1,25 @@
 // Causal attention on CPU for a batch of sequences, each over its own KV cache (no copy into a
-// padded batch): the new tokens of sequence b are the last num_new[b] slots of its cache. Loaded
-// by cpu_attention.py, which compiles it with CPU_CAPABILITY set to the vector width torch
-// uses on this machine.
+// padded batch): the new tokens of sequence b are the last num_new[b] slots of its cache, which
+// may follow a prefix shared read-only with other sequences. Loaded by cpu_attention.py, which
+// compiles it with CPU_CAPABILITY set to the vector width torch uses on this machine.
 //
 // Every query row is computed on its own, in a fixed order over the slots it sees: its result
 // depends on its query and those slots alone, never on how many other rows, tokens or sequences
 // share the call. So a token verified among 31 gets the bits it gets decoded alone, which is what
 // makes VeriCache's output identical to full decoding (vericache/model/kernels.py).
 //
-// One work item is one (sequence, KV head, block of new tokens): the block's query rows (its
-// tokens times the GQA group) share each key and value read, so a one-token step reads each cached
-// byte once. Library attention on CPU reads a KV head once per query head.
+// A row runs an online softmax over chunks of kSlotChunk slots aligned to its first slot: per
+// chunk, the chunk's maximum, its weights relative to the running maximum, and the running sum and
+// weighted value sum rescaled to it. A shared prefix is a whole number of chunks
+// (kv/slots.py SHARED_PREFIX_ALIGN), and its rows' state carries on into the sequence's own slots,
+// so a row over [shared prefix | own slots] takes the very steps it takes over one buffer: sharing
+// a prefix changes no bit.
+//
+// One work item is one (segment, KV head, block of new tokens): the block's query rows (its tokens
+// times the GQA group) share each key and value read, so a one-token step reads each cached byte
+// once. A shared prefix is one segment for every sequence of the call that uses it: its keys and
+// values are read once per block of those sequences' tokens (cascade attention), not once per
+// sequence. Library attention on CPU reads a KV head once per query head.
 //
 // A cache holds float32 slots, or 16-bit ones (a draft cache stored in bfloat16 or float16, which
 // halves the bytes a draft step reads): they are widened to float32 as they are read, exactly, so
@@ -24,14 +33,20 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kSlotChunk = 128;  // value rows folded per pass over the rows: stays in L1
-constexpr int64_t kTokenBlock = 8;   // new tokens per work item: keeps both cores busy on one verify
+// Slots per softmax chunk (stays in L1 while every row seeing it folds it in); a shared prefix is
+// a whole number of them.
+constexpr int64_t kSlotChunk = 128;
+constexpr int64_t kTokenBlock = 8;    // new tokens per item: keeps both cores busy on one verify
+constexpr int64_t kPrefixBlock = 32;  // tokens per item over a shared prefix: one read serves them
 
 struct HeadView {
   const void* keys;  // slot t at keys + t * key_stride elements: D contiguous ones
@@ -41,54 +56,52 @@ struct HeadView {
   at::ScalarType type;  // of keys and values: float, bfloat16 or half
 };
 
-// Vec::size() elements of a slot from p, widened to float32 (exact).
-template <typename T>
-inline Vec load_floats(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float<T>(p, out);
-    return out;
-  }
-}
+// Per query row of the call (row = token * Hq + query head): the online softmax's running maximum
+// and sum, and its weighted value sum, which is the output buffer ([N, Hq, D]) until the end.
+struct RowState {
+  const float* queries;  // [N, Hq, D]
+  float* max;            // [N * Hq]
+  float* sum;            // [N * Hq]
+  float* acc;            // [N, Hq, D]
+  int64_t num_heads;
+};
 
-// One work item: tokens first..first+count-1 of a sequence whose token m sees slots
-// [0, seen_before + m + 1), against one KV head. Query and output rows of token m: G rows of D
-// floats at queries + m * token_stride (and out + m * token_stride).
+// One work item: `count` tokens (their indices in the call's queries at tokens[0 .. count-1])
+// against one KV head of one segment of slots. Causal (a sequence's own slots): token j sees slots
+// [0, seen_before + j + 1). Not causal (a shared prefix): every token sees all num_slots.
 struct WorkItem {
   HeadView head;
-  const float* queries;
-  float* out;
-  int64_t token_stride;
-  int64_t first;
+  int64_t kv_head;
+  const int64_t* tokens;
   int64_t count;
-  int64_t seen_before;  // slots before the sequence's first new token
-  int64_t stride = 0;  // floats per row of the score scratch: the slots seen, in whole tiles
+  int64_t num_slots;
+  int64_t seen_before;
+  bool causal;
 
-  int64_t num_seen(int64_t m) const { return seen_before + m + 1; }
+  int64_t num_seen(int64_t j) const { return causal ? seen_before + j + 1 : num_slots; }
+  // The first token that sees slot t.
+  int64_t first_seeing(int64_t t) const {
+    return causal ? std::max<int64_t>(0, t - seen_before) : 0;
+  }
 };
+
+// Where the item's row r lives among the call's rows: token r / G, group member r % G.
+inline int64_t call_row(const WorkItem& item, const RowState& state, int64_t group, int64_t r) {
+  return item.tokens[r / group] * state.num_heads + item.kv_head * group + r % group;
+}
 
 // Slots per transposed key tile: two vectors, so that each broadcast query element feeds two
 // multiply-adds.
 constexpr int64_t kTileVecs = 2;
 constexpr int64_t kTile = kTileVecs * Vec::size();
-
-// Where row r of the item starts in queries and in out (floats): token first + r / G, group
-// member r % G.
-inline int64_t row_offset(const WorkItem& item, int64_t group, int64_t r, int64_t dim) {
-  return (item.first + r / group) * item.token_stride + (r % group) * dim;
-}
+static_assert(kSlotChunk % kTile == 0, "a chunk is whole tiles");
 
 // Rows row0 .. row0 + kRows - 1 against one key tile transposed to [D, kTile]: the tile's scores,
 // each the sum over d = 0 .. D-1 in order of q[d] * key[d], one multiply-add at a time (the same
 // arithmetic for every row and slot, whatever the block).
 template <int kVecs, int kRows>
-void score_tile(const WorkItem& item, int64_t group, const float* tile, int64_t row0, float scale,
-                float* scores) {
+void score_tile(const float* const* rows, const float* tile, float scale, float* scores) {
   constexpr int64_t kDim = kVecs * Vec::size();
-  const float* rows[kRows];
-  for (int b = 0; b < kRows; ++b) rows[b] = item.queries + row_offset(item, group, row0 + b, kDim);
   Vec acc[kRows][kTileVecs];
   for (int v = 0; v < kTileVecs; ++v) {
     const Vec slots = Vec::loadu(tile + v * Vec::size());
@@ -104,7 +117,7 @@ void score_tile(const WorkItem& item, int64_t group, const float* tile, int64_t 
   }
   for (int b = 0; b < kRows; ++b) {
     for (int v = 0; v < kTileVecs; ++v) {
-      (acc[b][v] * Vec(scale)).store(scores + b * item.stride + v * Vec::size());
+      (acc[b][v] * Vec(scale)).store(scores + b * kSlotChunk + v * Vec::size());
     }
   }
 }
@@ -123,8 +136,20 @@ void for_row_blocks(int64_t begin, int64_t end, const Op& op) {
   }
 }
 
+// Vec::size() elements of a slot from p, widened to float32 (exact).
+template <typename T>
+inline Vec load_floats(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
 // `width` 16-bit key slots (slot stride `key_stride` elements) into tile [D, kTile], as float32.
-// Out of line: inlined into score_keys, its buffer changed the code of the float32 path too, which
+// Out of line: inlined into score_chunk, its buffer changed the code of the float32 path too, which
 // then ran 20-60% slower (verifications and full decode steps, measured).
 template <int kVecs, typename T>
 [[gnu::noinline]] void transpose_widened(const T* keys, int64_t key_stride, int width, float* tile) {
@@ -138,118 +163,130 @@ template <int kVecs, typename T>
   at::vec::transpose_mxn<float>(rows, kDim, tile, kTile, width, kDim);
 }
 
-// scores[r * stride + t] = (q_r . key_t) * scale for every row r of the item and slot t it sees
-// (and a few slots past it, in its last tile). The keys go kTile slots at a time into a tile
-// transposed to [D, kTile]: a vector then holds one dimension of Vec::size() slots, and a row's
-// scores take D multiply-adds per vector, with no horizontal sums. 16-bit keys are widened to
-// float32 (exactly) a tile at a time on the way.
+// scores[r * kSlotChunk + t - first] = (q_r . key_t) * scale for slots first .. last-1 and every
+// row from first_row on (the rows that see slot `first`; a row seeing fewer slots gets scores past
+// its last, never read). The keys go kTile slots at a time into a tile transposed to [D, kTile]:
+// a vector then holds one dimension of Vec::size() slots, and a row's scores take D multiply-adds
+// per vector, with no horizontal sums. 16-bit keys are widened to float32 (exactly) on the way.
 template <int kVecs, typename T>
-void score_keys(const WorkItem& item, int64_t group, float scale, float* scores) {
+void score_chunk(const WorkItem& item, const float* const* queries, int64_t num_rows,
+                 int64_t group, int64_t first, int64_t last, float scale, float* scores) {
   constexpr int64_t kDim = kVecs * Vec::size();
   float tile[kDim * kTile] = {};
-  const int64_t num_rows = item.count * group;
-  const int64_t num_slots = item.num_seen(item.first + item.count - 1);
   const T* keys = static_cast<const T*>(item.head.keys);
-  for (int64_t t0 = 0; t0 < num_slots; t0 += kTile) {
-    const int width = static_cast<int>(std::min(kTile, num_slots - t0));
+  for (int64_t t0 = first; t0 < last; t0 += kTile) {
+    const int width = static_cast<int>(std::min(kTile, last - t0));
     if constexpr (std::is_same_v<T, float>) {
       at::vec::transpose_mxn<float>(keys + t0 * item.head.key_stride, item.head.key_stride, tile,
                                     kTile, width, kDim);
     } else {
       transpose_widened<kVecs>(keys + t0 * item.head.key_stride, item.head.key_stride, width, tile);
     }
-    // Token m sees slot t0 from m = t0 - seen_before on.
-    const int64_t first_row = (std::max(item.first, t0 - item.seen_before) - item.first) * group;
-    for_row_blocks<4>(first_row, num_rows, [&]<int kRows>(int64_t r) {
-      score_tile<kVecs, kRows>(item, group, tile, r, scale, scores + r * item.stride + t0);
+    for_row_blocks<4>(item.first_seeing(t0) * group, num_rows, [&]<int kRows>(int64_t r) {
+      score_tile<kVecs, kRows>(queries + r, tile, scale, scores + r * kSlotChunk + (t0 - first));
     });
   }
 }
 
-// In place: scores -> exp(scores - max); returns the row's sum.
-float exponentiate(float* scores, int64_t n) {
-  const float peak = at::vec::reduce_all<float>(
-      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, scores, n);
-  at::vec::map([peak](Vec x) { return (x - Vec(peak)).exp_u20(); }, scores, scores, n);
-  return at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, scores, n);
+// One chunk of a row's online softmax, its `width` scores in place -> weights exp(score - new
+// maximum); updates the row's maximum and sum and returns the factor its weighted value sum takes
+// (exactly 1 where the maximum did not move, exactly 0 before its first chunk).
+float fold_scores(float* scores, int64_t width, float* max, float* sum) {
+  const float chunk_max = at::vec::reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, scores, width);
+  const float peak = std::max(*max, chunk_max);
+  at::vec::map([peak](Vec x) { return (x - Vec(peak)).exp_u20(); }, scores, scores, width);
+  const float chunk_sum =
+      at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, scores, width);
+  const float rescale = std::exp(*max - peak);
+  *max = peak;
+  *sum = *sum * rescale + chunk_sum;
+  return rescale;
 }
 
-// Rows row0 .. row0 + kRows - 1 fold slots first .. last-1 into their accumulators, slot by slot
-// in order: each value vector read once for the block.
+// Rows row0 .. row0 + kRows - 1 rescale their weighted value sums and fold in slots first ..
+// last-1, slot by slot in order: each value vector read once for the block.
 template <int kVecs, int kRows, typename T>
-void weigh_chunk(const WorkItem& item, const float* weights, int64_t row0, int64_t first,
-                 int64_t last, Vec* acc) {
+void weigh_chunk(const WorkItem& item, float* const* acc, const float* weights,
+                 const float* rescale, int64_t row0, int64_t first, int64_t last) {
   Vec sums[kRows][kVecs];  // in registers while it folds the chunk
-  for (int b = 0; b < kRows; ++b) std::copy_n(acc + (row0 + b) * kVecs, kVecs, sums[b]);
+  for (int b = 0; b < kRows; ++b) {
+    const Vec factor(rescale[row0 + b]);
+    for (int j = 0; j < kVecs; ++j) sums[b][j] = Vec::loadu(acc[row0 + b] + j * Vec::size()) * factor;
+  }
   for (int64_t t = first; t < last; ++t) {
     const T* value = static_cast<const T*>(item.head.values) + t * item.head.value_stride;
     Vec value_vecs[kVecs];
     for (int j = 0; j < kVecs; ++j) value_vecs[j] = load_floats(value + j * Vec::size());
     for (int b = 0; b < kRows; ++b) {
-      const Vec weight(weights[(row0 + b) * item.stride + t]);
+      const Vec weight(weights[(row0 + b) * kSlotChunk + t - first]);
       for (int j = 0; j < kVecs; ++j) sums[b][j] = at::vec::fmadd(weight, value_vecs[j], sums[b][j]);
     }
   }
-  for (int b = 0; b < kRows; ++b) std::copy_n(sums[b], kVecs, acc + (row0 + b) * kVecs);
+  for (int b = 0; b < kRows; ++b) {
+    for (int j = 0; j < kVecs; ++j) sums[b][j].store(acc[row0 + b] + j * Vec::size());
+  }
 }
 
-// out_r = sum_t weights[r * stride + t] * value_t / totals[r], the sum over t in order for every
-// row, chunk by chunk of slots that stay in L1 while every row seeing them folds them in.
+// Per-thread buffers of an item: its rows' query and accumulator pointers, the chunk's scores,
+// and each row's rescale factor for the chunk.
+struct Scratch {
+  std::vector<const float*> queries;
+  std::vector<float*> acc;
+  std::vector<float> scores;
+  std::vector<float> rescale;
+};
+
 template <int kVecs, typename T>
-void weigh_values(const WorkItem& item, int64_t group, const float* weights, const float* totals) {
+void attend_typed(const WorkItem& item, int64_t group, float scale, const RowState& state,
+                  Scratch& scratch) {
   constexpr int64_t kDim = kVecs * Vec::size();
   constexpr int kMaxRows = kVecs >= 8 ? 2 : 4;  // accumulators that fit the vector registers
   const int64_t num_rows = item.count * group;
-  const int64_t last_token = item.first + item.count - 1;
-  const int64_t num_slots = item.num_seen(last_token);
-  std::vector<Vec> acc(num_rows * kVecs, Vec(0.f));
-  for (int64_t first = 0; first < num_slots; first += kSlotChunk) {
-    const int64_t last = std::min(first + kSlotChunk, num_slots);
-    // Tokens from m = last - 1 - seen_before on see the whole chunk: their rows go in blocks.
-    // The tokens before them that see part of it go row group by row group.
-    const int64_t whole = std::max(item.first, last - 1 - item.seen_before);
-    for (int64_t m = std::max(item.first, first - item.seen_before); m < whole; ++m) {
-      const int64_t r = (m - item.first) * group;
-      for_row_blocks<kMaxRows>(r, r + group, [&]<int kRows>(int64_t row) {
-        weigh_chunk<kVecs, kRows, T>(item, weights, row, first, item.num_seen(m), acc.data());
+  scratch.queries.resize(num_rows);
+  scratch.acc.resize(num_rows);
+  scratch.scores.resize(num_rows * kSlotChunk);
+  scratch.rescale.resize(num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t row = call_row(item, state, group, r);
+    scratch.queries[r] = state.queries + row * kDim;
+    scratch.acc[r] = state.acc + row * kDim;
+  }
+  float* scores = scratch.scores.data();
+  const int64_t end = item.num_seen(item.count - 1);
+  for (int64_t first = 0; first < end; first += kSlotChunk) {
+    const int64_t last = std::min(first + kSlotChunk, end);
+    const int64_t first_row = item.first_seeing(first) * group;
+    score_chunk<kVecs, T>(item, scratch.queries.data(), num_rows, group, first, last, scale, scores);
+    for (int64_t r = first_row; r < num_rows; ++r) {
+      const int64_t row = call_row(item, state, group, r);
+      const int64_t width = std::min(last, item.num_seen(r / group)) - first;
+      scratch.rescale[r] =
+          fold_scores(scores + r * kSlotChunk, width, state.max + row, state.sum + row);
+    }
+    // Tokens from `whole` on see the whole chunk: their rows go in blocks. The tokens before
+    // them that see part of it go row group by row group.
+    const int64_t whole = std::max(item.first_seeing(last - 1), item.first_seeing(first));
+    for (int64_t j = item.first_seeing(first); j < whole; ++j) {
+      for_row_blocks<kMaxRows>(j * group, (j + 1) * group, [&]<int kRows>(int64_t r) {
+        weigh_chunk<kVecs, kRows, T>(item, scratch.acc.data(), scores, scratch.rescale.data(), r,
+                                     first, item.num_seen(j));
       });
     }
-    for_row_blocks<kMaxRows>((whole - item.first) * group, num_rows, [&]<int kRows>(int64_t row) {
-      weigh_chunk<kVecs, kRows, T>(item, weights, row, first, last, acc.data());
+    for_row_blocks<kMaxRows>(whole * group, num_rows, [&]<int kRows>(int64_t r) {
+      weigh_chunk<kVecs, kRows, T>(item, scratch.acc.data(), scores, scratch.rescale.data(), r,
+                                   first, last);
     });
   }
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const Vec inverse(1.f / totals[r]);
-    float* out = item.out + row_offset(item, group, r, kDim);
-    for (int j = 0; j < kVecs; ++j) (acc[r * kVecs + j] * inverse).store(out + j * Vec::size());
-  }
-}
-
-template <int kVecs, typename T>
-void attend_typed(WorkItem item, int64_t group, float scale, std::vector<float>& scratch) {
-  const int64_t num_slots = item.num_seen(item.first + item.count - 1);
-  item.stride = (num_slots + kTile - 1) / kTile * kTile;
-  const int64_t stride = item.stride;
-  const int64_t num_rows = item.count * group;
-  scratch.resize(num_rows * stride + num_rows);
-  float* scores = scratch.data();
-  float* totals = scores + num_rows * stride;
-  score_keys<kVecs, T>(item, group, scale, scores);
-  for (int64_t m = item.first; m < item.first + item.count; ++m) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = (m - item.first) * group + g;
-      totals[r] = exponentiate(scores + r * stride, item.num_seen(m));
-    }
-  }
-  weigh_values<kVecs, T>(item, group, scores, totals);
 }
 
 template <int kVecs>
-void attend_item(const WorkItem& item, int64_t group, float scale, std::vector<float>& scratch) {
+void attend_item(const WorkItem& item, int64_t group, float scale, const RowState& state,
+                 Scratch& scratch) {
   switch (item.head.type) {
-    case at::kBFloat16: attend_typed<kVecs, at::BFloat16>(item, group, scale, scratch); break;
-    case at::kHalf: attend_typed<kVecs, at::Half>(item, group, scale, scratch); break;
-    default: attend_typed<kVecs, float>(item, group, scale, scratch); break;
+    case at::kBFloat16: attend_typed<kVecs, at::BFloat16>(item, group, scale, state, scratch); break;
+    case at::kHalf: attend_typed<kVecs, at::Half>(item, group, scale, state, scratch); break;
+    default: attend_typed<kVecs, float>(item, group, scale, state, scratch); break;
   }
 }
 
@@ -258,16 +295,30 @@ void attend_item(const WorkItem& item, int64_t group, float scale, std::vector<f
 // halves of the list, one thread would get every verification block while the other waited. So
 // the threads take items one at a time, in list order, which keeps a head's blocks together as
 // the static split did (sorting by cost scattered them, and a lock-step batch of verifications
-// ran 10-15% slower). Which thread computes an item changes none of its bits.
+// ran 10-15% slower). Which thread computes an item changes none of its bits: no two items of
+// one list touch the same row.
 template <int kVecs>
-void attend_all(const std::vector<WorkItem>& items, int64_t group, float scale) {
+void attend_all(const std::vector<WorkItem>& items, int64_t group, float scale,
+                const RowState& state) {
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  if (num_workers == 0) return;
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch;
+    Scratch scratch;
     for (int64_t i = next++; i < num_items; i = next++) {
-      attend_item<kVecs>(items[i], group, scale, scratch);
+      attend_item<kVecs>(items[i], group, scale, state, scratch);
+    }
+  });
+}
+
+// out = acc / sum, row by row.
+void normalize(const RowState& state, int64_t num_rows, int64_t head_dim) {
+  at::parallel_for(0, num_rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const Vec inverse(1.f / state.sum[row]);
+      float* out = state.acc + row * head_dim;
+      for (int64_t d = 0; d < head_dim; d += Vec::size()) (Vec::loadu(out + d) * inverse).store(out + d);
     }
   });
 }
@@ -281,31 +332,63 @@ void check_layer(const at::Tensor& t, int64_t num_kv_heads, int64_t head_dim, co
   TORCH_CHECK(t.stride(2) == 1, name, " must have contiguous head rows");
 }
 
-// Where KV head h of a [T, Hkv, D] layer starts.
-const void* head_start(const at::Tensor& t, int64_t h) {
-  return static_cast<const char*>(t.data_ptr()) + h * t.stride(1) * t.element_size();
+// KV head h of a [T, Hkv, D] pair of layers.
+HeadView head_view(const at::Tensor& keys, const at::Tensor& values, int64_t h) {
+  auto start = [h](const at::Tensor& t) {
+    return static_cast<const char*>(t.data_ptr()) + h * t.stride(1) * t.element_size();
+  };
+  return {start(keys), start(values), keys.stride(0), values.stride(0), keys.scalar_type()};
+}
+
+// Items of one segment for the given tokens, per KV head in blocks of `block` tokens.
+void add_items(std::vector<WorkItem>& items, const at::Tensor& keys, const at::Tensor& values,
+               const int64_t* tokens, int64_t count, int64_t block, int64_t seen_before,
+               bool causal) {
+  for (int64_t h = 0; h < keys.size(1); ++h) {
+    const HeadView head = head_view(keys, values, h);
+    for (int64_t first = 0; first < count; first += block) {
+      items.push_back({head, h, tokens + first, std::min(block, count - first), keys.size(0),
+                       seen_before + first, causal});
+    }
+  }
+}
+
+template <int kVecs>
+void attend_passes(const std::vector<WorkItem>& prefix_items, const std::vector<WorkItem>& items,
+                   int64_t group, float scale, const RowState& state) {
+  attend_all<kVecs>(prefix_items, group, scale, state);  // then each row carries on in its own
+  attend_all<kVecs>(items, group, scale, state);
 }
 
 // queries: [N, Hq, D], the new tokens of every sequence in order; keys[b], values[b]: [T_b, Hkv, D]
 // (any slot and head strides; float32, bfloat16 or float16 per sequence), whose last num_new[b]
-// slots are sequence b's new tokens.
+// slots are sequence b's new tokens; prefix_of[b]: -1, or the index in prefix_keys and
+// prefix_values ([P, Hkv, D], P a multiple of kSlotChunk) of the shared prefix that precedes
+// sequence b's slots, seen whole by each of its tokens.
 // -> [N, Hq, D]
 at::Tensor attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
-                     at::IntArrayRef num_new, double scale) {
+                     at::IntArrayRef num_new, at::TensorList prefix_keys,
+                     at::TensorList prefix_values, at::IntArrayRef prefix_of, double scale) {
   TORCH_CHECK(queries.dim() == 3 && queries.scalar_type() == at::kFloat && queries.device().is_cpu(),
               "queries must be CPU float32 [N, Hq, D]");
   const int64_t num_heads = queries.size(1), head_dim = queries.size(2);
   const int64_t batch = static_cast<int64_t>(keys.size());
+  const int64_t num_prefixes = static_cast<int64_t>(prefix_keys.size());
   TORCH_CHECK(batch > 0 && static_cast<int64_t>(values.size()) == batch &&
-                  static_cast<int64_t>(num_new.size()) == batch,
-              "one keys tensor, one values tensor and one num_new per sequence");
+                  static_cast<int64_t>(num_new.size()) == batch &&
+                  static_cast<int64_t>(prefix_of.size()) == batch,
+              "one keys tensor, one values tensor, one num_new and one prefix_of per sequence");
+  TORCH_CHECK(static_cast<int64_t>(prefix_values.size()) == num_prefixes,
+              "one values tensor per prefix");
   const int64_t num_kv_heads = keys[0].size(1);
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv");
   TORCH_CHECK(head_dim % Vec::size() == 0, "head_dim must be a multiple of the vector width");
   const int64_t group = num_heads / num_kv_heads;
   const at::Tensor q = queries.contiguous();
-  at::Tensor out = at::empty_like(q);
-  const int64_t token_stride = num_heads * head_dim;
+  const int64_t num_tokens = q.size(0);
+  std::vector<int64_t> token_index(num_tokens);
+  std::iota(token_index.begin(), token_index.end(), 0);
+  std::vector<std::vector<int64_t>> prefix_tokens(num_prefixes);
   std::vector<WorkItem> items;
   int64_t offset = 0;  // the sequence's first query token
   for (int64_t b = 0; b < batch; ++b) {
@@ -315,37 +398,56 @@ at::Tensor attention(const at::Tensor& queries, at::TensorList keys, at::TensorL
     TORCH_CHECK(values[b].size(0) == num_slots, "keys and values need the same number of slots");
     TORCH_CHECK(values[b].scalar_type() == keys[b].scalar_type(), "keys and values need one dtype");
     TORCH_CHECK(count >= 1 && count <= num_slots, "num_new[", b, "] must lie in [1, ", num_slots, "]");
-    TORCH_CHECK(offset + count <= q.size(0), "num_new adds up to more tokens than queries holds");
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const HeadView head{head_start(keys[b], h), head_start(values[b], h), keys[b].stride(0),
-                          values[b].stride(0), keys[b].scalar_type()};
-      // Query head j attends with KV head j / G: head h owns rows h*G .. h*G + G-1 of a token.
-      const int64_t rows = (offset * num_heads + h * group) * head_dim;
-      for (int64_t first = 0; first < count; first += kTokenBlock) {
-        items.push_back({head, q.data_ptr<float>() + rows, out.data_ptr<float>() + rows,
-                         token_stride, first, std::min(kTokenBlock, count - first), num_slots - count});
-      }
+    TORCH_CHECK(offset + count <= num_tokens, "num_new adds up to more tokens than queries holds");
+    TORCH_CHECK(prefix_of[b] >= -1 && prefix_of[b] < num_prefixes, "prefix_of[", b, "] is no prefix");
+    if (prefix_of[b] >= 0) {
+      auto& tokens = prefix_tokens[prefix_of[b]];
+      for (int64_t m = 0; m < count; ++m) tokens.push_back(offset + m);
     }
+    add_items(items, keys[b], values[b], token_index.data() + offset, count, kTokenBlock,
+              num_slots - count, true);
     offset += count;
   }
-  TORCH_CHECK(offset == q.size(0), "num_new must add up to the number of query tokens");
+  TORCH_CHECK(offset == num_tokens, "num_new must add up to the number of query tokens");
+  std::vector<WorkItem> prefix_items;
+  for (int64_t p = 0; p < num_prefixes; ++p) {
+    check_layer(prefix_keys[p], num_kv_heads, head_dim, "prefix keys");
+    check_layer(prefix_values[p], num_kv_heads, head_dim, "prefix values");
+    const int64_t num_slots = prefix_keys[p].size(0);
+    TORCH_CHECK(prefix_values[p].size(0) == num_slots && num_slots % kSlotChunk == 0,
+                "a prefix's keys and values need the same number of slots, whole chunks of ",
+                kSlotChunk);
+    TORCH_CHECK(prefix_values[p].scalar_type() == prefix_keys[p].scalar_type(),
+                "a prefix's keys and values need one dtype");
+    const auto& tokens = prefix_tokens[p];
+    add_items(prefix_items, prefix_keys[p], prefix_values[p], tokens.data(),
+              static_cast<int64_t>(tokens.size()), kPrefixBlock, num_slots, false);
+  }
+  const int64_t num_rows = num_tokens * num_heads;
+  at::Tensor out = at::zeros_like(q);
+  at::Tensor max = at::full({num_rows}, -std::numeric_limits<float>::infinity(), q.options());
+  at::Tensor sum = at::zeros({num_rows}, q.options());
+  const RowState state{q.data_ptr<float>(), max.data_ptr<float>(), sum.data_ptr<float>(),
+                       out.data_ptr<float>(), num_heads};
   const float s = static_cast<float>(scale);
   switch (head_dim / Vec::size()) {
-    case 1: attend_all<1>(items, group, s); break;
-    case 2: attend_all<2>(items, group, s); break;
-    case 4: attend_all<4>(items, group, s); break;
-    case 8: attend_all<8>(items, group, s); break;
-    case 16: attend_all<16>(items, group, s); break;
+    case 1: attend_passes<1>(prefix_items, items, group, s, state); break;
+    case 2: attend_passes<2>(prefix_items, items, group, s, state); break;
+    case 4: attend_passes<4>(prefix_items, items, group, s, state); break;
+    case 8: attend_passes<8>(prefix_items, items, group, s, state); break;
+    case 16: attend_passes<16>(prefix_items, items, group, s, state); break;
     // 128 floats in 4-float vectors (NEON on ARM, where torch reports no x86 capability).
-    case 32: attend_all<32>(items, group, s); break;
+    case 32: attend_passes<32>(prefix_items, items, group, s, state); break;
     default: TORCH_CHECK(false, "head_dim ", head_dim, " is not 1, 2, 4, 8, 16 or 32 vectors");
   }
+  normalize(state, num_rows, head_dim);
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(vericache_cpu, m) {
-  m.def("attention(Tensor queries, Tensor[] keys, Tensor[] values, int[] num_new, float scale) -> Tensor",
+  m.def("attention(Tensor queries, Tensor[] keys, Tensor[] values, int[] num_new, "
+        "Tensor[] prefix_keys, Tensor[] prefix_values, int[] prefix_of, float scale) -> Tensor",
         &attention);
 }

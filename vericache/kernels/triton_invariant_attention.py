@@ -16,34 +16,52 @@ over 8k slots in float32). Splits at fixed slot boundaries, merged in order, wou
 Keys and values are read through their strides (head-major cache buffers viewed [T, H, D] need no
 copy) and in their own dtype, converted in registers to q's: a float32 model attends over a
 16-bit draft cache without converting it first.
+
+A shared prefix (kv/prefixed.py: sessions read one copy of a prefix's KV, and each session's cache
+holds only its later tokens) is a second segment read before the cache, through its own pointers: a
+row's online softmax runs over the prefix's blocks, all visible, then carries the same running
+state over the cache's. The prefix's length is a multiple of PREFIX_BLOCK, so of BLOCK_N
+(kv/slots.py SHARED_PREFIX_ALIGN is a multiple of PREFIX_BLOCK): every block then holds the slots
+it would hold in one buffer of [prefix | cache], and the result is that buffer's bit for bit, with
+no copy of the prefix into each session.
 """
 
 import torch
 
 from vericache.kernels.triton_ops import jit, online_softmax_step, pow2_at_least, tl, triton
 
+# A shared prefix is whole blocks of this many slots: a multiple of every BLOCK_N (`_block_n`).
+PREFIX_BLOCK = 64
 # Rows per program: fixed, so the kernel compiled for a step of one token is the verification's.
 BLOCK_R = 16
 
 
-@jit(do_not_specialize=["num_new", "num_slots"])
+@jit(do_not_specialize=["num_new", "num_slots", "num_prefix"])
 def _invariant_attention_kernel(
     q_ptr,  # [n, Hq, D]
     keys_ptr,  # [T, H, D], strided
     values_ptr,
+    prefix_keys_ptr,  # [P, H, D], strided (unused without HAS_PREFIX)
+    prefix_values_ptr,
     window_ptr,  # [H, n, T] uint8 (unused without HAS_WINDOW)
     out_ptr,  # [n, Hq, D], contiguous
     num_new,
     num_slots,
+    num_prefix,  # P, a multiple of BLOCK_N
     q_stride_token,
     q_stride_head,
     key_stride_slot,
     key_stride_head,
     value_stride_slot,
     value_stride_head,
+    prefix_key_stride_slot,
+    prefix_key_stride_head,
+    prefix_value_stride_slot,
+    prefix_value_stride_head,
     sm_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -60,27 +78,43 @@ def _invariant_attention_kernel(
     q_offsets = tokens.to(tl.int64) * q_stride_token + q_heads.to(tl.int64) * q_stride_head
     row_mask = row_ok[:, None] & dim_ok[None, :]
     q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_mask, other=0.0)
-    last_visible = num_slots - num_new + tokens  # [R]
+    # Slots are counted in [prefix | cache]: the cache's first is P.
+    total_slots = num_prefix + num_slots
+    last_visible = total_slots - num_new + tokens  # [R]
     key_base = keys_ptr + kv_head.to(tl.int64) * key_stride_head
     value_base = values_ptr + kv_head.to(tl.int64) * value_stride_head
+    prefix_key_base = prefix_keys_ptr + kv_head.to(tl.int64) * prefix_key_stride_head
+    prefix_value_base = prefix_values_ptr + kv_head.to(tl.int64) * prefix_value_stride_head
     window_row = (kv_head.to(tl.int64) * num_new + tokens) * num_slots  # [R]
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for start in range(0, num_slots, BLOCK_N):
+    # One loop over both segments, so a block of the prefix runs the very instructions of a block
+    # of one buffer [prefix | cache] (two loops compiled apart could differ, e.g. in FMA
+    # contraction); only the block's segment is chosen per block (P is a multiple of BLOCK_N, so
+    # no block straddles the two).
+    for start in range(0, total_slots, BLOCK_N):
+        key_ptr, key_stride = key_base, key_stride_slot
+        value_ptr, value_stride = value_base, value_stride_slot
+        first = num_prefix  # the segment's first slot
+        if HAS_PREFIX:
+            if start < num_prefix:
+                key_ptr, key_stride = prefix_key_base, prefix_key_stride_slot
+                value_ptr, value_stride = prefix_value_base, prefix_value_stride_slot
+                first = 0
         slots = start + tl.arange(0, BLOCK_N)
-        slot_ok = slots < num_slots
-        slots64 = slots.to(tl.int64)
-        key_offsets = slots64[None, :] * key_stride_slot + dims[:, None]
+        slot_ok = slots < total_slots
+        local64 = (slots - first).to(tl.int64)  # within the segment
+        key_offsets = local64[None, :] * key_stride + dims[:, None]
         # Slots past the end load as 0: their probabilities are 0, and 0 * 0 adds nothing.
-        keys_t = tl.load(key_base + key_offsets, mask=dim_ok[:, None] & slot_ok[None, :], other=0)
-        value_offsets = slots64[:, None] * value_stride_slot + dims[None, :]
+        keys_t = tl.load(key_ptr + key_offsets, mask=dim_ok[:, None] & slot_ok[None, :], other=0)
+        value_offsets = local64[:, None] * value_stride + dims[None, :]
         values = tl.load(
-            value_base + value_offsets, mask=slot_ok[:, None] & dim_ok[None, :], other=0
+            value_ptr + value_offsets, mask=slot_ok[:, None] & dim_ok[None, :], other=0
         )
         visible = slot_ok[None, :] & (slots[None, :] <= last_visible[:, None])
-        if HAS_WINDOW:
+        if HAS_WINDOW:  # only without a prefix (P = 0): slots are the window's columns
             window = tl.load(window_ptr + window_row[:, None] + slots[None, :], mask=visible)
             visible = visible & (window != 0)
         keys_t, values = keys_t.to(compute_dtype), values.to(compute_dtype)
@@ -104,12 +138,33 @@ def invariant_attention(
     values: torch.Tensor,
     num_slots: int,
     window_mask: torch.Tensor | None = None,
+    prefix_keys: torch.Tensor | None = None,
+    prefix_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of n new tokens over a cache whose last n slots are those tokens.
 
     q: [n, Hq, D]; keys, values: [T', H, D] with T' >= num_slots, any dtype and slot/head strides
     (the last axis contiguous); window_mask: optional [H, n, num_slots] bool, False where a
-    sliding window hides a slot. Returns [n, Hq * D] in q's dtype."""
+    sliding window hides a slot. prefix_keys, prefix_values: optional [P, H, D], as keys, with P
+    a multiple of PREFIX_BLOCK: a shared prefix every row sees in full before the cache,
+    the result bit for bit that over the two concatenated (P + num_slots slots). Not with a
+    window_mask (callers concatenate instead). Returns [n, Hq * D] in q's dtype."""
+    has_prefix = prefix_keys is not None
+    if has_prefix != (prefix_values is not None):
+        raise ValueError("prefix_keys and prefix_values go together")
+    if has_prefix:
+        if window_mask is not None:
+            raise ValueError("a window_mask over a shared prefix is not supported")
+        if prefix_keys.shape != prefix_values.shape or prefix_keys.shape[1:] != keys.shape[1:]:
+            raise ValueError(
+                f"prefix keys {tuple(prefix_keys.shape)} and values "
+                f"{tuple(prefix_values.shape)} must be [P, {keys.shape[1]}, {keys.shape[2]}]"
+            )
+        if prefix_keys.shape[0] % PREFIX_BLOCK:
+            raise ValueError(
+                f"a shared prefix of {prefix_keys.shape[0]} slots is not a multiple of "
+                f"{PREFIX_BLOCK}"
+            )
     num_new, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
@@ -117,6 +172,12 @@ def invariant_attention(
     if num_new == 0:
         return out.view(0, num_heads * head_dim)
     q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
+    if has_prefix:
+        prefix_keys, prefix_values = (
+            t if t.stride(-1) == 1 else t.contiguous() for t in (prefix_keys, prefix_values)
+        )
+    else:  # never read: HAS_PREFIX=False compiles the prefix's branch away
+        prefix_keys, prefix_values = keys, values
     has_window = window_mask is not None
     window = window_mask.to(torch.uint8).contiguous() if has_window else out
     grid = (num_kv_heads, triton.cdiv(group * num_new, BLOCK_R))
@@ -124,16 +185,22 @@ def invariant_attention(
         q,
         keys,
         values,
+        prefix_keys,
+        prefix_values,
         window,
         out,
         num_new,
         num_slots,
+        prefix_keys.shape[0] if has_prefix else 0,
         *q.stride()[:2],  # token, head
         *keys.stride()[:2],  # slot, head
         *values.stride()[:2],
+        *prefix_keys.stride()[:2],
+        *prefix_values.stride()[:2],
         head_dim**-0.5,
         GROUP=group,
         HEAD_DIM=head_dim,
+        HAS_PREFIX=has_prefix,
         HAS_WINDOW=has_window,
         # Full fp32 products for fp32 models (TF32 would lose the CPU path's precision).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -147,5 +214,5 @@ def invariant_attention(
 
 def _block_n(head_dim: int, dtype) -> int:
     """Slots per block, from the dtype and head size alone (see the module docstring): fp32
-    products ("ieee") and wide heads take more registers."""
+    products ("ieee") and wide heads take more registers. Each divides PREFIX_BLOCK."""
     return 32 if dtype == torch.float32 or head_dim > 128 else 64

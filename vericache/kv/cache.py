@@ -79,6 +79,8 @@ class LayerKV(Protocol):
 class DenseLayerKV:
     """Full-precision slots: every token (full cache) or the kept tokens (token dropping)."""
 
+    is_dense = True  # full-precision slots in order (a quantized layer has none)
+
     def __init__(
         self,
         num_kv_heads: int,
@@ -179,6 +181,27 @@ class DenseLayerKV:
     def positions(self) -> torch.Tensor:
         return self._positions[: self.num_slots]
 
+    def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[end - start, H, D] views of the keys and values of slots start..end-1."""
+        if not 0 <= start <= end <= self.num_slots:
+            raise CacheStateError(f"slots [{start}, {end}) of a layer holding {self.num_slots}")
+        keys = self._keys[:, start:end].transpose(0, 1)
+        return keys, self._values[:, start:end].transpose(0, 1)
+
+    def head(self, num_slots: int) -> DenseLayerKV:
+        """The first `num_slots` slots as a layer over the same buffers (no copy): a prefix's
+        layer that sessions read and never write."""
+        if num_slots > self.num_slots:
+            raise CacheStateError(
+                f"the first {num_slots} slots of a layer holding {self.num_slots}"
+            )
+        return DenseLayerKV.over(
+            self._keys[:, :num_slots],
+            self._values[:, :num_slots],
+            self._positions[:num_slots],
+            num_slots,
+        )
+
     def release(self, pool: BufferPool) -> None:
         """Hands the buffers to `pool` for the next cache; this layer must not be used again."""
         for buffer in (self._keys, self._values, self._positions):
@@ -262,9 +285,9 @@ class KVCache:
         return cls(layers)
 
     def release(self, pool: BufferPool) -> None:
-        """Hands the dense layers' buffers to `pool`; the cache must not be used again."""
+        """Hands the dense layers' own buffers to `pool`; the cache must not be used again."""
         for layer in self.layers:
-            if isinstance(layer, DenseLayerKV):
+            if getattr(layer, "is_dense", False):
                 layer.release(pool)
         self.layers, self.num_tokens = [], 0
 
@@ -274,13 +297,17 @@ class KVCache:
 
     def clone(self, capacity: int = 0, pool: BufferPool | None = None) -> KVCache:
         """An independent copy; `capacity` reserves slots for tokens to come."""
-        return KVCache([layer.clone(capacity, pool) for layer in self.layers], self.num_tokens)
+        return self.with_layers([layer.clone(capacity, pool) for layer in self.layers])
+
+    def with_layers(self, layers: list[LayerKV]) -> KVCache:
+        """A cache of the same kind and tokens over other layers (a copy's, a share's)."""
+        return KVCache(layers, self.num_tokens)
 
     @property
     def is_full(self) -> bool:
         """True when every layer holds every token seen, in order (an uncompressed cache)."""
         return all(
-            isinstance(layer, DenseLayerKV) and layer.num_slots == self.num_tokens
+            getattr(layer, "is_dense", False) and layer.num_slots == self.num_tokens
             for layer in self.layers
         )
 

@@ -20,7 +20,6 @@ from vericache.kv.state import CacheState, LayerState
 
 if TYPE_CHECKING:
     from vericache.compress.base import Compressor
-    from vericache.kv.pool import BufferPool
 
 LAYER_KINDS: dict[str, type] = {
     "dense": DenseLayerKV,
@@ -73,9 +72,10 @@ class CompressedKV(KVCache):
         extras = sum(t.numel() * t.element_size() for ts in self.extras.values() for t in ts)
         return self.nbytes + positions + extras
 
-    def clone(self, capacity: int = 0, pool: BufferPool | None = None) -> CompressedKV:
+    def with_layers(self, layers: list[LayerKV]) -> CompressedKV:
+        """Over other layers, with a copy of the compressor's state."""
         return CompressedKV(
-            [layer.clone(capacity, pool) for layer in self.layers],
+            layers,
             self.num_tokens,
             self.compressor,
             None if self.budgets is None else list(self.budgets),

@@ -43,16 +43,14 @@ class ExactKV:
                 f"exact KV of tokens [{start}, {end}) needs an uncompressed cache holding them "
                 f"(this one holds {cache.num_tokens}{'' if cache.is_full else ', compressed'})"
             )
+        slots = [layer.slots(start, end) for layer in cache.layers]  # per layer [n, Hkv, D] twice
         if not copy:
-            views = [layer.keys_values() for layer in cache.layers]  # per layer [T, Hkv, D] twice
-            keys = tuple(layer_keys[start:end] for layer_keys, _ in views)
-            return cls(start, keys, tuple(layer_values[start:end] for _, layer_values in views))
-        first_keys, _ = cache.layers[0].keys_values()
-        packed = first_keys.new_empty((2, len(cache.layers), end - start, *first_keys.shape[1:]))
-        for index, layer in enumerate(cache.layers):
-            layer_keys, layer_values = layer.keys_values()
-            packed[0, index].copy_(layer_keys[start:end])
-            packed[1, index].copy_(layer_values[start:end])
+            return cls(start, tuple(k for k, _ in slots), tuple(v for _, v in slots))
+        first_keys, _ = slots[0]
+        packed = first_keys.new_empty((2, len(cache.layers), *first_keys.shape))
+        for index, (layer_keys, layer_values) in enumerate(slots):
+            packed[0, index].copy_(layer_keys)
+            packed[1, index].copy_(layer_values)
         return cls(start, tuple(packed[0].unbind(0)), tuple(packed[1].unbind(0)), packed)
 
     @property

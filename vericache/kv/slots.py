@@ -9,6 +9,11 @@ SLOT_ALIGNMENT = 256
 # Batch-invariant attention reads keys in whole blocks of this many slots (model/kernels.py), so a
 # request's full KV is reserved in whole blocks from the start, not on growth.
 KEY_ALIGN = 1024
+# A prefix shared by sessions (kv/prefixed.py) is shared in whole blocks of this many slots, a
+# multiple of every attention kernel's block of keys (the CPU kernel's 128, Triton's 32 or 64): a
+# row's online softmax then runs the same steps over [shared prefix | own tokens] as over one
+# buffer, so sharing changes no bit of any result.
+SHARED_PREFIX_ALIGN = 256
 POSITION_BYTES = 4  # one int32 position per KV head of each layer
 
 

@@ -60,17 +60,23 @@ def attention(
     num_slots: int,
     invariant: bool,
     window_mask: torch.Tensor | None = None,
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of n new tokens over a cache whose last n slots are those tokens.
 
     q: [n, Hq, D]; keys, values: [T', Hkv, D] with T' >= num_slots (extra slots are masked), in
     q's dtype or another (a 16-bit draft cache);
-    window_mask: optional [Hkv, n, num_slots] bool, False where a sliding window hides a key.
+    window_mask: optional [Hkv, n, num_slots] bool, False where a sliding window hides a key;
+    prefix: a shared prefix's (keys, values) [P, Hkv, D] that every row sees before the cache, only
+    where `reads_shared_prefix` (the result is that over the two in one buffer, bit for bit).
     Returns [n, Hq * D].
     """
+    if prefix is not None and not reads_shared_prefix(q, invariant, keys.dtype):
+        raise ValueError("this attention path reads no shared prefix: pass one buffer")
     if _triton_runs(q, invariant, keys.dtype):
+        prefix_keys, prefix_values = prefix if prefix is not None else (None, None)
         return triton_invariant_attention.invariant_attention(
-            q, keys, values, num_slots, window_mask
+            q, keys, values, num_slots, window_mask, prefix_keys, prefix_values
         )
     if keys.dtype != q.dtype:  # a draft cache stored in 16 bits: library attention takes one dtype
         keys, values = keys.to(q.dtype), values.to(q.dtype)
@@ -90,6 +96,12 @@ def key_alignment(q: torch.Tensor, invariant: bool) -> int:
     """Slots to pad the keys handed to `attention` to: the torch batch-invariant paths sum fixed
     blocks of KEY_ALIGN keys; the fast path and the Triton kernel read only the live slots."""
     return KEY_ALIGN if invariant and not _triton_runs(q, invariant, q.dtype) else 1
+
+
+def reads_shared_prefix(q: torch.Tensor, invariant: bool, keys_dtype: torch.dtype) -> bool:
+    """Whether `attention` reads a shared prefix apart from the cache (the Triton kernel); the
+    other paths take the two in one buffer."""
+    return _triton_runs(q, invariant, keys_dtype)
 
 
 def _triton_runs(q: torch.Tensor, invariant: bool, keys_dtype: torch.dtype) -> bool:

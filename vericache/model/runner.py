@@ -15,10 +15,17 @@ from dataclasses import dataclass
 import torch
 
 from vericache.kernels import cpu_attention
-from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.cache import KVCache
 from vericache.kv.pool import BufferPool
+from vericache.kv.prefixed import PrefixedLayerKV
 from vericache.model.config import ModelConfig
-from vericache.model.kernels import attention, key_alignment, rms_norm, silu
+from vericache.model.kernels import (
+    attention,
+    key_alignment,
+    reads_shared_prefix,
+    rms_norm,
+    silu,
+)
 from vericache.model.rope import RotaryEmbedding
 from vericache.model.weights import ModelWeights
 
@@ -141,7 +148,7 @@ class ModelRunner:
         stores, start = [], 0
         for seq, n in zip(batch, counts):
             layer_kv = seq.cache.layers[index]
-            if self._cpu_kernel and isinstance(layer_kv, DenseLayerKV):
+            if self._cpu_kernel and getattr(layer_kv, "is_dense", False):
                 stores.append((*layer_kv.reserve(n), start, n))
             else:
                 end = start + n
@@ -198,6 +205,11 @@ def _attend(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> torch.Te
     if not invariant and getattr(layer_kv, "attends_packed", False):
         # A quantized layer dequantizes block by block inside attention (fused on CUDA).
         return layer_kv.attend(q, window_mask)
+    if isinstance(layer_kv, PrefixedLayerKV) and window_mask is None:
+        keys, values = layer_kv.own.keys_values()
+        if reads_shared_prefix(q, invariant, keys.dtype):
+            prefix = layer_kv.shared.keys_values()
+            return attention(q, keys, values, layer_kv.own.num_slots, invariant, prefix=prefix)
     keys, values = layer_kv.keys_values(pad_to=key_alignment(q, invariant))
     return attention(q, keys, values, layer_kv.num_slots, invariant, window_mask)
 
@@ -206,14 +218,30 @@ def _attend_by_cpu_kernel(
     q: torch.Tensor, spans: list[tuple[int, int]], layers: list
 ) -> list[torch.Tensor]:
     """The rows start:end of q [N, Hq, D] for each span, over the layer beside it (whose newest
-    slots they are), in one kernel call -> [end - start, Hq * D] per span."""
+    slots they are), in one kernel call -> [end - start, Hq * D] per span. A prefix that several
+    layers share goes to the kernel once, which reads it once for all their rows."""
     if all(prev[1] == span[0] for prev, span in zip(spans, spans[1:])):
         queries = q[spans[0][0] : spans[-1][1]]  # adjacent spans: one slice, no copy
     else:
         queries = torch.cat([q[start:end] for start, end in spans])
-    keys, values = zip(*(layer_kv.keys_values() for layer_kv in layers))
+    keys, values, prefix_of = [], [], []
+    prefixes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    prefix_index: dict[tuple[int, int], int] = {}  # (first key's address, slots) -> its index
+    for layer_kv in layers:
+        own = layer_kv
+        if isinstance(layer_kv, PrefixedLayerKV):
+            own = layer_kv.own
+            shared_keys, shared_values = layer_kv.shared.keys_values()  # [P, Hkv, D]
+            where = (shared_keys.data_ptr(), shared_keys.shape[0])
+            if where not in prefix_index:
+                prefix_index[where] = len(prefixes)
+                prefixes.append((shared_keys, shared_values))
+        prefix_of.append(prefix_index[where] if own is not layer_kv else -1)
+        own_keys, own_values = own.keys_values()
+        keys.append(own_keys)
+        values.append(own_values)
     counts = [end - start for start, end in spans]
-    out = cpu_attention.attention(queries, list(keys), list(values), counts)
+    out = cpu_attention.attention(queries, keys, values, counts, prefixes, prefix_of)
     return list(out.flatten(1).split(counts))
 
 

@@ -1,7 +1,8 @@
 """The drafter: the worker on a remote GPU, across the slow link from the store.
 
 It fetches a prefix's KV from a verifier's KVTransfer service (kept in an LRU bounded by bytes, so
-later requests on the prefix pay no transfer) and decodes greedily over it, in one of three roles
+later requests on the prefix pay no transfer; its sessions read that one copy in place and hold
+their own tokens alone) and decodes greedily over it, in one of three roles
 (`DraftRole`):
 - DRAFT (VERICACHE): each round is one `draft` call for the whole draft; before it drafts, the
   exact KV the verifier computed for the tokens committed since replaces the drafts' own, as in
@@ -28,6 +29,7 @@ from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.pool import BufferPool
+from vericache.kv.prefixed import shared_clone
 from vericache.serve.batching import BatchLoop
 from vericache.serve.cluster_secret import required
 from vericache.serve.config import DrafterConfig
@@ -86,7 +88,9 @@ class Drafter:
                 f"prefix {call.prefix_id} holds {fetched.cache.num_tokens} tokens, "
                 f"the request says {call.num_prefix_tokens}"
             )
-        cache = fetched.cache.clone(call.capacity, self._buffers)
+        # Read in place, as every session on this prefix reads it: the session holds its own
+        # tokens alone (kv/prefixed.py).
+        cache = shared_clone(fetched.cache, call.capacity, self._buffers)
         first = None
         if call.role is not DraftRole.DRAFT:
             suffix = torch.tensor(call.prompt_ids[call.num_prefix_tokens :], dtype=torch.long)

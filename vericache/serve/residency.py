@@ -1,11 +1,13 @@
 """Which sessions' full KV a verifier keeps on its device, within a budget of bytes.
 
-The verifier holds at most `budget_bytes` of full KV across its sessions (a session larger than
-that alone). Past it, the least recently used sessions not in use drop their prefix's KV and keep
-only the exact KV of the tokens after it; their next call reloads the prefix (`load_prefix`, from
-the worker's shared copy of it), waiting for room while the full KV of calls in progress, or
-loaded ahead of a verification (`Session.pinned`), fills the budget. The buffers of a closed or
-evicted session go back to the worker's `BufferPool` for the next session, once no call uses them.
+The verifier holds at most `budget_bytes` of sessions' own full KV (a session larger than that
+alone): what each holds after the blocks of its prefix that it reads in place from the worker's
+shared copy (kv/prefixed.py), which kv/shared_prefix.py budgets. Past it, the least recently used
+sessions not in use drop their cache and keep only the exact KV of the tokens after the prefix;
+their next call rebuilds it over the shared copy (`load_prefix`), waiting for room while the full
+KV of calls in progress, or loaded ahead of a verification (`Session.pinned`), fills the budget.
+The buffers of a closed or evicted session go back to the worker's `BufferPool` for the next
+session, once no call uses them.
 
 A scheduled load (`load_ahead`) makes a session resident in the background and pins it there;
 the session's next call waits for that load and reports what it cost, so the load needs no call
@@ -26,6 +28,7 @@ from vericache.errors import WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
+from vericache.kv.prefixed import shared_length
 from vericache.kv.shared_prefix import HeldPrefix
 from vericache.serve.worker import SessionNotFoundError
 from vericache.serve.worker_api import Residency, Traffic
@@ -47,6 +50,11 @@ class Session:
     # lives: its cache is built from it, and rebuilt from it after an eviction.
     shared: HeldPrefix | None = None
 
+    @property
+    def own_slots(self) -> int:
+        """Slots of its cache that are its own: its capacity less its prefix's shared blocks."""
+        return self.capacity - (shared_length(len(self.prefix_tokens)) if self.shared else 0)
+
 
 # A session's prefix KV made resident: the cache (with room for its capacity) and what it cost.
 PrefixLoader = Callable[[Session], tuple[KVCache, Traffic]]
@@ -54,11 +62,18 @@ PrefixLoader = Callable[[Session], tuple[KVCache, Traffic]]
 
 class ResidentSessions:
     def __init__(
-        self, budget_bytes: int, slot_bytes: int, load_prefix: PrefixLoader, pool: BufferPool
+        self,
+        budget_bytes: int,
+        slot_bytes: int,
+        load_prefix: PrefixLoader,
+        pool: BufferPool,
+        release_prefix: Callable[[HeldPrefix], None],
     ):
         self.budget_bytes = budget_bytes
         self.slot_bytes = slot_bytes  # one token of full KV in a cache slot
         self._load_prefix = load_prefix
+        # Unpins a closed session's shared prefix, once no call reads it through the session.
+        self._release_prefix = release_prefix
         self.pool = pool
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()  # calls run on many threads
@@ -81,8 +96,8 @@ class ResidentSessions:
         with self._lock:
             self._sessions[session_id] = session
 
-    def remove(self, session_id: str) -> Session | None:
-        """Forgets the session (its cache goes once no call uses it); the session, if held."""
+    def remove(self, session_id: str) -> None:
+        """Forgets the session (its cache and its pin on its prefix go once no call uses it)."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
             pending = self._ahead.pop(session_id, None)
@@ -93,7 +108,6 @@ class ResidentSessions:
                 if not session.in_use:
                     self._release(session)
             self._room.notify_all()
-        return session
 
     def clear(self) -> None:
         """Forgets every session, for good: calls waiting for room are woken and refused."""
@@ -108,6 +122,9 @@ class ResidentSessions:
         if session.cache is not None:
             session.cache.release(self.pool)
             session.cache = None
+        if session.closed and session.shared is not None:
+            self._release_prefix(session.shared)
+            session.shared = None
 
     def residency(self) -> Residency:
         with self._lock:
@@ -159,7 +176,7 @@ class ResidentSessions:
                 raise SessionNotFoundError(f"the verifier holds no session {session_id!r}")
             self._sessions.move_to_end(session_id)
             session.in_use = True
-            incoming = 0 if session.cache is not None else session.capacity * self.slot_bytes
+            incoming = 0 if session.cache is not None else session.own_slots * self.slot_bytes
             self._wait_for_room(incoming)
             self._loading_bytes += incoming
         try:

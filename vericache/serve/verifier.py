@@ -9,9 +9,10 @@ forward loop, batched across sessions: verifications whose drafts arrive togethe
 Prefixes are shared (kv/shared_prefix.py): the verifier holds one copy of each prefix's full KV
 within `prefix_cache_bytes`, loaded from the store (at `load_bandwidth` where set: emulated PCIe)
 by the first session that needs it and pinned while any session uses it; drafters fetching a
-prefix's full KV read that copy too. Residency (residency.py): the verifier holds at most
-`resident_bytes` of sessions' full KV; a session's cache starts as a copy of its prefix's, and an
-evicted session's next call copies it again, reading nothing from the store. Every call reports
+prefix's full KV read that copy too. A session's cache reads the copy's whole blocks in place and
+holds only what follows them (kv/prefixed.py). Residency (residency.py): the verifier holds at
+most `resident_bytes` of sessions' own full KV; an evicted session's next call rebuilds its cache
+over the shared copy, reading nothing from the store. Every call reports
 the bytes it loaded from the store and the time it took.
 """
 
@@ -32,6 +33,7 @@ from vericache.errors import InvalidRequestError, WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
+from vericache.kv.prefixed import shared_clone
 from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
 from vericache.kv.state import CacheState
 from vericache.serve.batching import BatchLoop
@@ -78,12 +80,13 @@ class Verifier:
         self._device_path = ThrottledLink(LinkSpec(config.load_bandwidth))  # store -> device
         self._slot_bytes = slot_bytes(self.runner.config, self.runner.dtype.itemsize)
         self._buffers = BufferPool(config.resident_bytes)  # of closed and evicted sessions
-        self._sessions = ResidentSessions(
-            config.resident_bytes, self._slot_bytes, self._load, self._buffers
-        )
-        self._loop = BatchLoop(self.runner, "verifier-batch")
         # One copy of each prefix's full KV, shared by the sessions and fetches that use it.
         self._prefix_copies: SharedPrefixes[KVCache] = SharedPrefixes(config.prefix_cache_bytes)
+        self._sessions = ResidentSessions(
+            config.resident_bytes, self._slot_bytes, self._load, self._buffers,
+            release_prefix=self._prefix_copies.release,
+        )  # fmt: skip
+        self._loop = BatchLoop(self.runner, "verifier-batch")
         log.info("verifier prefix cache: %.2f GiB", config.prefix_cache_bytes / 2**30)
         service = KVTransferService(
             self._kv_for_drafter, self.info.fingerprint, self.link, required(config.secret)
@@ -224,10 +227,8 @@ class Verifier:
         return Decoded(tuple(tokens), loaded)
 
     def close_session(self, session_id: str) -> None:
-        session = self._sessions.remove(session_id)
-        if session is not None and session.shared is not None:
-            # A call still using the session works on its own cache, not the shared copy.
-            self._prefix_copies.release(session.shared)
+        # Its prefix stays pinned until a call still using the session ends.
+        self._sessions.remove(session_id)
 
     @property
     def num_sessions(self) -> int:
@@ -249,11 +250,12 @@ class Verifier:
     # --- Internals --------------------------------------------------------------------------------
 
     def _load(self, session: Session) -> tuple[KVCache, Traffic]:
-        """A session's cache: a copy of its prefix's shared full KV with room for its capacity
-        (a device copy: nothing from the store), or an empty one."""
+        """A session's cache with room for its capacity: over its prefix's shared full KV (read
+        in place, nothing from the store), or an empty one."""
         if session.shared is None:
             return self.runner.new_cache(session.capacity, self._buffers), Traffic()
-        return session.shared.cache.clone(session.capacity, self._buffers), Traffic()
+        cache = shared_clone(session.shared.cache, session.capacity, self._buffers)
+        return cache, Traffic()
 
     def _hold_prefix(self, session: Session) -> Traffic:
         """Pins the session's prefix's shared copy until it closes, loading it from the store if
