@@ -20,7 +20,6 @@ from vericache.bench.sim_validate_scenarios import (
     served_acceptance,
     store_bytes_per_s,
 )
-from vericache.serve.config import DrafterConfig
 from vericache.serve.scheduled import scheduler_for
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
@@ -89,13 +88,12 @@ def serve_stagger_scenario(
         concurrency=num_requests,
         element_size=ELEMENT_SIZE,
         compressed_token_share=token_share,
-        verifier_prefix_lru_bytes=0,
         # The verifier keeps `resident_full_kvs` requests' full KV (VerifierConfig.resident_bytes),
-        # its scheduler plans within them.
+        # its scheduler plans within them; its prefixes are the served default's, within the rest.
         verifier_resident_bytes=int(config["resident_full_kvs"] * result["request_full_kv_bytes"]),
-        drafter_prefix_lru_bytes=result.get(
-            "drafter_kv_cache_bytes", DrafterConfig(model=config["model"]).kv_cache_bytes
-        ),
+        # The drafter's prefix cache (DrafterConfig.kv_cache_bytes; None: the served default,
+        # what the device has left). Results without the key were served with 4 GiB.
+        drafter_prefix_cache_bytes=result.get("drafter_kv_cache_bytes", 4 << 30),
         prefixes_in_turn=True,
     )
 

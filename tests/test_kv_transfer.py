@@ -10,6 +10,7 @@ from vericache.compress import KIVI
 from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.errors import PrefixNotFoundError
 from vericache.kv.cache import DenseLayerKV, KVCache
+from vericache.kv.shared_prefix import SharedPrefixes
 from vericache.serve.cluster_secret import ClusterSecret
 from vericache.serve.config import DrafterConfig, VerifierConfig
 from vericache.serve.kv_transfer import (
@@ -75,19 +76,23 @@ def serve(prefixes):
 @pytest.mark.parametrize("kind", [KVKind.COMPRESSED, KVKind.FULL])
 def test_fetch_is_exact_and_the_second_fetch_is_free(serve, prefixes, kind):
     server, link = serve()
-    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
+    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, SharedPrefixes(1 << 30))
     first = fetcher.fetch("p1", kind, proofs("p1", kind))
     assert first.cache.to_state().equals(prefixes["p1"][kind])
     assert first.link_bytes == link.bytes_sent > 0
     second = fetcher.fetch("p1", kind, proofs("p1", kind))
     assert second.link_bytes == 0 and second.cache is first.cache
     assert link.bytes_sent == first.link_bytes
+    assert fetcher.held.stats().sessions_per_prefix == (2,)
+    fetcher.release(first)
+    fetcher.release(second)
+    assert fetcher.held.stats().sessions_per_prefix == (0,)
     fetcher.close()
 
 
 def test_unknown_prefix_is_a_typed_error(serve):
     server, _ = serve()
-    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
+    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, SharedPrefixes(1 << 30))
     with pytest.raises(PrefixNotFoundError, match="nope"):
         fetcher.fetch("nope", KVKind.COMPRESSED, proofs("nope"))
     fetcher.close()
@@ -96,7 +101,7 @@ def test_unknown_prefix_is_a_typed_error(serve):
 def test_transfer_rate_follows_the_link(serve):
     bandwidth = 10e6
     server, link = serve(LinkSpec(bandwidth=bandwidth, latency=0.01))
-    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
+    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, SharedPrefixes(1 << 30))
     result = fetcher.fetch(
         "p1", KVKind.FULL, proofs("p1", KVKind.FULL)
     )  # about 2.5 MB after encoding
@@ -111,7 +116,7 @@ def test_concurrent_fetches_of_one_prefix_share_one_transfer(serve):
     from concurrent.futures import ThreadPoolExecutor
 
     server, link = serve()
-    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
+    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, SharedPrefixes(1 << 30))
     with ThreadPoolExecutor(4) as pool:
         results = list(
             pool.map(lambda _: fetcher.fetch("p1", KVKind.COMPRESSED, proofs("p1")), range(4))
@@ -147,7 +152,7 @@ FORGED = {
 def test_a_fetch_without_the_servers_proofs_gets_nothing(serve, case):
     metadata, code = FORGED[case]
     server, link = serve()
-    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, capacity_bytes=1 << 30)
+    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, SharedPrefixes(1 << 30))
     with pytest.raises(grpc.RpcError) as caught:
         fetcher.fetch("p1", KVKind.FULL, metadata)
     assert caught.value.code() is code and link.bytes_sent == 0

@@ -3,11 +3,13 @@ Prometheus text served over HTTP on loopback, and the periodic summary line."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from vericache.kv.shared_prefix import PrefixCacheStats
 from vericache.serve.metrics import ServeMetrics
 
 MODEL = "smollm2-135m"
@@ -127,6 +129,30 @@ def test_summary_line_covers_the_time_since_the_last():
     assert "- accepted per round over 0 rounds" in metrics.summary_line()  # nothing since
 
 
+def _values(metrics: ServeMetrics) -> dict[tuple, float]:
+    """(sample name, sorted labels) -> value."""
+    values = {}
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for sample in family.samples:
+            values[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return values
+
+
+def test_a_worker_reports_its_prefix_cache():
+    metrics = ServeMetrics(MODEL)
+    stats = PrefixCacheStats(4 << 30, 2, 300 << 20, (3, 0), 5, 1)
+    metrics.prefix_cache_reported("verifier-0", stats)
+    values = samples(metrics)
+    worker = (("worker", "verifier-0"),)
+    assert values["vericache:prefix_cache_budget_bytes", worker] == 4 << 30
+    assert values["vericache:prefix_cache_resident_prefixes", worker] == 2
+    assert values["vericache:prefix_cache_resident_bytes", worker] == 300 << 20
+    assert values["vericache:prefix_cache_sessions", worker] == 3
+    assert values["vericache:prefix_cache_max_sessions_per_prefix", worker] == 3
+    assert values["vericache:prefix_cache_loads", worker] == 5
+    assert values["vericache:prefix_cache_unshared_loads", worker] == 1
+
+
 def test_a_served_request_is_metered(tiny_chat_checkpoint, tmp_path):
     from tests.serve_fixtures import CONTEXT, start_server
     from vericache.client import Client
@@ -136,13 +162,26 @@ def test_a_served_request_is_metered(tiny_chat_checkpoint, tmp_path):
             prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
             result = client.generate("Go on.", prefix_id=prefix_id, max_tokens=12, draft_len=4)
         metrics = server.coordinator.metrics
-        text = metrics.exposition().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = (sample.name, tuple(sorted(sample.labels.items())))
-            values[key] = sample.value
+        loads = "vericache:prefix_cache_loads"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until a probe after the request reported
+            values = _values(metrics)
+            reported = {dict(k[1]).get("worker"): v for k, v in values.items() if k[0] == loads}
+            if reported.get("verifier-0") and sum(reported.values()) == 2:
+                break
+            time.sleep(0.1)
+    # The verifier and the drafter that served the request each loaded the prefix once and hold
+    # one copy, which no session reads now.
+    assert reported.get("verifier-0") == 1 and sum(reported.values()) == 2, reported
+    for (name, labels), value in values.items():
+        worker = dict(labels).get("worker")
+        if name == "vericache:prefix_cache_resident_prefixes":
+            assert value == reported[worker], labels
+        if name == "vericache:prefix_cache_sessions":
+            assert value == 0, labels
     label = (("model_name", str(tiny_chat_checkpoint)),)
+    assert values["vericache:request_link_bytes_sum", label] == result.stats["link_bytes"]
+    assert values["vericache:request_store_bytes_count", label] == 1
     assert values["vericache:generation_tokens_total", label] == len(result.token_ids)
     assert values["vericache:spec_decode_num_drafts_total", label] == result.stats["rounds"]
     accepted = values["vericache:spec_decode_num_accepted_tokens_total", label]

@@ -14,6 +14,7 @@ from tests.serve_fixtures import start_server, wait_for
 from tests.test_migration import health, kill
 from vericache.client import Client, ServerUnavailableError
 from vericache.errors import WorkerGoneError
+from vericache.kv.shared_prefix import SharedPrefixes
 from vericache.serve import api, distributed
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.distributed import DistributedBackend
@@ -58,7 +59,7 @@ class _Worker:
 
     def describe(self) -> DrafterInfo:
         self.answer.wait(30)
-        return DrafterInfo(model=None, startup=WorkerStartup(0.0, 0.0, 0.0))
+        return DrafterInfo(None, WorkerStartup(0.0, 0.0, 0.0), SharedPrefixes(1).stats())
 
 
 def _backend() -> tuple[DistributedBackend, VerifierHandle, _Worker, list[bool]]:

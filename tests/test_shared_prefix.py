@@ -184,3 +184,11 @@ def test_a_prefix_deleted_while_a_request_streams_serves_it_to_the_end(
                 client.generate(PROMPT, prefix_id=prefix_id, max_tokens=2)
         verifier = server.coordinator.backend.verifiers[0].worker
         assert verifier._prefix_copies.stats().num_prefixes == 0  # freed with its last session
+
+
+def test_a_worker_on_cpu_holds_prefixes_in_a_quarter_of_its_ram_by_default():
+    from vericache.engine.device_memory import device_memory_bytes, prefix_budget_left
+    from vericache.serve.config import DrafterConfig, VerifierConfig
+
+    assert VerifierConfig().prefix_cache_bytes is None and DrafterConfig().kv_cache_bytes is None
+    assert prefix_budget_left("cpu", reserved_bytes=1 << 30) == device_memory_bytes("cpu") // 4

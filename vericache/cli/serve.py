@@ -73,10 +73,15 @@ def add_parser(commands) -> None:
     parser.add_argument("--resident-bytes", default="4GiB", help="full KV a verifier keeps")
     parser.add_argument(
         "--prefix-cache-bytes",
-        default="4GiB",
-        help="a verifier's copies of prefixes' full KV, one per prefix, shared by its sessions",
+        help="a verifier's copies of prefixes' full KV, one per prefix, shared by its sessions "
+        "(default: the GPU memory left after the weights and --resident-bytes; on CPU, a "
+        "quarter of the RAM)",
     )
-    parser.add_argument("--drafter-cache-bytes", default="4GiB", help="a drafter's prefix LRU")
+    parser.add_argument(
+        "--drafter-cache-bytes",
+        help="a drafter's copies of the prefixes it fetched, shared by its sessions (default: "
+        "the GPU memory left after the weights; on CPU, a quarter of the RAM)",
+    )
     parser.add_argument("--draft-len", type=int, default=30, help="default tokens per draft")
     parser.add_argument(
         "--scheduling",
@@ -207,13 +212,18 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
         **common,
         root=args.root or cache_root() / "store",
         resident_bytes=parse_size(args.resident_bytes),
-        prefix_cache_bytes=parse_size(args.prefix_cache_bytes),
+        prefix_cache_bytes=_size_or_none(args.prefix_cache_bytes),
         link=LinkSpec.parse(args.link_bandwidth, args.link_latency),
         load_bandwidth=parse_bandwidth(args.pcie_bandwidth) if args.pcie_bandwidth else None,
         transfer_host=transfer_host(args),
     )
-    drafter = DrafterConfig(**common, kv_cache_bytes=parse_size(args.drafter_cache_bytes))
+    drafter = DrafterConfig(**common, kv_cache_bytes=_size_or_none(args.drafter_cache_bytes))
     return verifier, drafter
+
+
+def _size_or_none(text: str | None) -> int | None:
+    """A size flag's bytes; None where it was not given (the worker sizes it from its memory)."""
+    return None if text is None else parse_size(text)
 
 
 def coordinator_config(args) -> CoordinatorConfig:

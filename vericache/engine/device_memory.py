@@ -144,6 +144,31 @@ def compressed_prefill_bound(request: Request, config: ModelConfig, element_size
     )
 
 
+# A worker on CPU holds prefixes' KV in this share of the machine's RAM unless told otherwise: the
+# rest stays for its weights, its sessions and whatever else runs there.
+CPU_PREFIX_SHARE = 0.25
+# On CUDA, the share of the memory free after the weights: the rest is the allocator's slack and
+# the activations of a forward.
+CUDA_FREE_SHARE = 0.9
+
+
+def prefix_budget_left(device: torch.device | str, reserved_bytes: int = 0) -> int:
+    """The bytes a worker may hold prefixes' KV in by default, asked once its weights are
+    loaded: on CUDA a share of the device memory free less `reserved_bytes` (the other KV it
+    keeps there); on CPU a share of the RAM."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return int(device_memory_bytes(device) * CPU_PREFIX_SHARE)
+    free, _ = torch.cuda.mem_get_info(device)
+    left = int(free * CUDA_FREE_SHARE) - reserved_bytes
+    if left < 1:
+        raise InvalidRequestError(
+            f"the GPU has no room for prefixes' KV after the weights and "
+            f"{reserved_bytes / 2**30:.1f} GiB of other KV: set the prefix cache's size"
+        )
+    return left
+
+
 def device_memory_bytes(device: torch.device | str) -> int:
     """The whole memory of a device: the default budget."""
     device = torch.device(device)

@@ -137,7 +137,8 @@ class SharedPrefixes(Generic[C]):
         if nbytes > self.budget_bytes:
             raise PrefixBudgetError(
                 f"the prefix's KV ({nbytes / 2**20:.0f} MiB) is larger than this worker's prefix "
-                f"cache ({self.budget_bytes / 2**20:.0f} MiB): raise --prefix-cache-bytes"
+                f"cache ({self.budget_bytes / 2**20:.0f} MiB): raise --prefix-cache-bytes (a "
+                "verifier's) or --drafter-cache-bytes (a drafter's)"
             )
 
     def _admit(self, key: Hashable, cache: C) -> HeldPrefix[C]:

@@ -36,7 +36,9 @@ class VerifierConfig(WorkerConfig):
     root: Path = Path("vericache-store")  # the store's fs:// tier and the prefix catalog
     store_cpu_bytes: int = 1 << 30  # LMCache's CPU tier
     resident_bytes: int = 4 << 30  # full KV kept between rounds, over all sessions
-    prefix_cache_bytes: int = 4 << 30  # one copy per prefix, shared by its sessions
+    # One copy per prefix, shared by its sessions; None: what the GPU has left after the weights
+    # and `resident_bytes`, a quarter of the RAM on CPU (device_memory.py `prefix_budget_left`).
+    prefix_cache_bytes: int | None = None
     link: LinkSpec = LinkSpec()  # toward the drafters
     # Host-to-device path of full-KV loads from the store (PCIe): None, as fast as the copy goes;
     # bytes/s to hold them to (emulates PCIe on CPU, as the long-context mode's loads).
@@ -58,7 +60,7 @@ class VerifierConfig(WorkerConfig):
             raise InvalidRequestError(f"load_bandwidth must be > 0, got {self.load_bandwidth}")
         if not self.draft_wait_s > 0:
             raise InvalidRequestError(f"draft_wait_s must be > 0, got {self.draft_wait_s}")
-        if self.prefix_cache_bytes < 1:
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 1:
             raise InvalidRequestError(
                 f"prefix_cache_bytes must be 1 byte or more, got {self.prefix_cache_bytes}"
             )
@@ -71,7 +73,9 @@ class VerifierConfig(WorkerConfig):
 
 @dataclass(frozen=True)
 class DrafterConfig(WorkerConfig):
-    kv_cache_bytes: int = 4 << 30  # the LRU of fetched prefixes
+    # Its copies of the prefixes it fetched, shared by its sessions; None: what the GPU has left
+    # after the weights, a quarter of the RAM on CPU (device_memory.py `prefix_budget_left`).
+    kv_cache_bytes: int | None = None
     prefill_chunk: int = 512
 
 
@@ -86,6 +90,9 @@ class CoordinatorConfig:
     max_output_tokens: int = 4096  # a request asking for more is INVALID_ARGUMENT
     max_running: int = 16  # requests decoding at once
     max_waiting: int = 64  # requests queued beyond those; more are refused (RESOURCE_EXHAUSTED)
+    # Waiting requests on a prefix resident on the workers go first (admission.py), but none
+    # waits longer than this for requests that came after it.
+    resident_first_max_skip_s: float = 2.0
     decode_chunk: int = 8  # tokens per call when one worker decodes alone (streaming granularity)
     # How VERICACHE rounds are driven (scheduled.py): "per-request" runs each request's rounds on
     # its own, batched only inside the workers; "staggered" plans every draft step, verification
@@ -112,6 +119,8 @@ class CoordinatorConfig:
             )
         counts = (self.default_draft_len, self.max_draft_len, self.default_max_tokens)
         if min(*counts, self.max_running, self.decode_chunk) < 1 or self.max_waiting < 0:
+            raise InvalidRequestError(f"coordinator settings out of range: {self}")
+        if self.resident_first_max_skip_s < 0:
             raise InvalidRequestError(f"coordinator settings out of range: {self}")
         if self.default_draft_len > self.max_draft_len:
             raise InvalidRequestError("default_draft_len must not exceed max_draft_len")

@@ -4,8 +4,8 @@ It takes the API's calls as internal records (api_types.py; the servicer convert
 them, raises the typed errors of vericache.errors for bad input, and hands checked requests to its
 `ServingBackend` (backend.py): workers across nodes (distributed.py) or one long-context engine
 (long_context.py). It owns what a caller sees the same way whichever backend serves: tenants and
-their limits, admission (RESOURCE_EXHAUSTED past max_running + max_waiting), prompts, the streamed
-text deltas and the metrics.
+their limits, admission (admission.py: resident prefixes first; RESOURCE_EXHAUSTED past
+max_running + max_waiting), prompts, the streamed text deltas and the metrics.
 
 Every call runs for a `Tenant` (auth.py; the anonymous one without API keys): a tenant sees and uses
 only its own prefixes (another's answers NOT_FOUND, as an unknown one does) within its limits.
@@ -28,9 +28,9 @@ from vericache.errors import (
     DataLossError,
     InvalidRequestError,
     PrefixNotFoundError,
-    QueueFullError,
     WorkerUnavailableError,
 )
+from vericache.serve.admission import Admission
 from vericache.serve.api_types import (
     CompressorChoice,
     GenerateCall,
@@ -72,9 +72,9 @@ class Coordinator:
         self.info: ModelInfo | None = None  # known once started
         self.prompts: Prompts | None = None  # ...with it
         self.auto_prefixes: AutoPrefixCache | None = None  # ...with it
-        self._running = asyncio.Semaphore(config.max_running)
-        self._num_waiting = 0
-        self._num_running = 0
+        self._admission = Admission(
+            config.max_running, config.max_waiting, config.resident_first_max_skip_s
+        )
         self._registering: dict[str, asyncio.Lock] = {}
         self._num_active = Counter()  # tenant name -> its Generate and PutPrefix calls running
 
@@ -222,7 +222,8 @@ class Coordinator:
         """`request_id` names the request in the logs, and its sessions on the workers."""
         plan = await self._plan(call, tenant, request_id or uuid.uuid4().hex)
         with self._active(tenant):
-            await self._admit()
+            await self._admission.admit(plan.prefix_id)
+            self._meter_queue()
             try:
                 served = self._served(plan)
                 rounds = self.backend.serve(served)
@@ -231,27 +232,12 @@ class Coordinator:
                     async for event in events:
                         yield event
             finally:
-                self._running.release()
-                self._meter_queue(running_delta=-1)
+                self._admission.release(plan.prefix_id)
+                self._meter_queue()
 
-    async def _admit(self) -> None:
-        """Waits for a running slot; refuses when every slot and the queue are taken."""
-        if self._num_waiting >= self.config.max_waiting and self._running.locked():
-            raise QueueFullError(
-                f"{self.config.max_running} requests are running and "
-                f"{self._num_waiting} waiting: retry later"
-            )
-        self._num_waiting += 1
-        self._meter_queue(running_delta=0)
-        try:
-            await self._running.acquire()
-        finally:
-            self._num_waiting -= 1
-        self._meter_queue(running_delta=1)
-
-    def _meter_queue(self, running_delta: int) -> None:
-        self._num_running += running_delta
-        self.metrics.set_queue(self._num_running, self._num_waiting)
+    def _meter_queue(self) -> None:
+        admission = self._admission
+        self.metrics.set_queue(admission.num_running, admission.num_waiting)
 
     def _served(self, plan: RequestPlan) -> ServedRequest:
         info = self.info

@@ -62,6 +62,7 @@ class DistributedBackend:
         # Verifier name -> the schedule of its VERICACHE rounds; empty: each request on its own.
         self.schedules: dict[str, ScheduledRounds] = {}
         self._probe: asyncio.Task | None = None
+        self._metrics: ServeMetrics | None = None  # from `start` on
         self._restarts = Restarts(self.config.worker_wait_s)
         for worker in [*verifiers, *drafters]:  # each restart timed from its worker found gone
             worker.watch(functools.partial(self._on_alive_change, worker))
@@ -76,9 +77,10 @@ class DistributedBackend:
         models = {about.model for about in [*described, *drafters]}
         if len({model.fingerprint for model in models}) != 1:
             raise UnsupportedModelError(f"workers serve different models: {sorted(models)}")
-        self._restarts.metrics = metrics
+        self._restarts.metrics = self._metrics = metrics
         for worker, about in zip([*self.verifiers, *self.drafters], [*described, *drafters]):
             self._restarts.started(worker.name, about.startup)
+            metrics.prefix_cache_reported(worker.name, about.prefix_cache)
         if self.config.scheduling != "per-request" and self.drafters:
             await self._start_schedules(described, metrics)
         self._probe = asyncio.create_task(self._probe_workers(), name="probe-workers")
@@ -139,7 +141,8 @@ class DistributedBackend:
 
     async def _ask(self, worker) -> None:
         """One probe of a worker: alive (and, for a verifier, where its KV transfer service
-        listens) when it answers; not alive when it is gone or does not answer in time."""
+        listens; its prefix cache, for the metrics) when it answers; not alive when it is gone or
+        does not answer in time."""
         was_alive, num_times_gone = worker.alive, worker.num_times_gone
         try:
             about = await asyncio.wait_for(worker.describe(), PROBE_TIMEOUT_S)
@@ -156,6 +159,8 @@ class DistributedBackend:
         is_verifier = isinstance(about, VerifierInfo)
         if is_verifier:
             self._addresses[worker.name] = about.transfer_address
+        if self._metrics is not None:
+            self._metrics.prefix_cache_reported(worker.name, about.prefix_cache)
         # Found gone while the probe was out: the answer may predate that, so the next one says.
         if worker.mark_back(num_times_gone) and not was_alive:
             kind = "verifier" if is_verifier else "drafter"

@@ -1,8 +1,9 @@
 """The drafter: the worker on a remote GPU, across the slow link from the store.
 
-It fetches a prefix's KV from a verifier's KVTransfer service (kept in an LRU bounded by bytes, so
-later requests on the prefix pay no transfer; its sessions read that one copy in place and hold
-their own tokens alone) and decodes greedily over it, in one of three roles
+It fetches a prefix's KV from a verifier's KVTransfer service and keeps one copy of it
+(kv/shared_prefix.py, within `kv_cache_bytes`: pinned while a session reads it, so later requests
+on the prefix pay no transfer); its sessions read that copy in place and hold their own tokens
+alone (kv/prefixed.py). It decodes greedily over it, in one of three roles
 (`DraftRole`):
 - DRAFT (VERICACHE): each round is one `draft` call for the whole draft; before it drafts, the
   exact KV the verifier computed for the tokens committed since replaces the drafts' own, as in
@@ -15,6 +16,7 @@ Its forwards go through the engine's forward loop, batched across sessions.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from vericache.engine.calibration import time_draft_step
+from vericache.engine.device_memory import prefix_budget_left
 from vericache.engine.forward_loop import Job
 from vericache.engine.sampling import checks_by_rejection
 from vericache.errors import InvalidRequestError
@@ -30,10 +33,11 @@ from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.pool import BufferPool
 from vericache.kv.prefixed import shared_clone
+from vericache.kv.shared_prefix import SharedPrefixes
 from vericache.serve.batching import BatchLoop
 from vericache.serve.cluster_secret import required
 from vericache.serve.config import DrafterConfig
-from vericache.serve.kv_transfer import KVFetcher, fetch_kind
+from vericache.serve.kv_transfer import FetchResult, KVFetcher, fetch_kind
 from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model
 from vericache.serve.worker_api import (
     BatchingStats,
@@ -48,11 +52,14 @@ from vericache.serve.worker_api import (
     Traffic,
 )
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _Session:
     role: DraftRole
-    cache: KVCache
+    cache: KVCache  # over `prefix`, read in place
+    prefix: FetchResult  # pinned until the session's last call ends
     in_use: bool = False  # a call is drafting or decoding on it
     closed: bool = False  # its request ended while a call used it: release when that ends
 
@@ -66,12 +73,17 @@ class Drafter:
         self._fetchers: dict[str, KVFetcher] = {}  # by verifier address
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()  # calls run on many threads
-        self._buffers = BufferPool(config.kv_cache_bytes)  # of closed sessions
+        budget = config.kv_cache_bytes or prefix_budget_left(self.runner.device)
+        log.info("drafter prefix cache: %.2f GiB", budget / 2**30)
+        self._buffers = BufferPool(budget)  # of closed sessions
+        # One copy of each prefix fetched, whichever verifier it came from (a prefix id names
+        # the same KV on every verifier of the server).
+        self._prefixes: SharedPrefixes[KVCache] = SharedPrefixes(budget)
         self._loop = BatchLoop(self.runner, "drafter-batch")
         self.startup = model.startup()
 
     def describe(self) -> DrafterInfo:
-        return DrafterInfo(self.info, self.startup)
+        return DrafterInfo(self.info, self.startup, self._prefixes.stats())
 
     def time_draft_step(self) -> float:
         """Seconds of one draft step: a first estimate for a scheduler, which refines it."""
@@ -83,22 +95,26 @@ class Drafter:
         kind = fetch_kind(call.role)
         proofs = self._secret.fetch_metadata(call.session_id, call.fetch_grant)
         fetched = self._fetcher(call.transfer_address).fetch(call.prefix_id, kind, proofs)
-        if fetched.cache.num_tokens != call.num_prefix_tokens:
-            raise InvalidRequestError(
-                f"prefix {call.prefix_id} holds {fetched.cache.num_tokens} tokens, "
-                f"the request says {call.num_prefix_tokens}"
-            )
-        # Read in place, as every session on this prefix reads it: the session holds its own
-        # tokens alone (kv/prefixed.py).
-        cache = shared_clone(fetched.cache, call.capacity, self._buffers)
-        first = None
-        if call.role is not DraftRole.DRAFT:
-            suffix = torch.tensor(call.prompt_ids[call.num_prefix_tokens :], dtype=torch.long)
-            logits = self.runner.prefill(suffix, cache, chunk_size=self.config.prefill_chunk)
-            first = first_token(logits, call.sampler)
-            _update(cache)
+        try:
+            if fetched.cache.num_tokens != call.num_prefix_tokens:
+                raise InvalidRequestError(
+                    f"prefix {call.prefix_id} holds {fetched.cache.num_tokens} tokens, "
+                    f"the request says {call.num_prefix_tokens}"
+                )
+            # Read in place, as every session on this prefix reads it: the session holds its
+            # own tokens alone (kv/prefixed.py).
+            cache = shared_clone(fetched.cache, call.capacity, self._buffers)
+            first = None
+            if call.role is not DraftRole.DRAFT:
+                suffix = torch.tensor(call.prompt_ids[call.num_prefix_tokens :], dtype=torch.long)
+                logits = self.runner.prefill(suffix, cache, chunk_size=self.config.prefill_chunk)
+                first = first_token(logits, call.sampler)
+                _update(cache)
+        except BaseException:
+            self._prefixes.release(fetched.held)
+            raise
         with self._lock:
-            self._sessions[call.session_id] = _Session(call.role, cache)
+            self._sessions[call.session_id] = _Session(call.role, cache, fetched)
         return DrafterOpened(first, Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds))
 
     def draft(self, call: DraftCall) -> Drafted:
@@ -183,11 +199,12 @@ class Drafter:
 
     def _release(self, session: _Session) -> None:
         session.cache.release(self._buffers)
+        self._prefixes.release(session.prefix.held)
 
     def _fetcher(self, address: str) -> KVFetcher:
         if address not in self._fetchers:
             self._fetchers[address] = KVFetcher(
-                address, self.info.fingerprint, self.config.kv_cache_bytes, self.runner.rope
+                address, self.info.fingerprint, self._prefixes, self.runner.rope
             )
         return self._fetchers[address]
 

@@ -1,18 +1,18 @@
-"""KV from the store side to drafters: a gRPC stream through the slow link, and the drafter's LRU.
+"""KV from the store side to drafters: a gRPC stream through the slow link, and their copies of it.
 
 The store side (`KVTransferService`) serves only callers that prove, with the server's secret,
 that they are its workers and that the coordinator granted this fetch (cluster_secret.py); it
 encodes a prefix's KV with the KV codec and sends it in pieces
 of at most PIECE_BYTES, each paced by the `ThrottledLink`, so the link's bandwidth and latency apply
-to the bytes really sent. The drafter side (`KVFetcher`) decodes as pieces arrive and keeps what it
-fetched in an LRU bounded by bytes: a second request on the same prefix pays no transfer. A stream
-that fails the codec's checks on arrival is fetched once more, then raises DataLossError: no
-damaged KV enters the LRU.
+to the bytes really sent. The drafter side (`KVFetcher`) decodes as pieces arrive and keeps one copy
+of each prefix it fetched (kv/shared_prefix.py: pinned while a session reads it, unpinned ones
+evicted least recently used within the drafter's bytes): a second request on the same prefix pays
+no transfer. A stream that fails the codec's checks on arrival is fetched once more, then raises
+DataLossError: no damaged KV is kept.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +22,11 @@ import grpc
 
 from vericache.compress import cache_from_state
 from vericache.engine.link import ThrottledLink
-from vericache.engine.prefix_store import PrefixStore
 from vericache.errors import DataLossError, PrefixNotFoundError, WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.codec import decode_iter, iter_encode
 from vericache.kv.codec_errors import CodecError
+from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
 from vericache.kv.state import CacheState
 from vericache.serve.cluster_secret import ClusterSecret, FetchDeniedError
 from vericache.serve.worker_api import DraftRole
@@ -101,29 +101,33 @@ class TransferServer:
 
 @dataclass
 class FetchResult:
-    cache: KVCache  # shared with the LRU: clone it before editing
-    link_bytes: int  # 0 on an LRU hit
+    held: HeldPrefix[KVCache]  # pinned for the caller: read it in place, `release` it once done
+    link_bytes: int  # 0 where the drafter held it already
     seconds: float
+
+    @property
+    def cache(self) -> KVCache:
+        return self.held.cache
 
 
 class KVFetcher:
-    """Drafter side of KVTransfer; `rope` rebuilds caches that store keys before RoPE."""
+    """Drafter side of KVTransfer, over the drafter's copies of the prefixes it fetched (`held`,
+    shared by its sessions and with its other fetchers); `rope` rebuilds caches that store keys
+    before RoPE."""
 
-    def __init__(self, target: str, fingerprint: str, capacity_bytes: int, rope=None):
+    def __init__(self, target: str, fingerprint: str, held: SharedPrefixes[KVCache], rope=None):
         self.fingerprint = fingerprint
         self.rope = rope
-        self.cached = PrefixStore(capacity_bytes)
-        # Concurrent requests on one prefix (drafter calls run on many threads) wait for the
-        # first one's transfer instead of fetching it again.
-        self._fetching: dict[tuple[str, int], threading.Lock] = {}
-        self._locks_guard = threading.Lock()
+        self.held = held
         self._channel = grpc.insecure_channel(target)
         self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
 
     def fetch(
         self, prefix_id: str, kind: int = KVKind.COMPRESSED, metadata: tuple = ()
     ) -> FetchResult:
-        """`metadata`: the proofs the service asks for (`ClusterSecret.fetch_metadata`)."""
+        """The prefix's KV, pinned until `release`: the copy held already, or one fetched once
+        however many sessions ask at the same time. `metadata`: the proofs the service asks for
+        (`ClusterSecret.fetch_metadata`)."""
         start = time.perf_counter()
         received = [0]  # bytes, over every attempt
 
@@ -137,12 +141,11 @@ class KVFetcher:
                     message = f"prefix {prefix_id}: its KV arrived damaged twice"
                     raise DataLossError(message) from None
 
-        key = (prefix_id, kind)
-        with self._locks_guard:
-            lock = self._fetching.setdefault(key, threading.Lock())
-        with lock:
-            cache = self.cached.lookup(key, transfer)
-        return FetchResult(cache, received[0], time.perf_counter() - start)
+        held = self.held.acquire((prefix_id, kind), transfer)
+        return FetchResult(held, received[0], time.perf_counter() - start)
+
+    def release(self, fetched: FetchResult) -> None:
+        self.held.release(fetched.held)
 
     def _receive(self, prefix_id: str, kind: int, metadata: tuple, received: list[int]) -> KVCache:
         def pieces():

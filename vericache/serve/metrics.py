@@ -26,6 +26,7 @@ from prometheus_client import (
     start_http_server,
 )
 
+from vericache.kv.shared_prefix import PrefixCacheStats
 from vericache.serve.api_types import OutputChunk
 from vericache.serve.catalog import StoredKind
 
@@ -38,6 +39,18 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)  # fmt: skip
 BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# A worker's prefix cache, per worker (`ServeMetrics.prefix_cache_reported`): name -> help.
+PREFIX_CACHE_GAUGES = {
+    "budget_bytes": "Bytes the worker may hold prefixes' KV in.",
+    "resident_prefixes": "Prefixes whose KV the worker holds, one copy each.",
+    "resident_bytes": "Bytes of the prefixes' KV the worker holds.",
+    "sessions": "Sessions reading the worker's copies of prefixes.",
+    "max_sessions_per_prefix": "Sessions reading the worker's most read prefix.",
+    "loads": "Prefixes the worker loaded (a store read or a fetch) since it started.",
+    "unshared_loads": "Of those, loaded for one session alone: pins left no room.",
+}
+# A request's store or link bytes: 0 (all held already), then 1 MB to 64 GB.
+BYTES_BUCKETS = (0, *(4.0**k * 1e6 for k in range(9)))
 RESTART_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 300.0, 600.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
@@ -135,6 +148,19 @@ class ServeMetrics:
             "scheduler_memory_peak_bytes",
             "High-water mark of planned device memory: weights, resident and loaded KV.",
         )
+        # Per request: what it read from the store and sent over the link (Result.stats too).
+        self._request_store_bytes = self._histogram(
+            "request_store_bytes", "Bytes a request loaded from the full-KV store.", BYTES_BUCKETS
+        )
+        self._request_link_bytes = self._histogram(
+            "request_link_bytes", "Bytes a request sent over the slow link.", BYTES_BUCKETS
+        )
+        # Per worker, as its probe last found them: its copies of prefixes' KV, which sessions
+        # share (kv/shared_prefix.py).
+        self._prefix_cache = {
+            field: self._worker_gauge(f"prefix_cache_{field}", doc)
+            for field, doc in PREFIX_CACHE_GAUGES.items()
+        }
         self._last = _Totals(at=time.monotonic())
 
     # -- events ---------------------------------------------------------------------------------
@@ -206,6 +232,24 @@ class ServeMetrics:
     def set_device_memory(self, num_bytes: int) -> None:
         self._device_memory.labels(self.model_name).set(num_bytes)
 
+    def request_traffic(self, store_bytes: int, link_bytes: int) -> None:
+        self._request_store_bytes.labels(self.model_name).observe(store_bytes)
+        self._request_link_bytes.labels(self.model_name).observe(link_bytes)
+
+    def prefix_cache_reported(self, worker: str, stats: PrefixCacheStats) -> None:
+        """A worker's copies of prefixes' KV, as its probe found them."""
+        values = {
+            "budget_bytes": stats.budget_bytes,
+            "resident_prefixes": stats.num_prefixes,
+            "resident_bytes": stats.resident_bytes,
+            "sessions": sum(stats.sessions_per_prefix),
+            "max_sessions_per_prefix": max(stats.sessions_per_prefix, default=0),
+            "loads": stats.num_loads,
+            "unshared_loads": stats.num_unshared,
+        }
+        for field, value in values.items():
+            self._prefix_cache[field].labels(self.model_name, worker).set(value)
+
     def iteration_planned(self, iteration, peak_memory_bytes: int) -> None:
         """One planned iteration (`vericache.scheduler.IterationMetrics`), and the scheduler's
         device-memory high-water mark so far."""
@@ -259,6 +303,9 @@ class ServeMetrics:
     def _gauge(self, name: str, doc: str) -> Gauge:
         return self._with_series(Gauge(_name(name), doc, ("model_name",), registry=self.registry))
 
+    def _worker_gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(_name(name), doc, ("model_name", "worker"), registry=self.registry)
+
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         histogram = Histogram(
             _name(name), doc, ("model_name",), registry=self.registry, buckets=buckets
@@ -304,6 +351,7 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
         metrics.requests_migrated(served.num_migrations)
         traffic = served.traffic
         metrics.link_used(traffic.link_bytes, traffic.link_s)
+        metrics.request_traffic(traffic.store_bytes, traffic.link_bytes)
         if traffic.store_bytes:
             metrics.store_lookup(hit=True, num_bytes=traffic.store_bytes)
         for kind in traffic.corruptions:

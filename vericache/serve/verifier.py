@@ -24,7 +24,7 @@ import time
 import torch
 
 from vericache.engine.calibration import measure_link_bandwidth
-from vericache.engine.device_memory import slot_bytes
+from vericache.engine.device_memory import prefix_budget_left, slot_bytes
 from vericache.engine.forward_loop import Job
 from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.engine.sampling import checks_by_rejection, rejection_verified
@@ -81,13 +81,16 @@ class Verifier:
         self._slot_bytes = slot_bytes(self.runner.config, self.runner.dtype.itemsize)
         self._buffers = BufferPool(config.resident_bytes)  # of closed and evicted sessions
         # One copy of each prefix's full KV, shared by the sessions and fetches that use it.
-        self._prefix_copies: SharedPrefixes[KVCache] = SharedPrefixes(config.prefix_cache_bytes)
+        budget = config.prefix_cache_bytes or prefix_budget_left(
+            self.runner.device, config.resident_bytes
+        )
+        self._prefix_copies: SharedPrefixes[KVCache] = SharedPrefixes(budget)
         self._sessions = ResidentSessions(
             config.resident_bytes, self._slot_bytes, self._load, self._buffers,
             release_prefix=self._prefix_copies.release,
         )  # fmt: skip
         self._loop = BatchLoop(self.runner, "verifier-batch")
-        log.info("verifier prefix cache: %.2f GiB", config.prefix_cache_bytes / 2**30)
+        log.info("verifier prefix cache: %.2f GiB", budget / 2**30)
         service = KVTransferService(
             self._kv_for_drafter, self.info.fingerprint, self.link, required(config.secret)
         )
@@ -107,6 +110,7 @@ class Verifier:
             slot_bytes=self._slot_bytes,
             resident_bytes=self.config.resident_bytes,
             startup=self.startup,
+            prefix_cache=self._prefix_copies.stats(),
         )
 
     def measure_load_bandwidth(self) -> float:

@@ -25,6 +25,7 @@ import torch
 
 from vericache.engine.sampling import SequenceSampler
 from vericache.kv.exact import ExactKV
+from vericache.kv.shared_prefix import PrefixCacheStats
 from vericache.serve.catalog import PrefixKey, PrefixRecord, StoredKind
 
 
@@ -63,12 +64,14 @@ class VerifierInfo:
     slot_bytes: int  # one token of full KV in a cache slot, positions included
     resident_bytes: int  # the budget of full KV kept on the device across sessions
     startup: WorkerStartup
+    prefix_cache: PrefixCacheStats  # its shared copies of prefixes' full KV, now
 
 
 @dataclass(frozen=True)
 class DrafterInfo:
     model: ModelInfo
     startup: WorkerStartup
+    prefix_cache: PrefixCacheStats  # its copies of the prefixes' KV it fetched, now
 
 
 @dataclass(frozen=True)
