@@ -8,14 +8,16 @@ round. What the scheduler's words stand for here:
 - an iteration is a tick of the coordinator's clock, one draft step long (the time drafters report
   per step, refined by every draft); a round of d drafts is one draft call made in its first draft
   iteration, and its verification is planned to start in iteration d + 1 after it;
-- a load is the verifier bringing a session's full KV from its store onto its device, ahead of
-  the session's verification, so that it overlaps other requests' verifications and drafts. The
-  round's verifier call is made in the iteration the plan starts the load in, while the drafter
-  still drafts: it starts the load and holds the draft call's answer by reference
-  (`VerifyCall.drafts`), verifying as soon as the drafts reach the verifier. Verifications whose
-  drafts arrive together share the verifier's forwards (its batch loop batches continuously);
-- the memory ring is the verifier's device memory: its weights and the full KV kept for
-  verification (`VerifierConfig.resident_bytes`); compressed KV lives on the drafters;
+- a load is the verifier making a session's own full KV resident again after an eviction (its
+  prefix stays resident, shared), ahead of the session's verification, so that it overlaps other
+  requests' verifications and drafts. The round's verifier call is made in the iteration the plan
+  starts the load in, while the drafter still drafts: it starts the load and holds the draft call's
+  answer by reference (`VerifyCall.drafts`), verifying as soon as the drafts reach the verifier.
+  Verifications whose drafts arrive together share the verifier's forwards (its batch loop batches
+  continuously);
+- the memory ring is the verifier's device memory: its weights and the sessions' own full KV
+  kept for verification (`VerifierConfig.resident_bytes`; the prefixes' shared copies have a
+  budget of their own); compressed KV lives on the drafters;
 - the link ring is the store-to-device bandwidth, first measured by the verifier, then by every
   load.
 A verification hands back the exact KV of the committed tokens; the next draft call carries it
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 
 from vericache.errors import WorkerUnavailableError
 from vericache.kv.exact import ExactKV
+from vericache.kv.prefixed import shared_length
 from vericache.scheduler import (
     BaseScheduler,
     CostModel,
@@ -104,7 +107,10 @@ class ScheduledRounds:
     ) -> AsyncIterator[list[int]]:
         """Puts an opened request on the schedule; yields each round's committed tokens."""
         session_id = served.session_id
-        full_kv_bytes = served.capacity * self.slot_bytes
+        # What the session holds of its own on the verifier: its prefix's shared blocks stay
+        # there, pinned, in the prefix cache's budget (kv/prefixed.py), and cost it no load.
+        own_slots = served.capacity - shared_length(served.seq.request.num_prefix_tokens)
+        full_kv_bytes = own_slots * self.slot_bytes
         draft_len = served.seq.request.draft_len
         self.scheduler.add_request(SchedulerRequest(session_id, full_kv_bytes, 0, draft_len))
         entry = _Entry(served, drafter, opened.exact, opened.link_delay_s)
