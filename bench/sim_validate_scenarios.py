@@ -107,8 +107,8 @@ def remote_prefix_predictions(
 def expected_tokens_per_s(cell: dict) -> float:
     """The tokens/s to expect of a cell: the mean of its serves. Serves can differ by a race, not
     by noise alone: in FULL_BOTH, whether the prefix a request brings to the remote drafter is the
-    one its LRU holds (26 tokens/s) or one it fetches over the slow link (19), as the two pools
-    finish in one order or the other. The cell's median reports one side of the race."""
+    one its prefix cache holds (26 tokens/s) or one it fetches over the slow link (19), as the two
+    pools finish in one order or the other. The cell's median reports one side of the race."""
     return statistics.mean(s["tokens_per_s"] for s in cell["samples"])
 
 
@@ -138,8 +138,9 @@ def _remote_prefix_base(result: dict, model, device, tokenizer) -> RemotePrefixS
         concurrency=config["concurrency"],
         element_size=ELEMENT_SIZE,
         compressed_token_share=1 / params["ratio"] if params.get("ratio") else 1.0,
-        verifier_prefix_lru_bytes=0,
-        drafter_prefix_lru_bytes=result["drafter_kv_cache_bytes"],
+        # The drafter's prefix cache as served (DrafterConfig.kv_cache_bytes); the verifier's was
+        # the served default, what the device has left: its KV room.
+        drafter_prefix_cache_bytes=result["drafter_kv_cache_bytes"],
         prefixes_in_turn=True,
         network_receive_bytes_per_s=_receive_bytes_per_s(result["cells"]),
     )

@@ -1,12 +1,28 @@
-"""A simulated worker's KV memory: paged prefix sharing, and VeriCache's own way (a private copy
-per session from a bounded LRU of fetched prefixes), whose misses fetch again."""
+"""A simulated worker's KV memory: one copy of each prefix, shared by its sessions, held within a
+prefix budget where one is set (as VeriCache's drafter holds the prefixes it fetched within
+DrafterConfig.kv_cache_bytes): pinned while used, the least recently used unpinned one evicted
+for a new one."""
 
 from __future__ import annotations
 
+import pytest
+
+from vericache.errors import InvalidRequestError
 from vericache.sim.events import Link, Simulation
 from vericache.sim.kv_memory import Session, WorkerMemory
 
 PREFIX_BYTES = 1000
+OWN_BYTES = 10
+
+
+def _memory(prefix_budget_bytes: int | None = None) -> tuple[Simulation, Link, WorkerMemory]:
+    sim = Simulation()
+    link = Link(sim, "in", bytes_per_s=1000.0)  # a prefix arrives in 1 s
+    return sim, link, WorkerMemory(100 * PREFIX_BYTES, link, True, prefix_budget_bytes)
+
+
+def _session(prefix: int) -> Session:
+    return Session(prefix, PREFIX_BYTES, OWN_BYTES)
 
 
 def _serve(memory: WorkerMemory, sim: Simulation, prefixes: list[int]) -> list[float]:
@@ -16,7 +32,7 @@ def _serve(memory: WorkerMemory, sim: Simulation, prefixes: list[int]) -> list[f
     def start(index: int) -> None:
         if index == len(prefixes):
             return
-        session = Session(prefixes[index], PREFIX_BYTES, 10)
+        session = _session(prefixes[index])
 
         def opened() -> None:
             ready.append(sim.now)
@@ -31,35 +47,53 @@ def _serve(memory: WorkerMemory, sim: Simulation, prefixes: list[int]) -> list[f
 
 
 def test_paged_sharing_fetches_each_prefix_once():
-    sim = Simulation()
-    link = Link(sim, "in", bytes_per_s=1000.0)
-    memory = WorkerMemory(10 * PREFIX_BYTES, link)
+    sim, link, memory = _memory()
     _serve(memory, sim, [0, 1, 0, 1])
     assert link.bytes_delivered == 2 * PREFIX_BYTES
 
 
-def test_an_lru_too_small_for_two_prefixes_fetches_on_every_alternation():
-    """VeriCache's drafter with room for 1.5 prefixes, over two prefixes in turn: every session
-    misses, as in bench remote-prefix's FULL_REMOTE."""
-    sim = Simulation()
-    link = Link(sim, "in", bytes_per_s=1000.0)
-    memory = WorkerMemory(10 * PREFIX_BYTES, link, lru_bytes=int(1.5 * PREFIX_BYTES))
-    ready = _serve(memory, sim, [0, 1, 0, 1, 1])
-    assert link.bytes_delivered == 4 * PREFIX_BYTES  # the last session hits
-    assert ready[-1] == ready[-2]  # a hit waits for nothing
-    assert memory.used_bytes == PREFIX_BYTES  # the LRU's one prefix; every session released
-
-
-def test_no_lru_fetches_for_every_session_and_sessions_hold_their_own_copy():
-    sim = Simulation()
-    link = Link(sim, "in", bytes_per_s=1000.0)
-    memory = WorkerMemory(10 * PREFIX_BYTES, link, lru_bytes=0)
-    admitted = []
-    for _ in range(3):
-        memory.admit(Session(0, PREFIX_BYTES, 10), lambda: admitted.append(sim.now))
-    assert memory.used_bytes == 3 * (PREFIX_BYTES + 10)  # each its own copy
+@pytest.mark.parametrize("budget", [None, PREFIX_BYTES], ids=["no-budget", "budget"])
+def test_sessions_on_one_prefix_fetch_it_once_and_hold_one_copy(budget):
+    sim, link, memory = _memory(budget)
+    ready = []
+    for _ in range(5):  # at once: the four after the first wait for its fetch
+        memory.admit(_session(0), lambda: ready.append(sim.now))
     sim.run()
-    # Each loaded its own copy, one after another over the link.
-    assert len(admitted) == 3 and link.bytes_delivered == 3 * PREFIX_BYTES
-    assert admitted == [1.0, 2.0, 3.0]
-    assert memory.peak_bytes == 3 * (PREFIX_BYTES + 10)
+    assert ready == [1.0] * 5 and link.bytes_delivered == PREFIX_BYTES
+    assert memory.peak_bytes == PREFIX_BYTES + 5 * OWN_BYTES
+    memory.admit(_session(0), lambda: ready.append(sim.now))  # held: fetches nothing
+    assert ready[-1] == 1.0 and link.bytes_sent == PREFIX_BYTES
+    for _ in range(6):
+        memory.release(_session(0))
+    assert memory.used_bytes == PREFIX_BYTES  # kept after its last session, unpinned
+
+
+def test_a_new_prefix_evicts_the_least_recent_unpinned_one_within_the_budget_never_a_pinned_one():
+    sim, link, memory = _memory(prefix_budget_bytes=2 * PREFIX_BYTES)
+    memory.admit(_session(0), lambda: None)  # pinned from here on, and the least recently used
+    _serve(memory, sim, [1])  # held, unpinned
+    _serve(memory, sim, [2])  # room for it: 1 goes, not 0
+    assert (memory.holds(0), memory.holds(1), memory.holds(2)) == (True, False, True)
+    memory.release(_session(0))
+    _serve(memory, sim, [0])  # a hit: 0 is now more recent than 2
+    _serve(memory, sim, [3])  # 2 goes, the least recently used of the unpinned
+    assert (memory.holds(0), memory.holds(2), memory.holds(3)) == (True, False, True)
+    assert link.bytes_delivered == 4 * PREFIX_BYTES  # 0, 1, 2, 3: once each
+    assert memory.held_prefix_bytes <= 2 * PREFIX_BYTES
+
+
+def test_where_pinned_prefixes_fill_the_budget_a_session_fetches_a_copy_of_its_own():
+    """As the served SharedPrefixes does: the session is served at once, its copy dropped when it
+    ends; the pinned prefix stays."""
+    sim, link, memory = _memory(prefix_budget_bytes=int(1.5 * PREFIX_BYTES))
+    memory.admit(_session(0), lambda: None)
+    ready = _serve(memory, sim, [1, 1])  # each fetches its own copy
+    assert ready == [2.0, 3.0] and link.bytes_delivered == 3 * PREFIX_BYTES
+    assert memory.peak_bytes == 2 * (PREFIX_BYTES + OWN_BYTES)
+    assert memory.holds(0) and not memory.holds(1)
+    assert memory.used_bytes == PREFIX_BYTES + OWN_BYTES  # the copies went with their sessions
+    memory.release(_session(0))
+    _serve(memory, sim, [1])  # 0 unpinned: evicted for 1, which is now held
+    assert memory.holds(1) and not memory.holds(0)
+    with pytest.raises(InvalidRequestError, match="prefix budget"):
+        memory.admit(Session(4, 2 * PREFIX_BYTES, OWN_BYTES), lambda: None)

@@ -1,5 +1,5 @@
-"""Pipeline 2 simulated: accounts, the drafters' prefix LRU, the slow link's effect, and a golden
-result."""
+"""Pipeline 2 simulated: accounts, shared prefixes within the workers' budgets, the slow link's
+effect, and a golden result."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ from vericache.errors import InvalidRequestError
 from vericache.sim.events import Link, Simulation
 from vericache.sim.kv_memory import Session, WorkerMemory
 from vericache.sim.profiles import device_profile
-from vericache.sim.remote_prefix import FullPool, compare, simulate_full, simulate_vericache
+from vericache.sim.remote_prefix import (
+    FullPool,
+    VeriCacheRequest,
+    compare,
+    simulate_full,
+    simulate_vericache,
+)
+from vericache.sim.remote_prefix_workers import Run
 
 _scenario = remote_prefix_scenario
 
@@ -39,18 +46,22 @@ def test_every_configuration_serves_every_token():
     )
 
 
-def test_a_verifier_that_keeps_two_sessions_resident_reloads_the_others_for_their_rounds():
-    """VeriCache's verifier as built (verifier_resident_bytes, room for two sessions' full KV):
-    all eight sessions go on at once instead of waiting for room to open, and a round finds its
-    session's full KV dropped by another's load more often than not."""
-    scenario = _scenario(arrivals=(0.0,) * 8, verifier_prefix_lru_bytes=0)
-    full = scenario.prefix_bytes(compressed=False) + scenario.own_bytes(256)
+def test_a_verifier_that_keeps_two_sessions_resident_rebuilds_the_others_over_the_shared_prefix():
+    """VeriCache's verifier as built (verifier_resident_bytes, room for two sessions' own full
+    KV): each prefix's full KV is loaded from the store once and shared, and a round whose
+    session another's dropped rebuilds it over that copy, reading nothing more."""
+    scenario = _scenario(arrivals=(0.0,) * 8)
+    own = scenario.reserved_own_full_kv_bytes(256)
     paged = simulate_vericache(scenario)
-    resident = simulate_vericache(dataclasses.replace(scenario, verifier_resident_bytes=2 * full))
+    run = Run(dataclasses.replace(scenario, verifier_resident_bytes=2 * own))
+    resident = run.serve(VeriCacheRequest.start)
     assert resident.num_output_tokens == paged.num_output_tokens
-    assert resident.peak_kv_bytes <= 2 * full < paged.peak_kv_bytes
-    reloads = (resident.link_bytes - paged.link_bytes) / scenario.prefix_bytes(compressed=False)
-    assert reloads > len(resident.accepted_per_round) / 2
+    assert resident.link_bytes == paged.link_bytes
+    verifier = run.verifiers[0]
+    assert verifier.residency.peak_bytes == 2 * own
+    # The store's reads are the prefixes it holds, one copy each.
+    assert verifier.link.bytes_delivered == verifier.memory.peak_bytes
+    assert verifier.link.bytes_delivered % scenario.prefix_bytes(compressed=False) == 0
 
 
 def test_a_prefix_is_fetched_once_shared_and_evicted_least_recent_first_when_unreferenced():

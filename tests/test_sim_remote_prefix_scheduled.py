@@ -12,7 +12,12 @@ from tests.sim_scenarios import remote_prefix_scenario
 from vericache.scheduler import LockstepScheduler, StaggeredScheduler
 from vericache.sim.profiles import device_profile, model_profile
 from vericache.sim.remote_prefix import compare, simulate_vericache
-from vericache.sim.remote_prefix_scheduled import simulate_vericache_scheduled
+from vericache.sim.remote_prefix_scheduled import (
+    VerifierSchedule,
+    _ScheduledRequest,
+    simulate_vericache_scheduled,
+)
+from vericache.sim.remote_prefix_workers import Run
 from vericache.sim.workload import OutputLengths
 
 
@@ -68,14 +73,19 @@ def test_the_verifiers_memory_is_the_schedulers_plan():
 
 
 def test_a_verifier_that_keeps_sessions_resident_loads_only_what_it_dropped():
-    """VeriCache's verifier with room for every session (verifier_resident_bytes): each full KV
-    is loaded once, for its prefill, and a plan's later loads find it resident. Lock-step's
-    load iterations then have nothing in flight and pass at once, as the coordinator paces them:
-    its loads after the drafts cost what its loads beside them do."""
+    """VeriCache's verifier with room for every session (verifier_resident_bytes) beside its
+    prefixes: each prefix's full KV is loaded once, shared by its sessions, and a plan's loads
+    find the session resident or rebuild it over that copy, reading nothing from the store.
+    Lock-step's load iterations then have nothing in flight and pass at once, as the coordinator
+    paces them: its loads after the drafts cost what its loads beside them do."""
     scenario = _scenario(num_verifiers=1)
-    resident = dataclasses.replace(scenario, verifier_resident_bytes=scenario.kv_room_bytes)
     full = scenario.prefix_bytes(compressed=False)
-    loaded = simulate_vericache_scheduled(resident, StaggeredScheduler)
+    room = scenario.kv_room_bytes - scenario.num_prefixes * full
+    resident = dataclasses.replace(scenario, verifier_resident_bytes=room)
+    run = Run(resident)
+    run.verifiers[0].schedule = VerifierSchedule(run, run.verifiers[0], StaggeredScheduler)
+    loaded = run.serve(_ScheduledRequest.start)
+    assert run.verifiers[0].link.bytes_delivered <= scenario.num_prefixes * full
     reloaded = simulate_vericache_scheduled(scenario, StaggeredScheduler)
     assert loaded.num_output_tokens == reloaded.num_output_tokens
     # Loading for every verification moves at least a prefix a round more, less what the

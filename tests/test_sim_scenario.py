@@ -204,21 +204,25 @@ def test_float32_doubles_what_the_weights_and_the_kv_cost():
     assert full["full_local"]["peak_kv_bytes"] == 2 * half["full_local"]["peak_kv_bytes"]
 
 
-def test_vericaches_own_prefix_keeping_and_a_narrow_compressed_dtype_are_scenario_fields():
-    """Workers as VeriCache builds them (each session its own prefix copy, the drafter's from a
-    bounded LRU, the verifier's from the store) move more bytes than a paged server's sharing."""
-    shared = run_scenario(REMOTE)
-    own = run_scenario(
-        {
-            **REMOTE,
-            "verifier_prefix_lru_gb": 0,
-            "drafter_prefix_lru_gb": 1,
-            "prefixes_in_turn": True,
-        }
-    )
-    assert own["full_local"]["link_bytes"] > shared["full_local"]["link_bytes"]
-    with pytest.raises(InvalidRequestError, match="must be >= 0"):
-        run_scenario({**REMOTE, "drafter_prefix_lru_gb": -1})
+def test_prefix_budgets_are_scenario_fields_and_the_keys_of_copies_per_session_are_refused():
+    """Each role's workers hold the prefixes they share within a budget where the file sets one
+    (VerifierConfig.prefix_cache_bytes, DrafterConfig.kv_cache_bytes): with room for one prefix
+    in turn with others, a worker fetches again what it evicted."""
+    h200 = {**REMOTE, "device": "h200", "prefixes_in_turn": True}  # room for every prefix
+    roomy = run_scenario(h200)
+    budgets = {"verifier_prefix_cache_gb": 2.5, "drafter_prefix_cache_gb": 2.5}  # for one
+    tight = run_scenario({**h200, **budgets})
+    for name in ("full_local", "full_remote"):
+        assert tight[name]["num_output_tokens"] == roomy[name]["num_output_tokens"]
+        assert tight[name]["link_bytes"] > roomy[name]["link_bytes"]
+    with pytest.raises(InvalidRequestError, match="must be >= 1"):
+        run_scenario({**REMOTE, "drafter_prefix_cache_gb": 0})
+    for removed in ("verifier_prefix_lru_gb", "drafter_prefix_lru_gb"):
+        with pytest.raises(InvalidRequestError, match=f"unknown scenario fields.*'{removed}'"):
+            run_scenario({**REMOTE, removed: 1})
+
+
+def test_a_narrow_compressed_dtype_is_a_scenario_field():
     narrow = build_long_context({**SMALL, "compressed_dtype": "fp8"})
     wide = build_long_context(SMALL)
     assert 2 * narrow.compressed_kv_bytes(0) == wide.compressed_kv_bytes(0)

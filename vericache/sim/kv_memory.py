@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from vericache.errors import InvalidRequestError
@@ -23,45 +23,51 @@ class Session:
 
     prefix: Hashable | None  # None: none to share (its own bytes hold all it needs)
     prefix_bytes: int
-    own_bytes: int  # its suffix and output, and its own copy of anything it does not share
+    own_bytes: int  # its suffix and output: what it holds beside the prefix it reads
 
 
 class WorkerMemory:
-    """A worker's KV memory as a paged server manages it (vLLM's and SGLang's prefix caching): a
-    prefix is held once and shared by the sessions over it, held on after the last of them ends
-    (least recently used evicted first when room is needed), and fetched once however many
-    sessions wait for it. A session is admitted when its own KV and its prefix, unless held,
-    fit beside what is referenced, first come first served (no one overtakes a waiting session);
-    its `then` runs once its prefix has arrived. A memory without a link serves sessions that
-    share no prefix."""
+    """A worker's KV memory as a paged server manages it (vLLM's and SGLang's prefix caching,
+    and VeriCache's workers, kv/shared_prefix.py): a prefix is held once and shared by the
+    sessions over it, held on after the last of them ends (least recently used evicted first
+    when room is needed), and fetched once however many sessions wait for it. A session is
+    admitted when its own KV and its prefix, unless held, fit beside what is referenced, first
+    come first served (no one overtakes a waiting session); its `then` runs once its prefix has
+    arrived. A memory without a link serves sessions that share no prefix.
+
+    `prefix_budget_bytes` (None: prefixes are held within the memory alone) bounds the prefixes
+    held, as VeriCache's workers bound them apart from their sessions' own KV
+    (VerifierConfig.prefix_cache_bytes, DrafterConfig.kv_cache_bytes): a new prefix evicts
+    unreferenced ones for room within it, and where the referenced ones leave none, the session
+    fetches a copy for itself alone, dropped when it ends, as SharedPrefixes serves it."""
 
     def __init__(
         self,
         capacity_bytes: int,
         link: Inbound | None = None,
         caches_prefixes: bool = True,
-        lru_bytes: int | None = None,
+        prefix_budget_bytes: int | None = None,
     ):
         self.capacity_bytes = capacity_bytes
         self.link = link
         self.caches_prefixes = caches_prefixes  # False: a prefix goes when its last session does
-        # None: sessions share the prefix they are over (above). A number: each session holds its
-        # own copy of its prefix, made from an LRU of the prefixes fetched, of at most that many
-        # bytes (VeriCache's drafter, whose LRU is DrafterConfig.kv_cache_bytes; 0: no LRU, every
-        # session fetches, as VeriCache's verifier loads each session's prefix from the store).
-        self.lru_bytes = lru_bytes
+        self.prefix_budget_bytes = prefix_budget_bytes
         self.peak_bytes = 0
-        self._own_bytes = 0  # of admitted sessions
-        self._held: OrderedDict[Hashable, int] = (
-            OrderedDict()
-        )  # prefix -> bytes, arrived or fetching
+        self._own_bytes = 0  # of admitted sessions, with the copies held for one session alone
+        self._held: OrderedDict[Hashable, int] = OrderedDict()  # prefix -> bytes, or fetching
         self._refs: dict[Hashable, int] = {}  # prefix -> sessions admitted over it
         self._fetching: dict[Hashable, list[Callable[[], None]]] = {}
         self._waiting: deque[tuple[Session, Callable[[], None]]] = deque()
+        self._unshared: Counter[Session] = Counter()  # sessions holding a copy of their own
 
     @property
     def used_bytes(self) -> int:
-        return self._own_bytes + sum(self._held.values())
+        return self._own_bytes + self.held_prefix_bytes
+
+    @property
+    def held_prefix_bytes(self) -> int:
+        """The shared prefixes held, or on their way."""
+        return sum(self._held.values())
 
     def admit(self, session: Session, then: Callable[[], None]) -> None:
         needed = session.own_bytes + session.prefix_bytes
@@ -70,18 +76,23 @@ class WorkerMemory:
                 f"a session needs {needed} bytes of KV, more than a worker's "
                 f"{self.capacity_bytes}: raise tensor_parallel or shorten it"
             )
-        if self._is_private(session):  # its copy of the prefix is its own
-            session = replace(session, own_bytes=needed)
+        budget = self.prefix_budget_bytes
+        if budget is not None and session.prefix_bytes > budget:
+            raise InvalidRequestError(
+                f"a prefix of {session.prefix_bytes} bytes of KV is larger than a worker's "
+                f"prefix budget of {budget}"
+            )
         self._waiting.append((session, then))
         self._admit_waiting()
 
     def release(self, session: Session) -> None:
-        if self._is_private(session):
-            self._own_bytes -= session.own_bytes + session.prefix_bytes
-            self._admit_waiting()
-            return
         self._own_bytes -= session.own_bytes
-        if session.prefix is not None:
+        # Sessions are told apart by value: where equal ones hold both kinds, the copy of its
+        # own goes first (it was made before the shared one was loaded, so likely ends first).
+        if self._unshared[session]:
+            self._unshared[session] -= 1
+            self._own_bytes -= session.prefix_bytes
+        elif session.prefix is not None:
             self._refs[session.prefix] -= 1
             if not self.caches_prefixes and not self._refs[session.prefix]:
                 del self._held[session.prefix], self._refs[session.prefix]
@@ -96,83 +107,56 @@ class WorkerMemory:
             self._own_bytes += session.own_bytes
             if session.prefix is None:
                 then()
-            elif self._is_private(session):
-                self._copy_from_lru(session.prefix, session.prefix_bytes, then)
-            else:
+            elif self._can_share(session):
                 self._refs[session.prefix] = self._refs.get(session.prefix, 0) + 1
                 self._ensure(session, then)
+            else:  # the referenced prefixes fill the budget
+                self._unshared[session] += 1
+                self._own_bytes += session.prefix_bytes
+                self.link.send(session.prefix_bytes, then)
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def _make_room(self, session: Session) -> bool:
-        """Evicts unreferenced prefixes, least recent first, until the session fits; whether it
-        does."""
+        """Evicts unreferenced prefixes, least recent first, until the session fits (its prefix,
+        unless held, within the prefix budget if it can be); whether it does."""
         needed = session.own_bytes
-        if self._is_private(session):
-            self._evict_lru(self.used_bytes + needed - self.capacity_bytes)
-            return self.used_bytes + needed <= self.capacity_bytes
         if session.prefix is not None and session.prefix not in self._held:
             needed += session.prefix_bytes
-        for prefix in list(self._held):
-            if self.used_bytes + needed <= self.capacity_bytes:
-                break
-            if not self._refs.get(prefix) and prefix != session.prefix:
-                del self._held[prefix]
+            if self.prefix_budget_bytes is not None:
+                limit = self.prefix_budget_bytes - session.prefix_bytes
+                self._evict(lambda: self.held_prefix_bytes <= limit, session.prefix)
+        self._evict(lambda: self.used_bytes + needed <= self.capacity_bytes, session.prefix)
         return self.used_bytes + needed <= self.capacity_bytes
 
+    def _evict(self, is_done: Callable[[], bool], keep: Hashable | None) -> None:
+        for prefix in list(self._held):
+            if is_done():
+                return
+            if not self._refs.get(prefix) and prefix != keep:
+                del self._held[prefix]
+
+    def _can_share(self, session: Session) -> bool:
+        """Whether the session's prefix is held, or fits the prefix budget (`_make_room` made what
+        room it could)."""
+        budget = self.prefix_budget_bytes
+        if session.prefix in self._held or budget is None:
+            return True
+        return self.held_prefix_bytes + session.prefix_bytes <= budget
+
     def _ensure(self, session: Session, then: Callable[[], None]) -> None:
+        """Runs `then` once the session's prefix is held: at once, when the fetch on its way
+        arrives, or after a fetch it starts."""
         prefix = session.prefix
-
-        def fetch() -> None:  # held from now on: its bytes are reserved while it arrives
-            self._held[prefix] = session.prefix_bytes
-            self.link.send(session.prefix_bytes, lambda: self._arrived(prefix))
-
-        self._when_held(prefix, then, fetch)
-
-    def _when_held(self, prefix: Hashable, then: Callable[[], None], fetch) -> None:
-        """Runs `then` once `prefix` is held: at once, when the fetch on its way arrives, or
-        after a fetch `fetch` starts (whose arrival calls `_arrived`)."""
         if prefix in self._fetching:
             self._fetching[prefix].append(then)
         elif prefix in self._held:
             self._held.move_to_end(prefix)
             then()
-        else:
+        else:  # held from now on: its bytes are reserved while it arrives
             self._fetching[prefix] = [then]
-            fetch()
+            self._held[prefix] = session.prefix_bytes
+            self.link.send(session.prefix_bytes, lambda: self._arrived(prefix))
 
     def _arrived(self, prefix: Hashable) -> None:
         for then in self._fetching.pop(prefix):
             then()
-
-    # --- Private copies from an LRU (lru_bytes set) -----------------------------------------------
-
-    def _is_private(self, session: Session) -> bool:
-        return self.lru_bytes is not None and session.prefix is not None
-
-    def _copy_from_lru(self, prefix: Hashable, num_bytes: int, then: Callable[[], None]) -> None:
-        """The session's copy of its prefix: at once from the LRU, else once its fetch (its own,
-        or one already on the way) has arrived; a fetched prefix joins the LRU if it fits.
-        Without an LRU every session makes its own fetch, as each verifier session loads its own
-        copy from the store."""
-        if not self.lru_bytes:
-            self.link.send(num_bytes, then)
-            return
-
-        def fetch() -> None:  # joins the LRU on arrival, if it fits
-            self.link.send(num_bytes, lambda: self._arrived_for_lru(prefix, num_bytes))
-
-        self._when_held(prefix, then, fetch)
-
-    def _arrived_for_lru(self, prefix: Hashable, num_bytes: int) -> None:
-        if num_bytes <= self.lru_bytes:
-            self._evict_lru(sum(self._held.values()) + num_bytes - self.lru_bytes)
-            room = self.capacity_bytes - self.used_bytes
-            if num_bytes <= room:
-                self._held[prefix] = num_bytes
-        self._arrived(prefix)
-
-    def _evict_lru(self, num_bytes: int) -> None:
-        """Drops the least recently used prefixes of the LRU until `num_bytes` are free."""
-        while num_bytes > 0 and self._held:
-            _, freed = self._held.popitem(last=False)
-            num_bytes -= freed

@@ -18,14 +18,16 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
 Scheduled rounds, each verifier's loads and verifications planned by the real scheduler within
 its memory, are remote_prefix_scheduled.py's.
 Memory: with per-request rounds and in the full-KV configurations, a worker keeps every session it
-serves resident, as a paged server with prefix caching does (remote_prefix_workers.WorkerMemory):
-a prefix's KV is held once and shared by the sessions over it, cached after they end, fetched on
-a miss (a verifier's full KV from the store, a drafter's compressed or full KV over the network),
-and a session waits for room before it opens. A verifier with `verifier_resident_bytes` keeps
-sessions' full KV as VeriCache's does instead (residency.py): each of its forwards brings its
-session's back, from the store, if another's load dropped it. Assumptions, stated: a compressed
-prefix keeps every token at `compressed_ratio` of the full bytes (quantization, KIVI); the network
-link of each drafter is its own.
+serves resident, as a paged server with prefix caching and VeriCache's workers do
+(kv_memory.WorkerMemory): a prefix's KV is held once and shared by the sessions over it, cached
+after they end (within the role's prefix budget, where the scenario sets one), fetched on a miss
+(a verifier's full KV from the store, a drafter's compressed or full KV over the network), and a
+session waits for room before it opens. A verifier with `verifier_resident_bytes` keeps sessions'
+own full KV as VeriCache's does instead (residency.py), beside the shared prefixes: each of its
+forwards waits for room for its session's, if another's dropped it, and rebuilds it over the
+shared prefix, reading nothing from the store. Assumptions, stated: a compressed prefix keeps every
+token at `compressed_ratio` of the full bytes (quantization, KIVI); the network link of each
+drafter is its own.
 """
 
 from __future__ import annotations
@@ -62,9 +64,9 @@ class VeriCacheRequest:
         key = run.placement_key(prefix)
         drafter, verifier = placed(run.drafters, key), placed(run.verifiers, key)
         request = cls(run, prefix, run.sequence(num_tokens), arrival_s, drafter, verifier)
-        if verifier.residency is not None:  # a load moves the prefix's full KV
-            prefix_bytes = run.scenario.prefix_bytes(compressed=False)
-            verifier.residency.open(request, request.reserved_full_kv_bytes(), prefix_bytes)
+        if verifier.residency is not None:  # its own full KV, beside the shared prefix's
+            own = run.scenario.reserved_own_full_kv_bytes(request.seq.max_output_tokens)
+            verifier.residency.open(request, own)
         # Memory in one order, the verifier's first: no two sessions wait on each other. Each
         # admission brings its prefix, unless held: the full KV from the store to the verifier,
         # the compressed KV over the network to the drafter.
@@ -74,12 +76,11 @@ class VeriCacheRequest:
         )
 
     def verifier_session(self) -> Session:
-        """Over the prefix's full KV, which verifications attend over (the residency's, where
-        the verifier keeps one)."""
-        if self.verifier.residency is not None:
-            return Session(None, 0, 0)
+        """Over the prefix's full KV, which verifications attend over, beside the exact KV of
+        its own tokens (which the residency holds instead, where the verifier keeps one)."""
         scenario = self.run.scenario
-        own = scenario.own_bytes(self.seq.max_output_tokens)
+        residency = self.verifier.residency
+        own = 0 if residency is not None else scenario.own_bytes(self.seq.max_output_tokens)
         key = self.run.prefix_key(self.prefix, self)
         return Session(key, scenario.prefix_bytes(compressed=False), own)
 
@@ -89,11 +90,6 @@ class VeriCacheRequest:
         own = scenario.own_bytes(self.seq.max_output_tokens)
         key = self.run.prefix_key(self.prefix, self)
         return Session(key, scenario.prefix_bytes(compressed=True), own)
-
-    def reserved_full_kv_bytes(self) -> int:
-        """The session's full KV on the verifier, as the verifier allocates it and tells its
-        scheduler: whole blocks of slots for its prefix and all its own tokens."""
-        return self.run.scenario.reserved_full_kv_bytes(self.seq.max_output_tokens)
 
     def finished(self) -> None:
         self.verifier.memory.release(self.verifier_session())

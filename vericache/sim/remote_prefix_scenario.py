@@ -2,8 +2,8 @@
 drafters across a slow network, each worker a device or a tensor-parallel group of them.
 
 Memory, stated: each worker keeps `activation_reserve` of its devices' memory from the KV, and the
-rest beside the weights is its KV room, shared by its sessions' own KV and the prefixes they share
-(remote_prefix_workers.WorkerMemory). With tensor
+rest beside the weights is its KV room, shared by its sessions' own KV and the prefixes they share,
+one copy of each (kv_memory.WorkerMemory), within a prefix budget where one is set. With tensor
 parallelism over g devices a worker holds 1/g of the weights and of every KV on each device, and
 each device moves its share over its own link at once: the worker's links carry g times one
 device's bandwidth.
@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
-from vericache.kv.slots import reserved_full_kv_bytes
+from vericache.kv.slots import SHARED_PREFIX_ALIGN, reserved_full_kv_bytes
 from vericache.sim.cost import Row, forward_seconds
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
@@ -49,21 +49,21 @@ class RemotePrefixScenario:
     # drops tokens; drafts attend over these, at compressed_ratio of the full bytes in all.
     compressed_token_share: float = 1.0
     activation_reserve: float = 0.1  # share of each device's memory kept from the KV
-    # Where set, a role's workers keep prefixes as VeriCache's do, not as a paged server shares
-    # them: each session holds its own copy of its prefix, made from an LRU of at most this many
-    # bytes of the prefixes fetched (kv_memory.WorkerMemory.lru_bytes). VeriCache's drafter keeps
-    # DrafterConfig.kv_cache_bytes; its verifier 0, loading every session's prefix from the store.
-    verifier_prefix_lru_bytes: int | None = None
-    drafter_prefix_lru_bytes: int | None = None
+    # Where set, a role's workers hold the prefixes they share within this many bytes, apart
+    # from their sessions' own KV (kv_memory.WorkerMemory.prefix_budget_bytes), as VeriCache's
+    # do: VerifierConfig.prefix_cache_bytes, DrafterConfig.kv_cache_bytes. None: within the KV
+    # room alone, as the served workers' default (what the device has left) does.
+    verifier_prefix_cache_bytes: int | None = None
+    drafter_prefix_cache_bytes: int | None = None
     prefixes_in_turn: bool = False  # request i asks prefix i % num_prefixes (bench remote-prefix)
     # How fast a drafter's host takes in a prefix fetched over the network (decoding its wire
     # format, checking it), one at a time beside the device's forwards, in bytes/s; None: at once.
     network_receive_bytes_per_s: float | None = None
-    # Where set, a verifier keeps sessions' full KV as VeriCache's does (VerifierConfig.
+    # Where set, a verifier keeps sessions' own full KV as VeriCache's does (VerifierConfig.
     # resident_bytes, sim/residency.py): at most this many bytes between calls, the least
-    # recently used dropped when a load needs room and loaded again by its next call. None: a
-    # per-request session holds its full KV from open to end (WorkerMemory), and scheduled rounds
-    # load it for every verification.
+    # recently used dropped when another needs room and rebuilt over the shared prefix by its
+    # next call. None: a per-request session holds its KV from open to end (WorkerMemory), and
+    # scheduled rounds load the prefix's full KV for every verification.
     verifier_resident_bytes: int | None = None
 
     def __post_init__(self):
@@ -80,11 +80,15 @@ class RemotePrefixScenario:
         if receive is not None and not receive > 0:
             raise InvalidRequestError("network_receive_bytes_per_s must be > 0")
         resident = self.verifier_resident_bytes
-        if resident is not None and not 0 < resident <= self.kv_room_bytes:
-            raise InvalidRequestError("verifier_resident_bytes must lie in (0, kv_room_bytes]")
-        lru = (self.verifier_prefix_lru_bytes, self.drafter_prefix_lru_bytes)
-        if any(size is not None and size < 0 for size in lru):
-            raise InvalidRequestError("a prefix LRU's bytes must be >= 0")
+        room = self.kv_room_bytes - self.prefix_bytes(compressed=False)
+        if resident is not None and not 0 < resident <= room:
+            raise InvalidRequestError(
+                "verifier_resident_bytes must be > 0 and leave a prefix's full KV room beside it "
+                "in kv_room_bytes"
+            )
+        budgets = (self.verifier_prefix_cache_bytes, self.drafter_prefix_cache_bytes)
+        if any(size is not None and size < 1 for size in budgets):
+            raise InvalidRequestError("a prefix cache's bytes must be >= 1")
         if self.tensor_parallel < 1 or not 0 <= self.activation_reserve < 1:
             raise InvalidRequestError("tensor_parallel >= 1, activation_reserve in [0, 1)")
         if self.kv_room_bytes <= 0:
@@ -140,6 +144,13 @@ class RemotePrefixScenario:
             self.model.max_positions,
             self.model.slot_bytes(self.element_size),
         )
+
+    def reserved_own_full_kv_bytes(self, max_output_tokens: int) -> int:
+        """What the verifier's residency counts of a session: its reservation past the whole
+        blocks of its prefix that it reads in place from the shared copy (kv/prefixed.py)."""
+        shared_slots = self.prefix_tokens // SHARED_PREFIX_ALIGN * SHARED_PREFIX_ALIGN
+        shared = shared_slots * self.model.slot_bytes(self.element_size)
+        return self.reserved_full_kv_bytes(max_output_tokens) - shared
 
     def own_bytes(self, num_output_tokens: int) -> int:
         """The exact KV a session comes to hold of its own: its suffix and its output."""

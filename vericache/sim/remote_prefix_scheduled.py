@@ -10,9 +10,11 @@ clock (a draft step long, refined by every draft the drafters report):
   session's own tokens' KV stays on the verifier between rounds, outside the plan); the prefix's
   is on the verifier's device only from its load to its verification, as the scheduler's memory
   ring plans it (booked at the session's whole reservation, kv/slots.py). A verifier that keeps
-  VeriCache's residency
-  (`verifier_resident_bytes`) makes the session resident instead, held until verified, loading
-  only a session it dropped since, as the served verifier's load ahead does;
+  VeriCache's residency (`verifier_resident_bytes`) holds each prefix's full KV once, shared by
+  its sessions, and makes the session's own full KV resident instead (booked at that alone, as
+  the coordinator books it), held until verified: one it dropped since is rebuilt over the shared
+  prefix once there is room, reading nothing from the store, as the served verifier's load ahead
+  does;
 - begins the round of each request whose first draft iteration it is: one draft call of the
   reserved length (within the budget and the context, the engine's round decides), which carries
   the last round's exact KV across the network, drafts step by step batched with the drafter's other
@@ -60,13 +62,16 @@ class _ScheduledRequest(VeriCacheRequest):
         return f"r{id(self)}"
 
     def verifier_session(self) -> Session:
-        """Nothing kept between rounds: the full KV is loaded for each verification, within the
-        memory the verifier's scheduler plans."""
+        """The shared prefix beside the residency, where the verifier keeps one; else nothing
+        kept between rounds: the full KV is loaded for each verification, within the memory the
+        verifier's scheduler plans."""
+        if self.verifier.residency is not None:
+            return super().verifier_session()
         return Session(None, 0, 0)
 
     def _open(self) -> None:
-        """The prefill needs the prefix's full KV on the verifier for its own forward (which
-        the verifier's residency, if it keeps one, brings)."""
+        """The prefill needs the prefix's full KV on the verifier for its own forward (held
+        shared already, where the verifier keeps a residency)."""
         if self.verifier.residency is not None:
             self._prefill()
             return
@@ -80,6 +85,16 @@ class _ScheduledRequest(VeriCacheRequest):
             return
         self.exact_tokens = self.run.scenario.suffix_tokens + 1
         self.verifier.schedule.add(self)
+
+    def booked_kv_bytes(self) -> int:
+        """What the verifier's scheduler books for the session, as the verifier allocates it
+        (whole blocks of slots, kv/slots.py): where the verifier keeps a residency, its own full
+        KV past its prefix's shared blocks, which stay resident (as the coordinator books it);
+        else its whole full KV, loaded for each verification."""
+        scenario, max_output_tokens = self.run.scenario, self.seq.max_output_tokens
+        if self.verifier.residency is not None:
+            return scenario.reserved_own_full_kv_bytes(max_output_tokens)
+        return scenario.reserved_full_kv_bytes(max_output_tokens)
 
     def begin_round(self, reserved: int) -> None:
         """One draft call of the reserved length, cut by the engine's round."""
@@ -120,7 +135,7 @@ class _ScheduledRequest(VeriCacheRequest):
         """The plan's load ahead of the verification: the prefix's full KV over the store link
         (what the verifier loads, not the blocks the plan reserved for the session), or made
         resident (and held there until verified) by the verifier's residency, which moves
-        nothing for a session it still holds."""
+        nothing from the store."""
         self.loading = True
         if self.verifier.residency is not None:
             self.verifier.residency.use(self, self._on_loaded)
@@ -224,7 +239,7 @@ class VerifierSchedule:
 
     def add(self, entry: _ScheduledRequest) -> None:
         draft_len = self.run.scenario.draft_len
-        request = SchedulerRequest(entry.request_id, entry.reserved_full_kv_bytes(), 0, draft_len)
+        request = SchedulerRequest(entry.request_id, entry.booked_kv_bytes(), 0, draft_len)
         self.scheduler.add_request(request)
         self.entries[entry.request_id] = entry
         if not self._ticking:

@@ -31,8 +31,9 @@ class Worker:
         name: str,
         inbound_bytes_per_s: float,
         latency_s: float,
-        prefix_lru_bytes: int | None,
+        prefix_budget_bytes: int | None,
         receive_bytes_per_s: float | None = None,
+        resident_bytes: int | None = None,
     ):
         # Each device of a tensor-parallel group moves its share over its own link at once.
         inbound_bytes_per_s *= run.scenario.tensor_parallel
@@ -41,18 +42,20 @@ class Worker:
         self.link = Link(run.sim, f"{name}-in", inbound_bytes_per_s, latency_s)
         self.num_requests = 0  # in flight here, admitted or waiting for memory
         caching = run.scenario.prefix_caching
-        room = run.scenario.kv_room_bytes
+        # A verifier's residency keeps its budget apart from the prefixes, as the served one.
+        room = run.scenario.kv_room_bytes - (resident_bytes or 0)
         inbound = (
             self.link if receive_bytes_per_s is None else _Received(self, name, receive_bytes_per_s)
         )
-        self.memory = WorkerMemory(room, inbound, caching, prefix_lru_bytes)
-        self.residency: SimResidency | None = None  # a verifier's, where it keeps VeriCache's
+        self.memory = WorkerMemory(room, inbound, caching, prefix_budget_bytes)
+        # A verifier's sessions' own full KV, where it keeps VeriCache's residency.
+        self.residency = None if resident_bytes is None else SimResidency(resident_bytes)
         self.schedule: VerifierSchedule | None = None  # a verifier's, with scheduled rounds
 
     @property
     def kv_bytes(self) -> int:
-        """The KV it holds now: its sessions' and prefixes', and the full KV its residency holds
-        or else its scheduler planned."""
+        """The KV it holds now: its sessions' and prefixes', and the own full KV its residency
+        holds or else the full KV its scheduler planned."""
         if self.residency is not None:
             return self.memory.used_bytes + self.residency.held_bytes
         planned = self.schedule.kv_bytes if self.schedule is not None else 0
@@ -60,10 +63,10 @@ class Worker:
 
     @property
     def peak_kv_bytes(self) -> int:
-        """The most KV it held: its sessions' and prefixes', or the full KV its residency held or
-        else its scheduler planned."""
+        """The most KV it held: its sessions' and prefixes', with (at most: each at its own peak)
+        the own full KV its residency held, or else the full KV its scheduler planned."""
         if self.residency is not None:
-            return max(self.memory.peak_bytes, self.residency.peak_bytes)
+            return self.memory.peak_bytes + self.residency.peak_bytes
         planned = self.schedule.peak_kv_bytes if self.schedule is not None else 0
         return max(self.memory.peak_bytes, planned)
 
@@ -97,17 +100,15 @@ class Run:
         self.verifiers = [
             Worker(
                 self, f"verifier-{i}", scenario.store_bytes_per_s, 0.0,
-                scenario.verifier_prefix_lru_bytes,
+                scenario.verifier_prefix_cache_bytes,
+                resident_bytes=scenario.verifier_resident_bytes,
             )
             for i in range(scenario.num_verifiers)
         ]  # fmt: skip
-        if scenario.verifier_resident_bytes is not None:
-            for verifier in self.verifiers:
-                verifier.residency = SimResidency(scenario.verifier_resident_bytes, verifier.link)
         self.drafters = [
             Worker(
                 self, f"drafter-{i}", scenario.network_bytes_per_s, scenario.network_latency_s,
-                scenario.drafter_prefix_lru_bytes, scenario.network_receive_bytes_per_s,
+                scenario.drafter_prefix_cache_bytes, scenario.network_receive_bytes_per_s,
             )
             for i in range(scenario.num_drafters)
         ]  # fmt: skip

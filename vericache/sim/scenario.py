@@ -38,8 +38,8 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
     draft_len: 40
     scheduling: per-request         # or staggered, lockstep: each verifier's scheduler plans
     prefix_caching: true            # false: every session fetches its own copy of its prefix
-    verifier_prefix_lru_gb: 0       # set: VeriCache's workers as built, each session its own
-    drafter_prefix_lru_gb: 2.5      #   copy from an LRU this big (the verifier's 0: from the store)
+    verifier_prefix_cache_gb: 20    # optional: each role holds its prefixes (one copy each,
+    drafter_prefix_cache_gb: 2.5    #   shared) within this budget (default: its KV room)
     prefixes_in_turn: false         # true: request i asks prefix i % prefixes
     requests: {count: 64, concurrency: 8}   # or a rate_per_s: a closed loop of 8 clients
     output_tokens, acceptance, seed: as above
@@ -96,7 +96,7 @@ _FIELDS = {
         "verifiers", "drafters", "prefix_tokens", "prefixes", "suffix_tokens", "compressed_ratio",
         "store_gb_per_s", "network_gb_per_s", "network_latency_ms", "scheduling",
         "tensor_parallel", "activation_reserve", "prefix_caching", "compressed_token_share",
-        "verifier_prefix_lru_gb", "drafter_prefix_lru_gb", "prefixes_in_turn",
+        "verifier_prefix_cache_gb", "drafter_prefix_cache_gb", "prefixes_in_turn",
     },
 }  # fmt: skip
 
@@ -253,8 +253,8 @@ def _remote_prefix(data: dict) -> RemotePrefixScenario:
         prefix_caching=_bool(data, "prefix_caching", True),
         concurrency=_concurrency(data),
         element_size=_element_size(data),
-        verifier_prefix_lru_bytes=_gigabytes(data, "verifier_prefix_lru_gb"),
-        drafter_prefix_lru_bytes=_gigabytes(data, "drafter_prefix_lru_gb"),
+        verifier_prefix_cache_bytes=_gigabytes(data, "verifier_prefix_cache_gb"),
+        drafter_prefix_cache_bytes=_gigabytes(data, "drafter_prefix_cache_gb"),
         prefixes_in_turn=_bool(data, "prefixes_in_turn", False),
     )
 
