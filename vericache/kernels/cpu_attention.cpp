@@ -45,8 +45,8 @@ using Vec = at::vec::Vectorized<float>;
 // Slots per softmax chunk (stays in L1 while every row seeing it folds it in); a shared prefix is
 // a whole number of them.
 constexpr int64_t kSlotChunk = 128;
-constexpr int64_t kTokenBlock = 8;    // new tokens per item: keeps both cores busy on one verify
-constexpr int64_t kPrefixBlock = 32;  // tokens per item over a shared prefix: one read serves them
+constexpr int64_t kTokenBlock = 8;     // new tokens per item: keeps both cores busy on one verify
+constexpr int64_t kPrefixBlock = 128;  // tokens per item over a shared prefix: one read serves all
 
 struct HeadView {
   const void* keys;  // slot t at keys + t * key_stride elements: D contiguous ones
