@@ -5,6 +5,7 @@ among others (over a whole model and caches of other capacities: tests/test_cuda
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -13,12 +14,16 @@ import torch.nn.functional as F
 from tests.compressor_table import pick
 from tests.test_cuda import inputs_to_cuda
 from tests.test_kernels import CASES, random_inputs
+from tests.test_prefixed import _decode
 from vericache.engine.engine import Engine
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.kernels import triton_attention, triton_invariant_attention, triton_ops
 from vericache.kernels.gather import gather_slots
 from vericache.kernels.packed_attention import packed_attention_reference
+from vericache.kv.prefixed import shared_clone
 from vericache.model.kernels import attention, visibility_mask
+from vericache.model.loader import load_model
+from vericache.model.runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,10 +38,12 @@ DTYPES = {  # (model dtype, cache dtype) -> tolerance against float64
 }
 
 
-def _head_major(num_slots: int, num_kv_heads: int, head_dim: int, capacity: int, dtype):
+def _head_major(
+    num_slots: int, num_kv_heads: int, head_dim: int, capacity: int, dtype, device="cuda"
+):
     """Keys and values [num_slots, H, D] viewed from [H, capacity, D] buffers, as caches hold
     them (strides depend on the capacity)."""
-    buffers = torch.randn(2, num_kv_heads, capacity, head_dim, device="cuda").to(dtype)
+    buffers = torch.randn(2, num_kv_heads, capacity, head_dim, device=device).to(dtype)
     return buffers[0].transpose(0, 1)[:num_slots], buffers[1].transpose(0, 1)[:num_slots]
 
 
@@ -111,6 +118,110 @@ def test_invariant_attention_over_a_shared_prefix_is_the_concatenation(dtypes, s
     for m in range(num_new):
         alone = kernel(q[m : m + 1], keys, values, num_slots - num_new + m + 1, None, *prefix)
         assert torch.equal(alone, split[m : m + 1]), f"token {m}"
+
+
+# (new tokens, own slots) of sequences over one prefix: one-token steps and 31-token verifications.
+CASCADE_SEQUENCES = [(1, 1), (31, 31), (1, 300), (31, 40), (5, 77), (1, 130)]
+
+
+def check_cascade_attention(device, dtypes, shape, num_prefix: int) -> None:
+    """Sequences over one prefix in one cascade call: each gets the bits of its own call over
+    [prefix | cache] in one buffer, and of its call reading the prefix apart."""
+    model_dtype, cache_dtype = dtypes
+    num_kv_heads, group, head_dim = shape
+    torch.manual_seed(0)
+    kernel = triton_invariant_attention
+    prefix = _head_major(num_prefix, num_kv_heads, head_dim, num_prefix + 64, cache_dtype, device)
+    own = [
+        (*_head_major(slots, num_kv_heads, head_dim, slots + 9, cache_dtype, device), slots)
+        for _, slots in CASCADE_SEQUENCES
+    ]
+    spans, start = [], 2  # other rows between the sequences' rows: spans need not be adjacent
+    for num_new, _ in CASCADE_SEQUENCES:
+        spans.append((start, start + num_new))
+        start += num_new + 3
+    q = torch.randn(start, num_kv_heads * group, head_dim, device=device).to(model_dtype)
+    together = kernel.cascade_attention(q, spans, own, *prefix)
+    for (start, end), (keys, values, slots), got in zip(spans, own, together):
+        whole_kv = [torch.cat([p, t[:slots]]) for p, t in zip(prefix, (keys, values))]
+        whole = kernel.invariant_attention(q[start:end], *whole_kv, num_prefix + slots)
+        split = kernel.invariant_attention(q[start:end], keys, values, slots, None, *prefix)
+        assert torch.equal(got, whole), f"{end - start} new of {slots} own slots"
+        assert torch.equal(got, split), f"{end - start} new of {slots} own slots"
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 128)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtypes", list(DTYPES), ids=lambda d: f"{d[0]}-{d[1]}")
+def test_cascade_attention_gives_each_sequence_its_bits_alone(dtypes, shape):
+    check_cascade_attention("cuda", dtypes, shape, num_prefix=512)
+
+
+def check_prefix_read_by_one_launch(device, monkeypatch) -> None:
+    """The cascade call reads the prefix in one launch, for the rows of every sequence."""
+    launches = []
+    launch = triton_invariant_attention._launch
+
+    def recording(*args, **kwargs):
+        bound = inspect.signature(launch).bind(*args, **kwargs).arguments
+        launches.append((bound["pass_name"], bound["keys"].data_ptr(), bound.get("prefix")))
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_invariant_attention, "_launch", recording)
+    prefix = _head_major(256, 2, 64, 256, torch.float32, device)
+    own = [(*_head_major(40, 2, 64, 64, torch.float32, device), 40) for _ in range(3)]
+    q = torch.randn(33, 4, 64, device=device)
+    triton_invariant_attention.cascade_attention(q, [(0, 1), (1, 32), (32, 33)], own, *prefix)
+    reading_prefix = [name for name, keys, extra in launches if keys == prefix[0].data_ptr()]
+    assert reading_prefix == ["prefix"]
+    assert [name for name, _, _ in launches] == ["prefix", "own", "own", "own"]
+    assert all(extra is None for _, _, extra in launches)
+
+
+def test_cascade_attention_reads_the_prefix_in_one_launch(monkeypatch):
+    check_prefix_read_by_one_launch("cuda", monkeypatch)
+
+
+def check_two_prefixes_in_one_forward(runner: ModelRunner, monkeypatch, steps: int = 3) -> None:
+    """Sessions over two shared prefixes, one-token steps and 31-token verifications in one
+    forward: each session's logits are those of its private copy decoded alone, bit for bit, and
+    each layer of each forward reads each prefix in one cascade call."""
+    prefix_caches = []
+    for seed in (1, 2):
+        cache = runner.new_cache(600)
+        ids = torch.randint(3, 512, (600,), generator=torch.Generator().manual_seed(seed))
+        runner.prefill(ids, cache, num_logits=0, chunk_size=256)
+        prefix_caches.append(cache)
+    sessions = [
+        (cache, num_new)
+        for cache, counts in zip(prefix_caches, [(1, 31, 1), (31, 1)])
+        for num_new in counts
+    ]
+    generator = torch.Generator().manual_seed(3)
+    suffixes = [torch.randint(3, 512, (n,), generator=generator).tolist() for _, n in sessions]
+    group_sizes = []
+    cascade = triton_invariant_attention.cascade_attention
+
+    def counting(q, spans, *args):
+        group_sizes.append(len(spans))
+        return cascade(q, spans, *args)
+
+    monkeypatch.setattr(triton_invariant_attention, "cascade_attention", counting)
+    shared = [shared_clone(cache, 700) for cache, _ in sessions]
+    together = _decode(runner, shared, suffixes, steps, invariant=True)
+    assert group_sizes == [3, 2] * (steps * runner.config.num_layers)
+    for index, ((cache, _), suffix) in enumerate(zip(sessions, suffixes)):
+        alone = _decode(runner, [cache.clone(700)], [suffix], steps, invariant=True)[0]
+        for step, (got, want) in enumerate(zip(together[index], alone)):
+            assert torch.equal(got, want), (index, step)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sessions_over_two_prefixes_read_each_once_with_their_own_bits(
+    tiny_checkpoint, monkeypatch, dtype
+):
+    loaded = load_model(str(tiny_checkpoint("llama")), dtype=dtype, device="cuda")
+    runner = ModelRunner(loaded.config, loaded.weights, "cuda")
+    check_two_prefixes_in_one_forward(runner, monkeypatch)
 
 
 def test_invariant_attention_refuses_an_unaligned_prefix_and_a_window_over_one():

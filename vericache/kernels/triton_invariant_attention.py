@@ -24,7 +24,17 @@ state over the cache's. The prefix's length is a multiple of PREFIX_BLOCK, so of
 (kv/slots.py SHARED_PREFIX_ALIGN is a multiple of PREFIX_BLOCK): every block then holds the slots
 it would hold in one buffer of [prefix | cache], and the result is that buffer's bit for bit, with
 no copy of the prefix into each session.
+
+Several sequences over one prefix read it once between them (`cascade_attention`, cascade
+attention): a first launch runs the prefix's blocks for the rows of all of them, gathered from the
+layer's queries by token, and stores each row's running state (max, sum, unnormalised output, in
+float32: exact); then each sequence's launch loads its rows' state and runs its cache's blocks.
+All passes are one kernel, so a block runs the same instructions in each (the pass picks only
+where rows, state and output come from), and a row's results do not depend on the rows beside it
+in a tile: each row ends as in one launch over [prefix | cache], bit for bit.
 """
+
+import functools
 
 import torch
 
@@ -36,18 +46,23 @@ PREFIX_BLOCK = 64
 BLOCK_R = 16
 
 
-@jit(do_not_specialize=["num_new", "num_slots", "num_prefix"])
+@jit(do_not_specialize=["num_new", "num_slots", "num_prefix", "state_first_row"])
 def _invariant_attention_kernel(
-    q_ptr,  # [n, Hq, D]
+    q_ptr,  # [n, Hq, D]; in the prefix pass [N, Hq, D], rows picked through token_index_ptr
     keys_ptr,  # [T, H, D], strided
     values_ptr,
     prefix_keys_ptr,  # [P, H, D], strided (unused without HAS_PREFIX)
     prefix_values_ptr,
     window_ptr,  # [H, n, T] uint8 (unused without HAS_WINDOW)
-    out_ptr,  # [n, Hq, D], contiguous
+    token_index_ptr,  # [n] int32: the prefix pass's rows in q (unused in the other passes)
+    state_max_ptr,  # [M, Hq] float32: running state after the prefix (unused in the whole pass)
+    state_sum_ptr,  # [M, Hq] float32
+    state_acc_ptr,  # [M, Hq, D] float32, unnormalised
+    out_ptr,  # [n, Hq, D], contiguous (unused in the prefix pass)
     num_new,
     num_slots,
     num_prefix,  # P, a multiple of BLOCK_N
+    state_first_row,  # the own pass's first token among the state's M
     q_stride_token,
     q_stride_head,
     key_stride_slot,
@@ -63,6 +78,7 @@ def _invariant_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    PASS: tl.constexpr,  # "whole", "prefix" or "own" (see `cascade_attention`)
     PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -70,26 +86,45 @@ def _invariant_attention_kernel(
 ):
     kv_head, row_tile = tl.program_id(0), tl.program_id(1)
     compute_dtype = q_ptr.dtype.element_ty
+    num_heads = GROUP * tl.num_programs(0)
     rows = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)  # ordered (group member, token)
     row_ok = rows < GROUP * num_new
     tokens, q_heads = rows % num_new, kv_head * GROUP + rows // num_new
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q_offsets = tokens.to(tl.int64) * q_stride_token + q_heads.to(tl.int64) * q_stride_head
     row_mask = row_ok[:, None] & dim_ok[None, :]
-    q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_mask, other=0.0)
     # Slots are counted in [prefix | cache]: the cache's first is P.
     total_slots = num_prefix + num_slots
-    last_visible = total_slots - num_new + tokens  # [R]
+    if PASS == "prefix":
+        # Tokens of several sequences, each seeing every slot of the prefix (it precedes them).
+        # A runtime bound, as in the other passes: an all-true mask known to the compiler would
+        # let it fuse the scaling and the shift of the scores into one FMA, rounded otherwise.
+        q_tokens = tl.load(token_index_ptr + tokens, mask=row_ok, other=0)
+        last_visible = tl.zeros([BLOCK_R], tl.int32) + (total_slots - 1)
+    else:
+        q_tokens = tokens
+        last_visible = total_slots - num_new + tokens  # [R]
+    q_offsets = q_tokens.to(tl.int64) * q_stride_token + q_heads.to(tl.int64) * q_stride_head
+    q = tl.load(q_ptr + q_offsets[:, None] + dims[None, :], mask=row_mask, other=0.0)
     key_base = keys_ptr + kv_head.to(tl.int64) * key_stride_head
     value_base = values_ptr + kv_head.to(tl.int64) * value_stride_head
     prefix_key_base = prefix_keys_ptr + kv_head.to(tl.int64) * prefix_key_stride_head
     prefix_value_base = prefix_values_ptr + kv_head.to(tl.int64) * prefix_value_stride_head
     window_row = (kv_head.to(tl.int64) * num_new + tokens) * num_slots  # [R]
+    state_rows = (state_first_row + tokens).to(tl.int64) * num_heads + q_heads  # [R]
 
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    if PASS == "own":
+        # The prefix pass's state: the loop goes on as over one buffer [prefix | cache]. The
+        # launch passes P = 0, counting the cache's slots from 0: only which slots a row sees
+        # matters, and the loop then is the whole pass's. Padding rows start afresh, as there.
+        m_i = tl.load(state_max_ptr + state_rows, mask=row_ok, other=float("-inf"))
+        l_i = tl.load(state_sum_ptr + state_rows, mask=row_ok, other=0.0)
+        acc_offsets = state_rows[:, None] * HEAD_DIM + dims[None, :]
+        acc = tl.load(state_acc_ptr + acc_offsets, mask=row_mask, other=0.0)
+    else:
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     # One loop over both segments, so a block of the prefix runs the very instructions of a block
     # of one buffer [prefix | cache] (two loops compiled apart could differ, e.g. in FMA
     # contraction); only the block's segment is chosen per block (P is a multiple of BLOCK_N, so
@@ -121,15 +156,20 @@ def _invariant_attention_kernel(
         m_i, l_i, acc = online_softmax_step(
             q, keys_t, values, visible, m_i, l_i, acc, sm_scale, PRECISION
         )
-    # Every row sees at least its own token (a padding row repeats a real row's token), so
-    # l_i > 0; padding rows are not stored.
-    out = acc / l_i[:, None]
-    out_offsets = (tokens.to(tl.int64) * GROUP * tl.num_programs(0) + q_heads) * HEAD_DIM
-    tl.store(
-        out_ptr + out_offsets[:, None] + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_mask,
-    )
+    if PASS == "prefix":  # unnormalised: the own pass goes on from here
+        tl.store(state_max_ptr + state_rows, m_i, mask=row_ok)
+        tl.store(state_sum_ptr + state_rows, l_i, mask=row_ok)
+        tl.store(state_acc_ptr + state_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask)
+    else:
+        # Every row sees at least its own token (a padding row repeats a real row's token), so
+        # l_i > 0; padding rows are not stored.
+        out = acc / l_i[:, None]
+        out_offsets = (tokens.to(tl.int64) * num_heads + q_heads) * HEAD_DIM
+        tl.store(
+            out_ptr + out_offsets[:, None] + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
 
 
 def invariant_attention(
@@ -155,31 +195,97 @@ def invariant_attention(
     if has_prefix:
         if window_mask is not None:
             raise ValueError("a window_mask over a shared prefix is not supported")
-        if prefix_keys.shape != prefix_values.shape or prefix_keys.shape[1:] != keys.shape[1:]:
-            raise ValueError(
-                f"prefix keys {tuple(prefix_keys.shape)} and values "
-                f"{tuple(prefix_values.shape)} must be [P, {keys.shape[1]}, {keys.shape[2]}]"
-            )
-        if prefix_keys.shape[0] % PREFIX_BLOCK:
-            raise ValueError(
-                f"a shared prefix of {prefix_keys.shape[0]} slots is not a multiple of "
-                f"{PREFIX_BLOCK}"
-            )
+        _check_prefix(prefix_keys, prefix_values, keys)
     num_new, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[1]
-    group = num_heads // num_kv_heads
     out = q.new_empty(num_new, num_heads, head_dim)
     if num_new == 0:
         return out.view(0, num_heads * head_dim)
+    window = window_mask.to(torch.uint8).contiguous() if window_mask is not None else None
+    prefix = (prefix_keys, prefix_values) if has_prefix else None
+    _launch(q, keys, values, num_new, num_slots, "whole", out, prefix=prefix, window=window)
+    return out.view(num_new, num_heads * head_dim)
+
+
+def cascade_attention(
+    q: torch.Tensor,
+    spans: list[tuple[int, int]],
+    own: list[tuple[torch.Tensor, torch.Tensor, int]],
+    prefix_keys: torch.Tensor,
+    prefix_values: torch.Tensor,
+) -> list[torch.Tensor]:
+    """`invariant_attention` of several sequences over one shared prefix, which is read once for
+    the rows of all of them (cascade attention); each result is bit for bit the sequence's own
+    `invariant_attention` call, with or without the prefix concatenated to its cache.
+
+    q: [N, Hq, D], a layer's new tokens; spans: each sequence's rows start:end of q; own: each
+    sequence's cache (keys, values [T', H, D], num_slots), whose last end - start slots are those
+    rows; prefix_keys, prefix_values: [P, H, D], P a multiple of PREFIX_BLOCK. Returns
+    [end - start, Hq * D] per sequence, in q's dtype."""
+    if len(spans) != len(own):
+        raise ValueError(f"{len(spans)} spans of q for {len(own)} caches")
+    for keys, _, _ in own:
+        _check_prefix(prefix_keys, prefix_values, keys)
+    if len(spans) < 2:  # nothing to share: one launch per sequence reads both (the same bits)
+        return [
+            invariant_attention(
+                q[start:end], keys, values, num_slots, None, prefix_keys, prefix_values
+            )
+            for (start, end), (keys, values, num_slots) in zip(spans, own)
+        ]
+    num_heads, head_dim = q.shape[1:]
+    token_index = _token_index(tuple(spans), q.device)
+    num_rows = token_index.numel()
+    state = (
+        q.new_empty(num_rows, num_heads, dtype=torch.float32),  # running max
+        q.new_empty(num_rows, num_heads, dtype=torch.float32),  # running sum
+        q.new_empty(num_rows, num_heads, head_dim, dtype=torch.float32),  # unnormalised output
+    )
+    # The prefix pass: every row's cache is the prefix alone, all of it visible.
+    num_prefix = prefix_keys.shape[0]
+    _launch(
+        q, prefix_keys, prefix_values, num_rows, num_prefix, "prefix",
+        token_index=token_index, state=state,
+    )  # fmt: skip
+    outputs, first_row = [], 0
+    for (start, end), (keys, values, num_slots) in zip(spans, own):
+        num_new = end - start
+        out = q.new_empty(num_new, num_heads, head_dim)
+        _launch(
+            q[start:end], keys, values, num_new, num_slots, "own", out,
+            state=state, state_first_row=first_row,
+        )  # fmt: skip
+        outputs.append(out.view(num_new, num_heads * head_dim))
+        first_row += num_new
+    return outputs
+
+
+def _launch(
+    q,
+    keys,
+    values,
+    num_new: int,
+    num_slots: int,
+    pass_name: str,
+    out=None,
+    *,
+    prefix=None,
+    window=None,
+    token_index=None,
+    state=None,
+    state_first_row: int = 0,
+) -> None:
+    """One launch over num_new tokens of q (see the kernel's arguments); `prefix` is the segment
+    a whole pass reads before the cache."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
     q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
-    if has_prefix:
-        prefix_keys, prefix_values = (
-            t if t.stride(-1) == 1 else t.contiguous() for t in (prefix_keys, prefix_values)
-        )
+    if prefix is not None:
+        prefix_keys, prefix_values = (t if t.stride(-1) == 1 else t.contiguous() for t in prefix)
     else:  # never read: HAS_PREFIX=False compiles the prefix's branch away
         prefix_keys, prefix_values = keys, values
-    has_window = window_mask is not None
-    window = window_mask.to(torch.uint8).contiguous() if has_window else out
+    unread = q  # a pointer for the arguments this pass compiles away
+    state_max, state_sum, state_acc = state if state is not None else (unread,) * 3
     grid = (num_kv_heads, triton.cdiv(group * num_new, BLOCK_R))
     _invariant_attention_kernel[grid](
         q,
@@ -187,11 +293,16 @@ def invariant_attention(
         values,
         prefix_keys,
         prefix_values,
-        window,
-        out,
+        window if window is not None else unread,
+        token_index if token_index is not None else unread,
+        state_max,
+        state_sum,
+        state_acc,
+        out if out is not None else unread,
         num_new,
         num_slots,
-        prefix_keys.shape[0] if has_prefix else 0,
+        prefix_keys.shape[0] if prefix is not None else 0,
+        state_first_row,
         *q.stride()[:2],  # token, head
         *keys.stride()[:2],  # slot, head
         *values.stride()[:2],
@@ -200,8 +311,9 @@ def invariant_attention(
         head_dim**-0.5,
         GROUP=group,
         HEAD_DIM=head_dim,
-        HAS_PREFIX=has_prefix,
-        HAS_WINDOW=has_window,
+        HAS_PREFIX=prefix is not None,
+        HAS_WINDOW=window is not None,
+        PASS=pass_name,
         # Full fp32 products for fp32 models (TF32 would lose the CPU path's precision).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_R=BLOCK_R,
@@ -209,7 +321,29 @@ def invariant_attention(
         BLOCK_D=pow2_at_least(head_dim, 16),
         num_warps=4,
     )
-    return out.view(num_new, num_heads * head_dim)
+
+
+def _check_prefix(prefix_keys: torch.Tensor, prefix_values: torch.Tensor, keys: torch.Tensor):
+    if prefix_keys.shape != prefix_values.shape or prefix_keys.shape[1:] != keys.shape[1:]:
+        raise ValueError(
+            f"prefix keys {tuple(prefix_keys.shape)} and values "
+            f"{tuple(prefix_values.shape)} must be [P, {keys.shape[1]}, {keys.shape[2]}]"
+        )
+    if prefix_keys.shape[0] % PREFIX_BLOCK:
+        raise ValueError(
+            f"a shared prefix of {prefix_keys.shape[0]} slots is not a multiple of {PREFIX_BLOCK}"
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _token_index(spans: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """[M] int32: the rows of q that the spans cover, in order. Every layer of a forward asks for
+    the same one, so it is built (and copied to the device) once. Shared: read only."""
+    rows = torch.cat([torch.arange(start, end, dtype=torch.int32) for start, end in spans])
+    if device.type != "cuda":
+        return rows.to(device)
+    # Pinned, so that the copy does not wait for the device to finish its queue.
+    return rows.pin_memory().to(device, non_blocking=True)
 
 
 def _block_n(head_dim: int, dtype) -> int:

@@ -92,6 +92,24 @@ def attention(
     return out.reshape(num_new, num_heads * head_dim)
 
 
+def attention_over_shared_prefix(
+    q: torch.Tensor,
+    spans: list[tuple[int, int]],
+    own: list[tuple[torch.Tensor, torch.Tensor, int]],
+    prefix: tuple[torch.Tensor, torch.Tensor],
+) -> list[torch.Tensor]:
+    """`attention` of several sequences over one shared prefix, where `reads_shared_prefix`: the
+    prefix is read once for the rows of all of them (cascade attention), and each result is bit
+    for bit `attention(q[start:end], keys, values, num_slots, invariant, prefix=prefix)`.
+
+    q: [N, Hq, D]; spans: each sequence's rows start:end of q; own: each sequence's cache
+    (keys, values [T', Hkv, D], num_slots), whose newest slots are its rows; prefix: (keys,
+    values) [P, Hkv, D]. Returns [end - start, Hq * D] per sequence."""
+    if not reads_shared_prefix(q, True, prefix[0].dtype):
+        raise ValueError("this attention path reads no shared prefix: pass one buffer")
+    return triton_invariant_attention.cascade_attention(q, spans, own, *prefix)
+
+
 def key_alignment(q: torch.Tensor, invariant: bool) -> int:
     """Slots to pad the keys handed to `attention` to: the torch batch-invariant paths sum fixed
     blocks of KEY_ALIGN keys; the fast path and the Triton kernel read only the live slots."""

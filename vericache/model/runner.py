@@ -3,7 +3,8 @@
 One forward serves many sequences with different cache lengths: their new tokens are concatenated
 into one [N, hidden] batch for the linear layers, and attention runs per sequence over its own
 cache (on CPU the sequences of a layer share one call of vericache/kernels/cpu_attention.py:
-every exact sequence, and every one-token draft step).
+every exact sequence, and every one-token draft step; on CUDA those over one shared prefix share
+one cascade call, which reads the prefix once for all of them).
 Caches are owned by the caller; the forward appends the new tokens' KV to them.
 """
 
@@ -21,6 +22,7 @@ from vericache.kv.prefixed import PrefixedLayerKV
 from vericache.model.config import ModelConfig
 from vericache.model.kernels import (
     attention,
+    attention_over_shared_prefix,
     key_alignment,
     reads_shared_prefix,
     rms_norm,
@@ -107,13 +109,24 @@ class ModelRunner:
             q = rms_norm(q, layer.q_norm, c.rms_norm_eps, invariant)
             k = rms_norm(k, layer.k_norm, c.rms_norm_eps, invariant)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        outputs: list[torch.Tensor | None] = []
-        # Sequences left to the CPU attention kernel: their outputs index, q rows and layer.
-        kernel_outputs, kernel_spans, kernel_layers = [], [], []
-        window = c.layer_windows[index]
         self._append(index, batch, counts, k, v, positions)
+        attended = self._attention(index, q, positions, batch, counts, invariant)
+        hidden = hidden + layer.o_proj(attended, invariant)
+        x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
+        gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
+        return hidden + layer.down(silu(gate) * up, invariant)
+
+    def _attention(self, index, q, positions, batch, counts, invariant) -> torch.Tensor:
+        """Every sequence's attention in layer `index` over its cache, which holds its new
+        tokens already: q [N, Hq, D] -> [N, Hq * D]. Sequences that one kernel call serves
+        together wait for it: on CPU those `_uses_cpu_kernel` picks, on CUDA those over one
+        shared prefix (read once for all their rows)."""
+        window = self.config.layer_windows[index]
+        outputs: list[torch.Tensor | None] = [None] * len(batch)
+        cpu_kernel: list[tuple[int, tuple[int, int], object]] = []  # (output, rows, layer)
+        by_prefix: dict[tuple[int, int], list[tuple[int, tuple[int, int], object]]] = {}
         start = 0
-        for seq, n in zip(batch, counts):
+        for i, (seq, n) in enumerate(zip(batch, counts)):
             end = start + n
             layer_kv = seq.cache.layers[index]
             if seq.observe is not None:
@@ -124,21 +137,22 @@ class ModelRunner:
                 window_mask = _window_mask(window, layer_kv.positions(), positions[start:end])
             exact = invariant and not seq.fast_attention
             if self._uses_cpu_kernel(layer_kv, window, window_mask, n, exact):
-                kernel_outputs.append(len(outputs))
-                kernel_spans.append((start, end))
-                kernel_layers.append(layer_kv)
-                outputs.append(None)
+                cpu_kernel.append((i, (start, end), layer_kv))
+            elif _reads_prefix_apart(layer_kv, q, window_mask, exact):
+                by_prefix.setdefault(_prefix_identity(layer_kv), []).append(
+                    (i, (start, end), layer_kv)
+                )
             else:
-                outputs.append(_attend(layer_kv, q[start:end], window_mask, exact))
+                outputs[i] = _attend(layer_kv, q[start:end], window_mask, exact)
             start = end
-        if kernel_layers:
-            attended = _attend_by_cpu_kernel(q, kernel_spans, kernel_layers)
-            for i, rows in zip(kernel_outputs, attended):
-                outputs[i] = rows
-        hidden = hidden + layer.o_proj(torch.cat(outputs), invariant)
-        x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
-        gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
-        return hidden + layer.down(silu(gate) * up, invariant)
+        calls = [(_attend_by_cpu_kernel, cpu_kernel)]
+        calls += [(_attend_sharing_prefix, group) for group in by_prefix.values()]
+        for attend, group in calls:
+            if group:
+                attended = attend(q, [rows for _, rows, _ in group], [kv for *_, kv in group])
+                for (i, _, _), out in zip(group, attended):
+                    outputs[i] = out
+        return torch.cat(outputs)
 
     def _append(self, index, batch, counts, k, v, positions) -> None:
         """Appends each sequence's new tokens (k, v: [N, Hkv, D]; positions: [N]) to its cache's
@@ -201,17 +215,37 @@ class ModelRunner:
 
 
 def _attend(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> torch.Tensor:
-    """q [n, Hq, D] of the layer's newest n slots -> [n, Hq * D]."""
+    """q [n, Hq, D] of the layer's newest n slots -> [n, Hq * D], over one buffer (a prefixed
+    layer's two parts copied into one, where `_reads_prefix_apart` does not hold)."""
     if not invariant and getattr(layer_kv, "attends_packed", False):
         # A quantized layer dequantizes block by block inside attention (fused on CUDA).
         return layer_kv.attend(q, window_mask)
-    if isinstance(layer_kv, PrefixedLayerKV) and window_mask is None:
-        keys, values = layer_kv.own.keys_values()
-        if reads_shared_prefix(q, invariant, keys.dtype):
-            prefix = layer_kv.shared.keys_values()
-            return attention(q, keys, values, layer_kv.own.num_slots, invariant, prefix=prefix)
     keys, values = layer_kv.keys_values(pad_to=key_alignment(q, invariant))
     return attention(q, keys, values, layer_kv.num_slots, invariant, window_mask)
+
+
+def _reads_prefix_apart(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> bool:
+    """Whether this attention reads a prefixed layer's shared part in place (the Triton kernel),
+    so that sequences over the same prefix can share one read of it."""
+    if not isinstance(layer_kv, PrefixedLayerKV) or window_mask is not None:
+        return False
+    own_keys, _ = layer_kv.own.keys_values()
+    return reads_shared_prefix(q, invariant, own_keys.dtype)
+
+
+def _prefix_identity(layer_kv: PrefixedLayerKV) -> tuple[int, int]:
+    """Which copy of a prefix a layer reads: its shared keys' address and slots."""
+    shared_keys, _ = layer_kv.shared.keys_values()
+    return shared_keys.data_ptr(), shared_keys.shape[0]
+
+
+def _attend_sharing_prefix(
+    q: torch.Tensor, spans: list[tuple[int, int]], layers: list[PrefixedLayerKV]
+) -> list[torch.Tensor]:
+    """As `_attend_by_cpu_kernel`, for layers over one shared prefix on CUDA: the kernel reads
+    the prefix once for all their rows, then each layer's own slots."""
+    own = [(*layer_kv.own.keys_values(), layer_kv.own.num_slots) for layer_kv in layers]
+    return attention_over_shared_prefix(q, spans, own, layers[0].shared.keys_values())
 
 
 def _attend_by_cpu_kernel(
@@ -232,7 +266,7 @@ def _attend_by_cpu_kernel(
         if isinstance(layer_kv, PrefixedLayerKV):
             own = layer_kv.own
             shared_keys, shared_values = layer_kv.shared.keys_values()  # [P, Hkv, D]
-            where = (shared_keys.data_ptr(), shared_keys.shape[0])
+            where = _prefix_identity(layer_kv)
             if where not in prefix_index:
                 prefix_index[where] = len(prefixes)
                 prefixes.append((shared_keys, shared_values))
