@@ -89,10 +89,10 @@ def test_a_session_holds_and_rolls_back_only_its_own_tokens(runner):
 
 
 def test_a_prefix_shorter_than_one_block_is_copied(runner):
-    prefix = _prefix(runner, 200)
-    cache = shared_clone(prefix, 264)
+    prefix = _prefix(runner, 100)
+    cache = shared_clone(prefix, 164)
     assert not any(isinstance(layer, PrefixedLayerKV) for layer in cache.layers)
-    assert cache.is_full and cache.num_tokens == 200
+    assert cache.is_full and cache.num_tokens == 100
 
 
 @pytest.mark.parametrize("name", ["snapkv", "streamingllm", "h2o", "kivi"])

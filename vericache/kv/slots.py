@@ -10,10 +10,11 @@ SLOT_ALIGNMENT = 256
 # request's full KV is reserved in whole blocks from the start, not on growth.
 KEY_ALIGN = 1024
 # A prefix shared by sessions (kv/prefixed.py) is shared in whole blocks of this many slots, a
-# multiple of every attention kernel's block of keys (the CPU kernel's 128, Triton's 32 or 64): a
+# multiple of every attention kernel's block of keys (the CPU kernel's 128, Triton's 32 or 64), and
+# small, since each session copies the prefix's tokens past its last whole block: a
 # row's online softmax then runs the same steps over [shared prefix | own tokens] as over one
 # buffer, so sharing changes no bit of any result.
-SHARED_PREFIX_ALIGN = 256
+SHARED_PREFIX_ALIGN = 128
 POSITION_BYTES = 4  # one int32 position per KV head of each layer
 
 
