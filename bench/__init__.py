@@ -12,6 +12,7 @@ BENCHMARKS = {
     "lossy-quality": "vericache.bench.lossy_quality",
     "openai-load": "vericache.bench.openai_load",
     "paper-repro": "vericache.bench.paper_repro",
+    "prefix-sharing": "vericache.bench.prefix_sharing",
     "remote-prefix": "vericache.bench.remote_prefix",
     "serve-stagger": "vericache.bench.serve_stagger",
     "sim-validate": "vericache.bench.sim_validate",
