@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from vericache.cli.parser import int_list  # noqa: F401 - the benchmarks' argument type
+# The benchmarks' argument types.
+from vericache.cli.parser import int_list, str_list, token_range  # noqa: F401
 from vericache.compress import COMPRESSORS, CompressionKind, Compressor, build_compressor
 from vericache.compress.base import STORAGE_DTYPES
 from vericache.errors import InvalidRequestError

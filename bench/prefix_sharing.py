@@ -58,7 +58,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import vericache
-from vericache.bench.common import environment, int_list
+from vericache.bench.common import environment, int_list, str_list, token_range
 from vericache.bench.prefix_sharing_plot import plot  # noqa: F401 - the CLI's plot(result, path)
 from vericache.bench.prefix_sharing_summary import (
     CODES,
@@ -82,18 +82,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--compressor", default="snapkv-4x-bf16", help="label, e.g. kivi-4bit")
     parser.add_argument(
-        "--codes", type=_str_list, help="before,after (the default); `after` needs no git history"
+        "--codes", type=str_list, help="before,after (the default); `after` needs no git history"
     )
     parser.add_argument("--before-commit", default=BEFORE_COMMIT)
     parser.add_argument(
         "--before-tree", type=Path, help="a checkout of the before code (default: the commit, "
         "exported with git archive into a temporary folder)",
     )  # fmt: skip
-    parser.add_argument("--modes", type=_str_list, help="vericache,full_local,full_remote")
+    parser.add_argument("--modes", type=str_list, help="vericache,full_local,full_remote")
     parser.add_argument("--sessions", type=int_list, help="in flight per cell (1,8,32; quick 1,8)")
     parser.add_argument("--prefixes", type=int_list, help="prefixes they read (1,4; quick 1,2)")
     parser.add_argument(
-        "--prefix-tokens", type=_token_range, help="MIN,MAX per prefix (2000,3000; quick 1000,1500)"
+        "--prefix-tokens", type=token_range, help="MIN,MAX per prefix (2000,3000; quick 1000,1500)"
     )
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (32; quick 16)")
     parser.add_argument("--draft-len", type=int, default=30)
@@ -383,12 +383,3 @@ def _model_argument(model: str) -> str:
     """A model path made absolute: the host processes run in their own trees."""
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else model
-
-
-def _token_range(text: str) -> tuple[int, int]:
-    low, high = (int(part) for part in text.split(","))
-    return low, high
-
-
-def _str_list(text: str) -> list[str]:
-    return [item for item in text.split(",") if item]

@@ -37,7 +37,7 @@ Summary:
   <= 1.3), the most of any cell. The reference is measured in parts beside each VERICACHE cell's
   samples (after the i-th sample, the i-th slice of the stream), at its draft length, so that it
   spans the same minutes as the samples; the summary shows how far the machine's speed moved
-  (reference_cpu_s_per_token_range);
+  (reference_cpu_s_pertoken_range);
 - verifier_serving_overhead: the verifier's CPU over its own forward loop's plus the suffix
   prefills', in the same stream: serving's share alone;
 - identical: every sample's exact outputs equal FULL_LOCAL's, and the in-process engine's too.
@@ -53,7 +53,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vericache.bench.common import compressor_from_label, environment, int_list
+from vericache.bench.common import (
+    compressor_from_label,
+    environment,
+    int_list,
+    str_list,
+    token_range,
+)
 from vericache.bench.remote_prefix_cells import (
     Cell,
     StreamSpec,
@@ -88,10 +94,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compressor", default="snapkv-4x-bf16", help="label, e.g. kivi-4bit")
     parser.add_argument("--draft-lens", type=int_list, help="x values (8,16,30; quick 8,30)")
     parser.add_argument("--drafters", type=int_list, help="drafter counts (1,2; quick 1)")
-    parser.add_argument("--schedulings", type=_str_list, help="per-request,staggered (quick: both)")
+    parser.add_argument("--schedulings", type=str_list, help="per-request,staggered (quick: both)")
     parser.add_argument("--prefixes", type=int, help="distinct prefixes P (3; quick 2)")
     parser.add_argument(
-        "--prefix-tokens", type=_token_range, help="MIN,MAX tokens per prefix (2000,3000)"
+        "--prefix-tokens", type=token_range, help="MIN,MAX tokens per prefix (2000,3000)"
     )
     parser.add_argument("--requests", type=int, help="requests in the stream (12; quick 4)")
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (96; quick 32)")
@@ -326,12 +332,3 @@ def _served(bench: Bench, group: tuple[Cell, ...], expected: list[list[int]]) ->
         bench.rates[record["name"]] = record["tokens_per_s"]
         records.append(record)
     return records
-
-
-def _token_range(text: str) -> tuple[int, int]:
-    low, high = (int(part) for part in text.split(","))
-    return low, high
-
-
-def _str_list(text: str) -> list[str]:
-    return [item for item in text.split(",") if item]

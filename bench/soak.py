@@ -242,7 +242,7 @@ def _settled_counts(server, timeout_s: float = 5.0) -> dict[str, float]:
     while time.monotonic() < deadline:
         time.sleep(0.2)
         now = _request_counts(server)
-        if now == counts and server.coordinator._num_running == 0:
+        if now == counts and server.coordinator.num_running == 0:
             return now
         counts = now
     return counts

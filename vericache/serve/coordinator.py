@@ -235,6 +235,11 @@ class Coordinator:
                 self._admission.release(plan.prefix_id)
                 self._meter_queue()
 
+    @property
+    def num_running(self) -> int:
+        """Requests decoding now."""
+        return self._admission.num_running
+
     def _meter_queue(self) -> None:
         admission = self._admission
         self.metrics.set_queue(admission.num_running, admission.num_waiting)
