@@ -1,6 +1,6 @@
 """Prefix sharing (issue 39): what one verifier and two drafters hold and move when 1, 8 or 32
 sessions at once read one prefix or four, and how fast they decode, before sessions shared
-their prefix's KV (`--before-commit`, 19513a3: each session copied its prefix) and after (the
+their prefix's KV (`--before-commit`, whose sessions each copied their prefix) and after (the
 working tree).
 
 Each code runs in a process of its own (bench/prefix_sharing_host.py) with PYTHONPATH on its
@@ -75,6 +75,7 @@ from vericache.engine.prompt import build_chat_prompt
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 
+# The last commit whose sessions each copied their prefix.
 BEFORE_COMMIT = "19513a3"
 
 

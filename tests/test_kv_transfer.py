@@ -84,8 +84,8 @@ def test_fetch_is_exact_and_the_second_fetch_is_free(serve, prefixes, kind):
     assert second.link_bytes == 0 and second.cache is first.cache
     assert link.bytes_sent == first.link_bytes
     assert fetcher.held.stats().sessions_per_prefix == (2,)
-    fetcher.release(first)
-    fetcher.release(second)
+    fetcher.held.release(first.held)
+    fetcher.held.release(second.held)
     assert fetcher.held.stats().sessions_per_prefix == (0,)
     fetcher.close()
 

@@ -228,9 +228,10 @@ void weigh_chunk(const WorkItem& item, float* const* acc, const float* weights,
   }
 }
 
-// Per-thread buffers of an item: its rows' query and accumulator pointers, the chunk's scores,
-// and each row's rescale factor for the chunk.
+// Per-thread buffers of an item: its rows' indices among the call's rows, their query and
+// accumulator pointers, the chunk's scores, and each row's rescale factor for the chunk.
 struct Scratch {
+  std::vector<int64_t> rows;
   std::vector<const float*> queries;
   std::vector<float*> acc;
   std::vector<float> scores;
@@ -243,12 +244,14 @@ void attend_typed(const WorkItem& item, int64_t group, float scale, const RowSta
   constexpr int64_t kDim = kVecs * Vec::size();
   constexpr int kMaxRows = kVecs >= 8 ? 2 : 4;  // accumulators that fit the vector registers
   const int64_t num_rows = item.count * group;
+  scratch.rows.resize(num_rows);
   scratch.queries.resize(num_rows);
   scratch.acc.resize(num_rows);
   scratch.scores.resize(num_rows * kSlotChunk);
   scratch.rescale.resize(num_rows);
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t row = call_row(item, state, group, r);
+    scratch.rows[r] = row;
     scratch.queries[r] = state.queries + row * kDim;
     scratch.acc[r] = state.acc + row * kDim;
   }
@@ -259,14 +262,14 @@ void attend_typed(const WorkItem& item, int64_t group, float scale, const RowSta
     const int64_t first_row = item.first_seeing(first) * group;
     score_chunk<kVecs, T>(item, scratch.queries.data(), num_rows, group, first, last, scale, scores);
     for (int64_t r = first_row; r < num_rows; ++r) {
-      const int64_t row = call_row(item, state, group, r);
+      const int64_t row = scratch.rows[r];
       const int64_t width = std::min(last, item.num_seen(r / group)) - first;
       scratch.rescale[r] =
           fold_scores(scores + r * kSlotChunk, width, state.max + row, state.sum + row);
     }
     // Tokens from `whole` on see the whole chunk: their rows go in blocks. The tokens before
     // them that see part of it go row group by row group.
-    const int64_t whole = std::max(item.first_seeing(last - 1), item.first_seeing(first));
+    const int64_t whole = item.first_seeing(last - 1);
     for (int64_t j = item.first_seeing(first); j < whole; ++j) {
       for_row_blocks<kMaxRows>(j * group, (j + 1) * group, [&]<int kRows>(int64_t r) {
         weigh_chunk<kVecs, kRows, T>(item, scratch.acc.data(), scores, scratch.rescale.data(), r,

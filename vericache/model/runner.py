@@ -139,7 +139,8 @@ class ModelRunner:
             if self._uses_cpu_kernel(layer_kv, window, window_mask, n, exact):
                 cpu_kernel.append((i, (start, end), layer_kv))
             elif _reads_prefix_apart(layer_kv, q, window_mask, exact):
-                by_prefix.setdefault(_prefix_identity(layer_kv), []).append(
+                shared_keys, _ = layer_kv.shared.keys_values()
+                by_prefix.setdefault(_prefix_identity(shared_keys), []).append(
                     (i, (start, end), layer_kv)
                 )
             else:
@@ -233,9 +234,9 @@ def _reads_prefix_apart(layer_kv, q: torch.Tensor, window_mask, invariant: bool)
     return reads_shared_prefix(q, invariant, own_keys.dtype)
 
 
-def _prefix_identity(layer_kv: PrefixedLayerKV) -> tuple[int, int]:
-    """Which copy of a prefix a layer reads: its shared keys' address and slots."""
-    shared_keys, _ = layer_kv.shared.keys_values()
+def _prefix_identity(shared_keys: torch.Tensor) -> tuple[int, int]:
+    """Which copy of a prefix a layer reads, from its shared keys [P, Hkv, D]: their address
+    and slots."""
     return shared_keys.data_ptr(), shared_keys.shape[0]
 
 
@@ -266,7 +267,7 @@ def _attend_by_cpu_kernel(
         if isinstance(layer_kv, PrefixedLayerKV):
             own = layer_kv.own
             shared_keys, shared_values = layer_kv.shared.keys_values()  # [P, Hkv, D]
-            where = _prefix_identity(layer_kv)
+            where = _prefix_identity(shared_keys)
             if where not in prefix_index:
                 prefix_index[where] = len(prefixes)
                 prefixes.append((shared_keys, shared_values))

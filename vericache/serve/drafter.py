@@ -33,11 +33,11 @@ from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.pool import BufferPool
 from vericache.kv.prefixed import shared_clone
-from vericache.kv.shared_prefix import SharedPrefixes
+from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
 from vericache.serve.batching import BatchLoop
 from vericache.serve.cluster_secret import required
 from vericache.serve.config import DrafterConfig
-from vericache.serve.kv_transfer import FetchResult, KVFetcher, fetch_kind
+from vericache.serve.kv_transfer import KVFetcher, fetch_kind
 from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model
 from vericache.serve.worker_api import (
     BatchingStats,
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 class _Session:
     role: DraftRole
     cache: KVCache  # over `prefix`, read in place
-    prefix: FetchResult  # pinned until the session's last call ends
+    prefix: HeldPrefix[KVCache]  # pinned until the session's last call ends
     in_use: bool = False  # a call is drafting or decoding on it
     closed: bool = False  # its request ended while a call used it: release when that ends
 
@@ -114,7 +114,7 @@ class Drafter:
             self._prefixes.release(fetched.held)
             raise
         with self._lock:
-            self._sessions[call.session_id] = _Session(call.role, cache, fetched)
+            self._sessions[call.session_id] = _Session(call.role, cache, fetched.held)
         return DrafterOpened(first, Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds))
 
     def draft(self, call: DraftCall) -> Drafted:
@@ -199,7 +199,7 @@ class Drafter:
 
     def _release(self, session: _Session) -> None:
         session.cache.release(self._buffers)
-        self._prefixes.release(session.prefix.held)
+        self._prefixes.release(session.prefix)
 
     def _fetcher(self, address: str) -> KVFetcher:
         if address not in self._fetchers:

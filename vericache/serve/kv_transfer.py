@@ -101,7 +101,7 @@ class TransferServer:
 
 @dataclass
 class FetchResult:
-    held: HeldPrefix[KVCache]  # pinned for the caller: read it in place, `release` it once done
+    held: HeldPrefix[KVCache]  # pinned for the caller: read it in place, then release it
     link_bytes: int  # 0 where the drafter held it already
     seconds: float
 
@@ -143,9 +143,6 @@ class KVFetcher:
 
         held = self.held.acquire((prefix_id, kind), transfer)
         return FetchResult(held, received[0], time.perf_counter() - start)
-
-    def release(self, fetched: FetchResult) -> None:
-        self.held.release(fetched.held)
 
     def _receive(self, prefix_id: str, kind: int, metadata: tuple, received: list[int]) -> KVCache:
         def pieces():
