@@ -1,14 +1,14 @@
 """Placement by prefix (scheduler/placement.py): a prefix's requests meet on one worker, spill to
-the least loaded past the load bound, and a worker's death moves only its own prefixes."""
+the least loaded once out of balance by both margins, and a worker's death moves only its own
+prefixes."""
 
 from __future__ import annotations
 
 import collections
-import math
 
 import pytest
 
-from vericache.scheduler.placement import LOAD_BOUND, Candidate, load_bound, place, ranking
+from vericache.scheduler.placement import DEFAULT_BALANCE, Balance, Candidate, place, ranking
 
 NAMES = [f"drafter-{i}" for i in range(4)]
 
@@ -27,26 +27,43 @@ def test_a_prefix_ranks_the_workers_by_their_names_alone():
     assert firsts == {0, 1, 2, 3}  # prefixes spread over every worker
 
 
-def test_the_requests_of_a_prefix_go_to_its_holder_until_the_bound():
-    holder = ranking("pfx-hot", NAMES)[0]
-    loads = [0, 0, 0, 0]
-    for _ in range(16):
-        loads[place("pfx-hot", candidates(loads))] += 1
-    # The holder carries the most, within the bound of the mean; the rest spill evenly.
-    assert loads[holder] == max(loads) <= math.ceil(LOAD_BOUND * 16 / 4)
-    assert min(loads) >= 3
+def test_a_hot_prefix_stays_on_its_holder_within_the_routers_margins():
+    # 32 sessions on one prefix and two drafters: 32 over the idle one is within the 64 of the
+    # cache-aware routers, so one drafter fetches the prefix once for all of them.
+    holder = ranking("pfx-hot", NAMES[:2])[0]
+    loads = [0, 0]
+    for _ in range(32):
+        loads[place("pfx-hot", candidates(loads, NAMES[:2]))] += 1
+    assert loads[holder] == 32
+    # Past 64 over the idlest (and 1.5x its load, which 0 always is) the 65th spills.
+    loads = [0, 0]
+    for _ in range(65):
+        loads[place("pfx-hot", candidates(loads, NAMES[:2]))] += 1
+    assert loads[holder] == 64 and loads[1 - holder] == 1
 
 
-def test_a_prefix_stays_on_its_holder_while_its_load_is_within_the_bound():
+def test_a_holder_spills_only_past_both_margins():
+    balance = Balance(max_excess=4, max_ratio=1.5)
     order = ranking("pfx-warm", NAMES)
     holder = order[0]
     loads = [2, 2, 2, 2]
-    loads[holder] = 3
-    assert load_bound(candidates(loads)) == 4  # ceil(1.25 * 10 / 4)
-    assert place("pfx-warm", candidates(loads)) == holder  # it would hold 4
-    loads[holder] = 4
-    assert load_bound(candidates(loads)) == 4  # ceil(1.25 * 11 / 4): 5 would be past it
-    assert place("pfx-warm", candidates(loads)) == order[1]  # the least loaded, best ranked
+    loads[holder] = 6  # placed, 7: 5 over the least (past 4), 3.5x it (past 1.5x)
+    assert place("pfx-warm", candidates(loads), balance) == order[1]  # least loaded, best ranked
+    loads = [10, 10, 10, 10]
+    loads[holder] = 14  # placed, 15: 5 over the least, but within 1.5x of it
+    assert place("pfx-warm", candidates(loads), balance) == holder
+    assert DEFAULT_BALANCE.holds(64, 0) and not DEFAULT_BALANCE.holds(65, 0)
+    assert DEFAULT_BALANCE.holds(150, 100) and not DEFAULT_BALANCE.holds(165, 100)
+
+
+def test_spills_spread_over_the_least_loaded():
+    balance = Balance(max_excess=2, max_ratio=1.0)
+    holder = ranking("pfx-hot", NAMES)[0]
+    loads = [0, 0, 0, 0]
+    for _ in range(16):
+        loads[place("pfx-hot", candidates(loads), balance)] += 1
+    assert loads[holder] == max(loads) <= min(loads) + 2
+    assert min(loads) >= 3
 
 
 def test_a_dead_worker_moves_only_its_own_prefixes():

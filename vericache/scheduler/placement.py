@@ -8,24 +8,40 @@ its KV once: the drafter's fetch over the slow link, the verifier's load from th
 simulator places as the server does, and a worker that dies moves only its own prefixes, each to
 the next worker of its ranking.
 
-A hot prefix must not queue behind one worker: the first worker of the ranking takes the request
-unless that would put it past the load bound, LOAD_BOUND times the mean load after placing,
-rounded up (consistent hashing with bounded loads, Mirrokni et al. 2018); then the least loaded
-worker takes it, ties going to the higher ranked. A request without a prefix goes to the least
-loaded worker, ties to the first.
+A hot prefix must not queue behind one worker for ever, but each spill costs a worker a copy of
+the prefix (a drafter's fetch over the slow link, a verifier's load from the store). So the first
+worker of the ranking takes the request unless, once placed, it would be out of balance with the
+least loaded worker by both margins of `Balance`; then the least loaded worker takes it, ties
+going to the higher ranked. These are the rules and defaults of the cache-aware routers that
+full-KV deployments run (SGLang's gateway, vLLM's router: imbalanced past 64 requests over the
+idlest and 1.5x its load), so the baselines and VeriCache place alike. A request without a prefix
+goes to the least loaded worker, ties to the first.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# A worker may carry a quarter more than the mean before its prefixes' requests spill: the bound of
-# the bounded-load papers, which keeps the most loaded worker within 1.25x of the mean while a
-# prefix's requests stay together as long as the load allows.
-LOAD_BOUND = 1.25
+
+@dataclass(frozen=True)
+class Balance:
+    """How far a prefix's holder may run ahead of the least loaded worker before its requests
+    spill: it spills only past both margins, so a small cluster is not split by a few requests
+    and a large one not by a few percent."""
+
+    max_excess: int = 64  # sessions over the least loaded worker's
+    max_ratio: float = 1.5  # times the least loaded worker's sessions
+
+    def holds(self, holder_load: int, least_load: int) -> bool:
+        """Whether a holder at `holder_load` sessions (the request placed) is still in balance."""
+        return holder_load - least_load <= self.max_excess or holder_load <= (
+            self.max_ratio * least_load
+        )
+
+
+DEFAULT_BALANCE = Balance()
 
 
 @dataclass(frozen=True)
@@ -42,23 +58,19 @@ def ranking(prefix_key: str, names: Sequence[str]) -> list[int]:
     return sorted(range(len(names)), key=lambda i: (-weights[i], names[i]))
 
 
-def place(prefix_key: str | None, candidates: Sequence[Candidate]) -> int:
+def place(
+    prefix_key: str | None, candidates: Sequence[Candidate], balance: Balance = DEFAULT_BALANCE
+) -> int:
     """The index of the candidate that takes a request over `prefix_key` (None: no prefix)."""
     if not candidates:
         raise ValueError("no candidate to place a request on")
     if prefix_key is None:
         return min(range(len(candidates)), key=lambda i: candidates[i].load)
     order = ranking(prefix_key, [c.name for c in candidates])
-    holder = candidates[order[0]]
-    if holder.load + 1 <= load_bound(candidates):
+    least = min(order, key=lambda i: candidates[i].load)  # stable: the higher ranked on ties
+    if balance.holds(candidates[order[0]].load + 1, candidates[least].load):
         return order[0]
-    return min(order, key=lambda i: candidates[i].load)  # stable: the higher ranked on ties
-
-
-def load_bound(candidates: Sequence[Candidate]) -> int:
-    """The most sessions a worker may hold once the request is placed."""
-    total = sum(c.load for c in candidates) + 1
-    return max(1, math.ceil(LOAD_BOUND * total / len(candidates)))
+    return least
 
 
 def _weight(prefix_key: str, name: str) -> int:
