@@ -2,7 +2,7 @@
 nodes), with prefixes in the verifiers' full-KV store and catalog.
 
 It places each request on the verifier (and, for the modes that need one, the drafter) that holds
-its prefix, by rendezvous hashing with a load bound (scheduler/placement.py: a hot prefix spills to
+its prefix, by rendezvous hashing with load margins (scheduler/placement.py: a hot prefix spills to
 the least busy worker; a request without a prefix goes there at once), runs its rounds (rounds.py:
 on their own, or on the verifier's schedule, scheduled.py) and closes its sessions on the workers
 when it ends, is cancelled or fails.

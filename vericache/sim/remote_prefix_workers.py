@@ -186,7 +186,7 @@ class Run:
 
 def placed(workers: list[Worker], prefix_key: str | None) -> Worker:
     """The worker the server would place the request on (scheduler/placement.py): its prefix's
-    holder, or the least busy past the load bound or without a prefix."""
+    holder, or the least busy once out of balance or without a prefix."""
     candidates = [Candidate(worker.name, worker.num_requests) for worker in workers]
     worker = workers[place(prefix_key, candidates)]
     worker.num_requests += 1
