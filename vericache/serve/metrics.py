@@ -39,15 +39,31 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)  # fmt: skip
 BATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-# A worker's prefix cache, per worker (`ServeMetrics.prefix_cache_reported`): name -> help.
+# A worker's prefix cache, per worker (`ServeMetrics.prefix_cache_reported`): name -> (help, its
+# value in the worker's PrefixCacheStats).
 PREFIX_CACHE_GAUGES = {
-    "budget_bytes": "Bytes the worker may hold prefixes' KV in.",
-    "resident_prefixes": "Prefixes whose KV the worker holds, one copy each.",
-    "resident_bytes": "Bytes of the prefixes' KV the worker holds.",
-    "sessions": "Sessions reading the worker's copies of prefixes.",
-    "max_sessions_per_prefix": "Sessions reading the worker's most read prefix.",
-    "loads": "Prefixes the worker loaded (a store read or a fetch) since it started.",
-    "unshared_loads": "Of those, loaded for one session alone: pins left no room.",
+    "budget_bytes": ("Bytes the worker may hold prefixes' KV in.", lambda s: s.budget_bytes),
+    "resident_prefixes": (
+        "Prefixes whose KV the worker holds, one copy each.",
+        lambda s: s.num_prefixes,
+    ),
+    "resident_bytes": ("Bytes of the prefixes' KV the worker holds.", lambda s: s.resident_bytes),
+    "sessions": (
+        "Sessions reading the worker's copies of prefixes.",
+        lambda s: sum(s.sessions_per_prefix),
+    ),
+    "max_sessions_per_prefix": (
+        "Sessions reading the worker's most read prefix.",
+        lambda s: max(s.sessions_per_prefix, default=0),
+    ),
+    "loads": (
+        "Prefixes the worker loaded (a store read or a fetch) since it started.",
+        lambda s: s.num_loads,
+    ),
+    "unshared_loads": (
+        "Of those, loaded for one session alone: pins left no room.",
+        lambda s: s.num_unshared,
+    ),
 }
 # A request's store or link bytes: 0 (all held already), then 1 MB to 64 GB.
 BYTES_BUCKETS = (0, *(4.0**k * 1e6 for k in range(9)))
@@ -159,7 +175,7 @@ class ServeMetrics:
         # share (kv/shared_prefix.py).
         self._prefix_cache = {
             field: self._worker_gauge(f"prefix_cache_{field}", doc)
-            for field, doc in PREFIX_CACHE_GAUGES.items()
+            for field, (doc, _) in PREFIX_CACHE_GAUGES.items()
         }
         self._last = _Totals(at=time.monotonic())
 
@@ -238,17 +254,8 @@ class ServeMetrics:
 
     def prefix_cache_reported(self, worker: str, stats: PrefixCacheStats) -> None:
         """A worker's copies of prefixes' KV, as its probe found them."""
-        values = {
-            "budget_bytes": stats.budget_bytes,
-            "resident_prefixes": stats.num_prefixes,
-            "resident_bytes": stats.resident_bytes,
-            "sessions": sum(stats.sessions_per_prefix),
-            "max_sessions_per_prefix": max(stats.sessions_per_prefix, default=0),
-            "loads": stats.num_loads,
-            "unshared_loads": stats.num_unshared,
-        }
-        for field, value in values.items():
-            self._prefix_cache[field].labels(self.model_name, worker).set(value)
+        for field, (_, value) in PREFIX_CACHE_GAUGES.items():
+            self._prefix_cache[field].labels(self.model_name, worker).set(value(stats))
 
     def iteration_planned(self, iteration, peak_memory_bytes: int) -> None:
         """One planned iteration (`vericache.scheduler.IterationMetrics`), and the scheduler's
