@@ -110,17 +110,18 @@ def test_reads_16_bit_slots_as_their_float32_widening(dtype, head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-@pytest.mark.parametrize("prefix_slots", [256, 512, 1024])
+@pytest.mark.parametrize("prefix_slots", [1, 37, 128, 200, 512, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_shared_prefix_changes_no_bit(prefix_slots, head_dim, dtype):
     # Sessions over one prefix read one shared copy of it (kv/prefixed.py): each row's attention
     # over [shared prefix | own slots] is bit for bit its attention over one buffer holding both,
-    # whichever other sessions share the prefix or the call, and read alone.
+    # whichever other sessions share the prefix or the call, and read alone; a prefix of any
+    # length (the chunk that straddles it and the own slots is read from both).
     torch.manual_seed(prefix_slots + head_dim)
     prefix_keys = head_major_layer(prefix_slots, 3, head_dim, prefix_slots + 7).to(dtype)
     prefix_values = head_major_layer(prefix_slots, 3, head_dim, prefix_slots).to(dtype)
-    other_keys = head_major_layer(256, 3, head_dim, 300).to(dtype)
-    other_values = head_major_layer(256, 3, head_dim, 256).to(dtype)
+    other_keys = head_major_layer(300, 3, head_dim, 300).to(dtype)
+    other_values = head_major_layer(300, 3, head_dim, 310).to(dtype)
     shapes = [(1, 1), (40, 31), (129, 1), (300, 9)]  # own slots, new tokens
     own_keys = [head_major_layer(t, 3, head_dim, t + 3).to(dtype) for t, _ in shapes]
     own_values = [head_major_layer(t, 3, head_dim, t + 1).to(dtype) for t, _ in shapes]
@@ -146,11 +147,14 @@ def test_a_shared_prefix_changes_no_bit(prefix_slots, head_dim, dtype):
     assert torch.equal(shared[-1], last)
 
 
-def test_refuses_a_prefix_that_is_not_whole_chunks():
+def test_refuses_a_prefix_it_cannot_read_with_its_sequence():
     keys = torch.randn(5, 3, 64)
-    with pytest.raises(RuntimeError, match="whole chunks"):
+    half = keys.bfloat16()
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_attention.attention(torch.randn(1, 9, 64), [keys], [keys], [1], [(half, half)], [0])
+    with pytest.raises(RuntimeError, match="same slots"):
         cpu_attention.attention(
-            torch.randn(1, 9, 64), [keys], [keys], [1], [(keys[:3], keys[:3])], [0]
+            torch.randn(1, 9, 64), [keys], [keys], [1], [(keys[:3], keys[:2])], [0]
         )
     with pytest.raises(RuntimeError, match="no prefix"):
         cpu_attention.attention(torch.randn(1, 9, 64), [keys], [keys], [1], [], [0])

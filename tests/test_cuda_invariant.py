@@ -92,20 +92,28 @@ def test_invariant_attention_matches_reference_and_single_steps(dtypes, window):
         assert torch.equal(alone, verified[m : m + 1]), f"token {m}"
 
 
-@pytest.mark.parametrize("num_prefix", [256, 512])
-@pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 128)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtypes", list(DTYPES), ids=lambda d: f"{d[0]}-{d[1]}")
-def test_invariant_attention_over_a_shared_prefix_is_the_concatenation(dtypes, shape, num_prefix):
+# Shared prefixes' lengths other than whole blocks (any length will do): the block holding slot P
+# reads the prefix's last slots and the cache's first. Under PREFIX_BLOCK, a cascade has no prefix
+# pass; 2,999 is a session's whole prefix.
+UNALIGNED_PREFIXES = [1, 37, 100, 129, 2999]
+# (new tokens, own slots) after a shared prefix: one-token steps and 31-token verifications.
+PREFIX_SEQUENCES = [(1, 1), (1, 300), (5, 5), (5, 77), (31, 31), (31, 300)]
+
+
+def check_prefix_is_the_concatenation(
+    device, dtypes, shape, num_prefix: int, sequences=PREFIX_SEQUENCES
+) -> None:
     """A shared prefix read as a segment of its own (kv/prefixed.py) gives the attention over
     one buffer [prefix | cache] bit for bit, and a token's bits the same alone as verified."""
     model_dtype, cache_dtype = dtypes
     num_kv_heads, group, head_dim = shape
     torch.manual_seed(0)
     kernel = triton_invariant_attention.invariant_attention
-    prefix = _head_major(num_prefix, num_kv_heads, head_dim, 1024, cache_dtype)
-    keys, values = _head_major(300, num_kv_heads, head_dim, 512, cache_dtype)
-    for num_new, num_slots in [(1, 1), (1, 300), (5, 5), (5, 77), (31, 31), (31, 300)]:
-        q = torch.randn(num_new, num_kv_heads * group, head_dim, device="cuda").to(model_dtype)
+    prefix = _head_major(num_prefix, num_kv_heads, head_dim, num_prefix + 64, cache_dtype, device)
+    most = max(slots for _, slots in sequences)
+    keys, values = _head_major(most, num_kv_heads, head_dim, most + 9, cache_dtype, device)
+    for num_new, num_slots in sequences:
+        q = torch.randn(num_new, num_kv_heads * group, head_dim, device=device).to(model_dtype)
         split = kernel(q, keys, values, num_slots, prefix_keys=prefix[0], prefix_values=prefix[1])
         whole_keys, whole_values = (
             torch.cat([p, t[:num_slots]]) for p, t in zip(prefix, (keys, values))
@@ -118,6 +126,13 @@ def test_invariant_attention_over_a_shared_prefix_is_the_concatenation(dtypes, s
     for m in range(num_new):
         alone = kernel(q[m : m + 1], keys, values, num_slots - num_new + m + 1, None, *prefix)
         assert torch.equal(alone, split[m : m + 1]), f"token {m}"
+
+
+@pytest.mark.parametrize("num_prefix", [256, 512, *UNALIGNED_PREFIXES])
+@pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 128)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtypes", list(DTYPES), ids=lambda d: f"{d[0]}-{d[1]}")
+def test_invariant_attention_over_a_shared_prefix_is_the_concatenation(dtypes, shape, num_prefix):
+    check_prefix_is_the_concatenation("cuda", dtypes, shape, num_prefix)
 
 
 # (new tokens, own slots) of sequences over one prefix: one-token steps and 31-token verifications.
@@ -150,35 +165,51 @@ def check_cascade_attention(device, dtypes, shape, num_prefix: int) -> None:
         assert torch.equal(got, split), f"{end - start} new of {slots} own slots"
 
 
+@pytest.mark.parametrize("num_prefix", [512, *UNALIGNED_PREFIXES])
 @pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 128)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtypes", list(DTYPES), ids=lambda d: f"{d[0]}-{d[1]}")
-def test_cascade_attention_gives_each_sequence_its_bits_alone(dtypes, shape):
-    check_cascade_attention("cuda", dtypes, shape, num_prefix=512)
+def test_cascade_attention_gives_each_sequence_its_bits_alone(dtypes, shape, num_prefix):
+    check_cascade_attention("cuda", dtypes, shape, num_prefix)
 
 
-def check_prefix_read_by_one_launch(device, monkeypatch) -> None:
-    """The cascade call reads the prefix in one launch, for the rows of every sequence."""
+def check_prefix_read_by_one_launch(device, monkeypatch, num_prefix: int = 256) -> None:
+    """The cascade call reads the prefix's whole PREFIX_BLOCKs in one launch, for the rows of
+    every sequence, and each sequence's launch the rest, through a view of the prefix."""
     launches = []
     launch = triton_invariant_attention._launch
 
     def recording(*args, **kwargs):
         bound = inspect.signature(launch).bind(*args, **kwargs).arguments
-        launches.append((bound["pass_name"], bound["keys"].data_ptr(), bound.get("prefix")))
+        launches.append((bound["pass_name"], bound["keys"], bound.get("prefix")))
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(triton_invariant_attention, "_launch", recording)
-    prefix = _head_major(256, 2, 64, 256, torch.float32, device)
+    prefix = _head_major(num_prefix, 2, 64, num_prefix + 64, torch.float32, device)
     own = [(*_head_major(40, 2, 64, 64, torch.float32, device), 40) for _ in range(3)]
     q = torch.randn(33, 4, 64, device=device)
     triton_invariant_attention.cascade_attention(q, [(0, 1), (1, 32), (32, 33)], own, *prefix)
-    reading_prefix = [name for name, keys, extra in launches if keys == prefix[0].data_ptr()]
+    block = triton_invariant_attention.PREFIX_BLOCK
+    aligned = num_prefix // block * block
+    if aligned == 0:  # no whole block to share: each sequence's launch reads all of it
+        assert [name for name, _, _ in launches] == ["whole"] * 3
+        assert all(extra[0].data_ptr() == prefix[0].data_ptr() for _, _, extra in launches)
+        return
+    reading_prefix = [name for name, keys, _ in launches if keys.data_ptr() == prefix[0].data_ptr()]
     assert reading_prefix == ["prefix"]
+    assert launches[0][1].shape[0] == aligned
     assert [name for name, _, _ in launches] == ["prefix", "own", "own", "own"]
-    assert all(extra is None for _, _, extra in launches)
+    assert launches[0][2] is None
+    for _, _, extra in launches[1:]:  # the prefix's tail, if any, read where it lies
+        if aligned == num_prefix:
+            assert extra is None
+        else:
+            assert extra[0].data_ptr() == prefix[0][aligned:].data_ptr()
+            assert extra[0].shape[0] == num_prefix - aligned
 
 
-def test_cascade_attention_reads_the_prefix_in_one_launch(monkeypatch):
-    check_prefix_read_by_one_launch("cuda", monkeypatch)
+@pytest.mark.parametrize("num_prefix", [256, 300, 37])
+def test_cascade_attention_reads_the_prefix_in_one_launch(monkeypatch, num_prefix):
+    check_prefix_read_by_one_launch("cuda", monkeypatch, num_prefix)
 
 
 def check_two_prefixes_in_one_forward(runner: ModelRunner, monkeypatch, steps: int = 3) -> None:
@@ -224,12 +255,12 @@ def test_sessions_over_two_prefixes_read_each_once_with_their_own_bits(
     check_two_prefixes_in_one_forward(runner, monkeypatch)
 
 
-def test_invariant_attention_refuses_an_unaligned_prefix_and_a_window_over_one():
+def test_invariant_attention_refuses_a_prefix_in_another_dtype_and_a_window_over_one():
     keys, values = _head_major(10, 3, 64, 16, torch.float32)
     q = torch.randn(2, 9, 64, device="cuda")
     kernel = triton_invariant_attention.invariant_attention
-    with pytest.raises(ValueError, match="multiple"):
-        kernel(q, keys, values, 10, None, *_head_major(100, 3, 64, 128, torch.float32))
+    with pytest.raises(ValueError, match="over a cache in"):
+        kernel(q, keys, values, 10, None, *_head_major(100, 3, 64, 128, torch.bfloat16))
     window_mask = torch.ones(3, 2, 10, dtype=torch.bool, device="cuda")
     with pytest.raises(ValueError, match="window"):
         kernel(q, keys, values, 10, window_mask, *_head_major(256, 3, 64, 256, torch.float32))

@@ -11,11 +11,11 @@ from vericache.compress.context import ModelContext
 from vericache.errors import CacheStateError
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.exact import ExactKV
-from vericache.kv.prefixed import PrefixedLayerKV, shared_clone, shared_length
+from vericache.kv.prefixed import PrefixedLayerKV, shared_clone
 from vericache.model.loader import load_model
 from vericache.model.runner import ModelRunner, SequenceInput
 
-PREFIX = 600  # 512 shared, 88 copied into each session
+PREFIX = 600  # 4 whole chunks of the CPU kernel's 128 slots and one it shares with the session's
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
@@ -70,8 +70,8 @@ def test_a_session_holds_and_rolls_back_only_its_own_tokens(runner):
     prefix = _prefix(runner)
     cache = shared_clone(prefix, PREFIX + 64)
     layer = cache.layers[0]
-    assert layer.shared.num_slots == shared_length(PREFIX) == 512
-    assert cache.nbytes == prefix.nbytes * (PREFIX - 512) // PREFIX
+    assert layer.shared.num_slots == PREFIX and layer.own.num_slots == 0
+    assert cache.nbytes == 0  # the prefix is the holder's, not the session's
     runner.forward([SequenceInput(torch.tensor([4, 5, 6]), cache)])
     twin = prefix.clone(PREFIX + 64)
     runner.forward([SequenceInput(torch.tensor([4, 5, 6]), twin)])
@@ -81,18 +81,25 @@ def test_a_session_holds_and_rolls_back_only_its_own_tokens(runner):
             torch.equal(a, b) for a, b in zip(ours.keys + ours.values, theirs.keys + theirs.values)
         )
     cache.truncate(PREFIX + 1)
-    assert cache.num_tokens == PREFIX + 1 and layer.own.num_slots == PREFIX + 1 - 512
+    assert cache.num_tokens == PREFIX + 1 and layer.own.num_slots == 1
     with pytest.raises(CacheStateError, match="shared prefix"):
         layer.drop_last(layer.num_slots - 100)
     state = cache.to_state()
     assert state.layers[0].tensors["keys"].shape[0] == PREFIX + 1
 
 
-def test_a_prefix_shorter_than_one_block_is_copied(runner):
-    prefix = _prefix(runner, 100)
-    cache = shared_clone(prefix, 164)
-    assert not any(isinstance(layer, PrefixedLayerKV) for layer in cache.layers)
-    assert cache.is_full and cache.num_tokens == 100
+@pytest.mark.parametrize("num_tokens", [1, 100, 128, 129, 255, 384])
+def test_a_prefix_of_any_length_is_shared_and_changes_no_bit(runner, num_tokens):
+    # Short of a chunk, on a chunk's end, one past it: the chunk that straddles the prefix and
+    # the session's own tokens is read from both, as one buffer's chunk.
+    prefix = _prefix(runner, num_tokens)
+    shared = [shared_clone(prefix, num_tokens + 40) for _ in range(2)]
+    assert all(isinstance(layer, PrefixedLayerKV) for layer in shared[0].layers)
+    suffixes = [[5, 6, 7], list(range(20, 51))]
+    together = _decode(runner, shared, suffixes, steps=3, invariant=True)
+    for index, suffix in enumerate(suffixes):
+        alone = _decode(runner, [prefix.clone(num_tokens + 40)], [suffix], 3, True)[0]
+        assert all(torch.equal(got, want) for got, want in zip(together[index], alone)), index
 
 
 @pytest.mark.parametrize("name", ["snapkv", "streamingllm", "h2o", "kivi"])
@@ -113,12 +120,3 @@ def test_drafts_over_a_shared_compressed_prefix_are_the_drafts_over_a_copy(runne
         for cache in (shared, copied):
             cache.compressor.update(cache)
         feeds = [rows[-1:].argmax(-1) for rows in out]
-
-
-def test_sessions_share_whole_blocks_of_every_kernel():
-    # Bit-identity rests on it: a shared prefix ends where each kernel's block of keys ends.
-    from vericache.kernels import cpu_attention, triton_invariant_attention
-    from vericache.kv.slots import SHARED_PREFIX_ALIGN
-
-    assert SHARED_PREFIX_ALIGN % cpu_attention.PREFIX_BLOCK == 0
-    assert SHARED_PREFIX_ALIGN % triton_invariant_attention.PREFIX_BLOCK == 0

@@ -17,15 +17,18 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
 from tests.test_cuda_invariant import (  # noqa: E402  (after the skip: they import Triton's kernels)
     DTYPES,
     check_cascade_attention,
+    check_prefix_is_the_concatenation,
     check_prefix_read_by_one_launch,
     check_two_prefixes_in_one_forward,
 )
+from vericache.kernels import triton_invariant_attention  # noqa: E402
 from vericache.model import kernels  # noqa: E402
 from vericache.model.loader import load_model  # noqa: E402
 from vericache.model.runner import ModelRunner  # noqa: E402
@@ -52,14 +55,48 @@ def row_by_row_dots(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
 
 
+# Prefixes of any length: the block holding slot P reads the prefix's last slots and the cache's
+# first (at 64 the block after the prefix is the cache's alone). A cascade's prefix pass covers
+# none of the first two, all of 64 and the whole PREFIX_BLOCKs of the others.
+PREFIX_LENGTHS = [1, 37, 64, 100, 129, 200]
+# (new tokens, own slots): steps and verifications, ending in the straddling block or past it.
+SEQUENCES = [(1, 1), (1, 70), (31, 31), (31, 100)]
+
+
+@pytest.mark.parametrize("num_prefix", PREFIX_LENGTHS)
+@pytest.mark.parametrize("dtypes", list(DTYPES), ids=lambda d: f"{d[0]}-{d[1]}")
+def test_invariant_attention_over_an_unaligned_shared_prefix_is_the_concatenation(
+    dtypes, num_prefix
+):
+    check_prefix_is_the_concatenation("cpu", dtypes, (2, 2, 64), num_prefix, SEQUENCES)
+
+
+@pytest.mark.parametrize("num_prefix", PREFIX_LENGTHS)
+@pytest.mark.parametrize("dtypes", list(DTYPES), ids=lambda d: f"{d[0]}-{d[1]}")
+def test_cascade_attention_over_an_unaligned_prefix_gives_each_sequence_its_bits(
+    dtypes, num_prefix
+):
+    check_cascade_attention("cpu", dtypes, (2, 2, 64), num_prefix)
+
+
+def test_invariant_attention_refuses_a_prefix_in_another_dtype():
+    keys, values = torch.randn(2, 10, 2, 64)
+    prefix = torch.randn(2, 37, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="over a cache in"):
+        triton_invariant_attention.invariant_attention(
+            torch.randn(1, 4, 64), keys, values, 10, None, *prefix
+        )
+
+
 @pytest.mark.parametrize("shape", [(3, 3, 64), (2, 1, 128)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtypes", list(DTYPES), ids=lambda d: f"{d[0]}-{d[1]}")
 def test_cascade_attention_gives_each_sequence_its_bits_alone(dtypes, shape):
     check_cascade_attention("cpu", dtypes, shape, num_prefix=256)
 
 
-def test_cascade_attention_reads_the_prefix_in_one_launch(monkeypatch):
-    check_prefix_read_by_one_launch("cpu", monkeypatch)
+@pytest.mark.parametrize("num_prefix", [256, 300, 37])
+def test_cascade_attention_reads_the_prefix_in_one_launch(monkeypatch, num_prefix):
+    check_prefix_read_by_one_launch("cpu", monkeypatch, num_prefix)
 
 
 def test_sessions_over_two_prefixes_read_each_once_with_their_own_bits(

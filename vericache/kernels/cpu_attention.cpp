@@ -10,10 +10,11 @@
 //
 // A row runs an online softmax over chunks of kSlotChunk slots aligned to its first slot: per
 // chunk, the chunk's maximum, its weights relative to the running maximum, and the running sum and
-// weighted value sum rescaled to it. A shared prefix is a whole number of chunks
-// (kv/slots.py SHARED_PREFIX_ALIGN), and its rows' state carries on into the sequence's own slots,
-// so a row over [shared prefix | own slots] takes the very steps it takes over one buffer: sharing
-// a prefix changes no bit.
+// weighted value sum rescaled to it. Over [shared prefix | own slots] the chunks stay where they
+// lie in one buffer: the prefix's whole chunks first, then chunks of the sequence's own item, whose
+// first slots are the prefix's last, partial chunk (its "lead", read in place from the prefix), so
+// the chunk that straddles the two is folded as one. A row then takes the very steps it takes over
+// one buffer: sharing a prefix, of any length, changes no bit.
 //
 // One work item is one (segment, KV head, block of new tokens): the block's query rows (its tokens
 // times the GQA group) share each key and value read, so a one-token step reads each cached byte
@@ -49,11 +50,11 @@ constexpr int64_t kTokenBlock = 8;     // new tokens per item: keeps both cores 
 constexpr int64_t kPrefixBlock = 128;  // tokens per item over a shared prefix: one read serves all
 
 struct HeadView {
-  const void* keys;  // slot t at keys + t * key_stride elements: D contiguous ones
-  const void* values;
-  int64_t key_stride;
-  int64_t value_stride;
-  at::ScalarType type;  // of keys and values: float, bfloat16 or half
+  const void* keys = nullptr;  // slot t at keys + t * key_stride elements: D contiguous ones
+  const void* values = nullptr;
+  int64_t key_stride = 0;
+  int64_t value_stride = 0;
+  at::ScalarType type = at::kFloat;  // of keys and values: float, bfloat16 or half
 };
 
 // Per query row of the call (row = token * Hq + query head): the online softmax's running maximum
@@ -68,15 +69,33 @@ struct RowState {
 
 // One work item: `count` tokens (their indices in the call's queries at tokens[0 .. count-1])
 // against one KV head of one segment of slots. Causal (a sequence's own slots): token j sees slots
-// [0, seen_before + j + 1). Not causal (a shared prefix): every token sees all num_slots.
+// [0, seen_before + j + 1). Not causal (a shared prefix's whole chunks): every token sees all
+// num_slots. A causal segment's first lead_slots slots are in `lead` (a shared prefix's partial
+// last chunk), the rest in `head`.
 struct WorkItem {
   HeadView head;
+  HeadView lead;
+  int64_t lead_slots;
   int64_t kv_head;
   const int64_t* tokens;
   int64_t count;
   int64_t num_slots;
   int64_t seen_before;
   bool causal;
+
+  // Slot t's keys and values (D contiguous elements each).
+  template <typename T>
+  const T* key(int64_t t) const {
+    if (t < lead_slots) return static_cast<const T*>(lead.keys) + t * lead.key_stride;
+    return static_cast<const T*>(head.keys) + (t - lead_slots) * head.key_stride;
+  }
+  template <typename T>
+  const T* value(int64_t t) const {
+    if (t < lead_slots) return static_cast<const T*>(lead.values) + t * lead.value_stride;
+    return static_cast<const T*>(head.values) + (t - lead_slots) * head.value_stride;
+  }
+  // Elements between slot t's keys and slot t + 1's, where both lie in one buffer.
+  int64_t key_stride(int64_t t) const { return t < lead_slots ? lead.key_stride : head.key_stride; }
 
   int64_t num_seen(int64_t j) const { return causal ? seen_before + j + 1 : num_slots; }
   // The first token that sees slot t.
@@ -163,6 +182,22 @@ template <int kVecs, typename T>
   at::vec::transpose_mxn<float>(rows, kDim, tile, kTile, width, kDim);
 }
 
+// `width` key slots from t0 that straddle the lead and the sequence's own slots, gathered into one
+// buffer and transposed into tile [D, kTile] as a run of one buffer would be: the same tile, bit
+// for bit. Out of line, so that the common path's code stays as it was (see transpose_widened).
+template <int kVecs, typename T>
+[[gnu::noinline]] void transpose_straddling(const WorkItem& item, int64_t t0, int width,
+                                            float* tile) {
+  constexpr int64_t kDim = kVecs * Vec::size();
+  alignas(64) T rows[kTile * kDim];
+  for (int s = 0; s < width; ++s) std::copy_n(item.key<T>(t0 + s), kDim, rows + s * kDim);
+  if constexpr (std::is_same_v<T, float>) {
+    at::vec::transpose_mxn<float>(rows, kDim, tile, kTile, width, kDim);
+  } else {
+    transpose_widened<kVecs>(rows, kDim, width, tile);
+  }
+}
+
 // scores[r * kSlotChunk + t - first] = (q_r . key_t) * scale for slots first .. last-1 and every
 // row from first_row on (the rows that see slot `first`; a row seeing fewer slots gets scores past
 // its last, never read). The keys go kTile slots at a time into a tile transposed to [D, kTile]:
@@ -173,14 +208,15 @@ void score_chunk(const WorkItem& item, const float* const* queries, int64_t num_
                  int64_t group, int64_t first, int64_t last, float scale, float* scores) {
   constexpr int64_t kDim = kVecs * Vec::size();
   float tile[kDim * kTile] = {};
-  const T* keys = static_cast<const T*>(item.head.keys);
   for (int64_t t0 = first; t0 < last; t0 += kTile) {
     const int width = static_cast<int>(std::min(kTile, last - t0));
-    if constexpr (std::is_same_v<T, float>) {
-      at::vec::transpose_mxn<float>(keys + t0 * item.head.key_stride, item.head.key_stride, tile,
-                                    kTile, width, kDim);
+    if (t0 < item.lead_slots && t0 + width > item.lead_slots) {
+      transpose_straddling<kVecs, T>(item, t0, width, tile);
+    } else if constexpr (std::is_same_v<T, float>) {
+      at::vec::transpose_mxn<float>(item.key<T>(t0), item.key_stride(t0), tile, kTile, width,
+                                    kDim);
     } else {
-      transpose_widened<kVecs>(keys + t0 * item.head.key_stride, item.head.key_stride, width, tile);
+      transpose_widened<kVecs>(item.key<T>(t0), item.key_stride(t0), width, tile);
     }
     for_row_blocks<4>(item.first_seeing(t0) * group, num_rows, [&]<int kRows>(int64_t r) {
       score_tile<kVecs, kRows>(queries + r, tile, scale, scores + r * kSlotChunk + (t0 - first));
@@ -215,7 +251,7 @@ void weigh_chunk(const WorkItem& item, float* const* acc, const float* weights,
     for (int j = 0; j < kVecs; ++j) sums[b][j] = Vec::loadu(acc[row0 + b] + j * Vec::size()) * factor;
   }
   for (int64_t t = first; t < last; ++t) {
-    const T* value = static_cast<const T*>(item.head.values) + t * item.head.value_stride;
+    const T* value = item.value<T>(t);
     Vec value_vecs[kVecs];
     for (int j = 0; j < kVecs; ++j) value_vecs[j] = load_floats(value + j * Vec::size());
     for (int b = 0; b < kRows; ++b) {
@@ -335,22 +371,37 @@ void check_layer(const at::Tensor& t, int64_t num_kv_heads, int64_t head_dim, co
   TORCH_CHECK(t.stride(2) == 1, name, " must have contiguous head rows");
 }
 
-// KV head h of a [T, Hkv, D] pair of layers.
-HeadView head_view(const at::Tensor& keys, const at::Tensor& values, int64_t h) {
-  auto start = [h](const at::Tensor& t) {
-    return static_cast<const char*>(t.data_ptr()) + h * t.stride(1) * t.element_size();
+// KV head h of a [T, Hkv, D] pair of layers, from slot `first_slot` on.
+HeadView head_view(const at::Tensor& keys, const at::Tensor& values, int64_t h,
+                   int64_t first_slot = 0) {
+  auto start = [h, first_slot](const at::Tensor& t) {
+    const int64_t offset = h * t.stride(1) + first_slot * t.stride(0);
+    return static_cast<const char*>(t.data_ptr()) + offset * t.element_size();
   };
   return {start(keys), start(values), keys.stride(0), values.stride(0), keys.scalar_type()};
 }
 
-// Items of one segment for the given tokens, per KV head in blocks of `block` tokens.
+// Slots a segment reads in place from a shared prefix before its own: the prefix's last, partial
+// chunk, from slot `first` on (none where `keys` is null).
+struct Lead {
+  const at::Tensor* keys = nullptr;
+  const at::Tensor* values = nullptr;
+  int64_t first = 0;
+  int64_t num_slots = 0;
+};
+
+// Items of one segment for the given tokens, per KV head in blocks of `block` tokens; `lead`'s
+// slots come first in the segment, then those of keys and values.
 void add_items(std::vector<WorkItem>& items, const at::Tensor& keys, const at::Tensor& values,
-               const int64_t* tokens, int64_t count, int64_t block, int64_t seen_before,
-               bool causal) {
+               const Lead& lead, const int64_t* tokens, int64_t count, int64_t block,
+               int64_t seen_before, bool causal) {
   for (int64_t h = 0; h < keys.size(1); ++h) {
     const HeadView head = head_view(keys, values, h);
+    const HeadView lead_head =
+        lead.num_slots ? head_view(*lead.keys, *lead.values, h, lead.first) : HeadView{};
     for (int64_t first = 0; first < count; first += block) {
-      items.push_back({head, h, tokens + first, std::min(block, count - first), keys.size(0),
+      items.push_back({head, lead_head, lead.num_slots, h, tokens + first,
+                       std::min(block, count - first), lead.num_slots + keys.size(0),
                        seen_before + first, causal});
     }
   }
@@ -363,10 +414,23 @@ void attend_passes(const std::vector<WorkItem>& prefix_items, const std::vector<
   attend_all<kVecs>(items, group, scale, state);
 }
 
+// A shared prefix's keys and values ([P, Hkv, D], any P) checked, and the slots of its last,
+// partial chunk that each of its sequences reads first in its own item.
+Lead prefix_lead(const at::Tensor& keys, const at::Tensor& values, int64_t num_kv_heads,
+                 int64_t head_dim) {
+  check_layer(keys, num_kv_heads, head_dim, "prefix keys");
+  check_layer(values, num_kv_heads, head_dim, "prefix values");
+  const int64_t num_slots = keys.size(0);
+  TORCH_CHECK(values.size(0) == num_slots, "a prefix's keys and values need the same slots");
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type(), "a prefix's keys and values need one dtype");
+  const int64_t whole = num_slots / kSlotChunk * kSlotChunk;
+  return {&keys, &values, whole, num_slots - whole};
+}
+
 // queries: [N, Hq, D], the new tokens of every sequence in order; keys[b], values[b]: [T_b, Hkv, D]
 // (any slot and head strides; float32, bfloat16 or float16 per sequence), whose last num_new[b]
 // slots are sequence b's new tokens; prefix_of[b]: -1, or the index in prefix_keys and
-// prefix_values ([P, Hkv, D], P a multiple of kSlotChunk) of the shared prefix that precedes
+// prefix_values ([P, Hkv, D], any P, the sequence's dtype) of the shared prefix that precedes
 // sequence b's slots, seen whole by each of its tokens.
 // -> [N, Hq, D]
 at::Tensor attention(const at::Tensor& queries, at::TensorList keys, at::TensorList values,
@@ -391,6 +455,10 @@ at::Tensor attention(const at::Tensor& queries, at::TensorList keys, at::TensorL
   const int64_t num_tokens = q.size(0);
   std::vector<int64_t> token_index(num_tokens);
   std::iota(token_index.begin(), token_index.end(), 0);
+  std::vector<Lead> leads;
+  for (int64_t p = 0; p < num_prefixes; ++p) {
+    leads.push_back(prefix_lead(prefix_keys[p], prefix_values[p], num_kv_heads, head_dim));
+  }
   std::vector<std::vector<int64_t>> prefix_tokens(num_prefixes);
   std::vector<WorkItem> items;
   int64_t offset = 0;  // the sequence's first query token
@@ -403,28 +471,26 @@ at::Tensor attention(const at::Tensor& queries, at::TensorList keys, at::TensorL
     TORCH_CHECK(count >= 1 && count <= num_slots, "num_new[", b, "] must lie in [1, ", num_slots, "]");
     TORCH_CHECK(offset + count <= num_tokens, "num_new adds up to more tokens than queries holds");
     TORCH_CHECK(prefix_of[b] >= -1 && prefix_of[b] < num_prefixes, "prefix_of[", b, "] is no prefix");
+    Lead lead;
     if (prefix_of[b] >= 0) {
+      lead = leads[prefix_of[b]];
+      TORCH_CHECK(lead.keys->scalar_type() == keys[b].scalar_type(),
+                  "a sequence and its prefix need one dtype");
       auto& tokens = prefix_tokens[prefix_of[b]];
       for (int64_t m = 0; m < count; ++m) tokens.push_back(offset + m);
     }
-    add_items(items, keys[b], values[b], token_index.data() + offset, count, kTokenBlock,
-              num_slots - count, true);
+    add_items(items, keys[b], values[b], lead, token_index.data() + offset, count, kTokenBlock,
+              lead.num_slots + num_slots - count, true);
     offset += count;
   }
   TORCH_CHECK(offset == num_tokens, "num_new must add up to the number of query tokens");
-  std::vector<WorkItem> prefix_items;
+  std::vector<WorkItem> prefix_items;  // the prefixes' whole chunks, once for all their tokens
   for (int64_t p = 0; p < num_prefixes; ++p) {
-    check_layer(prefix_keys[p], num_kv_heads, head_dim, "prefix keys");
-    check_layer(prefix_values[p], num_kv_heads, head_dim, "prefix values");
-    const int64_t num_slots = prefix_keys[p].size(0);
-    TORCH_CHECK(prefix_values[p].size(0) == num_slots && num_slots % kSlotChunk == 0,
-                "a prefix's keys and values need the same number of slots, whole chunks of ",
-                kSlotChunk);
-    TORCH_CHECK(prefix_values[p].scalar_type() == prefix_keys[p].scalar_type(),
-                "a prefix's keys and values need one dtype");
     const auto& tokens = prefix_tokens[p];
-    add_items(prefix_items, prefix_keys[p], prefix_values[p], tokens.data(),
-              static_cast<int64_t>(tokens.size()), kPrefixBlock, num_slots, false);
+    if (leads[p].first == 0 || tokens.empty()) continue;
+    add_items(prefix_items, prefix_keys[p].narrow(0, 0, leads[p].first),
+              prefix_values[p].narrow(0, 0, leads[p].first), Lead{}, tokens.data(),
+              static_cast<int64_t>(tokens.size()), kPrefixBlock, leads[p].first, false);
   }
   const int64_t num_rows = num_tokens * num_heads;
   at::Tensor out = at::zeros_like(q);

@@ -37,8 +37,6 @@ _ISA_FLAGS = {
     # F16C widens float16 caches (every AVX2 CPU has it; without it the AVX2 build fails).
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
-# A shared prefix is whole softmax chunks of this many slots (kSlotChunk in cpu_attention.cpp).
-PREFIX_BLOCK = 128
 # The kernel holds a head row in 1 to 32 vectors of 4 (ARM), 8 or 16 floats.
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
@@ -89,10 +87,10 @@ def attention(
     [T_b, Hkv, D] with D contiguous (slot and head strides free), whose last num_new[b] slots are
     sequence b's new tokens: its token m sees slots 0 .. T_b - num_new[b] + m. A sequence's slots
     are float32, bfloat16 or float16 (a draft cache stored in 16 bits, widened exactly as read).
-    prefixes: shared prefixes' (keys, values) [P, Hkv, D], P a multiple of PREFIX_BLOCK;
-    prefix_of[b]: the index of the one that precedes sequence b's slots (every token of b sees it
-    whole, and it is read once for all of them), or -1. The result is bit for bit the one over
-    the prefix and the sequence's slots in one buffer.
+    prefixes: shared prefixes' (keys, values) [P, Hkv, D], any P, in the dtype of the sequences
+    that read them; prefix_of[b]: the index of the one that precedes sequence b's slots (every
+    token of b sees it whole, and its whole chunks are read once for all of them), or -1. The
+    result is bit for bit the one over the prefix and the sequence's slots in one buffer.
     Returns [N, Hq, D]. Call only where `accepts` said yes."""
     if prefix_of is None:
         prefix_of = [-1] * len(keys)

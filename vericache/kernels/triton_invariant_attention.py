@@ -19,16 +19,17 @@ copy) and in their own dtype, converted in registers to q's: a float32 model att
 
 A shared prefix (kv/prefixed.py: sessions read one copy of a prefix's KV, and each session's cache
 holds only its later tokens) is a second segment read before the cache, through its own pointers: a
-row's online softmax runs over the prefix's blocks, all visible, then carries the same running
-state over the cache's. The prefix's length is a multiple of PREFIX_BLOCK, so of BLOCK_N
-(kv/slots.py SHARED_PREFIX_ALIGN is a multiple of PREFIX_BLOCK): every block then holds the slots
-it would hold in one buffer of [prefix | cache], and the result is that buffer's bit for bit, with
-no copy of the prefix into each session.
+row's online softmax runs over blocks of [prefix | cache], starting at slot 0 as in one buffer of
+the two, so every block holds the slots it would hold there and the result is that buffer's bit
+for bit, with no copy of the prefix into each session. The prefix may have any length P (a
+session's whole prefix): the one block holding slots P - 1 and P, where P is not a multiple of
+BLOCK_N, straddles the segments and loads each slot from its own, the same bits as from one buffer.
 
 Several sequences over one prefix read it once between them (`cascade_attention`, cascade
-attention): a first launch runs the prefix's blocks for the rows of all of them, gathered from the
-layer's queries by token, and stores each row's running state (max, sum, unnormalised output, in
-float32: exact); then each sequence's launch loads its rows' state and runs its cache's blocks.
+attention): a first launch runs the prefix's whole blocks of PREFIX_BLOCK slots for the rows of all
+of them, gathered from the layer's queries by token, and stores each row's running state (max,
+sum, unnormalised output, in float32: exact); then each sequence's launch loads its rows' state and
+runs the blocks of [the prefix's tail | its cache], which start where the first launch stopped.
 All passes are one kernel, so a block runs the same instructions in each (the pass picks only
 where rows, state and output come from), and a row's results do not depend on the rows beside it
 in a tile: each row ends as in one launch over [prefix | cache], bit for bit.
@@ -40,7 +41,8 @@ import torch
 
 from vericache.kernels.triton_ops import jit, online_softmax_step, pow2_at_least, tl, triton
 
-# A shared prefix is whole blocks of this many slots: a multiple of every BLOCK_N (`_block_n`).
+# The cascade's prefix pass covers whole blocks of this many slots, a multiple of every BLOCK_N
+# (`_block_n`), so the own passes' blocks, starting there, are those of one buffer.
 PREFIX_BLOCK = 64
 # Rows per program: fixed, so the kernel compiled for a step of one token is the verification's.
 BLOCK_R = 16
@@ -61,7 +63,7 @@ def _invariant_attention_kernel(
     out_ptr,  # [n, Hq, D], contiguous (unused in the prefix pass)
     num_new,
     num_slots,
-    num_prefix,  # P, a multiple of BLOCK_N
+    num_prefix,  # P, any length
     state_first_row,  # the own pass's first token among the state's M
     q_stride_token,
     q_stride_head,
@@ -115,8 +117,9 @@ def _invariant_attention_kernel(
 
     if PASS == "own":
         # The prefix pass's state: the loop goes on as over one buffer [prefix | cache]. The
-        # launch passes P = 0, counting the cache's slots from 0: only which slots a row sees
-        # matters, and the loop then is the whole pass's. Padding rows start afresh, as there.
+        # launch counts slots from where that pass stopped (a multiple of PREFIX_BLOCK, so of
+        # BLOCK_N), its prefix the tail of the prefix: only which slots a row sees matters, and
+        # the blocks then are the whole pass's. Padding rows start afresh, as there.
         m_i = tl.load(state_max_ptr + state_rows, mask=row_ok, other=float("-inf"))
         l_i = tl.load(state_sum_ptr + state_rows, mask=row_ok, other=0.0)
         acc_offsets = state_rows[:, None] * HEAD_DIM + dims[None, :]
@@ -127,27 +130,35 @@ def _invariant_attention_kernel(
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     # One loop over both segments, so a block of the prefix runs the very instructions of a block
     # of one buffer [prefix | cache] (two loops compiled apart could differ, e.g. in FMA
-    # contraction); only the block's segment is chosen per block (P is a multiple of BLOCK_N, so
-    # no block straddles the two).
+    # contraction); only where the block's slots are read from is chosen per block.
     for start in range(0, total_slots, BLOCK_N):
+        slots = start + tl.arange(0, BLOCK_N)
+        slot_ok = slots < total_slots
         key_ptr, key_stride = key_base, key_stride_slot
         value_ptr, value_stride = value_base, value_stride_slot
-        first = num_prefix  # the segment's first slot
+        first, end = num_prefix, total_slots  # [first, end): the segment of its first slot
         if HAS_PREFIX:
             if start < num_prefix:
                 key_ptr, key_stride = prefix_key_base, prefix_key_stride_slot
                 value_ptr, value_stride = prefix_value_base, prefix_value_stride_slot
-                first = 0
-        slots = start + tl.arange(0, BLOCK_N)
-        slot_ok = slots < total_slots
-        local64 = (slots - first).to(tl.int64)  # within the segment
-        key_offsets = local64[None, :] * key_stride + dims[:, None]
-        # Slots past the end load as 0: their probabilities are 0, and 0 * 0 adds nothing.
-        keys_t = tl.load(key_ptr + key_offsets, mask=dim_ok[:, None] & slot_ok[None, :], other=0)
-        value_offsets = local64[:, None] * value_stride + dims[None, :]
-        values = tl.load(
-            value_ptr + value_offsets, mask=slot_ok[:, None] & dim_ok[None, :], other=0
+                first, end = 0, num_prefix
+        # Slots past the segment's end load as 0: the cache's, in a block that straddles (read
+        # below), or past the last slot, whose probabilities are 0 (and 0 * 0 adds nothing).
+        keys_t, values = _load_block(
+            key_ptr, value_ptr, key_stride, value_stride, slots - first, slots < end, dims, dim_ok
         )
+        if HAS_PREFIX:
+            # P need not be a multiple of BLOCK_N: the block holding slot P straddles, and its
+            # slots from P on are the cache's. A uniform branch, taken by that block alone: the
+            # others keep their one load, and this one feeds the same step the same bits.
+            if (start < num_prefix) & (num_prefix < start + BLOCK_N):
+                in_cache = slots >= num_prefix
+                cache_keys_t, cache_values = _load_block(
+                    key_base, value_base, key_stride_slot, value_stride_slot,
+                    slots - num_prefix, in_cache & slot_ok, dims, dim_ok,
+                )  # fmt: skip
+                keys_t = tl.where(in_cache[None, :], cache_keys_t, keys_t)
+                values = tl.where(in_cache[:, None], cache_values, values)
         visible = slot_ok[None, :] & (slots[None, :] <= last_visible[:, None])
         if HAS_WINDOW:  # only without a prefix (P = 0): slots are the window's columns
             window = tl.load(window_ptr + window_row[:, None] + slots[None, :], mask=visible)
@@ -172,6 +183,18 @@ def _invariant_attention_kernel(
         )
 
 
+@jit
+def _load_block(key_ptr, value_ptr, key_stride, value_stride, local, ok, dims, dim_ok):
+    # Keys [D, N] and values [N, D] of a block's slots, `local` within their segment; slots not
+    # `ok` load as 0.
+    local64 = local.to(tl.int64)
+    key_offsets = local64[None, :] * key_stride + dims[:, None]
+    keys_t = tl.load(key_ptr + key_offsets, mask=dim_ok[:, None] & ok[None, :], other=0)
+    value_offsets = local64[:, None] * value_stride + dims[None, :]
+    values = tl.load(value_ptr + value_offsets, mask=ok[:, None] & dim_ok[None, :], other=0)
+    return keys_t, values
+
+
 def invariant_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -185,10 +208,10 @@ def invariant_attention(
 
     q: [n, Hq, D]; keys, values: [T', H, D] with T' >= num_slots, any dtype and slot/head strides
     (the last axis contiguous); window_mask: optional [H, n, num_slots] bool, False where a
-    sliding window hides a slot. prefix_keys, prefix_values: optional [P, H, D], as keys, with P
-    a multiple of PREFIX_BLOCK: a shared prefix every row sees in full before the cache,
-    the result bit for bit that over the two concatenated (P + num_slots slots). Not with a
-    window_mask (callers concatenate instead). Returns [n, Hq * D] in q's dtype."""
+    sliding window hides a slot. prefix_keys, prefix_values: optional [P, H, D], as keys and in
+    their dtype, any P: a shared prefix every row sees in full before the cache, the result bit
+    for bit that over the two concatenated (P + num_slots slots). Not with a window_mask (callers
+    concatenate instead). Returns [n, Hq * D] in q's dtype."""
     has_prefix = prefix_keys is not None
     if has_prefix != (prefix_values is not None):
         raise ValueError("prefix_keys and prefix_values go together")
@@ -219,13 +242,18 @@ def cascade_attention(
 
     q: [N, Hq, D], a layer's new tokens; spans: each sequence's rows start:end of q; own: each
     sequence's cache (keys, values [T', H, D], num_slots), whose last end - start slots are those
-    rows; prefix_keys, prefix_values: [P, H, D], P a multiple of PREFIX_BLOCK. Returns
-    [end - start, Hq * D] per sequence, in q's dtype."""
+    rows; prefix_keys, prefix_values: [P, H, D], any P. Returns [end - start, Hq * D] per
+    sequence, in q's dtype."""
     if len(spans) != len(own):
         raise ValueError(f"{len(spans)} spans of q for {len(own)} caches")
     for keys, _, _ in own:
         _check_prefix(prefix_keys, prefix_values, keys)
-    if len(spans) < 2:  # nothing to share: one launch per sequence reads both (the same bits)
+    num_prefix = prefix_keys.shape[0]
+    # The prefix pass stops at a block boundary of every BLOCK_N; the own passes read the rest.
+    aligned = num_prefix // PREFIX_BLOCK * PREFIX_BLOCK
+    # Nothing to share (one sequence, or no whole block): one launch per sequence reads both,
+    # the same bits.
+    if len(spans) < 2 or aligned == 0:
         return [
             invariant_attention(
                 q[start:end], keys, values, num_slots, None, prefix_keys, prefix_values
@@ -240,19 +268,21 @@ def cascade_attention(
         q.new_empty(num_rows, num_heads, dtype=torch.float32),  # running sum
         q.new_empty(num_rows, num_heads, head_dim, dtype=torch.float32),  # unnormalised output
     )
-    # The prefix pass: every row's cache is the prefix alone, all of it visible.
-    num_prefix = prefix_keys.shape[0]
+    # The prefix pass: every row's cache is the prefix's first `aligned` slots, all visible.
     _launch(
-        q, prefix_keys, prefix_values, num_rows, num_prefix, "prefix",
+        q, prefix_keys[:aligned], prefix_values[:aligned], num_rows, aligned, "prefix",
         token_index=token_index, state=state,
     )  # fmt: skip
+    # Each own pass goes on over [tail | cache], its blocks aligned at `aligned` as the whole
+    # pass's; the tail is a view of the prefix, not a copy.
+    tail = (prefix_keys[aligned:], prefix_values[aligned:]) if aligned < num_prefix else None
     outputs, first_row = [], 0
     for (start, end), (keys, values, num_slots) in zip(spans, own):
         num_new = end - start
         out = q.new_empty(num_new, num_heads, head_dim)
         _launch(
             q[start:end], keys, values, num_new, num_slots, "own", out,
-            state=state, state_first_row=first_row,
+            prefix=tail, state=state, state_first_row=first_row,
         )  # fmt: skip
         outputs.append(out.view(num_new, num_heads * head_dim))
         first_row += num_new
@@ -275,7 +305,7 @@ def _launch(
     state_first_row: int = 0,
 ) -> None:
     """One launch over num_new tokens of q (see the kernel's arguments); `prefix` is the segment
-    a whole pass reads before the cache."""
+    a whole or own pass reads before the cache."""
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
@@ -329,10 +359,10 @@ def _check_prefix(prefix_keys: torch.Tensor, prefix_values: torch.Tensor, keys: 
             f"prefix keys {tuple(prefix_keys.shape)} and values "
             f"{tuple(prefix_values.shape)} must be [P, {keys.shape[1]}, {keys.shape[2]}]"
         )
-    if prefix_keys.shape[0] % PREFIX_BLOCK:
-        raise ValueError(
-            f"a shared prefix of {prefix_keys.shape[0]} slots is not a multiple of {PREFIX_BLOCK}"
-        )
+    # Any length will do (a block straddling the segments reads each slot from its own), but
+    # one dtype: the kernel picks a block's pointers from either segment and merges their loads.
+    if (prefix_keys.dtype, prefix_values.dtype) != (keys.dtype, keys.dtype):
+        raise ValueError(f"a shared prefix in {prefix_keys.dtype} over a cache in {keys.dtype}")
 
 
 @functools.lru_cache(maxsize=64)

@@ -61,6 +61,10 @@ class LayerKV(Protocol):
     def positions(self) -> torch.Tensor:
         """[num_slots, H] original positions of the resident slots."""
 
+    def newest_positions(self, num_slots: int) -> torch.Tensor:
+        """[min(num_slots, self.num_slots), H] positions of the newest slots: what a rollback
+        checks, without assembling every slot's (a shared prefix's, a quantized layer's)."""
+
     def drop_last(self, num_slots: int) -> None:
         """Remove the newest `num_slots` slots (uncommitted tokens)."""
 
@@ -180,6 +184,9 @@ class DenseLayerKV:
 
     def positions(self) -> torch.Tensor:
         return self._positions[: self.num_slots]
+
+    def newest_positions(self, num_slots: int) -> torch.Tensor:
+        return self._positions[max(self.num_slots - num_slots, 0) : self.num_slots]
 
     def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[end - start, H, D] views of the keys and values of slots start..end-1."""
@@ -322,7 +329,7 @@ class KVCache:
             raise CacheStateError(f"cannot truncate {self.num_tokens} tokens to {num_tokens}")
         if removed == 0:
             return
-        tails = [layer.positions()[-removed:] for layer in self.layers]
+        tails = [layer.newest_positions(removed) for layer in self.layers]
         # One device sync for all layers.
         if min(t.shape[0] for t in tails) < removed or int(torch.cat(tails).min()) < num_tokens:
             raise CacheStateError(

@@ -6,14 +6,14 @@ Sessions over one prefix read one copy of its KV, held read-only by the worker
 everything after it: the rest of the prompt, the output, a round's drafts. Appends, rollbacks and
 the bytes a session is charged for touch the own layer alone.
 
-The shared part is a layer's first SHARED_PREFIX_ALIGN-multiple of slots; the few after it go into
-each session's own layer. Quantized layers are not shared (their packed groups take the session's
-tokens as they fill), nor are the layers an online compressor rewrites (H2O, TOVA, StreamingLLM
-replace a layer by the slots they keep, a private copy). The attention kernels run a row's
-online softmax over the shared blocks and carry it on into the own ones, taking the same steps as
-over one buffer (cpu_attention.cpp, triton_invariant_attention.py): output with a shared prefix is
-bit for bit output without one, whatever shares it. Attention elsewhere (sliding windows, library
-paths) reads `keys_values`, the two parts copied into one buffer.
+The shared part is the prefix's whole layer, so a session holds none of its tokens. Quantized
+layers are not shared (their packed groups take the session's tokens as they fill), nor are the
+layers an online compressor rewrites (H2O, TOVA, StreamingLLM replace a layer by the slots they
+keep, a private copy). The attention kernels run a row's online softmax over the shared slots and
+carry it on into the own ones in the blocks of one buffer, the block that straddles the two read
+from both (cpu_attention.cpp, triton_invariant_attention.py): output with a shared prefix is bit
+for bit output without one, whatever shares it and whatever its length. Attention elsewhere
+(sliding windows, library paths) reads `keys_values`, the two parts copied into one buffer.
 """
 
 from __future__ import annotations
@@ -23,26 +23,16 @@ import torch
 from vericache.errors import CacheStateError
 from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.kv.pool import BufferPool
-from vericache.kv.slots import SHARED_PREFIX_ALIGN, aligned
+from vericache.kv.slots import aligned
 from vericache.kv.state import LayerState
 
 
-def shared_length(num_slots: int) -> int:
-    """Slots of a prefix's layer that sessions share: whole SHARED_PREFIX_ALIGN blocks."""
-    return num_slots // SHARED_PREFIX_ALIGN * SHARED_PREFIX_ALIGN
-
-
 class PrefixedLayerKV:
-    """A session's layer over a shared prefix: `shared` (read-only, whole blocks), then `own`."""
+    """A session's layer over a shared prefix: `shared` (read-only), then `own`."""
 
     is_dense = True  # full-precision slots, in token order within each part
 
     def __init__(self, shared: DenseLayerKV, own: DenseLayerKV):
-        if shared.num_slots % SHARED_PREFIX_ALIGN:
-            raise CacheStateError(
-                f"a shared prefix is whole blocks of {SHARED_PREFIX_ALIGN} slots, "
-                f"not {shared.num_slots}"
-            )
         self.shared = shared
         self.own = own
 
@@ -72,6 +62,11 @@ class PrefixedLayerKV:
 
     def positions(self) -> torch.Tensor:
         return torch.cat([self.shared.positions(), self.own.positions()])
+
+    def newest_positions(self, num_slots: int) -> torch.Tensor:
+        if num_slots <= self.own.num_slots:
+            return self.own.newest_positions(num_slots)
+        return self.positions()[-num_slots:]
 
     def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [end - start, H, D] of slots start..end-1: views where they lie in one
@@ -116,23 +111,19 @@ class PrefixedLayerKV:
 
 def shared_clone(cache: KVCache, capacity: int, pool: BufferPool | None = None) -> KVCache:
     """A session's cache over `cache`, a prefix's copy held read-only for every session that
-    uses it (full KV, or a compressor's kept tokens): each dense layer's whole blocks are read in
-    place, and the session's own layer starts with a copy of the few slots after them, with room
-    for `capacity` slots in all. Other layers (quantized) are copied, as `clone` copies them."""
+    uses it (full KV, or a compressor's kept tokens): each dense layer is read in place, and the
+    session's own layer starts empty, with room for `capacity` slots in all. Other layers
+    (quantized) are copied, as `clone` copies them."""
     return cache.with_layers([_shared_layer(layer, capacity, pool) for layer in cache.layers])
 
 
 def _shared_layer(layer, capacity: int, pool: BufferPool | None):
     if isinstance(layer, PrefixedLayerKV) or not getattr(layer, "is_dense", False):
         return layer.clone(capacity, pool)
-    split = shared_length(layer.num_slots)
-    if split == 0:
+    if layer.num_slots == 0:
         return layer.clone(capacity, pool)
-    tail_keys, tail_values = layer.slots(split, layer.num_slots)  # [n, H, D]
-    num_kv_heads, head_dim = tail_keys.shape[1:]
-    own = DenseLayerKV(
-        num_kv_heads, head_dim, tail_keys.dtype, tail_keys.device, capacity - split, pool
-    )
-    if split < layer.num_slots:
-        own.append(tail_keys, tail_values, layer.positions()[split:])
-    return PrefixedLayerKV(layer.head(split), own)
+    keys, _ = layer.slots(0, 1)  # [1, H, D]: the layer's heads, size and dtype
+    num_kv_heads, head_dim = keys.shape[1:]
+    own_capacity = capacity - layer.num_slots
+    own = DenseLayerKV(num_kv_heads, head_dim, keys.dtype, keys.device, own_capacity, pool)
+    return PrefixedLayerKV(layer.head(layer.num_slots), own)

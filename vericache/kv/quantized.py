@@ -79,6 +79,11 @@ class QuantizedLayerKV:
     def positions(self) -> torch.Tensor:
         return torch.cat([self._q["positions"], self.residual.positions()])
 
+    def newest_positions(self, num_slots: int) -> torch.Tensor:
+        if num_slots <= self.residual.num_slots:
+            return self.residual.newest_positions(num_slots)
+        return self.positions()[-num_slots:]
+
     def flush(self, residual_length: int) -> None:
         """Quantize the residual in whole blocks of `residual_length` tokens, as KIVI does: the
         full-precision window then holds between 0 and residual_length - 1 tokens. With

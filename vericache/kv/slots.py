@@ -9,12 +9,6 @@ SLOT_ALIGNMENT = 256
 # Batch-invariant attention reads keys in whole blocks of this many slots (model/kernels.py), so a
 # request's full KV is reserved in whole blocks from the start, not on growth.
 KEY_ALIGN = 1024
-# A prefix shared by sessions (kv/prefixed.py) is shared in whole blocks of this many slots, a
-# multiple of every attention kernel's block of keys (the CPU kernel's 128, Triton's 32 or 64), and
-# small, since each session copies the prefix's tokens past its last whole block: a
-# row's online softmax then runs the same steps over [shared prefix | own tokens] as over one
-# buffer, so sharing changes no bit of any result.
-SHARED_PREFIX_ALIGN = 128
 POSITION_BYTES = 4  # one int32 position per KV head of each layer
 
 
@@ -34,11 +28,35 @@ def slot_bytes(kv_bytes_per_token: int, num_layers: int, num_kv_heads: int) -> i
 
 
 def full_kv_slots(
-    num_prompt_tokens: int, max_new_tokens: int, draft_len: int, max_positions: int
+    num_prompt_tokens: int,
+    max_new_tokens: int,
+    draft_len: int,
+    max_positions: int,
+    num_shared_tokens: int = 0,
 ) -> int:
     """Slots a request's full KV reserves: the prompt, every output token and one round's drafts
-    with the verifier's own token (every driver reserves this)."""
-    return cache_capacity(num_prompt_tokens + max_new_tokens + draft_len + 1, max_positions)
+    with the verifier's own token (every driver reserves this). Over a shared prefix of
+    `num_shared_tokens` (kv/prefixed.py) exactly that many: the session's own layer holds what
+    follows the prefix and is never read in KEY_ALIGN blocks, which would cost it up to a block of
+    unused slots."""
+    num_tokens = num_prompt_tokens + max_new_tokens + draft_len + 1
+    if num_shared_tokens:
+        return min(num_tokens, max_positions)
+    return cache_capacity(num_tokens, max_positions)
+
+
+def own_full_kv_slots(
+    num_prompt_tokens: int,
+    max_new_tokens: int,
+    draft_len: int,
+    max_positions: int,
+    num_shared_tokens: int,
+) -> int:
+    """Slots of its `full_kv_slots` that a session over a shared prefix holds of its own."""
+    num_slots = full_kv_slots(
+        num_prompt_tokens, max_new_tokens, draft_len, max_positions, num_shared_tokens
+    )
+    return num_slots - num_shared_tokens
 
 
 def reserved_full_kv_bytes(

@@ -28,7 +28,6 @@ from vericache.errors import WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
-from vericache.kv.prefixed import shared_length
 from vericache.kv.shared_prefix import HeldPrefix
 from vericache.serve.worker import SessionNotFoundError
 from vericache.serve.worker_api import Residency, Traffic
@@ -52,8 +51,8 @@ class Session:
 
     @property
     def own_slots(self) -> int:
-        """Slots of its cache that are its own: its capacity less its prefix's shared blocks."""
-        return self.capacity - (shared_length(len(self.prefix_tokens)) if self.shared else 0)
+        """Slots of its cache that are its own: its capacity less its prefix's shared copy."""
+        return self.capacity - (len(self.prefix_tokens) if self.shared else 0)
 
 
 # A session's prefix KV made resident: the cache (with room for its capacity) and what it cost.

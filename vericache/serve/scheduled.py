@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 from vericache.errors import WorkerUnavailableError
 from vericache.kv.exact import ExactKV
-from vericache.kv.prefixed import shared_length
 from vericache.scheduler import (
     BaseScheduler,
     CostModel,
@@ -107,9 +106,9 @@ class ScheduledRounds:
     ) -> AsyncIterator[list[int]]:
         """Puts an opened request on the schedule; yields each round's committed tokens."""
         session_id = served.session_id
-        # What the session holds of its own on the verifier: its prefix's shared blocks stay
-        # there, pinned, in the prefix cache's budget (kv/prefixed.py), and cost it no load.
-        own_slots = served.capacity - shared_length(served.seq.request.num_prefix_tokens)
+        # What the session holds of its own on the verifier: its prefix's shared copy stays
+        # there, pinned, in the prefix cache's budget (kv/prefixed.py), and costs it no load.
+        own_slots = served.capacity - served.seq.request.num_prefix_tokens
         full_kv_bytes = own_slots * self.slot_bytes
         draft_len = served.seq.request.draft_len
         self.scheduler.add_request(SchedulerRequest(session_id, full_kv_bytes, 0, draft_len))

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
-from vericache.kv.slots import SHARED_PREFIX_ALIGN, reserved_full_kv_bytes
+from vericache.kv.slots import own_full_kv_slots, reserved_full_kv_bytes
 from vericache.sim.cost import Row, forward_seconds
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
@@ -146,11 +146,16 @@ class RemotePrefixScenario:
         )
 
     def reserved_own_full_kv_bytes(self, max_output_tokens: int) -> int:
-        """What the verifier's residency counts of a session: its reservation past the whole
-        blocks of its prefix that it reads in place from the shared copy (kv/prefixed.py)."""
-        shared_slots = self.prefix_tokens // SHARED_PREFIX_ALIGN * SHARED_PREFIX_ALIGN
-        shared = shared_slots * self.model.slot_bytes(self.element_size)
-        return self.reserved_full_kv_bytes(max_output_tokens) - shared
+        """What the verifier's residency counts of a session: its reservation past its prefix,
+        which it reads in place from the shared copy (kv/prefixed.py)."""
+        own_slots = own_full_kv_slots(
+            self.prefix_tokens + self.suffix_tokens,
+            max_output_tokens,
+            self.draft_len,
+            self.model.max_positions,
+            self.prefix_tokens,
+        )
+        return own_slots * self.model.slot_bytes(self.element_size)
 
     def own_bytes(self, num_output_tokens: int) -> int:
         """The exact KV a session comes to hold of its own: its suffix and its output."""
