@@ -7,7 +7,6 @@ import statistics
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
-from vericache.kv.slots import SHARED_PREFIX_ALIGN
 
 CODES = ("before", "after")
 MODES = ("vericache", "full_local", "full_remote")
@@ -42,13 +41,11 @@ DEFINITIONS = {
     "the samples",
     "kv_allowance_bytes": "per worker, its copies of the cell's prefixes + its sessions at the "
     "peak's reading (the verifier: the cell's sessions, where its peak came from residency()) "
-    "x the most own tokens of a request x the full KV of one token",
+    "x (the most own tokens of a request, + a round's drafts for VERICACHE, which issue 39 counts "
+    "among a session's own tokens) x the full KV of one token",
     "peak_kv_over_allowance": "peak_kv_bytes / kv_allowance_bytes, in the sample where it is "
     "the most",
     "peak_kv_bytes_by_code": "peak_kv_bytes at the headline cell, per code, mode and worker",
-    "prefix_tail_tokens": "tokens of a prefix past its last whole block of 256 slots, the part "
-    "each session holds a copy of after sharing (kv/prefixed.py): the mean over the cell's "
-    "prefixes",
     "gain": "tokens/s after / before, each sample over the other code's sample of the same "
     "cell served beside it; the median, min and max",
     "identical": "every sample's outputs equal the FULL_LOCAL outputs of the working tree (or "
@@ -133,13 +130,16 @@ def cell_records(samples: dict, plans: dict, spec: SharingSpec) -> list[dict]:
     for (code, mode, layout), replies in samples.items():
         reference = samples[(spec.reference_code, "full_local", layout)][0]["outputs"]
         plan = plans[layout]
-        record = _cell(code, mode, layout, [r["sample"] for r in replies], plan)
+        cell_samples = [r["sample"] for r in replies]
+        record = _cell(code, mode, layout, cell_samples, plan, spec.draft_len)
         record["outputs_match"] = [reply["outputs"] == reference for reply in replies]
         records.append(record)
     return records
 
 
-def _cell(code: str, mode: str, layout: Layout, samples: list[dict], plan: dict) -> dict:
+def _cell(
+    code: str, mode: str, layout: Layout, samples: list[dict], plan: dict, draft_len: int
+) -> dict:
     prefixes = plan["prefixes"][code]
     token_bytes = statistics.mean(p["full_kv_bytes"] / p["num_tokens"] for p in prefixes)
     own = [
@@ -168,14 +168,15 @@ def _cell(code: str, mode: str, layout: Layout, samples: list[dict], plan: dict)
         "store_bytes_per_request": store,
         "link_bytes_per_request": link,
         "own_tokens_per_request": statistics.mean(t for tokens in own for t in tokens),
-        "prefix_tail_tokens": statistics.mean(
-            p["num_tokens"] % SHARED_PREFIX_ALIGN for p in prefixes
-        ),
         "store_over_prefix": _over_prefix(store, 0.0, "store", mode, prefixes, layout),
         "link_over_prefix": _over_prefix(
             link, own_link if mode == "vericache" else 0.0, "link", mode, prefixes, layout
         ),
-        "workers": _workers(samples, max(t for tokens in own for t in tokens), token_bytes),
+        "workers": _workers(
+            samples,
+            max(t for tokens in own for t in tokens) + (draft_len if mode == "vericache" else 0),
+            token_bytes,
+        ),
         "samples": samples,
     }
 
