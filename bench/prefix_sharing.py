@@ -58,7 +58,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import vericache
-from vericache.bench.common import environment, int_list, str_list, token_range
+from vericache.bench.common import (
+    compressor_from_label,
+    environment,
+    int_list,
+    str_list,
+    token_range,
+)
 from vericache.bench.prefix_sharing_plot import plot  # noqa: F401 - the CLI's plot(result, path)
 from vericache.bench.prefix_sharing_summary import (
     CODES,
@@ -278,7 +284,7 @@ def _register(hosts: dict[str, CodeProcess], texts: list[str], spec: SharingSpec
     """Every code registers every prefix, at the same time; each code's record, checked to run
     the tree it was given (the host and its Ray workers)."""
     for host in hosts.values():  # queued while the hosts start, each with its Ray instance
-        host.send("register", texts=texts, compressor=spec.compressor)
+        host.send("register", texts=texts, compressor=_put_prefix_compressor(spec.compressor))
     codes = {}
     for code, host in hosts.items():
         host.vericache_file = host.receive()["vericache_file"]
@@ -299,6 +305,14 @@ def _register(hosts: dict[str, CodeProcess], texts: list[str], spec: SharingSpec
         }
         print(f"[prefix-sharing] {code}: {len(texts)} prefixes registered")
     return codes
+
+
+def _put_prefix_compressor(label: str) -> dict:
+    """A compressor label as `Client.put_prefix`'s arguments, resolved here: a host runs the
+    before code, whose modules may lack the label parser's imports."""
+    params = compressor_from_label(label).spec()["params"]
+    names = ("ratio", "bits", "dtype")
+    return {"compressor": label.split("-", 1)[0], **{k: params.get(k) for k in names}}
 
 
 def _plans(spec: SharingSpec, contexts, codes: dict, tokenizer) -> dict[Layout, dict]:

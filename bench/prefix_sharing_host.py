@@ -6,7 +6,8 @@ Ray workers it starts import that tree's `vericache`; the benchmark's own module
 installed `vericache.bench`, using only what both codes offer. It starts a Ray instance of its own
 (one verifier, `--drafters` drafters) and answers each JSON line on its stdin with one JSON line
 on `--reply-fd` (its stdout and stderr are its log):
-- {"op": "register", "texts": [...], "compressor": label}: registers each text as a prefix on
+- {"op": "register", "texts": [...], "compressor": {"compressor": name, "ratio": ...}}: registers
+  each text as a prefix (the compressor as `Client.put_prefix` takes it) on
   fresh workers, and measures the bytes one FULL_REMOTE fetch of its full KV puts on the link;
 - {"op": "start", "max_running": n, "draft_len": x}: a server on fresh workers (one wave of
   cells, each on prefixes the workers have not seen yet);
@@ -33,7 +34,6 @@ from pathlib import Path
 import ray
 
 import vericache
-from vericache.bench.common import compressor_from_label
 from vericache.bench.serving import ray_server, ray_session, serve_stream, stream_record
 from vericache.client import Client
 from vericache.engine.link import LinkSpec
@@ -182,7 +182,7 @@ class Host:
         self._server = None
         self._stack = contextlib.ExitStack()
 
-    def register(self, texts: list[str], compressor: str) -> dict:
+    def register(self, texts: list[str], compressor: dict) -> dict:
         verifier = replace(self.verifier, link=self._open)
         with ray_server(verifier, self.drafter, 1) as server, Client(server.target) as client:
             backend = server.coordinator.backend
@@ -235,14 +235,10 @@ class Host:
         shutil.rmtree(self._root, ignore_errors=True)
 
 
-def _register(client, text: str, label: str) -> dict:
+def _register(client, text: str, compressor: dict) -> dict:
     """Registers one prefix; one FULL_REMOTE request (one output token) measures the bytes its
     full KV puts on the link."""
-    params = compressor_from_label(label).spec()["params"]
-    prefix_id = client.put_prefix(
-        text=text, compressor=label.split("-", 1)[0], ratio=params.get("ratio"),
-        bits=params.get("bits"), dtype=params.get("dtype"),
-    )  # fmt: skip
+    prefix_id = client.put_prefix(text=text, **compressor)
     info = client.get_prefix(prefix_id)
     fetch = client.generate("?", prefix_id=prefix_id, mode="full_remote", max_tokens=1)
     return {
