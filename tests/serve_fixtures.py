@@ -33,6 +33,7 @@ def start_server(
     config: CoordinatorConfig | None = None,
     access: Access | None = None,
     http: HttpSettings | None = None,
+    drafter_options: dict | None = None,
     **verifier_options,
 ) -> BackgroundServer:
     """`access` None: no API keys and no TLS, as `--insecure-no-auth` serves; `http`: the
@@ -40,7 +41,7 @@ def start_server(
     verifier = VerifierConfig(model=str(model), root=root, transfer_host="127.0.0.1")
     if verifier_options:
         verifier = dataclasses.replace(verifier, **verifier_options)
-    drafter = DrafterConfig(model=str(model))
+    drafter = DrafterConfig(model=str(model), **(drafter_options or {}))
     return distributed_server(
         lambda: in_process_workers(verifier, drafter, num_drafters),
         str(model),

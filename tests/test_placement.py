@@ -116,3 +116,14 @@ def test_the_server_sends_a_prefix_s_requests_to_the_drafter_that_holds_it(
                     prefix_id = by_holder[holder]
                     client.generate("Go on.", prefix_id=prefix_id, mode=mode, max_tokens=2)
         assert opened == [holders[0]] * 3 + [holders[1]] * 3  # each fetched by its holder alone
+
+
+def test_a_warm_node_ranks_before_the_prefix_s_rendezvous_holder():
+    order = ranking("pfx-a", NAMES)
+    warm = order[2]
+    placed = candidates([0, 0, 0, 0])
+    placed[warm] = Candidate(NAMES[warm], 0, is_warm=True)
+    assert place("pfx-a", placed) == warm
+    # Past the margins it spills as any holder does: to the least loaded, best ranked.
+    placed[warm] = Candidate(NAMES[warm], 65, is_warm=True)
+    assert place("pfx-a", placed) == order[0]

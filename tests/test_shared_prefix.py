@@ -42,6 +42,19 @@ def test_sessions_share_one_load_and_pin_it_while_they_hold_it():
     assert prefixes.acquire("a", load) is first and load.calls == 1
 
 
+def test_a_held_copy_is_pinned_without_a_load_and_none_is_loaded_for_a_missing_one():
+    prefixes = SharedPrefixes(budget_bytes=250)
+    assert prefixes.acquire_held("a") is None and not prefixes.holds("a")
+    loaded = prefixes.acquire("a", Loader())
+    prefixes.release(loaded)
+    assert prefixes.holds("a") and prefixes.keys() == ["a"]
+    held = prefixes.acquire_held("a")
+    assert held is loaded and held.num_sessions == 1
+    prefixes.release(held)
+    prefixes.retire("a")
+    assert prefixes.acquire_held("a") is None and prefixes.keys() == []
+
+
 def test_sessions_opened_at_once_wait_for_one_load():
     prefixes, load = SharedPrefixes(budget_bytes=250), Loader(delay_s=0.2)
     held = []

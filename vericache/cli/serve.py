@@ -82,6 +82,13 @@ def add_parser(commands) -> None:
         help="a drafter's copies of the prefixes it fetched, shared by its sessions (default: "
         "the GPU memory left after the weights; on CPU, a quarter of the RAM)",
     )
+    parser.add_argument(
+        "--host-tier-bytes",
+        default="0",
+        help="a drafter node's host memory for the full KV of the prefixes it drafts on, streamed "
+        "over the link in the background; once a prefix's is there, the node verifies its own "
+        "sessions' rounds (default 0: every verification on a verifier beside the store)",
+    )
     parser.add_argument("--draft-len", type=int, default=30, help="default tokens per draft")
     parser.add_argument(
         "--scheduling",
@@ -217,7 +224,11 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
         load_bandwidth=parse_bandwidth(args.pcie_bandwidth) if args.pcie_bandwidth else None,
         transfer_host=transfer_host(args),
     )
-    drafter = DrafterConfig(**common, kv_cache_bytes=_size_or_none(args.drafter_cache_bytes))
+    drafter = DrafterConfig(
+        **common,
+        kv_cache_bytes=_size_or_none(args.drafter_cache_bytes),
+        host_tier_bytes=parse_size(args.host_tier_bytes),
+    )
     return verifier, drafter
 
 

@@ -101,9 +101,20 @@ class ThrottledLink:
             await asyncio.sleep(delay)
         return max(delay, 0.0)
 
-    def send_blocking(self, num_bytes: int, first: bool = False) -> float:
-        """`send` for threads that are not running an event loop."""
+    def send_blocking(self, num_bytes: int, first: bool = False, background: bool = False) -> float:
+        """`send` for threads that are not running an event loop. A `background` chunk waits
+        for the wire to fall idle first, so transfers that need their bytes now (a drafter's
+        compressed prefix, a round's exact KV) pass it: it delays them by one chunk at most."""
+        waited = 0.0
+        while background and (idle_in := self._idle_in()) > 0:
+            time.sleep(idle_in)
+            waited += idle_in
         delay = self.schedule(num_bytes, first)
         if delay > 0:
             time.sleep(delay)
-        return max(delay, 0.0)
+        return waited + max(delay, 0.0)
+
+    def _idle_in(self) -> float:
+        """Seconds until the bytes booked so far have left the wire."""
+        with self._lock:
+            return self._free_at - self._clock()

@@ -108,6 +108,26 @@ class SharedPrefixes(Generic[C]):
                 self._loading.pop(key).set()
         return self._admit(key, cache)
 
+    def acquire_held(self, key: Hashable) -> HeldPrefix[C] | None:
+        """The prefix's copy, pinned for the caller until `release`, where one is held complete;
+        None where none is (or one is still loading): nothing is loaded."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is None or held.is_retired:
+                return None
+            return self._pin(held)
+
+    def keys(self) -> list[Hashable]:
+        """The keys of the complete, unretired copies held, least recently used first."""
+        with self._lock:
+            return [key for key, held in self._held.items() if not held.is_retired]
+
+    def holds(self, key: Hashable) -> bool:
+        """Whether a complete, unretired copy of the prefix is held."""
+        with self._lock:
+            held = self._held.get(key)
+            return held is not None and not held.is_retired
+
     def release(self, held: HeldPrefix[C]) -> None:
         with self._lock:
             held.num_sessions -= 1

@@ -16,6 +16,11 @@ going to the higher ranked. These are the rules and defaults of the cache-aware 
 full-KV deployments run (SGLang's gateway, vLLM's router: imbalanced past 64 requests over the
 idlest and 1.5x its load), so the baselines and VeriCache place alike. A request without a prefix
 goes to the least loaded worker, ties to the first.
+
+A worker that holds the prefix's full KV already (a warm drafter node's host tier, warm_node.py:
+it verifies its own sessions) ranks before every one that does not, in rendezvous order among
+them: a request sent elsewhere would make another node fetch the prefix and keep the central
+verifier busy until that node is warm too.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class Candidate:
 
     name: str  # stable across restarts: the ranking is by name
     load: int  # sessions placed on it now
+    is_warm: bool = False  # it holds the request's prefix's full KV (a warm drafter node)
 
 
 def ranking(prefix_key: str, names: Sequence[str]) -> list[int]:
@@ -66,7 +72,8 @@ def place(
         raise ValueError("no candidate to place a request on")
     if prefix_key is None:
         return min(range(len(candidates)), key=lambda i: candidates[i].load)
-    order = ranking(prefix_key, [c.name for c in candidates])
+    by_weight = ranking(prefix_key, [c.name for c in candidates])
+    order = sorted(by_weight, key=lambda i: not candidates[i].is_warm)  # stable: warm first
     least = min(order, key=lambda i: candidates[i].load)  # stable: the higher ranked on ties
     if balance.holds(candidates[order[0]].load + 1, candidates[least].load):
         return order[0]

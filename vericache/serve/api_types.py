@@ -138,6 +138,7 @@ class GenerateSummary:
     total_s: float
     seed: int | None = None  # the sampling seed (the request's, or one drawn); None: greedy
     prompt_tokens: int = 0  # the prompt's, its prefix's included
+    local_rounds: int = 0  # of the rounds, those its warm drafter node verified itself
 
     @property
     def mean_accepted_per_round(self) -> float:

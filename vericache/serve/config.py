@@ -77,6 +77,15 @@ class DrafterConfig(WorkerConfig):
     # after the weights, a quarter of the RAM on CPU (device_memory.py `prefix_budget_left`).
     kv_cache_bytes: int | None = None
     prefill_chunk: int = 512
+    # Its host-memory tier (warm_node.py): the full KV of the prefixes it drafts on, streamed
+    # over the link in the background, over which it then verifies its own sessions. 0: none,
+    # every verification stays on a verifier beside the store.
+    host_tier_bytes: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.host_tier_bytes < 0:
+            raise InvalidRequestError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
 
 
 SCHEDULING_POLICIES = ("per-request", "staggered", "lockstep")

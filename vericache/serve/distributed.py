@@ -159,6 +159,8 @@ class DistributedBackend:
         is_verifier = isinstance(about, VerifierInfo)
         if is_verifier:
             self._addresses[worker.name] = about.transfer_address
+        else:
+            worker.warm_prefixes = about.warm_prefixes
         if self._metrics is not None:
             self._metrics.prefix_cache_reported(worker.name, about.prefix_cache)
         # Found gone while the probe was out: the answer may predate that, so the next one says.
@@ -242,15 +244,23 @@ class DistributedBackend:
         needs_drafter = served.plan.mode.needs_drafter
         drafter = _placed(self.drafters, prefix_id, "drafter") if needs_drafter else None
         workers = [w for w in (verifier, drafter) if w is not None]
-        for worker in workers:
+        counted = list(workers)  # the workers whose load it counts in now
+        for worker in counted:
             worker.active += 1
+
+        def release_verifier() -> None:  # its rounds moved to a warm drafter node
+            if verifier in counted:
+                counted.remove(verifier)
+                verifier.active -= 1
+
+        served.release_verifier = release_verifier
         try:
             address = self._addresses[verifier.name]
             schedule = self.schedules.get(verifier.name)
             async for tokens in run_request(served, verifier, drafter, address, schedule):
                 yield tokens
         finally:
-            for worker in workers:
+            for worker in counted:
                 worker.active -= 1
             # Cancelled or not, the workers drop the request's caches.
             closing = [w.close_session(served.session_id) for w in workers]
@@ -262,4 +272,5 @@ def _placed(workers: list, prefix_id: str | None, kind: str):
     alive = [worker for worker in workers if worker.alive]
     if not alive:
         raise WorkerUnavailableError(f"no {kind} is running")
-    return alive[place(prefix_id, [Candidate(w.name, w.active) for w in alive])]
+    candidates = [Candidate(w.name, w.active, prefix_id in w.warm_prefixes) for w in alive]
+    return alive[place(prefix_id, candidates)]

@@ -10,6 +10,8 @@ alone (kv/prefixed.py). It decodes greedily over it, in one of three roles
   the in-process engine;
 - LOSSY: decodes alone over the compressed KV, which online compressors update each step;
 - FULL (FULL_REMOTE): decodes alone over the full KV it fetched, with the verifier's kernels.
+With a host tier (`host_tier_bytes`, warm_node.py) it also streams the full KV of the prefixes it
+drafts on, and once warm verifies its own DRAFT sessions' rounds (`open_local`, `local_round`).
 Its forwards go through the engine's forward loop, batched across sessions.
 """
 
@@ -31,6 +33,7 @@ from vericache.engine.sampling import checks_by_rejection
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
+from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
 from vericache.kv.prefixed import shared_clone
 from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
@@ -38,6 +41,7 @@ from vericache.serve.batching import BatchLoop
 from vericache.serve.cluster_secret import required
 from vericache.serve.config import DrafterConfig
 from vericache.serve.kv_transfer import KVFetcher, fetch_kind
+from vericache.serve.warm_node import WarmNode
 from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model
 from vericache.serve.worker_api import (
     BatchingStats,
@@ -48,7 +52,10 @@ from vericache.serve.worker_api import (
     DrafterInfo,
     DrafterOpened,
     DraftRole,
+    LocalRound,
+    LocalRoundCall,
     OpenDrafter,
+    OpenLocal,
     Traffic,
 )
 
@@ -57,9 +64,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Session:
+    session_id: str
     role: DraftRole
     cache: KVCache  # over `prefix`, read in place
     prefix: HeldPrefix[KVCache]  # pinned until the session's last call ends
+    prefix_id: str
+    capacity: int  # cache slots the request reserves
     in_use: bool = False  # a call is drafting or decoding on it
     closed: bool = False  # its request ended while a call used it: release when that ends
 
@@ -80,10 +90,19 @@ class Drafter:
         # the same KV on every verifier of the server).
         self._prefixes: SharedPrefixes[KVCache] = SharedPrefixes(budget)
         self._loop = BatchLoop(self.runner, "drafter-batch")
+        self._warm = None
+        self._tier_fetchers: dict[str, KVFetcher] = {}  # by verifier address, into the tier
+        if config.host_tier_bytes:
+            log.info("drafter host tier: %.2f GiB", config.host_tier_bytes / 2**30)
+            self._warm = WarmNode(
+                self.runner, self._loop, config.host_tier_bytes, self._buffers,
+                config.prefill_chunk,
+            )  # fmt: skip
         self.startup = model.startup()
 
     def describe(self) -> DrafterInfo:
-        return DrafterInfo(self.info, self.startup, self._prefixes.stats())
+        warm = self._warm.warm_prefixes() if self._warm is not None else frozenset()
+        return DrafterInfo(self.info, self.startup, self._prefixes.stats(), warm)
 
     def time_draft_step(self) -> float:
         """Seconds of one draft step: a first estimate for a scheduler, which refines it."""
@@ -113,8 +132,15 @@ class Drafter:
         except BaseException:
             self._prefixes.release(fetched.held)
             raise
+        session = _Session(
+            call.session_id, call.role, cache, fetched.held, call.prefix_id, call.capacity
+        )
         with self._lock:
-            self._sessions[call.session_id] = _Session(call.role, cache, fetched.held)
+            self._sessions[call.session_id] = session
+        if self._warm is not None and call.role is DraftRole.DRAFT and call.host_tier_grant:
+            proofs = self._secret.fetch_metadata(call.session_id, call.host_tier_grant)
+            fetcher = self._fetcher(call.transfer_address, self._tier_fetchers, self._warm.tier)
+            self._warm.stream(call.prefix_id, fetcher, proofs)
         return DrafterOpened(first, Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds))
 
     def draft(self, call: DraftCall) -> Drafted:
@@ -123,23 +149,53 @@ class Drafter:
         committed since the last round, which replaces what this cache drafted for them."""
         time.sleep(call.arrives_in_s)  # an emulated link: the call is on its way until then
         with self._using(call.session_id) as session:
-            cache = session.cache
             if call.exact is not None:
-                cache.truncate(call.exact.start)  # drops the drafts: uncommitted, never compressed
-                cache.append_exact(call.exact)
-                _update(cache)
-            if call.num_drafts == 0:
-                return Drafted((), 0.0)
-            rejects = checks_by_rejection(call.sampler)
-            job = Job(
-                cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids,
-                sampler=call.sampler, keeps_distributions=rejects,
-            )  # fmt: skip
-            started = time.perf_counter()
-            tokens = self._loop.run(job)
+                _take_exact(session.cache, call.exact)
+            drafted = self._draft(session, call)
+        return drafted
+
+    def _draft(self, session: _Session, call: DraftCall | LocalRoundCall) -> Drafted:
+        """Up to `num_drafts` tokens after `pending`, batched with the other sessions' steps;
+        says whether the node is warm for the session's prefix."""
+        warm = self._warm is not None and self._warm.is_warm(session.prefix_id)
+        if call.num_drafts == 0:
+            return Drafted((), 0.0, warm=warm)
+        rejects = checks_by_rejection(call.sampler)
+        job = Job(
+            session.cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids,
+            sampler=call.sampler, keeps_distributions=rejects,
+        )  # fmt: skip
+        started = time.perf_counter()
+        tokens = self._loop.run(job)
         step_s = (time.perf_counter() - started) / job.steps
         distributions = torch.cat(job.distributions).cpu() if rejects else None
-        return Drafted(tuple(tokens), step_s, distributions)
+        return Drafted(tuple(tokens), step_s, distributions, warm)
+
+    def open_local(self, call: OpenLocal) -> bool:
+        """Moves the session's verification onto this node, which must be warm for its prefix:
+        the central verifier's last exact KV into the draft cache, and the session's full KV
+        over the host tier's copy (warm_node.py). False, and nothing done, where this node's
+        arithmetic is not the central verifier's: its verifications would differ in their bits,
+        and the request stays where it is."""
+        if self._warm is None:
+            raise InvalidRequestError("this drafter has no host tier to verify from")
+        if call.numerics != self.info.numerics:
+            return False
+        with self._using(call.session_id) as session:
+            if call.exact is not None:
+                _take_exact(session.cache, call.exact)
+            self._warm.open(call.session_id, session.prefix_id, call.history, session.capacity)
+        return True
+
+    def local_round(self, call: LocalRoundCall) -> LocalRound:
+        """A whole round on this node: the drafts over the compressed KV, their verification over
+        the host tier's full KV (the verifier's code, verification.py), and the committed
+        tokens' exact KV into the draft cache, without crossing the link."""
+        with self._using(call.session_id) as session:
+            drafted = self._draft(session, call)
+            done = self._warm.verify(call.session_id, call.pending, drafted, call.sampler)
+            _take_exact(session.cache, done.exact)
+        return LocalRound(drafted.tokens, done.tokens, done.num_accepted, done.forward_s)
 
     def decode(self, call: DecodeCall) -> Decoded:
         """LOSSY or FULL: up to `max_tokens` greedy tokens after `pending`, alone."""
@@ -177,9 +233,10 @@ class Drafter:
     def shutdown(self) -> None:
         self._loop.stop()
         self._sessions.clear()
-        for fetcher in self._fetchers.values():
+        for fetcher in [*self._fetchers.values(), *self._tier_fetchers.values()]:
             fetcher.close()
         self._fetchers.clear()
+        self._tier_fetchers.clear()
 
     @contextlib.contextmanager
     def _using(self, session_id: str) -> Iterator[_Session]:
@@ -198,15 +255,33 @@ class Drafter:
                     self._release(session)
 
     def _release(self, session: _Session) -> None:
+        """Once no call uses it: its caches, and its pins on the prefix's copies."""
         session.cache.release(self._buffers)
         self._prefixes.release(session.prefix)
+        if self._warm is not None:
+            self._warm.close(session.session_id)
 
-    def _fetcher(self, address: str) -> KVFetcher:
-        if address not in self._fetchers:
-            self._fetchers[address] = KVFetcher(
-                address, self.info.fingerprint, self._prefixes, self.runner.rope
-            )
-        return self._fetchers[address]
+    def _fetcher(
+        self,
+        address: str,
+        fetchers: dict[str, KVFetcher] | None = None,
+        into: SharedPrefixes[KVCache] | None = None,
+    ) -> KVFetcher:
+        """The fetcher from a verifier's KVTransfer service into the device's copies (or, given
+        `fetchers` and `into`, into the host tier's)."""
+        fetchers = self._fetchers if fetchers is None else fetchers
+        if address not in fetchers:
+            held = self._prefixes if into is None else into
+            fetchers[address] = KVFetcher(address, self.info.fingerprint, held, self.runner.rope)
+        return fetchers[address]
+
+
+def _take_exact(cache: KVCache, exact: ExactKV) -> None:
+    """The verifier's KV of the tokens committed since the last draft, in place of what this
+    cache drafted for them (the drafts: uncommitted, never compressed)."""
+    cache.truncate(exact.start)
+    cache.append_exact(exact)
+    _update(cache)
 
 
 def _update(cache: KVCache) -> None:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from vericache.errors import VeriCacheError, WorkerGoneError, WorkerUnavailableError
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.cluster_secret import ClusterSecret
-from vericache.serve.kv_transfer import fetch_kind
+from vericache.serve.kv_transfer import KVKind, fetch_kind
 from vericache.serve.worker_api import (
     BatchingStats,
     DecodeCall,
@@ -45,7 +45,11 @@ from vericache.serve.worker_api import (
     DrafterInfo,
     DrafterOpened,
     DraftInFlight,
+    DraftRole,
+    LocalRound,
+    LocalRoundCall,
     OpenDrafter,
+    OpenLocal,
     OpenVerifier,
     Residency,
     Traffic,
@@ -190,6 +194,9 @@ class _Handle:
         self.transport = transport
         self.name = name
         self.active = 0  # sessions the coordinator has placed on it
+        # The prefixes whose full KV it holds for its own sessions as its last probe said: a warm
+        # drafter node's host tier (warm_node.py); none on a verifier, which holds them all.
+        self.warm_prefixes: frozenset[str] = frozenset()
         # False from a call that found the worker gone until a probe finds it answering again (a
         # restarted actor): the coordinator places nothing on a worker that is not alive.
         self._alive = True
@@ -338,9 +345,20 @@ class DrafterHandle(_Handle):
         return await self._call(self.worker.time_draft_step)
 
     async def open(self, call: OpenDrafter) -> DrafterOpened:
-        """Opens the session with its grant to fetch the prefix's KV (the kind its role uses)."""
+        """Opens the session with its grant to fetch the prefix's KV (the kind its role uses),
+        and a DRAFT session's to stream the prefix's full KV into the node's host tier."""
         grant = self.secret.grant(call.session_id, call.prefix_id, fetch_kind(call.role))
-        return await self._call(self.worker.open, dataclasses.replace(call, fetch_grant=grant))
+        tier_grant = ""
+        if call.role is DraftRole.DRAFT:
+            tier_grant = self.secret.grant(call.session_id, call.prefix_id, KVKind.FULL)
+        call = dataclasses.replace(call, fetch_grant=grant, host_tier_grant=tier_grant)
+        return await self._call(self.worker.open, call)
+
+    async def open_local(self, call: OpenLocal) -> bool:
+        return await self._call(self.worker.open_local, call)
+
+    async def local_round(self, call: LocalRoundCall) -> LocalRound:
+        return await self._call(self.worker.local_round, call)
 
     async def draft(self, call: DraftCall) -> Drafted:
         return await self.draft_ahead(call).drafted

@@ -70,7 +70,7 @@ class KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):
         for chunk in iter_encode(state, self.fingerprint):
             for start in range(0, len(chunk), PIECE_BYTES):
                 piece = chunk[start : start + PIECE_BYTES]
-                self.link.send_blocking(len(piece), first)
+                self.link.send_blocking(len(piece), first, background=request.background)
                 first = False
                 if not context.is_active():  # the drafter went away
                     return
@@ -123,20 +123,28 @@ class KVFetcher:
         self._stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel)
 
     def fetch(
-        self, prefix_id: str, kind: int = KVKind.COMPRESSED, metadata: tuple = ()
+        self,
+        prefix_id: str,
+        kind: int = KVKind.COMPRESSED,
+        metadata: tuple = (),
+        background: bool = False,
     ) -> FetchResult:
         """The prefix's KV, pinned until `release`: the copy held already, or one fetched once
         however many sessions ask at the same time. `metadata`: the proofs the service asks for
-        (`ClusterSecret.fetch_metadata`)."""
+        (`ClusterSecret.fetch_metadata`); `background`: the link carries it only while no other
+        transfer waits (a warm node's host tier)."""
         start = time.perf_counter()
         received = [0]  # bytes, over every attempt
+        request = kv_transfer_pb2.FetchRequest(
+            prefix_id=prefix_id, kind=kind, background=background
+        )
 
         def transfer() -> KVCache:
             try:
-                return self._receive(prefix_id, kind, metadata, received)
+                return self._receive(request, metadata, received)
             except CodecError:  # damaged on the way: once more
                 try:
-                    return self._receive(prefix_id, kind, metadata, received)
+                    return self._receive(request, metadata, received)
                 except CodecError:
                     message = f"prefix {prefix_id}: its KV arrived damaged twice"
                     raise DataLossError(message) from None
@@ -144,9 +152,8 @@ class KVFetcher:
         held = self.held.acquire((prefix_id, kind), transfer)
         return FetchResult(held, received[0], time.perf_counter() - start)
 
-    def _receive(self, prefix_id: str, kind: int, metadata: tuple, received: list[int]) -> KVCache:
+    def _receive(self, request, metadata: tuple, received: list[int]) -> KVCache:
         def pieces():
-            request = kv_transfer_pb2.FetchRequest(prefix_id=prefix_id, kind=kind)
             for piece in self._stub.Fetch(request, metadata=metadata):
                 received[0] += len(piece.data)
                 yield piece.data

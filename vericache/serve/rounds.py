@@ -6,7 +6,9 @@ workers hold only its caches.
 - VERICACHE: a round is one drafter call (a whole draft of up to x tokens, carrying the exact KV of
   the previous round's committed tokens) and one verifier call, which returns the exact KV of the
   tokens it commits. Alone, each request runs its rounds back to back; on a schedule
-  (scheduled.py), the scheduler places them across requests.
+  (scheduled.py), the scheduler places them across requests. Once its drafter node holds the
+  prefix's full KV in its host tier (warm_node.py), a request's rounds move there between two
+  rounds: one call each, drafted and verified on that node, and the central verifier is let go.
 - FULL_LOCAL: the verifier decodes alone over the full KV; FULL_REMOTE: a drafter that fetched the
   full KV over the slow link does; LOSSY: a drafter decodes over the compressed KV only.
 """
@@ -17,7 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,7 +35,10 @@ from vericache.serve.worker_api import (
     Drafted,
     DrafterAPI,
     DraftRole,
+    LocalRound,
+    LocalRoundCall,
     OpenDrafter,
+    OpenLocal,
     OpenVerifier,
     Traffic,
     Verified,
@@ -64,7 +69,12 @@ class ServedRequest:
     started_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     num_round_calls: int = 0  # worker calls its VERICACHE rounds made (draft and verify)
+    num_local_rounds: int = 0  # of its rounds, those its warm drafter node verified itself
     num_migrations: int = 0  # times it went on elsewhere after a worker died
+    drafter_is_warm: bool = False  # its drafter said it holds the prefix's full KV
+    # Called once its rounds moved to its warm drafter node: the central verifier no longer
+    # counts it among its load (placement, distributed.py).
+    release_verifier: Callable[[], None] = lambda: None
 
     @property
     def history(self) -> tuple[int, ...]:
@@ -116,9 +126,10 @@ class ServedRequest:
     def commit_decoded(self, tokens: list[int]) -> list[int]:
         return self._first_token_seen(self.seq.commit_decoded(tokens))
 
-    def finish_round(self, verified: Verified) -> list[int]:
+    def finish_round(self, verified: Verified | LocalRound) -> list[int]:
         """Commits a verified round (`Sequence.finish_round`)."""
-        self.add(verified.traffic)
+        if isinstance(verified, Verified):
+            self.add(verified.traffic)
         return self._first_token_seen(list(self.seq.finish_round(list(verified.tokens)).committed))
 
     def _first_token_seen(self, committed: list[int]) -> list[int]:
@@ -146,6 +157,7 @@ class ServedRequest:
             total_s=now - self.started_at,
             seed=self.seq.seed,
             prompt_tokens=len(self.seq.request.prompt_ids),
+            local_rounds=self.num_local_rounds,
         )
 
 
@@ -242,6 +254,7 @@ async def _vericache(
         return
     exact, link_delay = opened.exact, opened.link_delay_s
     seq = served.seq
+    may_go_local = True
     while not seq.is_finished:
         num_drafts = seq.begin_round(seq.request.draft_len)
         drafting, drafts = None, ()
@@ -253,6 +266,45 @@ async def _vericache(
         verified = await verification(served, verifier, call, drafting)
         exact, link_delay = verified.exact, verified.link_delay_s
         yield served.finish_round(verified)
+        if may_go_local and served.drafter_is_warm and not seq.is_finished:
+            if await _go_local(served, verifier, drafter, exact, opened.numerics):
+                async for tokens in _local_rounds(served, drafter):
+                    yield tokens
+                return
+            may_go_local = False  # the node's arithmetic differs: the request stays central
+
+
+async def _go_local(
+    served: ServedRequest,
+    verifier: VerifierAPI,
+    drafter: DrafterAPI,
+    exact: ExactKV,
+    numerics: str,
+) -> bool:
+    """Moves the request's verification onto its warm drafter node between two rounds, then
+    lets the central verifier go (its session's full KV and its share of the verifier); False
+    where the node's arithmetic differs from the verifier's, which keeps the request."""
+    call = OpenLocal(served.session_id, served.history, exact, numerics, served.opening_sampler)
+    if not await drafter.open_local(call):
+        return False
+    await verifier.close_session(served.session_id)
+    served.release_verifier()
+    return True
+
+
+async def _local_rounds(served: ServedRequest, drafter: DrafterAPI) -> AsyncIterator[list[int]]:
+    """Rounds drafted and verified on the warm drafter node, one call each."""
+    seq = served.seq
+    while not seq.is_finished:
+        num_drafts = seq.begin_round(seq.request.draft_len)
+        served.num_round_calls += 1
+        served.num_local_rounds += 1
+        call = LocalRoundCall(
+            served.session_id, served.pending, num_drafts, served.end_ids, seq.sampler()
+        )
+        done = await drafter.local_round(call)
+        seq.draft_ids = list(done.drafts)
+        yield served.finish_round(done)
 
 
 async def verification(
@@ -276,7 +328,9 @@ async def verification(
             await drafting  # raises the draft call's error, if it failed
         raise
     if drafting is not None:
-        served.seq.draft_ids = list((await drafting).tokens)
+        drafted = await drafting
+        served.seq.draft_ids = list(drafted.tokens)
+        served.drafter_is_warm = drafted.warm
     return verified
 
 

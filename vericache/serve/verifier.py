@@ -27,8 +27,6 @@ from vericache.engine.calibration import measure_link_bandwidth
 from vericache.engine.device_memory import prefix_budget_left, slot_bytes
 from vericache.engine.forward_loop import Job
 from vericache.engine.link import LinkSpec, ThrottledLink
-from vericache.engine.sampling import checks_by_rejection, rejection_verified
-from vericache.engine.sequence import num_accepted
 from vericache.errors import InvalidRequestError, WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
@@ -43,6 +41,7 @@ from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVKind, KVTransferService, TransferServer
 from vericache.serve.prefixes import PrefixRegistry
 from vericache.serve.residency import ResidentSessions, Session
+from vericache.serve.verification import verify_round
 from vericache.serve.worker import (
     DraftFailedError,
     SessionNotFoundError,
@@ -174,7 +173,7 @@ class Verifier:
             self.close_session(call.session_id)
             raise
         traffic = shared + loaded + self._found() + Traffic(link_bytes=exact.nbytes if exact else 0)
-        return VerifierOpened(first, exact, delay, traffic)
+        return VerifierOpened(first, exact, delay, traffic, numerics=self.info.numerics)
 
     def verify(self, call: VerifyCall) -> Verified:
         """One forward over [pending + drafts] with the full KV (batched with the other
@@ -185,24 +184,11 @@ class Verifier:
         if call.load_first:
             self._sessions.load_ahead(call.session_id)
         drafted = self._drafted(call)
-        drafts = drafted.tokens
-        rejects = checks_by_rejection(call.sampler)
         with self._sessions.using(call.session_id) as (session, loaded):
-            before = session.cache.num_tokens
-            job = _verification(session.cache, call, drafts, rejects)
-            started = time.perf_counter()
-            tokens = self._loop.run(job)
-            forward_s = time.perf_counter() - started
-            if rejects:
-                target = job.distributions[0]  # [1 + len(drafts), V]
-                tokens = rejection_verified(call.sampler, drafts, drafted.distributions, target)
-            accepted = num_accepted(list(drafts), tokens)
-            kept = before + len(call.pending) + accepted
-            session.cache.truncate(kept)  # the rest was the drafts'
-            exact = ExactKV.of(session.cache, before, kept)
-        delay = self._hand_over(exact)
-        traffic = loaded + self._found() + Traffic(link_bytes=exact.nbytes)
-        return Verified(tuple(tokens), accepted, exact, delay, traffic, forward_s)
+            done = verify_round(self._loop, session.cache, call.pending, drafted, call.sampler)
+        delay = self._hand_over(done.exact)
+        traffic = loaded + self._found() + Traffic(link_bytes=done.exact.nbytes)
+        return Verified(done.tokens, done.num_accepted, done.exact, delay, traffic, done.forward_s)
 
     def _drafted(self, call: VerifyCall) -> Drafted:
         """The call's drafts, waiting for the draft call's answer where it carries one (bounded:
@@ -312,13 +298,3 @@ def _answered(answer: DraftAnswer) -> Drafted | None:
         return answer.wait(_DRAFT_POLL_S)
     except Exception as exc:  # noqa: BLE001 - its kind is the draft call's to report
         raise DraftFailedError(f"the draft call failed: {type(exc).__name__}") from None
-
-
-def _verification(cache: KVCache, call: VerifyCall, drafts: tuple[int, ...], rejects: bool) -> Job:
-    """One forward over [pending + drafts]: the full-KV choice after each (and, for rejection
-    coupling, the distributions they were drawn from)."""
-    fed = [*call.pending, *drafts]
-    return Job(
-        cache, fed, num_logits=len(fed), exact=True, sampler=call.sampler,
-        keeps_distributions=rejects,
-    )  # fmt: skip

@@ -140,4 +140,5 @@ def _stats(summary: GenerateSummary) -> pb.GenerateStats:
         total_s=summary.total_s,
         seed=summary.seed,
         prompt_tokens=summary.prompt_tokens,
+        local_rounds=summary.local_rounds,
     )

@@ -72,6 +72,7 @@ def load_worker_model(config: WorkerConfig) -> WorkerModel:
         vocab_size=loaded.config.vocab_size,
         eos_token_ids=tuple(loaded.config.eos_token_ids),
         full_kv_bytes_per_token=slot_bytes(loaded.config, runner.dtype.itemsize),
+        numerics=_numerics(runner.device, runner.dtype),
     )
     return WorkerModel(loaded, runner, info, started_at, model_s, kernels_s)
 
@@ -83,3 +84,14 @@ def first_token(logits: torch.Tensor, sampler: SequenceSampler | None = None) ->
         return int(logits[-1].argmax())
     (token,) = sampler.sample(logits[-1:])
     return token
+
+
+def _numerics(device: torch.device, dtype: torch.dtype) -> str:
+    """`ModelInfo.numerics`: the CPU kernels are built per vector width, which orders their sums;
+    on CUDA, the device's model and compute capability."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        kind = f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    else:
+        kind = f"{device.type}:{torch.backends.cpu.get_cpu_capability()}"
+    return f"{kind}:{str(dtype).removeprefix('torch.')}"

@@ -39,6 +39,10 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     full_kv_bytes_per_token: int  # a token's full KV in a cache slot (PrefixRecord.full_kv_bytes)
+    # The arithmetic its forwards run: device kind, its model or vector width, and dtype. Two
+    # workers give a forward the same bits only where these match (kernels are batch-invariant
+    # on one kind of device, not across kinds).
+    numerics: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class DrafterInfo:
     model: ModelInfo
     startup: WorkerStartup
     prefix_cache: PrefixCacheStats  # its copies of the prefixes' KV it fetched, now
+    # The prefixes whose full KV its host tier holds: it verifies their sessions itself.
+    warm_prefixes: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,7 @@ class VerifierOpened:
     link_delay_s: float  # until `exact` has crossed the link to the drafters
     traffic: Traffic
     forward_s: float = 0.0  # the batch's verification forward, without waiting for loads
+    numerics: str = ""  # the verifier's (`ModelInfo.numerics`)
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,8 @@ class OpenDrafter:
     capacity: int  # cache slots to reserve
     fetch_grant: str = ""  # the coordinator's permission to fetch this prefix's KV (DrafterHandle)
     sampler: SequenceSampler | None = None  # None: greedy
+    # A DRAFT session's permission to stream the prefix's full KV into the node's host tier.
+    host_tier_grant: str = ""
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,39 @@ class Drafted:
     # Rejection coupling only: what each draft was drawn from, for the verifier's test; only the
     # drafted rows cross.
     distributions: torch.Tensor | None = None  # [len(tokens), V] float32
+    # The node holds the session's prefix's full KV in its host tier: it can verify the
+    # session's rounds itself from the next round on (`DrafterAPI.open_local`).
+    warm: bool = False
+
+
+@dataclass(frozen=True)
+class OpenLocal:
+    """Moves a DRAFT session's verification onto its drafter node, between two rounds."""
+
+    session_id: str
+    history: tuple[int, ...]  # [prompt + committed tokens but the newest]
+    exact: ExactKV | None  # the central verifier's KV of the last round's committed tokens
+    numerics: str  # the central verifier's (`ModelInfo.numerics`): the node's must match
+    sampler: SequenceSampler | None = None  # of the token after `history`; None: greedy
+
+
+@dataclass(frozen=True)
+class LocalRoundCall:
+    """One round drafted and verified on the drafter node."""
+
+    session_id: str
+    pending: tuple[int, ...]  # [the newest committed token]
+    num_drafts: int  # draft up to this many tokens (0: verify `pending` alone)
+    end_ids: frozenset[int]
+    sampler: SequenceSampler | None = None  # None: greedy
+
+
+@dataclass(frozen=True)
+class LocalRound:
+    drafts: tuple[int, ...]  # [<= num_drafts]
+    tokens: tuple[int, ...]  # the verification's choice after pending and each accepted draft
+    num_accepted: int
+    forward_s: float  # the verification forward
 
 
 class DraftAnswer(Protocol):
@@ -284,6 +326,8 @@ class DrafterAPI(Protocol):
     async def open(self, call: OpenDrafter) -> DrafterOpened: ...
     async def draft(self, call: DraftCall) -> Drafted: ...
     def draft_ahead(self, call: DraftCall) -> DraftInFlight: ...
+    async def open_local(self, call: OpenLocal) -> bool: ...
+    async def local_round(self, call: LocalRoundCall) -> LocalRound: ...
     async def decode(self, call: DecodeCall) -> Decoded: ...
     async def close_session(self, session_id: str) -> None: ...
     async def batching(self) -> BatchingStats: ...

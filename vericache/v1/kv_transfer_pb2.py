@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1evericache/v1/kv_transfer.proto\x12\x0cvericache.v1\"E\n\x0c\x46\x65tchRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.vericache.v1.KVKind\"\x17\n\x07KVPiece\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*;\n\x06KVKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nCOMPRESSED\x10\x01\x12\x08\n\x04\x46ULL\x10\x02\x32J\n\nKVTransfer\x12<\n\x05\x46\x65tch\x12\x1a.vericache.v1.FetchRequest\x1a\x15.vericache.v1.KVPiece0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1evericache/v1/kv_transfer.proto\x12\x0cvericache.v1\"Y\n\x0c\x46\x65tchRequest\x12\x11\n\tprefix_id\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.vericache.v1.KVKind\x12\x12\n\nbackground\x18\x03 \x01(\x08\"\x17\n\x07KVPiece\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c*;\n\x06KVKind\x12\x17\n\x13KV_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nCOMPRESSED\x10\x01\x12\x08\n\x04\x46ULL\x10\x02\x32J\n\nKVTransfer\x12<\n\x05\x46\x65tch\x12\x1a.vericache.v1.FetchRequest\x1a\x15.vericache.v1.KVPiece0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vericache.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVKIND']._serialized_start=144
-  _globals['_KVKIND']._serialized_end=203
+  _globals['_KVKIND']._serialized_start=164
+  _globals['_KVKIND']._serialized_end=223
   _globals['_FETCHREQUEST']._serialized_start=48
-  _globals['_FETCHREQUEST']._serialized_end=117
-  _globals['_KVPIECE']._serialized_start=119
-  _globals['_KVPIECE']._serialized_end=142
-  _globals['_KVTRANSFER']._serialized_start=205
-  _globals['_KVTRANSFER']._serialized_end=279
+  _globals['_FETCHREQUEST']._serialized_end=137
+  _globals['_KVPIECE']._serialized_start=139
+  _globals['_KVPIECE']._serialized_end=162
+  _globals['_KVTRANSFER']._serialized_start=225
+  _globals['_KVTRANSFER']._serialized_end=299
 # @@protoc_insertion_point(module_scope)

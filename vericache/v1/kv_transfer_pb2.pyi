@@ -15,12 +15,14 @@ COMPRESSED: KVKind
 FULL: KVKind
 
 class FetchRequest(_message.Message):
-    __slots__ = ("prefix_id", "kind")
+    __slots__ = ("prefix_id", "kind", "background")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    BACKGROUND_FIELD_NUMBER: _ClassVar[int]
     prefix_id: str
     kind: KVKind
-    def __init__(self, prefix_id: _Optional[str] = ..., kind: _Optional[_Union[KVKind, str]] = ...) -> None: ...
+    background: bool
+    def __init__(self, prefix_id: _Optional[str] = ..., kind: _Optional[_Union[KVKind, str]] = ..., background: bool = ...) -> None: ...
 
 class KVPiece(_message.Message):
     __slots__ = ("data",)

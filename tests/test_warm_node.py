@@ -1,0 +1,142 @@
+"""Warm drafter nodes (serve/warm_node.py): a drafter streams the prefix's full KV into its host
+tier, then verifies its own sessions' rounds, and every stream stays the stream full-KV decoding
+gives, across the switch and when the node dies during it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from tests.serve_fixtures import CONTEXT, start_server, wait_for
+from tests.test_migration import PROMPT, holder_first, kill
+from vericache.engine.link import LinkSpec, ThrottledLink
+from vericache.errors import DataLossError
+from vericache.kv.pool import BufferPool
+from vericache.serve.config import CoordinatorConfig
+from vericache.serve.warm_node import WarmNode
+
+TIER = {"host_tier_bytes": 1 << 30}
+VERICACHE = {"mode": "vericache", "max_tokens": 48, "draft_len": 4}
+
+
+@pytest.fixture
+def warm_server(tiny_chat_checkpoint, tmp_path):
+    def start(num_drafters: int = 1):
+        server = start_server(
+            tiny_chat_checkpoint, tmp_path, num_drafters=num_drafters, drafter_options=TIER,
+            config=CoordinatorConfig(worker_wait_s=30),
+        )  # fmt: skip
+        started.append(server)
+        from vericache.client import Client
+
+        client = Client(server.target, timeout=120, retries=0)
+        clients.append(client)
+        prefix_id = client.put_prefix(CONTEXT, compressor="snapkv", ratio=4)
+        return server, client, prefix_id
+
+    started, clients = [], []
+    yield start
+    for client in clients:
+        client.close()
+    for server in started:
+        server.stop()
+
+
+def _warm(server, prefix_id: str) -> bool:
+    return any(d.worker._warm.is_warm(prefix_id) for d in server.coordinator.backend.drafters)
+
+
+def test_a_warm_drafter_verifies_its_own_rounds_and_the_stream_is_unchanged(warm_server):
+    server, client, prefix_id = warm_server()
+    reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=48)
+    first = client.generate(PROMPT, prefix_id=prefix_id, **VERICACHE)
+    assert first.token_ids == reference.token_ids
+    assert wait_for(lambda: _warm(server, prefix_id), timeout_s=30)  # streamed in the background
+    (verifier,) = server.coordinator.backend.verifiers
+    verified_before = verifier.worker.batching().steps
+    warm = client.generate(PROMPT, prefix_id=prefix_id, **VERICACHE)
+    assert warm.token_ids == reference.token_ids
+    # Its first round tells the coordinator the node is warm; every later one is the node's.
+    rounds = warm.stats["rounds"]
+    assert rounds >= 3 and warm.stats["local_rounds"] == rounds - 1
+    # The central verifier ran the prompt's prefill and one verification, nothing more.
+    assert verifier.worker.batching().steps - verified_before <= 2
+    assert verifier.worker.num_sessions == 0
+
+
+def test_a_seeded_sampled_stream_is_unchanged_across_the_switch(warm_server):
+    server, client, prefix_id = warm_server()
+    options = {"max_tokens": 40, "temperature": 0.8, "seed": 11, "draft_len": 4}
+    client.generate(PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=4)
+    assert wait_for(lambda: _warm(server, prefix_id), timeout_s=30)
+    reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", **options)
+    warm = client.generate(PROMPT, prefix_id=prefix_id, mode="vericache", **options)
+    assert warm.stats["local_rounds"] >= 1
+    assert warm.token_ids == reference.token_ids
+
+
+@pytest.mark.parametrize("method", ["open_local", "local_round"])
+def test_a_warm_node_that_dies_moves_its_request_and_the_stream_is_unchanged(warm_server, method):
+    server, client, prefix_id = warm_server(num_drafters=2)
+    reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=48)
+    client.generate(PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=4)  # warms it
+    first, _ = holder_first(server, prefix_id)
+    assert wait_for(lambda: first.worker._warm.is_warm(prefix_id), timeout_s=30)
+    dying = kill(first, method, at=1 if method == "open_local" else 2)
+    got = client.generate(PROMPT, prefix_id=prefix_id, **VERICACHE)
+    assert dying.dead
+    assert got.token_ids == reference.token_ids
+
+
+def test_a_background_chunk_waits_for_the_wire_to_fall_idle():
+    link = ThrottledLink(LinkSpec(bandwidth=1e6))
+    link.schedule(100_000, first=False)  # a foreground transfer: 0.1 s of wire
+    started = time.monotonic()
+    link.send_blocking(10, background=True)
+    assert time.monotonic() - started >= 0.09
+
+
+class _FailingFetcher:
+    def __init__(self):
+        self.calls = 0
+
+    def fetch(self, prefix_id, kind, metadata, background):
+        self.calls += 1
+        assert background  # the link carries it behind every other transfer
+        raise DataLossError("arrived damaged twice")
+
+
+def test_a_damaged_stream_leaves_the_node_cold(tiny_checkpoint):
+    from vericache.model.loader import load_model
+    from vericache.model.runner import ModelRunner
+    from vericache.serve.batching import BatchLoop
+
+    loaded = load_model(str(tiny_checkpoint("llama")))
+    runner = ModelRunner(loaded.config, loaded.weights)
+    loop = BatchLoop(runner, "test")
+    try:
+        node = WarmNode(runner, loop, 1 << 20, BufferPool(1 << 20), 64)
+        fetcher = _FailingFetcher()
+        node.stream("pfx", fetcher, ())
+        assert wait_for(lambda: not node._streaming, timeout_s=10)
+        assert fetcher.calls == 1 and not node.is_warm("pfx")
+        with pytest.raises(Exception, match="no full KV"):
+            node.open("s", "pfx", (1, 2, 3), 16)
+    finally:
+        loop.stop()
+
+
+def test_a_node_of_other_arithmetic_never_verifies_and_the_stream_is_unchanged(warm_server):
+    # Batch-invariant kernels give the same bits on one kind of device, not across kinds.
+    server, client, prefix_id = warm_server()
+    (drafter,) = server.coordinator.backend.drafters
+    info = drafter.worker.info
+    drafter.worker.info = dataclasses.replace(info, numerics=info.numerics + ":elsewhere")
+    reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=48)
+    client.generate(PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=4)
+    assert wait_for(lambda: _warm(server, prefix_id), timeout_s=30)
+    got = client.generate(PROMPT, prefix_id=prefix_id, **VERICACHE)
+    assert got.stats["local_rounds"] == 0
+    assert got.token_ids == reference.token_ids

@@ -1,0 +1,144 @@
+"""A drafter node that verifies its own sessions: its host tier, and the sessions it verifies.
+
+A drafter drafts over compressed KV; every round's verification needs the full KV, which lives
+beside the store. Once a DRAFT session has opened on a prefix, the node streams that prefix's full
+KV over the link into its host tier (`WarmNode.tier`: one copy per prefix within
+`DrafterConfig.host_tier_bytes`, the least recently used unpinned one out first). The link carries
+the stream only while no other transfer waits (`ThrottledLink`, background), so compressed
+fetches and the rounds' exact KV go first. The codec's digests are checked on arrival, as every
+fetch's are: a stream that arrives damaged is fetched once more, then the node stays cold for that
+prefix, and nothing damaged is ever held.
+
+Once the copy is complete, the node is warm for the prefix (`Drafted.warm`), and the coordinator
+moves the session's verification here between two rounds (rounds.py). `open` prefills the
+session's history after the prefix over the tier's copy: with batch-invariant kernels, the same
+bits the central verifier's rounds gave it. From then on each round drafts and verifies on this
+node (`Drafter.local_round`), and the exact KV of the committed tokens goes into the draft cache in
+place: no link bytes per round, and the central verifier serves only the sessions of cold nodes.
+Verifications read the full KV where the tier holds it (host memory; on CPU, the device's own).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from vericache.engine.sampling import SequenceSampler
+from vericache.errors import CacheStateError
+from vericache.kv.cache import KVCache
+from vericache.kv.pool import BufferPool
+from vericache.kv.prefixed import shared_clone
+from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
+from vericache.model.runner import ModelRunner
+from vericache.serve.batching import BatchLoop
+from vericache.serve.kv_transfer import KVFetcher, KVKind
+from vericache.serve.verification import Verification, verify_round
+from vericache.serve.worker import SessionNotFoundError
+from vericache.serve.worker_api import Drafted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _LocalSession:
+    cache: KVCache  # over `prefix`, read in place
+    prefix: HeldPrefix[KVCache]  # the tier's copy, pinned until the session closes
+
+
+class WarmNode:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        loop: BatchLoop,
+        budget_bytes: int,
+        buffers: BufferPool,
+        prefill_chunk: int,
+    ):
+        self.tier: SharedPrefixes[KVCache] = SharedPrefixes(budget_bytes)
+        self._runner = runner
+        self._loop = loop  # the drafter's: its drafts and these verifications share forwards
+        self._buffers = buffers
+        self._prefill_chunk = prefill_chunk
+        self._streaming: set[str] = set()  # prefix ids on their way into the tier
+        self._sessions: dict[str, _LocalSession] = {}
+        self._lock = threading.Lock()
+
+    # --- The host tier --------------------------------------------------------------------------
+
+    def stream(self, prefix_id: str, fetcher: KVFetcher, proofs: tuple) -> None:
+        """Starts streaming the prefix's full KV into the tier (`fetcher`, whose copies are the
+        tier's), unless the tier holds it or it is on its way."""
+        with self._lock:
+            if prefix_id in self._streaming or self.is_warm(prefix_id):
+                return
+            self._streaming.add(prefix_id)
+        args = (prefix_id, fetcher, proofs)
+        threading.Thread(target=self._stream, args=args, name="host-tier", daemon=True).start()
+
+    def _stream(self, prefix_id: str, fetcher: KVFetcher, proofs: tuple) -> None:
+        try:
+            fetched = fetcher.fetch(prefix_id, KVKind.FULL, proofs, background=True)
+            self.tier.release(fetched.held)  # kept unpinned: the tier's to evict
+            log.info("host tier: prefix %s is warm (%d bytes)", prefix_id, fetched.link_bytes)
+        except Exception as error:  # noqa: BLE001 - the node stays cold; central verifies
+            log.warning("host tier: prefix %s stays cold (%s)", prefix_id, type(error).__name__)
+        finally:
+            with self._lock:
+                self._streaming.discard(prefix_id)
+
+    def warm_prefixes(self) -> frozenset[str]:
+        """The prefixes whose full KV the tier holds."""
+        return frozenset(prefix_id for prefix_id, _ in self.tier.keys())
+
+    def is_warm(self, prefix_id: str) -> bool:
+        """Whether the tier holds the prefix's full KV, complete and checked."""
+        return self.tier.holds((prefix_id, KVKind.FULL))
+
+    # --- Sessions it verifies -------------------------------------------------------------------
+
+    def open(
+        self, session_id: str, prefix_id: str, history: tuple[int, ...], capacity: int
+    ) -> None:
+        """The session's full KV over the tier's copy of its prefix: the history after the
+        prefix prefilled (the central verifier's rounds' bits, by batch invariance)."""
+        held = self.tier.acquire_held((prefix_id, KVKind.FULL))
+        if held is None:
+            raise CacheStateError(f"the host tier holds no full KV of prefix {prefix_id}")
+        try:
+            cache = shared_clone(held.cache, capacity, self._buffers)
+            after_prefix = torch.tensor(history[held.cache.num_tokens :], dtype=torch.long)
+            self._runner.prefill(after_prefix, cache, num_logits=0, chunk_size=self._prefill_chunk)
+        except BaseException:
+            self.tier.release(held)
+            raise
+        with self._lock:
+            self._sessions[session_id] = _LocalSession(cache, held)
+
+    def verify(
+        self,
+        session_id: str,
+        pending: tuple[int, ...],
+        drafted: Drafted,
+        sampler: SequenceSampler | None,
+    ) -> Verification:
+        """The round's verification (verification.py), as a verifier beside the store runs it."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(f"the drafter verifies no session {session_id!r}")
+        return verify_round(self._loop, session.cache, pending, drafted, sampler)
+
+    def close(self, session_id: str) -> None:
+        """Drops the session's full KV and unpins its prefix (kept in the tier)."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.cache.release(self._buffers)
+            self.tier.release(session.prefix)
+
+    def is_local(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
