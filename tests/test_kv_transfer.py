@@ -126,6 +126,54 @@ def test_concurrent_fetches_of_one_prefix_share_one_transfer(serve):
     fetcher.close()
 
 
+def _slow_server(prefixes, registered: list[bool]):
+    """A service over a 1 MB/s link: the full KV (about 2.5 MB) takes some 2.5 s."""
+    link = ThrottledLink(LinkSpec(bandwidth=1e6))
+    service = KVTransferService(
+        _source(prefixes), FINGERPRINT, link, SECRET, is_registered=lambda _: registered[0]
+    )
+    return TransferServer(service), link
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_prefix_deleted_mid_stream_ends_a_background_stream_alone(prefixes, background):
+    # A warm node's host tier stops streaming a deleted prefix; a session's fetch of it goes on,
+    # as the sessions using a deleted prefix are served to their end.
+    import threading
+
+    registered = [True]
+    server, _ = _slow_server(prefixes, registered)
+    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, SharedPrefixes(1 << 30))
+    threading.Timer(0.1, lambda: registered.__setitem__(0, False)).start()
+    try:
+        if background:
+            with pytest.raises(PrefixNotFoundError):
+                fetcher.fetch("p1", KVKind.FULL, proofs("p1", KVKind.FULL), background=True)
+        else:
+            fetched = fetcher.fetch("p1", KVKind.FULL, proofs("p1", KVKind.FULL))
+            assert fetched.cache.to_state().equals(prefixes["p1"][KVKind.FULL])
+    finally:
+        fetcher.close()
+        server.stop()
+
+
+def test_a_stream_is_bounded_in_bytes_and_in_time(prefixes):
+    from vericache.kv.shared_prefix import PrefixBudgetError
+
+    server, link = _slow_server(prefixes, [True])
+    fetcher = KVFetcher(f"127.0.0.1:{server.port}", FINGERPRINT, SharedPrefixes(1 << 20))
+    try:
+        with pytest.raises(PrefixBudgetError):  # refused before a byte moves
+            fetcher.fetch("p1", KVKind.FULL, proofs("p1", KVKind.FULL), nbytes=2 << 20)
+        assert link.bytes_sent == 0
+        with pytest.raises(grpc.RpcError) as raised:
+            fetcher.fetch("p1", KVKind.FULL, proofs("p1", KVKind.FULL), timeout_s=0.3)
+        assert raised.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        fetcher.close()
+        server.stop()
+
+
 UNAUTHENTICATED, DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
 FORGED = {
     "no proofs": ((), UNAUTHENTICATED),

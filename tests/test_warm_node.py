@@ -102,9 +102,9 @@ class _FailingFetcher:
     def __init__(self):
         self.calls = 0
 
-    def fetch(self, prefix_id, kind, metadata, background):
+    def fetch(self, prefix_id, kind, metadata, background, nbytes, timeout_s):
         self.calls += 1
-        assert background  # the link carries it behind every other transfer
+        assert background and timeout_s == 60  # behind every other transfer, and bounded
         raise DataLossError("arrived damaged twice")
 
 
@@ -117,9 +117,10 @@ def test_a_damaged_stream_leaves_the_node_cold(tiny_checkpoint):
     runner = ModelRunner(loaded.config, loaded.weights)
     loop = BatchLoop(runner, "test")
     try:
-        node = WarmNode(runner, loop, 1 << 20, BufferPool(1 << 20), 64)
+        node = WarmNode(runner, loop, 1 << 20, BufferPool(1 << 20), 64, timeout_s=60)
         fetcher = _FailingFetcher()
-        node.stream("pfx", fetcher, ())
+        node.stream("big", 2 << 20, fetcher, ())  # larger than the tier: never streamed
+        node.stream("pfx", 1 << 10, fetcher, ())
         assert wait_for(lambda: not node._streaming, timeout_s=10)
         assert fetcher.calls == 1 and not node.is_warm("pfx")
         with pytest.raises(Exception, match="no full KV"):

@@ -81,11 +81,16 @@ class DrafterConfig(WorkerConfig):
     # over the link in the background, over which it then verifies its own sessions. 0: none,
     # every verification stays on a verifier beside the store.
     host_tier_bytes: int = 0
+    # A prefix's stream into the host tier ends past this (the node stays cold for it).
+    host_tier_timeout_s: float = 600.0
 
     def __post_init__(self):
         super().__post_init__()
-        if self.host_tier_bytes < 0:
-            raise InvalidRequestError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
+        if self.host_tier_bytes < 0 or not self.host_tier_timeout_s > 0:
+            raise InvalidRequestError(
+                f"host_tier_bytes must be >= 0 and host_tier_timeout_s > 0, got "
+                f"{self.host_tier_bytes} and {self.host_tier_timeout_s}"
+            )
 
 
 SCHEDULING_POLICIES = ("per-request", "staggered", "lockstep")

@@ -96,7 +96,7 @@ class Drafter:
             log.info("drafter host tier: %.2f GiB", config.host_tier_bytes / 2**30)
             self._warm = WarmNode(
                 self.runner, self._loop, config.host_tier_bytes, self._buffers,
-                config.prefill_chunk,
+                config.prefill_chunk, config.host_tier_timeout_s,
             )  # fmt: skip
         self.startup = model.startup()
 
@@ -140,7 +140,8 @@ class Drafter:
         if self._warm is not None and call.role is DraftRole.DRAFT and call.host_tier_grant:
             proofs = self._secret.fetch_metadata(call.session_id, call.host_tier_grant)
             fetcher = self._fetcher(call.transfer_address, self._tier_fetchers, self._warm.tier)
-            self._warm.stream(call.prefix_id, fetcher, proofs)
+            nbytes = call.num_prefix_tokens * self.info.full_kv_bytes_per_token
+            self._warm.stream(call.prefix_id, nbytes, fetcher, proofs)
         return DrafterOpened(first, Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds))
 
     def draft(self, call: DraftCall) -> Drafted:

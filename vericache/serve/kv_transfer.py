@@ -38,6 +38,9 @@ _UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 # (prefix id, KVKind) -> the state to send; raises PrefixNotFoundError for an unknown prefix.
 KVSource = Callable[[str, int], CacheState]
+# Whether a prefix is still registered: a background stream (a warm node's host tier) ends when
+# its prefix is deleted; a session's fetch goes on, as the sessions using a deleted prefix do.
+Registered = Callable[[str], bool]
 
 
 def fetch_kind(role: DraftRole) -> int:
@@ -47,12 +50,18 @@ def fetch_kind(role: DraftRole) -> int:
 
 class KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):
     def __init__(
-        self, source: KVSource, fingerprint: str, link: ThrottledLink, secret: ClusterSecret
+        self,
+        source: KVSource,
+        fingerprint: str,
+        link: ThrottledLink,
+        secret: ClusterSecret,
+        is_registered: Registered = lambda prefix_id: True,
     ):
         self.source = source
         self.fingerprint = fingerprint
         self.link = link
         self.secret = secret
+        self.is_registered = is_registered
 
     def Fetch(self, request, context):  # noqa: N802 - the gRPC method name
         try:
@@ -74,6 +83,8 @@ class KVTransferService(kv_transfer_pb2_grpc.KVTransferServicer):
                 first = False
                 if not context.is_active():  # the drafter went away
                     return
+                if request.background and not self.is_registered(request.prefix_id):
+                    context.abort(grpc.StatusCode.NOT_FOUND, "the prefix was deleted")
                 yield kv_transfer_pb2.KVPiece(data=piece)
 
 
@@ -128,11 +139,14 @@ class KVFetcher:
         kind: int = KVKind.COMPRESSED,
         metadata: tuple = (),
         background: bool = False,
+        nbytes: int | None = None,
+        timeout_s: float | None = None,
     ) -> FetchResult:
         """The prefix's KV, pinned until `release`: the copy held already, or one fetched once
         however many sessions ask at the same time. `metadata`: the proofs the service asks for
         (`ClusterSecret.fetch_metadata`); `background`: the link carries it only while no other
-        transfer waits (a warm node's host tier)."""
+        transfer waits (a warm node's host tier); `nbytes`: its size where known, refused before
+        it moves if the copies' budget cannot hold it; `timeout_s`: the stream's deadline."""
         start = time.perf_counter()
         received = [0]  # bytes, over every attempt
         request = kv_transfer_pb2.FetchRequest(
@@ -141,20 +155,22 @@ class KVFetcher:
 
         def transfer() -> KVCache:
             try:
-                return self._receive(request, metadata, received)
+                return self._receive(request, metadata, received, timeout_s)
             except CodecError:  # damaged on the way: once more
                 try:
-                    return self._receive(request, metadata, received)
+                    return self._receive(request, metadata, received, timeout_s)
                 except CodecError:
                     message = f"prefix {prefix_id}: its KV arrived damaged twice"
                     raise DataLossError(message) from None
 
-        held = self.held.acquire((prefix_id, kind), transfer)
+        held = self.held.acquire((prefix_id, kind), transfer, nbytes)
         return FetchResult(held, received[0], time.perf_counter() - start)
 
-    def _receive(self, request, metadata: tuple, received: list[int]) -> KVCache:
+    def _receive(
+        self, request, metadata: tuple, received: list[int], timeout_s: float | None
+    ) -> KVCache:
         def pieces():
-            for piece in self._stub.Fetch(request, metadata=metadata):
+            for piece in self._stub.Fetch(request, metadata=metadata, timeout=timeout_s):
                 received[0] += len(piece.data)
                 yield piece.data
 

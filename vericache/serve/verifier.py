@@ -91,8 +91,9 @@ class Verifier:
         self._loop = BatchLoop(self.runner, "verifier-batch")
         log.info("verifier prefix cache: %.2f GiB", budget / 2**30)
         service = KVTransferService(
-            self._kv_for_drafter, self.info.fingerprint, self.link, required(config.secret)
-        )
+            self._kv_for_drafter, self.info.fingerprint, self.link, required(config.secret),
+            is_registered=self.prefixes.catalog.contains,
+        )  # fmt: skip
         host = config.transfer_host or "127.0.0.1"
         self._transfer = TransferServer(service, host, config.transfer_port)
         self.startup = model.startup()

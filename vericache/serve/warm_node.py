@@ -7,7 +7,9 @@ KV over the link into its host tier (`WarmNode.tier`: one copy per prefix within
 the stream only while no other transfer waits (`ThrottledLink`, background), so compressed
 fetches and the rounds' exact KV go first. The codec's digests are checked on arrival, as every
 fetch's are: a stream that arrives damaged is fetched once more, then the node stays cold for that
-prefix, and nothing damaged is ever held.
+prefix, and nothing damaged is ever held. A stream is bounded: a prefix larger than the tier is
+never streamed, one past `host_tier_timeout_s` ends, and one whose prefix is deleted meanwhile is
+ended by the sender (kv_transfer.py).
 
 Once the copy is complete, the node is warm for the prefix (`Drafted.warm`), and the coordinator
 moves the session's verification here between two rounds (rounds.py). `open` prefills the
@@ -56,31 +58,40 @@ class WarmNode:
         budget_bytes: int,
         buffers: BufferPool,
         prefill_chunk: int,
+        timeout_s: float,
     ):
         self.tier: SharedPrefixes[KVCache] = SharedPrefixes(budget_bytes)
         self._runner = runner
         self._loop = loop  # the drafter's: its drafts and these verifications share forwards
         self._buffers = buffers
         self._prefill_chunk = prefill_chunk
+        self._timeout_s = timeout_s
         self._streaming: set[str] = set()  # prefix ids on their way into the tier
         self._sessions: dict[str, _LocalSession] = {}
         self._lock = threading.Lock()
 
     # --- The host tier --------------------------------------------------------------------------
 
-    def stream(self, prefix_id: str, fetcher: KVFetcher, proofs: tuple) -> None:
-        """Starts streaming the prefix's full KV into the tier (`fetcher`, whose copies are the
-        tier's), unless the tier holds it or it is on its way."""
+    def stream(self, prefix_id: str, nbytes: int, fetcher: KVFetcher, proofs: tuple) -> None:
+        """Starts streaming the prefix's full KV (`nbytes`) into the tier (`fetcher`, whose
+        copies are the tier's), unless the tier holds it, it is on its way, or it is larger than
+        the whole tier."""
         with self._lock:
             if prefix_id in self._streaming or self.is_warm(prefix_id):
                 return
+            if nbytes > self.tier.budget_bytes:
+                log.info("host tier: prefix %s is larger than the tier, stays cold", prefix_id)
+                return
             self._streaming.add(prefix_id)
-        args = (prefix_id, fetcher, proofs)
+        args = (prefix_id, nbytes, fetcher, proofs)
         threading.Thread(target=self._stream, args=args, name="host-tier", daemon=True).start()
 
-    def _stream(self, prefix_id: str, fetcher: KVFetcher, proofs: tuple) -> None:
+    def _stream(self, prefix_id: str, nbytes: int, fetcher: KVFetcher, proofs: tuple) -> None:
         try:
-            fetched = fetcher.fetch(prefix_id, KVKind.FULL, proofs, background=True)
+            fetched = fetcher.fetch(
+                prefix_id, KVKind.FULL, proofs, background=True, nbytes=nbytes,
+                timeout_s=self._timeout_s,
+            )  # fmt: skip
             self.tier.release(fetched.held)  # kept unpinned: the tier's to evict
             log.info("host tier: prefix %s is warm (%d bytes)", prefix_id, fetched.link_bytes)
         except Exception as error:  # noqa: BLE001 - the node stays cold; central verifies
