@@ -64,6 +64,13 @@ def test_a_warm_drafter_verifies_its_own_rounds_and_the_stream_is_unchanged(warm
     # The central verifier ran the prompt's prefill and one verification, nothing more.
     assert verifier.worker.batching().steps - verified_before <= 2
     assert verifier.worker.num_sessions == 0
+    metrics = server.coordinator.metrics
+    sample = metrics.registry.get_sample_value
+    counted = sample("vericache:local_rounds_total", {"model_name": metrics.model_name})
+    assert counted == first.stats["local_rounds"] + rounds - 1
+    (drafter,) = server.coordinator.backend.drafters
+    labels = {"model_name": metrics.model_name, "worker": drafter.name}
+    assert wait_for(lambda: sample("vericache:host_tier_resident_prefixes", labels) == 1)
 
 
 def test_a_seeded_sampled_stream_is_unchanged_across_the_switch(warm_server):

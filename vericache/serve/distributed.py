@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from vericache.errors import UnsupportedModelError, WorkerUnavailableError
+from vericache.kv.shared_prefix import PrefixCacheStats
 from vericache.scheduler.placement import Candidate, place
 from vericache.serve.api_types import ServeMode
 from vericache.serve.catalog import PrefixKey, PrefixRecord
@@ -38,6 +39,7 @@ from vericache.serve.rounds import ServedRequest, run_request
 from vericache.serve.scheduled import ScheduledRounds, new_scheduled_rounds
 from vericache.serve.worker_api import (
     DrafterAPI,
+    DrafterInfo,
     ModelInfo,
     VerifierAPI,
     VerifierInfo,
@@ -80,7 +82,7 @@ class DistributedBackend:
         self._restarts.metrics = self._metrics = metrics
         for worker, about in zip([*self.verifiers, *self.drafters], [*described, *drafters]):
             self._restarts.started(worker.name, about.startup)
-            metrics.prefix_cache_reported(worker.name, about.prefix_cache)
+            metrics.prefix_cache_reported(worker.name, about.prefix_cache, _host_tier(about))
         if self.config.scheduling != "per-request" and self.drafters:
             await self._start_schedules(described, metrics)
         self._probe = asyncio.create_task(self._probe_workers(), name="probe-workers")
@@ -162,7 +164,7 @@ class DistributedBackend:
         else:
             worker.warm_prefixes = about.warm_prefixes
         if self._metrics is not None:
-            self._metrics.prefix_cache_reported(worker.name, about.prefix_cache)
+            self._metrics.prefix_cache_reported(worker.name, about.prefix_cache, _host_tier(about))
         # Found gone while the probe was out: the answer may predate that, so the next one says.
         if worker.mark_back(num_times_gone) and not was_alive:
             kind = "verifier" if is_verifier else "drafter"
@@ -274,3 +276,7 @@ def _placed(workers: list, prefix_id: str | None, kind: str):
         raise WorkerUnavailableError(f"no {kind} is running")
     candidates = [Candidate(w.name, w.active, prefix_id in w.warm_prefixes) for w in alive]
     return alive[place(prefix_id, candidates)]
+
+
+def _host_tier(about: VerifierInfo | DrafterInfo) -> PrefixCacheStats | None:
+    return about.host_tier if isinstance(about, DrafterInfo) else None

@@ -101,8 +101,10 @@ class Drafter:
         self.startup = model.startup()
 
     def describe(self) -> DrafterInfo:
-        warm = self._warm.warm_prefixes() if self._warm is not None else frozenset()
-        return DrafterInfo(self.info, self.startup, self._prefixes.stats(), warm)
+        if self._warm is None:
+            return DrafterInfo(self.info, self.startup, self._prefixes.stats())
+        warm, tier = self._warm.warm_prefixes(), self._warm.tier.stats()
+        return DrafterInfo(self.info, self.startup, self._prefixes.stats(), warm, tier)
 
     def time_draft_step(self) -> float:
         """Seconds of one draft step: a first estimate for a scheduler, which refines it."""

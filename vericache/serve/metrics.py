@@ -177,6 +177,16 @@ class ServeMetrics:
             field: self._worker_gauge(f"prefix_cache_{field}", doc)
             for field, (doc, _) in PREFIX_CACHE_GAUGES.items()
         }
+        # A warm drafter node's host tier (warm_node.py), and the rounds such nodes verified.
+        self._host_tier_bytes = self._worker_gauge(
+            "host_tier_resident_bytes", "Bytes of prefixes' full KV a drafter's host tier holds."
+        )
+        self._host_tier_prefixes = self._worker_gauge(
+            "host_tier_resident_prefixes", "Prefixes a drafter's host tier holds, one copy each."
+        )
+        self._local_rounds = self._counter(
+            "local_rounds", "VERICACHE rounds a warm drafter node verified itself."
+        )
         self._last = _Totals(at=time.monotonic())
 
     # -- events ---------------------------------------------------------------------------------
@@ -210,8 +220,9 @@ class ServeMetrics:
         for position in range(num_accepted):  # accepted drafts are a prefix of the draft
             self._accepted_per_pos.labels(self.model_name, str(position)).inc()
 
-    def round_calls_made(self, num_calls: int) -> None:
+    def round_calls_made(self, num_calls: int, num_local_rounds: int = 0) -> None:
         self._round_calls.labels(self.model_name).inc(num_calls)
+        self._local_rounds.labels(self.model_name).inc(num_local_rounds)
 
     def prefix_cache_queried(self, num_tokens: int) -> None:
         self._prefix_queries.labels(self.model_name).inc(num_tokens)
@@ -252,10 +263,15 @@ class ServeMetrics:
         self._request_store_bytes.labels(self.model_name).observe(store_bytes)
         self._request_link_bytes.labels(self.model_name).observe(link_bytes)
 
-    def prefix_cache_reported(self, worker: str, stats: PrefixCacheStats) -> None:
-        """A worker's copies of prefixes' KV, as its probe found them."""
+    def prefix_cache_reported(
+        self, worker: str, stats: PrefixCacheStats, host_tier: PrefixCacheStats | None = None
+    ) -> None:
+        """A worker's copies of prefixes' KV, and a drafter's host tier, as its probe found them."""
         for field, (_, value) in PREFIX_CACHE_GAUGES.items():
             self._prefix_cache[field].labels(self.model_name, worker).set(value(stats))
+        if host_tier is not None:
+            self._host_tier_bytes.labels(self.model_name, worker).set(host_tier.resident_bytes)
+            self._host_tier_prefixes.labels(self.model_name, worker).set(host_tier.num_prefixes)
 
     def iteration_planned(self, iteration, peak_memory_bytes: int) -> None:
         """One planned iteration (`vericache.scheduler.IterationMetrics`), and the scheduler's
@@ -354,7 +370,7 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
         stats = served.seq.stats
         for drafted, accepted in zip(stats.drafted_per_round, stats.accepted_per_round):
             metrics.round_verified(drafted, accepted)
-        metrics.round_calls_made(served.num_round_calls)
+        metrics.round_calls_made(served.num_round_calls, served.num_local_rounds)
         metrics.requests_migrated(served.num_migrations)
         traffic = served.traffic
         metrics.link_used(traffic.link_bytes, traffic.link_s)

@@ -78,6 +78,7 @@ class DrafterInfo:
     prefix_cache: PrefixCacheStats  # its copies of the prefixes' KV it fetched, now
     # The prefixes whose full KV its host tier holds: it verifies their sessions itself.
     warm_prefixes: frozenset[str] = frozenset()
+    host_tier: PrefixCacheStats | None = None  # its host tier, where it has one (warm_node.py)
 
 
 @dataclass(frozen=True)
