@@ -73,6 +73,18 @@ def test_a_warm_drafter_verifies_its_own_rounds_and_the_stream_is_unchanged(warm
     assert wait_for(lambda: sample("vericache:host_tier_resident_prefixes", labels) == 1)
 
 
+def test_full_decoding_on_a_warm_node_reads_its_host_tier_and_fetches_nothing(warm_server):
+    server, client, prefix_id = warm_server()
+    reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=24)
+    client.generate(PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=4)
+    assert wait_for(lambda: _warm(server, prefix_id), timeout_s=30)
+    got = client.generate(PROMPT, prefix_id=prefix_id, mode="full_remote", max_tokens=24)
+    assert got.token_ids == reference.token_ids
+    assert got.stats["link_bytes"] == 0
+    (drafter,) = server.coordinator.backend.drafters
+    assert drafter.worker._prefixes.stats().num_prefixes == 1  # the compressed copy alone
+
+
 def test_a_seeded_sampled_stream_is_unchanged_across_the_switch(warm_server):
     server, client, prefix_id = warm_server()
     options = {"max_tokens": 40, "temperature": 0.8, "seed": 11, "draft_len": 4}

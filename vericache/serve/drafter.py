@@ -9,7 +9,8 @@ alone (kv/prefixed.py). It decodes greedily over it, in one of three roles
   exact KV the verifier computed for the tokens committed since replaces the drafts' own, as in
   the in-process engine;
 - LOSSY: decodes alone over the compressed KV, which online compressors update each step;
-- FULL (FULL_REMOTE): decodes alone over the full KV it fetched, with the verifier's kernels.
+- FULL (FULL_REMOTE): decodes alone over the full KV it fetched, with the verifier's kernels (on
+  a node warm for the prefix, over its host tier's copy: nothing crosses the link).
 With a host tier (`host_tier_bytes`, warm_node.py) it also streams the full KV of the prefixes it
 drafts on, and once warm verifies its own DRAFT sessions' rounds (`open_local`, `local_round`).
 Its forwards go through the engine's forward loop, batched across sessions.
@@ -40,7 +41,7 @@ from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
 from vericache.serve.batching import BatchLoop
 from vericache.serve.cluster_secret import required
 from vericache.serve.config import DrafterConfig
-from vericache.serve.kv_transfer import KVFetcher, fetch_kind
+from vericache.serve.kv_transfer import KVFetcher, KVKind, fetch_kind
 from vericache.serve.warm_node import WarmNode
 from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model
 from vericache.serve.worker_api import (
@@ -68,6 +69,7 @@ class _Session:
     role: DraftRole
     cache: KVCache  # over `prefix`, read in place
     prefix: HeldPrefix[KVCache]  # pinned until the session's last call ends
+    copies: SharedPrefixes[KVCache]  # where `prefix` is held: the device's, or the host tier's
     prefix_id: str
     capacity: int  # cache slots the request reserves
     in_use: bool = False  # a call is drafting or decoding on it
@@ -113,18 +115,16 @@ class Drafter:
     def open(self, call: OpenDrafter) -> DrafterOpened:
         """Fetches the prefix's KV (an LRU hit costs nothing). Alone (lossy, full), prefills the
         rest of the prompt and returns the first token; drafting waits for the verifier's KV."""
-        kind = fetch_kind(call.role)
-        proofs = self._secret.fetch_metadata(call.session_id, call.fetch_grant)
-        fetched = self._fetcher(call.transfer_address).fetch(call.prefix_id, kind, proofs)
+        held, copies, traffic = self._prefix_copy(call)
         try:
-            if fetched.cache.num_tokens != call.num_prefix_tokens:
+            if held.cache.num_tokens != call.num_prefix_tokens:
                 raise InvalidRequestError(
-                    f"prefix {call.prefix_id} holds {fetched.cache.num_tokens} tokens, "
+                    f"prefix {call.prefix_id} holds {held.cache.num_tokens} tokens, "
                     f"the request says {call.num_prefix_tokens}"
                 )
             # Read in place, as every session on this prefix reads it: the session holds its
             # own tokens alone (kv/prefixed.py).
-            cache = shared_clone(fetched.cache, call.capacity, self._buffers)
+            cache = shared_clone(held.cache, call.capacity, self._buffers)
             first = None
             if call.role is not DraftRole.DRAFT:
                 suffix = torch.tensor(call.prompt_ids[call.num_prefix_tokens :], dtype=torch.long)
@@ -132,10 +132,10 @@ class Drafter:
                 first = first_token(logits, call.sampler)
                 _update(cache)
         except BaseException:
-            self._prefixes.release(fetched.held)
+            copies.release(held)
             raise
         session = _Session(
-            call.session_id, call.role, cache, fetched.held, call.prefix_id, call.capacity
+            call.session_id, call.role, cache, held, copies, call.prefix_id, call.capacity
         )
         with self._lock:
             self._sessions[call.session_id] = session
@@ -144,7 +144,23 @@ class Drafter:
             fetcher = self._fetcher(call.transfer_address, self._tier_fetchers, self._warm.tier)
             nbytes = call.num_prefix_tokens * self.info.full_kv_bytes_per_token
             self._warm.stream(call.prefix_id, nbytes, fetcher, proofs)
-        return DrafterOpened(first, Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds))
+        return DrafterOpened(first, traffic)
+
+    def _prefix_copy(
+        self, call: OpenDrafter
+    ) -> tuple[HeldPrefix[KVCache], SharedPrefixes[KVCache], Traffic]:
+        """The session's prefix's copy, pinned, where it is held, and what fetching it cost: a
+        FULL session on a node warm for the prefix reads the host tier's copy, with no fetch;
+        else the device's copy, fetched over the link where it holds none."""
+        kind = fetch_kind(call.role)
+        if self._warm is not None and kind == KVKind.FULL:
+            held = self._warm.tier.acquire_held((call.prefix_id, kind))
+            if held is not None:
+                return held, self._warm.tier, Traffic()
+        proofs = self._secret.fetch_metadata(call.session_id, call.fetch_grant)
+        fetched = self._fetcher(call.transfer_address).fetch(call.prefix_id, kind, proofs)
+        traffic = Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds)
+        return fetched.held, self._prefixes, traffic
 
     def draft(self, call: DraftCall) -> Drafted:
         """A round's whole draft: up to `num_drafts` greedy tokens after `pending`, batched with
@@ -260,7 +276,7 @@ class Drafter:
     def _release(self, session: _Session) -> None:
         """Once no call uses it: its caches, and its pins on the prefix's copies."""
         session.cache.release(self._buffers)
-        self._prefixes.release(session.prefix)
+        session.copies.release(session.prefix)
         if self._warm is not None:
             self._warm.close(session.session_id)
 
