@@ -19,7 +19,7 @@ from vericache.serve import api, distributed
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.distributed import DistributedBackend
 from vericache.serve.handles import InProcess, VerifierHandle
-from vericache.serve.worker_api import DrafterInfo, WorkerStartup
+from vericache.serve.worker_api import DrafterInfo, ModelInfo, WorkerStartup
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -59,7 +59,8 @@ class _Worker:
 
     def describe(self) -> DrafterInfo:
         self.answer.wait(30)
-        return DrafterInfo(None, WorkerStartup(0.0, 0.0, 0.0), SharedPrefixes(1).stats())
+        model = ModelInfo("m", "sha256:m", 8, 8, (), 1, numerics="cpu:test:float32")
+        return DrafterInfo(model, WorkerStartup(0.0, 0.0, 0.0), SharedPrefixes(1).stats())
 
 
 def _backend() -> tuple[DistributedBackend, VerifierHandle, _Worker, list[bool]]:

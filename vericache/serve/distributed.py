@@ -81,6 +81,7 @@ class DistributedBackend:
             raise UnsupportedModelError(f"workers serve different models: {sorted(models)}")
         self._restarts.metrics = self._metrics = metrics
         for worker, about in zip([*self.verifiers, *self.drafters], [*described, *drafters]):
+            worker.numerics = about.model.numerics
             self._restarts.started(worker.name, about.startup)
             metrics.prefix_cache_reported(worker.name, about.prefix_cache, _host_tier(about))
         if self.config.scheduling != "per-request" and self.drafters:
@@ -159,6 +160,7 @@ class DistributedBackend:
         except Exception:  # noqa: BLE001 - gone (its handle marked it so), or failing: next time
             return
         is_verifier = isinstance(about, VerifierInfo)
+        worker.numerics = about.model.numerics
         if is_verifier:
             self._addresses[worker.name] = about.transfer_address
         else:

@@ -53,6 +53,7 @@ from vericache.serve.worker_api import (
     DrafterInfo,
     DrafterOpened,
     DraftRole,
+    LocalOpened,
     LocalRound,
     LocalRoundCall,
     OpenDrafter,
@@ -190,21 +191,27 @@ class Drafter:
         distributions = torch.cat(job.distributions).cpu() if rejects else None
         return Drafted(tuple(tokens), step_s, distributions, warm)
 
-    def open_local(self, call: OpenLocal) -> bool:
-        """Moves the session's verification onto this node, which must be warm for its prefix:
-        the central verifier's last exact KV into the draft cache, and the session's full KV
-        over the host tier's copy (warm_node.py). False, and nothing done, where this node's
-        arithmetic is not the central verifier's: its verifications would differ in their bits,
-        and the request stays where it is."""
+    def open_local(self, call: OpenLocal) -> LocalOpened:
+        """Puts the session's verification on this node, which must be warm for its prefix: its
+        full KV over the host tier's copy (warm_node.py), and the draft cache brought up to
+        `history` with exact KV (the central verifier's last round's, then the local prefill's
+        for whatever it still lacks: the whole prompt after the prefix, for a request that
+        starts here)."""
         if self._warm is None:
             raise InvalidRequestError("this drafter has no host tier to verify from")
-        if call.numerics != self.info.numerics:
-            return False
         with self._using(call.session_id) as session:
+            opened = self._warm.open(
+                call.session_id, session.prefix_id, call.history, session.capacity,
+                call.needs_first_token, call.sampler,
+            )  # fmt: skip
+            if opened is None:
+                return LocalOpened(is_local=False)
             if call.exact is not None:
                 _take_exact(session.cache, call.exact)
-            self._warm.open(call.session_id, session.prefix_id, call.history, session.capacity)
-        return True
+            if session.cache.num_tokens < len(call.history):
+                exact = ExactKV.of(opened.cache, session.cache.num_tokens, len(call.history))
+                _take_exact(session.cache, exact)
+        return LocalOpened(is_local=True, first_token=opened.first_token)
 
     def local_round(self, call: LocalRoundCall) -> LocalRound:
         """A whole round on this node: the drafts over the compressed KV, their verification over

@@ -46,6 +46,7 @@ from vericache.serve.worker_api import (
     DrafterOpened,
     DraftInFlight,
     DraftRole,
+    LocalOpened,
     LocalRound,
     LocalRoundCall,
     OpenDrafter,
@@ -197,6 +198,9 @@ class _Handle:
         # The prefixes whose full KV it holds for its own sessions as its last probe said: a warm
         # drafter node's host tier (warm_node.py); none on a verifier, which holds them all.
         self.warm_prefixes: frozenset[str] = frozenset()
+        # Its arithmetic (`ModelInfo.numerics`), as its last probe said: a warm drafter node
+        # verifies a request only where it matches the verifier's.
+        self.numerics = ""
         # False from a call that found the worker gone until a probe finds it answering again (a
         # restarted actor): the coordinator places nothing on a worker that is not alive.
         self._alive = True
@@ -354,7 +358,7 @@ class DrafterHandle(_Handle):
         call = dataclasses.replace(call, fetch_grant=grant, host_tier_grant=tier_grant)
         return await self._call(self.worker.open, call)
 
-    async def open_local(self, call: OpenLocal) -> bool:
+    async def open_local(self, call: OpenLocal) -> LocalOpened:
         return await self._call(self.worker.open_local, call)
 
     async def local_round(self, call: LocalRoundCall) -> LocalRound:

@@ -35,6 +35,7 @@ from vericache.serve.worker_api import (
     Drafted,
     DrafterAPI,
     DraftRole,
+    LocalOpened,
     LocalRound,
     LocalRoundCall,
     OpenDrafter,
@@ -238,12 +239,24 @@ async def _vericache(
     address: str,
     schedule: Schedule | None,
 ) -> AsyncIterator[list[int]]:
-    # The verifier prefills the prompt while the drafter fetches the compressed prefix.
     resumed = served.is_resumed
-    opened, _ = await asyncio.gather(
-        _open_verifier(served, verifier, True),
-        _open_drafter(served, drafter, DraftRole.DRAFT, address),
-    )
+    if schedule is None and _may_verify_on(drafter, verifier, served.plan.prefix_id):
+        # Its drafter node is warm for the prefix: the request starts there, no central verifier.
+        await _open_drafter(served, drafter, DraftRole.DRAFT, address)
+        local = await _go_local(served, verifier, drafter, None, needs_first_token=not resumed)
+        if local is not None:
+            if not resumed:
+                yield served.commit([local.first_token])
+            async for tokens in _local_rounds(served, drafter):
+                yield tokens
+            return
+        opened = await _open_verifier(served, verifier, True)  # evicted since: central after all
+    else:
+        # The verifier prefills the prompt while the drafter fetches the compressed prefix.
+        opened, _ = await asyncio.gather(
+            _open_verifier(served, verifier, True),
+            _open_drafter(served, drafter, DraftRole.DRAFT, address),
+        )
     if not resumed:
         yield served.commit([opened.first_token])
     if schedule is not None:
@@ -252,9 +265,18 @@ async def _vericache(
                 async for tokens in rounds:
                     yield tokens
         return
+    async for tokens in _central_rounds(served, verifier, drafter, opened):
+        yield tokens
+
+
+async def _central_rounds(
+    served: ServedRequest, verifier: VerifierAPI, drafter: DrafterAPI, opened: VerifierOpened
+) -> AsyncIterator[list[int]]:
+    """Rounds verified by the central verifier, until the drafter node is warm for the prefix
+    (and of the verifier's arithmetic): the rest go there."""
     exact, link_delay = opened.exact, opened.link_delay_s
     seq = served.seq
-    may_go_local = True
+    may_go_local = drafter.numerics == verifier.numerics
     while not seq.is_finished:
         num_drafts = seq.begin_round(seq.request.draft_len)
         drafting, drafts = None, ()
@@ -267,29 +289,40 @@ async def _vericache(
         exact, link_delay = verified.exact, verified.link_delay_s
         yield served.finish_round(verified)
         if may_go_local and served.drafter_is_warm and not seq.is_finished:
-            if await _go_local(served, verifier, drafter, exact, opened.numerics):
+            if await _go_local(served, verifier, drafter, exact) is not None:
                 async for tokens in _local_rounds(served, drafter):
                     yield tokens
                 return
-            may_go_local = False  # the node's arithmetic differs: the request stays central
+            may_go_local = False  # its tier let the prefix go meanwhile: it stays central
+
+
+def _may_verify_on(drafter: DrafterAPI, verifier: VerifierAPI, prefix_id: str | None) -> bool:
+    """Whether the drafter node holds the prefix's full KV and verifies with the verifier's
+    arithmetic (same bits), as their last probes said."""
+    same_arithmetic = bool(drafter.numerics) and drafter.numerics == verifier.numerics
+    return same_arithmetic and prefix_id in drafter.warm_prefixes
 
 
 async def _go_local(
     served: ServedRequest,
     verifier: VerifierAPI,
     drafter: DrafterAPI,
-    exact: ExactKV,
-    numerics: str,
-) -> bool:
-    """Moves the request's verification onto its warm drafter node between two rounds, then
-    lets the central verifier go (its session's full KV and its share of the verifier); False
-    where the node's arithmetic differs from the verifier's, which keeps the request."""
-    call = OpenLocal(served.session_id, served.history, exact, numerics, served.opening_sampler)
-    if not await drafter.open_local(call):
-        return False
+    exact: ExactKV | None,
+    needs_first_token: bool = False,
+) -> LocalOpened | None:
+    """Puts the request's verification on its warm drafter node (from its start, or between
+    two rounds with the central verifier's last `exact` KV), then lets the central verifier go
+    (its session, and its count of the request); None where the node's tier no longer holds
+    the prefix, which changes nothing."""
+    call = OpenLocal(
+        served.session_id, served.history, exact, served.opening_sampler, needs_first_token
+    )
+    local = await drafter.open_local(call)
+    if not local.is_local:
+        return None
     await verifier.close_session(served.session_id)
     served.release_verifier()
-    return True
+    return local
 
 
 async def _local_rounds(served: ServedRequest, drafter: DrafterAPI) -> AsyncIterator[list[int]]:

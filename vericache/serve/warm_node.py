@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from vericache.engine.sampling import SequenceSampler
-from vericache.errors import CacheStateError
 from vericache.kv.cache import KVCache
 from vericache.kv.pool import BufferPool
 from vericache.kv.prefixed import shared_clone
@@ -38,7 +37,7 @@ from vericache.model.runner import ModelRunner
 from vericache.serve.batching import BatchLoop
 from vericache.serve.kv_transfer import KVFetcher, KVKind
 from vericache.serve.verification import Verification, verify_round
-from vericache.serve.worker import SessionNotFoundError
+from vericache.serve.worker import SessionNotFoundError, first_token
 from vericache.serve.worker_api import Drafted
 
 log = logging.getLogger(__name__)
@@ -48,6 +47,7 @@ log = logging.getLogger(__name__)
 class _LocalSession:
     cache: KVCache  # over `prefix`, read in place
     prefix: HeldPrefix[KVCache]  # the tier's copy, pinned until the session closes
+    first_token: int | None = None  # the prefill's choice after the prompt, where asked for
 
 
 class WarmNode:
@@ -111,22 +111,37 @@ class WarmNode:
     # --- Sessions it verifies -------------------------------------------------------------------
 
     def open(
-        self, session_id: str, prefix_id: str, history: tuple[int, ...], capacity: int
-    ) -> None:
+        self,
+        session_id: str,
+        prefix_id: str,
+        history: tuple[int, ...],
+        capacity: int,
+        wants_first_token: bool = False,
+        sampler: SequenceSampler | None = None,
+    ) -> _LocalSession | None:
         """The session's full KV over the tier's copy of its prefix: the history after the
-        prefix prefilled (the central verifier's rounds' bits, by batch invariance)."""
+        prefix prefilled (the central verifier's bits, by batch invariance), and, where wanted,
+        the prefill's choice after it (by `sampler`; None: greedy). None where the tier no
+        longer holds the prefix (evicted since it said it was warm)."""
         held = self.tier.acquire_held((prefix_id, KVKind.FULL))
         if held is None:
-            raise CacheStateError(f"the host tier holds no full KV of prefix {prefix_id}")
+            return None
         try:
             cache = shared_clone(held.cache, capacity, self._buffers)
             after_prefix = torch.tensor(history[held.cache.num_tokens :], dtype=torch.long)
-            self._runner.prefill(after_prefix, cache, num_logits=0, chunk_size=self._prefill_chunk)
+            logits = self._runner.prefill(
+                after_prefix, cache, num_logits=int(wants_first_token),
+                chunk_size=self._prefill_chunk,
+            )  # fmt: skip
+            session = _LocalSession(cache, held)
+            if wants_first_token:
+                session.first_token = first_token(logits, sampler)
         except BaseException:
             self.tier.release(held)
             raise
         with self._lock:
-            self._sessions[session_id] = _LocalSession(cache, held)
+            self._sessions[session_id] = session
+        return session
 
     def verify(
         self,

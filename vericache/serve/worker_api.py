@@ -183,13 +183,22 @@ class Drafted:
 
 @dataclass(frozen=True)
 class OpenLocal:
-    """Moves a DRAFT session's verification onto its drafter node, between two rounds."""
+    """Puts a DRAFT session's verification on its warm drafter node: from its start (no central
+    verifier at all), or between two rounds. The coordinator asks only a node whose arithmetic
+    is the central verifier's (`ModelInfo.numerics`): the node's verifications then give the
+    same bits."""
 
     session_id: str
     history: tuple[int, ...]  # [prompt + committed tokens but the newest]
     exact: ExactKV | None  # the central verifier's KV of the last round's committed tokens
-    numerics: str  # the central verifier's (`ModelInfo.numerics`): the node's must match
     sampler: SequenceSampler | None = None  # of the token after `history`; None: greedy
+    needs_first_token: bool = False  # nothing committed yet: the prompt's prefill chooses it
+
+
+@dataclass(frozen=True)
+class LocalOpened:
+    is_local: bool  # False: the node's host tier no longer holds the prefix; nothing changed
+    first_token: int | None = None  # the choice after the prompt, where asked for
 
 
 @dataclass(frozen=True)
@@ -296,6 +305,7 @@ class VerifierAPI(Protocol):
 
     name: str
     active: int  # sessions the coordinator has placed on it
+    numerics: str  # its arithmetic, as its last probe said (`ModelInfo.numerics`)
 
     async def describe(self) -> VerifierInfo: ...
     async def measure_load_bandwidth(self) -> float: ...
@@ -321,13 +331,15 @@ class DrafterAPI(Protocol):
 
     name: str
     active: int
+    numerics: str  # its arithmetic, as its last probe said (`ModelInfo.numerics`)
+    warm_prefixes: frozenset[str]  # whose full KV its host tier holds, as its last probe said
 
     async def describe(self) -> DrafterInfo: ...
     async def time_draft_step(self) -> float: ...
     async def open(self, call: OpenDrafter) -> DrafterOpened: ...
     async def draft(self, call: DraftCall) -> Drafted: ...
     def draft_ahead(self, call: DraftCall) -> DraftInFlight: ...
-    async def open_local(self, call: OpenLocal) -> bool: ...
+    async def open_local(self, call: OpenLocal) -> LocalOpened: ...
     async def local_round(self, call: LocalRoundCall) -> LocalRound: ...
     async def decode(self, call: DecodeCall) -> Decoded: ...
     async def close_session(self, session_id: str) -> None: ...
