@@ -20,6 +20,7 @@ MODES: dict[str, int] = {
     "full_local": vericache_pb2.FULL_LOCAL,
     "full_remote": vericache_pb2.FULL_REMOTE,
     "lossy": vericache_pb2.LOSSY,
+    "auto": vericache_pb2.AUTO,
 }
 _INT32_MAX = 2**31 - 1
 

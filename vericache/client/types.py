@@ -8,7 +8,7 @@ from typing import Any, Literal, TypedDict
 from vericache.v1 import vericache_pb2
 
 # How `generate` decodes; see `Mode` in proto/vericache/v1/vericache.proto.
-ModeName = Literal["vericache", "full_local", "full_remote", "lossy"]
+ModeName = Literal["vericache", "full_local", "full_remote", "lossy", "auto"]
 
 
 class Sampling(TypedDict, total=False):

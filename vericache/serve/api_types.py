@@ -19,6 +19,9 @@ class ServeMode(str, enum.Enum):
     FULL_LOCAL = "full_local"  # the verifier decodes over the full KV (the reference)
     FULL_REMOTE = "full_remote"  # a drafter fetches the full KV over the slow link and decodes
     LOSSY = "lossy"  # a drafter decodes over the compressed KV only
+    # The coordinator chooses one of the lossless modes per request (auto_path.py); resolved
+    # before the request runs, never served as itself.
+    AUTO = "auto"
 
     @property
     def decode_mode(self) -> DecodeMode:
@@ -26,10 +29,11 @@ class ServeMode(str, enum.Enum):
 
     @property
     def needs_drafter(self) -> bool:
-        return self is not ServeMode.FULL_LOCAL
+        return self not in (ServeMode.FULL_LOCAL, ServeMode.AUTO)
 
 
 _DECODE_MODES = {
+    ServeMode.AUTO: DecodeMode.VERICACHE,  # until resolved: planned with its compressed KV
     ServeMode.VERICACHE: DecodeMode.VERICACHE,
     ServeMode.FULL_LOCAL: DecodeMode.FULL,
     ServeMode.FULL_REMOTE: DecodeMode.FULL,
@@ -139,6 +143,7 @@ class GenerateSummary:
     seed: int | None = None  # the sampling seed (the request's, or one drawn); None: greedy
     prompt_tokens: int = 0  # the prompt's, its prefix's included
     local_rounds: int = 0  # of the rounds, those its warm drafter node verified itself
+    path: str = ""  # how it was served (scheduler/path_choice.py ServingPath), chosen or named
 
     @property
     def mean_accepted_per_round(self) -> float:

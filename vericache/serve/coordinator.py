@@ -40,6 +40,7 @@ from vericache.serve.api_types import (
     ServeMode,
 )
 from vericache.serve.auth import ANONYMOUS, PrefixQuotaError, Tenant, TenantLimitError
+from vericache.serve.auto_path import AutoPaths, served_as
 from vericache.serve.auto_prefix import AutoPrefixCache, PrefixWish
 from vericache.serve.backend import ServingBackend
 from vericache.serve.catalog import (
@@ -69,6 +70,7 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.config = config = config or CoordinatorConfig()
         self.metrics = ServeMetrics(model_name)
+        self._auto = AutoPaths()  # what each path cost, for `mode: auto`
         self.info: ModelInfo | None = None  # known once started
         self.prompts: Prompts | None = None  # ...with it
         self.auto_prefixes: AutoPrefixCache | None = None  # ...with it
@@ -225,15 +227,31 @@ class Coordinator:
             await self._admission.admit(plan.prefix_id)
             self._meter_queue()
             try:
-                served = self._served(plan)
+                served = self._served(self._resolved(plan))  # auto chooses at the loads of now
                 rounds = self.backend.serve(served)
                 events = metered(self.metrics, served, stream_events(served, rounds))
                 async with contextlib.aclosing(events):
                     async for event in events:
                         yield event
+                if served.path is not None and served.seq.finish_reason is not None:
+                    self._auto.observe(served.path, served.summary(), served.worker_load)
             finally:
                 self._admission.release(plan.prefix_id)
                 self._meter_queue()
+
+    def _resolved(self, plan: RequestPlan) -> RequestPlan:
+        """The plan of an AUTO request with the path chosen for it (auto_path.py); any other
+        plan as it is."""
+        if plan.mode is not ServeMode.AUTO:
+            return plan
+        options = self.backend.path_options(plan.prefix_id)
+        path = self._auto.choose(options, plan.request.params.max_new_tokens)
+        self.metrics.auto_path_chosen(path.value)
+        mode = served_as(path)
+        request = plan.request
+        if mode.decode_mode is DecodeMode.FULL:
+            request = dataclasses.replace(request, mode=DecodeMode.FULL, compressor=None)
+        return dataclasses.replace(plan, mode=mode, request=request, chosen=True)
 
     @property
     def num_running(self) -> int:
@@ -257,6 +275,8 @@ class Coordinator:
         params = self._sampling_params(call, tenant)
         record, prompt_ids = await self._prompt(call, tenant)
         mode = call.mode or (ServeMode.VERICACHE if record else ServeMode.FULL_LOCAL)
+        if mode is ServeMode.AUTO and record is None:
+            mode = ServeMode.FULL_LOCAL  # no prefix: the one path there is
         if record is None and mode is not ServeMode.FULL_LOCAL:
             raise InvalidRequestError(
                 f"mode {mode.name} drafts over a registered prefix's compressed KV: give "

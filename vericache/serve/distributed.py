@@ -29,8 +29,10 @@ from collections.abc import AsyncIterator, Callable
 
 from vericache.errors import UnsupportedModelError, WorkerUnavailableError
 from vericache.kv.shared_prefix import PrefixCacheStats
+from vericache.scheduler.path_choice import ServingPath
 from vericache.scheduler.placement import Candidate, place
 from vericache.serve.api_types import ServeMode
+from vericache.serve.auto_path import PathOption
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics
@@ -203,6 +205,23 @@ class DistributedBackend:
 
     # --- Requests ---------------------------------------------------------------------------------
 
+    def path_options(self, prefix_id: str) -> list[PathOption]:
+        """The paths a request over `prefix_id` may take now, each on the worker placement would
+        give it (auto_path.py): FULL_LOCAL on a verifier; VERICACHE with a drafter beside it;
+        full decoding on that drafter, over its host tier where it is warm (FULL_WARM)."""
+        verifier = _placed_or_none(self.verifiers, prefix_id)
+        drafter = _placed_or_none(self.drafters, prefix_id)
+        options = []
+        if verifier is not None:
+            options.append(PathOption(ServingPath.FULL_LOCAL, verifier.name, verifier.active))
+        if drafter is not None:
+            if verifier is not None:
+                options.append(PathOption(ServingPath.VERICACHE, drafter.name, drafter.active))
+            warm = prefix_id in drafter.warm_prefixes
+            path = ServingPath.FULL_WARM if warm else ServingPath.FULL_REMOTE
+            options.append(PathOption(path, drafter.name, drafter.active))
+        return options
+
     def check_can_serve(self, mode: ServeMode) -> None:
         if mode.needs_drafter and not any(d.alive for d in self.drafters):
             raise WorkerUnavailableError(f"no drafter is running to serve {mode.name}")
@@ -251,6 +270,8 @@ class DistributedBackend:
         counted = list(workers)  # the workers whose load it counts in now
         for worker in counted:
             worker.active += 1
+        served.worker_load = (drafter or verifier).active  # its decoding worker's
+        served.on_warm_node = drafter is not None and prefix_id in drafter.warm_prefixes
 
         def release_verifier() -> None:  # its rounds moved to a warm drafter node
             if verifier in counted:
@@ -269,6 +290,14 @@ class DistributedBackend:
             # Cancelled or not, the workers drop the request's caches.
             closing = [w.close_session(served.session_id) for w in workers]
             await asyncio.shield(asyncio.gather(*closing, return_exceptions=True))
+
+
+def _placed_or_none(workers: list, prefix_id: str | None):
+    """`_placed`, or None where no worker of the kind is alive."""
+    try:
+        return _placed(workers, prefix_id, "worker")
+    except WorkerUnavailableError:
+        return None
 
 
 def _placed(workers: list, prefix_id: str | None, kind: str):

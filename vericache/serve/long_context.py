@@ -27,8 +27,10 @@ from vericache.engine.engine import EngineConfig
 from vericache.engine.long_context import LongContextEngine
 from vericache.engine.long_context_config import LongContextConfig
 from vericache.errors import InvalidRequestError, PrefixNotFoundError
+from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.api_types import ServeMode
 from vericache.serve.auth import Access
+from vericache.serve.auto_path import PathOption
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import CoordinatorConfig, WorkerConfig
 from vericache.serve.coordinator import Coordinator
@@ -45,7 +47,7 @@ from vericache.serve.server import BackgroundServer, HttpSettings
 from vericache.serve.worker import load_worker_model
 from vericache.serve.worker_api import ModelInfo
 
-_ENGINE_MODES = (ServeMode.VERICACHE, ServeMode.FULL_LOCAL)
+_ENGINE_MODES = (ServeMode.VERICACHE, ServeMode.FULL_LOCAL, ServeMode.AUTO)
 
 
 class LongContextBackend:
@@ -56,6 +58,7 @@ class LongContextBackend:
         self._prefixes: dict[str, PrefixRecord] = {}
         self._metrics: ServeMetrics | None = None
         self._last_metered = None  # the engine's last iteration in the metrics
+        self._num_serving = 0  # requests in the engine now
 
     async def start(self, metrics: ServeMetrics) -> ModelInfo:
         self._metrics = metrics
@@ -94,6 +97,14 @@ class LongContextBackend:
     def is_serving(self) -> bool:
         return self.engine_loop.is_running  # one engine in this process
 
+    def path_options(self, prefix_id: str) -> list[PathOption]:
+        """Its one engine runs VeriCache or full-KV decoding; its load, the requests in it."""
+        load = self._num_serving
+        return [
+            PathOption(ServingPath.VERICACHE, "engine", load),
+            PathOption(ServingPath.FULL_LOCAL, "engine", load),
+        ]
+
     def check_can_serve(self, mode: ServeMode) -> None:
         if mode not in _ENGINE_MODES:
             raise InvalidRequestError(
@@ -110,10 +121,13 @@ class LongContextBackend:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
         submission = self.engine_loop.submit(served.plan.request, deliver)
+        self._num_serving += 1
+        served.worker_load = self._num_serving
         try:
             async for tokens in _committed(served, events):
                 yield tokens
         finally:
+            self._num_serving -= 1
             self.engine_loop.cancel(submission)  # a no-op once it finished
 
     def _meter_iteration(self, engine) -> None:

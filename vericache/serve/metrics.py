@@ -187,6 +187,9 @@ class ServeMetrics:
         self._local_rounds = self._counter(
             "local_rounds", "VERICACHE rounds a warm drafter node verified itself."
         )
+        self._auto_paths = self._counter(
+            "auto_paths", "Paths `mode: auto` chose for its requests.", ("path",)
+        )
         self._last = _Totals(at=time.monotonic())
 
     # -- events ---------------------------------------------------------------------------------
@@ -223,6 +226,9 @@ class ServeMetrics:
     def round_calls_made(self, num_calls: int, num_local_rounds: int = 0) -> None:
         self._round_calls.labels(self.model_name).inc(num_calls)
         self._local_rounds.labels(self.model_name).inc(num_local_rounds)
+
+    def auto_path_chosen(self, path: str) -> None:
+        self._auto_paths.labels(self.model_name, path).inc()
 
     def prefix_cache_queried(self, num_tokens: int) -> None:
         self._prefix_queries.labels(self.model_name).inc(num_tokens)

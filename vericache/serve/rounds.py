@@ -28,6 +28,7 @@ from vericache.engine.request import Request
 from vericache.engine.sampling import SequenceSampler
 from vericache.engine.sequence import Sequence
 from vericache.kv.exact import ExactKV
+from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.api_types import GenerateSummary, ServeMode
 from vericache.serve.worker_api import (
     DecodeCall,
@@ -60,6 +61,7 @@ class RequestPlan:
     # The engine's request: prompt, prefix length, sampling, decode mode, compressor, draft length.
     request: Request
     decode_chunk: int  # tokens per worker call when one worker decodes alone
+    chosen: bool = False  # `mode` is what auto chose (auto_path.py), not what the caller named
 
 
 @dataclass
@@ -73,6 +75,10 @@ class ServedRequest:
     num_local_rounds: int = 0  # of its rounds, those its warm drafter node verified itself
     num_migrations: int = 0  # times it went on elsewhere after a worker died
     drafter_is_warm: bool = False  # its drafter said it holds the prefix's full KV
+    # Where it was placed: requests on its decoding worker then, it included (auto_path.py), and
+    # whether that drafter was warm for its prefix (a FULL_REMOTE request then reads its tier).
+    worker_load: int = 1
+    on_warm_node: bool = False
     # Called once its rounds moved to its warm drafter node: the central verifier no longer
     # counts it among its load (placement, distributed.py).
     release_verifier: Callable[[], None] = lambda: None
@@ -159,7 +165,18 @@ class ServedRequest:
             seed=self.seq.seed,
             prompt_tokens=len(self.seq.request.prompt_ids),
             local_rounds=self.num_local_rounds,
+            path=self.path.value if self.path else self.plan.mode.value,
         )
+
+    @property
+    def path(self) -> ServingPath | None:
+        """How it is served, in auto's terms (None: LOSSY, which auto never chooses)."""
+        mode = self.plan.mode
+        if mode is ServeMode.LOSSY:
+            return None
+        if mode is ServeMode.FULL_REMOTE and self.on_warm_node:
+            return ServingPath.FULL_WARM
+        return ServingPath(mode.value)
 
 
 class Schedule(Protocol):

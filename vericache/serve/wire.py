@@ -24,6 +24,7 @@ _MODES = {
     pb.FULL_LOCAL: ServeMode.FULL_LOCAL,
     pb.FULL_REMOTE: ServeMode.FULL_REMOTE,
     pb.LOSSY: ServeMode.LOSSY,
+    pb.AUTO: ServeMode.AUTO,
 }
 
 
@@ -141,4 +142,5 @@ def _stats(summary: GenerateSummary) -> pb.GenerateStats:
         seed=summary.seed,
         prompt_tokens=summary.prompt_tokens,
         local_rounds=summary.local_rounds,
+        path=summary.path,
     )
