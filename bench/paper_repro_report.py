@@ -45,7 +45,43 @@ def markdown_table(result: dict) -> str:
     reason = result["summary"].get("pipeline2_miss_reason")
     if reason:
         notes += ["", f"Pipeline 2 outside the paper's band: {reason}"]
-    return "\n".join([*rows, *sweeps, *notes, ""])
+    return "\n".join([*rows, *sweeps, *notes, *held_table(result), ""])
+
+
+def held_table(result: dict) -> list[str]:
+    """Pipeline 2 against the paper's baseline and the strongest full-KV one, per scenario, each
+    cell with what binds it; then the targets, and why each missed one is missed."""
+    lines = [
+        "",
+        "| scenario | paper's baseline | strongest full KV | VeriCache (warm nodes) | auto |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, cell in result["pipeline2_scenarios"].items():
+        runs = cell["runs"]
+        strongest = cell["strongest"]
+        lines.append(
+            f"| {name} | {_cell(runs['paper_baseline'])} | {strongest}: {_cell(runs[strongest])} | "
+            f"{_cell(runs['vericache'])}; {cell['vericache_vs_paper_baseline']:.2f}x paper's, "
+            f"{cell['vericache_vs_strongest']:.2f}x strongest | {_cell(runs['auto'])}; "
+            f"{cell['auto_vs_strongest']:.2f}x strongest; paths {runs['auto']['paths']} |"
+        )
+    lines += [
+        "",
+        "| target | scenario | speedup | met | why missed |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for target in result["summary"]["targets"]:
+        lines.append(
+            f"| {target['system']} >= {target['target']}x {target['baseline']} | "
+            f"{target['scenario']} | {target['speedup']:.2f}x | "
+            f"{'yes' if target['met'] else 'no'} | "
+            f"{target['why_missed'] or ''} |"
+        )
+    return lines
+
+
+def _cell(run: dict) -> str:
+    return f"{run['tokens_per_s']:.0f} tok/s, binds {run['binds']}"
 
 
 def _quoted(value) -> str:

@@ -69,3 +69,29 @@ def test_the_cpu_prediction_error_is_the_committed_sim_validate_runs(tmp_path, m
     assert paper_repro.committed_cpu_prediction_error() is None
     paper_repro.SIM_VALIDATE.write_text('{"summary": {"cpu_prediction_error": 0.12}}')
     assert paper_repro.committed_cpu_prediction_error() == 0.12
+
+
+def test_pipeline2_is_held_to_both_baselines_with_what_binds_each_run(quick):
+    result, folder = quick
+    summary, held = result["summary"], result["pipeline2_scenarios"]
+    assert set(held) == set(paper_repro.SCENARIOS_P2)
+    paper = held["paper"]
+    assert summary["pipeline2_vs_paper_baseline"] == paper["vericache_vs_paper_baseline"] > 0
+    assert summary["pipeline2_vs_strongest"] == {n: c["auto_vs_strongest"] for n, c in held.items()}
+    assert summary["agentic_coding_vs_strongest"] == held["agentic_coding"]["auto_vs_strongest"]
+    for cell in held.values():
+        assert cell["strongest"].removesuffix("_without_recompute") in (
+            "full_local",
+            "full_remote",
+            "full_both",
+        )
+        assert all(run["binds"] for run in cell["runs"].values())
+    assert len(summary["targets"]) == 2 + len(held) + 1
+    for target in summary["targets"]:
+        assert target["met"] == (target["speedup"] >= target["target"])
+        # A missed target names the term that binds each side.
+        assert (target["why_missed"] is None) == target["met"]
+        assert target["met"] or target["why_missed"].count("bound by") == 2
+    table = (folder / "table.md").read_text()
+    assert "| scenario | paper's baseline | strongest full KV |" in table
+    assert "| auto >= 1.5x" in table

@@ -47,6 +47,10 @@ class SimBatchLoop:
     def num_jobs(self) -> int:
         return len(self._active) + len(self._arrived)
 
+    def current_rows(self) -> list[Row]:
+        """The rows its next forward would hold, were no job to join or leave: its load now."""
+        return [job.row() for job in self._active + self._arrived]
+
     def _step(self) -> None:
         self._active += self._arrived
         self._arrived = []

@@ -15,6 +15,8 @@ t = products + max(KV bytes / attention bandwidth, attention flops / attention c
   weights), else the products' rates;
 - overhead is the device's fixed cost per forward, plus its cost per layer and per row and
   layer, more for a row on the batch-invariant kernels (`Row.exact`);
+- rows over one shared prefix (`Row.shared_prefix`) in one forward read its KV once, as cascade
+  (shared-prefix) attention does: the prefix's bytes count once per forward, its flops per row;
 - with tensor parallelism over g devices, each holds 1/g of the weights and of the KV heads, and
   runs two all-reduces per layer of [new tokens, hidden] in the activations' dtype: a ring moves
   2 (g - 1) / g of that per device. The assumption stated: communication does not overlap
@@ -28,7 +30,7 @@ byte (an H100 has about 300), and several where it has few (a CPU about 6).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
@@ -45,10 +47,17 @@ class Row:
     # Over full KV with the batch-invariant kernels (verifications, full-KV decoding, whose bits
     # must not depend on the batch), which cost more per row than the drafts' fast kernels.
     exact: bool = False
+    # The prefix it reads in place from a copy other rows may share (None: none shared), and that
+    # prefix's bytes within its cache: a forward reads them once for every row over that copy.
+    shared_prefix: Hashable | None = None
+    shared_kv_bytes: float = 0.0
 
     def __post_init__(self):
         if self.num_new_tokens < 1 or self.context_tokens < 0 or self.kv_bytes_per_token <= 0:
             raise InvalidRequestError(f"a row needs new tokens, context >= 0 and KV bytes: {self}")
+        cache_bytes = self.context_tokens * self.kv_bytes_per_token
+        if not 0 <= self.shared_kv_bytes <= cache_bytes * (1 + 1e-9):
+            raise InvalidRequestError(f"a row's shared prefix lies within its cache: {self}")
 
 
 @dataclass(frozen=True)
@@ -88,7 +97,7 @@ def forward_cost(
     new_tokens = sum(row.num_new_tokens for row in rows)
     kv_bytes = sum(
         (row.context_tokens + row.num_new_tokens) * row.kv_bytes_per_token for row in rows
-    )
+    ) - _shared_bytes_reread(rows)
     weight_bytes = model.weights_bytes(weight_element_size) / group
     attention = attention_flops(model, rows)
     dense_flops = 2 * model.num_params * new_tokens / group
@@ -154,6 +163,21 @@ def weights_fit(
     """Device memory left for KV per device once the weights' share is loaded (< 0: they don't
     fit)."""
     return device.memory_bytes - model.weights_bytes(element_size) // tensor_parallel
+
+
+def _shared_bytes_reread(rows: Sequence[Row]) -> float:
+    """The shared prefixes' bytes that rows after the first over each copy would read again
+    without cascade attention: what one read per forward saves."""
+    first_seen: set[Hashable] = set()
+    saved = 0.0
+    for row in rows:
+        if row.shared_prefix is None:
+            continue
+        if row.shared_prefix in first_seen:
+            saved += row.shared_kv_bytes
+        else:
+            first_seen.add(row.shared_prefix)
+    return saved
 
 
 def attention_flops(model: ModelProfile, rows: Sequence[Row]) -> float:

@@ -5,7 +5,9 @@ Time advances only from event to event. Events at the same instant run in the or
 scheduled, so a run is deterministic. A `Device` runs the work submitted to it one item at a time
 in submission order (a GPU running one forward after another); a `Link` moves one transfer at a
 time in arrival order at its bandwidth and delivers each `latency_s` after its last byte left
-(a store-to-verifier path, PCIe, the slow network to remote drafters). Both keep the accounts the
+(a store-to-verifier path, PCIe, the slow network to remote drafters); background transfers move
+in slices only while no foreground one waits, so they delay a foreground one by a slice at most.
+Both keep the accounts the
 tests check: busy seconds equal the work done, bytes delivered plus bytes in flight equal bytes
 sent, and no queue goes below empty.
 """
@@ -127,6 +129,12 @@ class Device:
 class _Transfer:
     nbytes: int
     delivered: Action
+    num_moved: int = 0  # of a background transfer: the bytes its slices have moved
+
+
+# A background transfer's slice: what a foreground transfer may have to wait behind (about 50 ms
+# on a 1.2 GB/s network).
+BACKGROUND_SLICE_BYTES = 64 << 20
 
 
 class Link:
@@ -141,21 +149,43 @@ class Link:
         self.bytes_per_s = bytes_per_s
         self.latency_s = latency_s
         self._queue: deque[_Transfer] = deque()
+        self._background: deque[_Transfer] = deque()
         self._sending = False
         self.bytes_sent = 0  # handed to the link
         self.bytes_delivered = 0
         self.busy_s = 0.0  # seconds the link spent moving bytes
-        self._bytes_moved = 0  # of transfers whose last byte has left
+        self.background_busy_s = 0.0  # of which, background slices
+        self._bytes_moved = 0  # of transfers (or slices) whose last byte has left
         self._current: tuple[float, int] | None = None  # (start, bytes) of the one moving now
+        self._queued_foreground_bytes = 0
 
-    def send(self, nbytes: int, delivered: Action) -> None:
-        """Queues `nbytes`; `delivered` runs when the last of them has arrived."""
+    def send(self, nbytes: int, delivered: Action, background: bool = False) -> None:
+        """Queues `nbytes`; `delivered` runs when the last of them has arrived. A background
+        transfer moves only while no foreground one waits."""
         if nbytes < 0:
             raise InvalidRequestError(f"{self.name}: a transfer of {nbytes} bytes")
         self.bytes_sent += nbytes
-        self._queue.append(_Transfer(nbytes, delivered))
+        if background:
+            self._background.append(_Transfer(nbytes, delivered))
+        else:
+            self._queue.append(_Transfer(nbytes, delivered))
+            self._queued_foreground_bytes += nbytes
         if not self._sending:
             self._start_next()
+
+    def foreground_wait_s(self) -> float:
+        """How long a foreground transfer sent now waits before its first byte leaves: the
+        transfer (or slice) moving now, and the foreground ones queued."""
+        current = 0.0
+        if self._current is not None:
+            start, nbytes = self._current
+            current = max(0.0, start + nbytes / self.bytes_per_s - self.sim.now)
+        return current + self._queued_foreground_bytes / self.bytes_per_s
+
+    def backlog_s(self) -> float:
+        """How long the link stays busy with what it holds now, background transfers included."""
+        background = sum(t.nbytes - t.num_moved for t in self._background)
+        return self.foreground_wait_s() + background / self.bytes_per_s
 
     @property
     def bytes_in_flight(self) -> int:
@@ -175,20 +205,32 @@ class Link:
         return nbytes / self.bytes_per_s + self.latency_s
 
     def _start_next(self) -> None:
-        transfer = self._queue.popleft()
+        if self._queue:
+            transfer = self._queue.popleft()
+            self._queued_foreground_bytes -= transfer.nbytes
+            nbytes, is_last = transfer.nbytes, True
+        else:
+            transfer = self._background[0]
+            nbytes = min(BACKGROUND_SLICE_BYTES, transfer.nbytes - transfer.num_moved)
+            transfer.num_moved += nbytes
+            is_last = transfer.num_moved >= transfer.nbytes
+            if is_last:
+                self._background.popleft()
+            self.background_busy_s += nbytes / self.bytes_per_s
         self._sending = True
-        seconds = transfer.nbytes / self.bytes_per_s
+        seconds = nbytes / self.bytes_per_s
         self.busy_s += seconds
-        self._current = (self.sim.now, transfer.nbytes)
-        self.sim.after(seconds, lambda: self._sent(transfer))
+        self._current = (self.sim.now, nbytes)
+        self.sim.after(seconds, lambda: self._sent(transfer, nbytes, is_last))
 
-    def _sent(self, transfer: _Transfer) -> None:
+    def _sent(self, transfer: _Transfer, nbytes: int, is_last: bool) -> None:
         self._sending = False
         self._current = None
-        self._bytes_moved += transfer.nbytes
-        if self._queue:
+        self._bytes_moved += nbytes
+        if self._queue or self._background:
             self._start_next()
-        self.sim.after(self.latency_s, lambda: self._arrive(transfer))
+        if is_last:
+            self.sim.after(self.latency_s, lambda: self._arrive(transfer))
 
     def _arrive(self, transfer: _Transfer) -> None:
         self.bytes_delivered += transfer.nbytes

@@ -17,6 +17,15 @@ class Inbound(Protocol):
     def send(self, nbytes: int, delivered: Callable[[], None]) -> None: ...
 
 
+class PrefixSource(Protocol):
+    """Where a worker with more than one way to get a prefix gets it (host_tier.TieredFetch: its
+    host memory, a prefill, or its link), and where the prefixes it evicts go."""
+
+    def fetch(self, prefix: Hashable, nbytes: int, delivered: Callable[[], None]) -> None: ...
+
+    def evicted(self, prefix: Hashable, nbytes: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class Session:
     """What a session holds on a worker: a prefix, shared, and KV of its own."""
@@ -39,7 +48,10 @@ class WorkerMemory:
     held, as VeriCache's workers bound them apart from their sessions' own KV
     (VerifierConfig.prefix_cache_bytes, DrafterConfig.kv_cache_bytes): a new prefix evicts
     unreferenced ones for room within it, and where the referenced ones leave none, the session
-    fetches a copy for itself alone, dropped when it ends, as SharedPrefixes serves it."""
+    fetches a copy for itself alone, dropped when it ends, as SharedPrefixes serves it.
+
+    `source` (None: the link) fetches the prefixes it lacks and takes the ones it evicts.
+    `clock` (None: not counted) times `blocked_s`, the seconds a session waited for room."""
 
     def __init__(
         self,
@@ -47,14 +59,21 @@ class WorkerMemory:
         link: Inbound | None = None,
         caches_prefixes: bool = True,
         prefix_budget_bytes: int | None = None,
+        source: PrefixSource | None = None,
+        clock: Callable[[], float] | None = None,
     ):
         self.capacity_bytes = capacity_bytes
         self.link = link
         self.caches_prefixes = caches_prefixes  # False: a prefix goes when its last session does
         self.prefix_budget_bytes = prefix_budget_bytes
+        self.source = source
+        self.clock = clock
         self.peak_bytes = 0
+        self.blocked_s = 0.0  # seconds during which a session waited for room
+        self._blocked_since: float | None = None
         self._own_bytes = 0  # of admitted sessions, with the copies held for one session alone
         self._held: OrderedDict[Hashable, int] = OrderedDict()  # prefix -> bytes, or fetching
+        self._held_bytes = 0  # the sum of _held's values, kept as they change
         self._refs: dict[Hashable, int] = {}  # prefix -> sessions admitted over it
         self._fetching: dict[Hashable, list[Callable[[], None]]] = {}
         self._waiting: deque[tuple[Session, Callable[[], None]]] = deque()
@@ -67,7 +86,37 @@ class WorkerMemory:
     @property
     def held_prefix_bytes(self) -> int:
         """The shared prefixes held, or on their way."""
-        return sum(self._held.values())
+        return self._held_bytes
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def fits_now(self, session: Session) -> bool:
+        """Whether the session would be admitted at once: none waits ahead of it, and it fits once
+        unreferenced prefixes are evicted."""
+        if self._waiting:
+            return False
+        needed = session.own_bytes
+        if session.prefix is not None and session.prefix not in self._held:
+            needed += session.prefix_bytes
+        evictable = sum(size for prefix, size in self._held.items() if not self._refs.get(prefix))
+        return self.used_bytes - evictable + needed <= self.capacity_bytes
+
+    def offer(self, prefix: Hashable, nbytes: int) -> None:
+        """Keeps a prefix that passed through the device (a warm node's full KV, read for a
+        verification) where it fits beside what is held and no session waits for room:
+        unreferenced, evicted least recently used first as any other when room is needed."""
+        if prefix in self._held or self._waiting or self.used_bytes + nbytes > self.capacity_bytes:
+            return
+        budget = self.prefix_budget_bytes
+        if budget is not None and self.held_prefix_bytes + nbytes > budget:
+            return
+        self._hold(prefix, nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def touch(self, prefix: Hashable) -> None:
+        self._held.move_to_end(prefix)
 
     def admit(self, session: Session, then: Callable[[], None]) -> None:
         needed = session.own_bytes + session.prefix_bytes
@@ -95,26 +144,43 @@ class WorkerMemory:
         elif session.prefix is not None:
             self._refs[session.prefix] -= 1
             if not self.caches_prefixes and not self._refs[session.prefix]:
-                del self._held[session.prefix], self._refs[session.prefix]
+                self._drop(session.prefix)
+                del self._refs[session.prefix]
         self._admit_waiting()
 
     def holds(self, prefix: Hashable) -> bool:
         return prefix in self._held and prefix not in self._fetching
 
+    def is_fetching(self, prefix: Hashable) -> bool:
+        return prefix in self._fetching
+
     def _admit_waiting(self) -> None:
         while self._waiting and self._make_room(self._waiting[0][0]):
-            session, then = self._waiting.popleft()
-            self._own_bytes += session.own_bytes
-            if session.prefix is None:
-                then()
-            elif self._can_share(session):
-                self._refs[session.prefix] = self._refs.get(session.prefix, 0) + 1
-                self._ensure(session, then)
-            else:  # the referenced prefixes fill the budget
-                self._unshared[session] += 1
-                self._own_bytes += session.prefix_bytes
-                self.link.send(session.prefix_bytes, then)
-            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+            self._admit(*self._waiting.popleft())
+        self._count_blocked()
+
+    def _admit(self, session: Session, then: Callable[[], None]) -> None:
+        self._own_bytes += session.own_bytes
+        if session.prefix is None:
+            then()
+        elif self._can_share(session):
+            self._refs[session.prefix] = self._refs.get(session.prefix, 0) + 1
+            self._ensure(session, then)
+        else:  # the referenced prefixes fill the budget
+            self._unshared[session] += 1
+            self._own_bytes += session.prefix_bytes
+            self.link.send(session.prefix_bytes, then)
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def _count_blocked(self) -> None:
+        if self.clock is None:
+            return
+        is_blocked = bool(self._waiting)
+        if is_blocked and self._blocked_since is None:
+            self._blocked_since = self.clock()
+        elif not is_blocked and self._blocked_since is not None:
+            self.blocked_s += self.clock() - self._blocked_since
+            self._blocked_since = None
 
     def _make_room(self, session: Session) -> bool:
         """Evicts unreferenced prefixes, least recent first, until the session fits (its prefix,
@@ -133,7 +199,18 @@ class WorkerMemory:
             if is_done():
                 return
             if not self._refs.get(prefix) and prefix != keep:
-                del self._held[prefix]
+                nbytes = self._drop(prefix)
+                if self.source is not None:
+                    self.source.evicted(prefix, nbytes)
+
+    def _hold(self, prefix: Hashable, nbytes: int) -> None:
+        self._held[prefix] = nbytes
+        self._held_bytes += nbytes
+
+    def _drop(self, prefix: Hashable) -> int:
+        nbytes = self._held.pop(prefix)
+        self._held_bytes -= nbytes
+        return nbytes
 
     def _can_share(self, session: Session) -> bool:
         """Whether the session's prefix is held, or fits the prefix budget (`_make_room` made what
@@ -154,8 +231,11 @@ class WorkerMemory:
             then()
         else:  # held from now on: its bytes are reserved while it arrives
             self._fetching[prefix] = [then]
-            self._held[prefix] = session.prefix_bytes
-            self.link.send(session.prefix_bytes, lambda: self._arrived(prefix))
+            self._hold(prefix, session.prefix_bytes)
+            if self.source is not None:
+                self.source.fetch(prefix, session.prefix_bytes, lambda: self._arrived(prefix))
+            else:
+                self.link.send(session.prefix_bytes, lambda: self._arrived(prefix))
 
     def _arrived(self, prefix: Hashable) -> None:
         for then in self._fetching.pop(prefix):

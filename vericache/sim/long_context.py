@@ -153,6 +153,16 @@ class SimReport:
     sources: tuple[str, ...] = ()
     # (seconds, output tokens so far, link bytes moved so far, KV bytes held), at each emission
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+    # Pipeline 2's own accounts (remote_prefix*.py):
+    paths: dict[str, int] = field(default_factory=dict)  # `mode: auto`'s choices: path -> requests
+    num_warm_streams: int = 0  # full KVs streamed into a drafter node's host tier
+    num_warm_switches: int = 0  # sessions whose verification moved to their drafter's node
+    num_local_verifications: int = 0  # on a warm drafter node
+    num_central_verifications: int = 0  # on a verifier beside the store
+    prefix_sources: dict[str, int] = field(default_factory=dict)  # where device misses came from
+    # Per role, each resource's busiest worker's share of the run, and the one that binds.
+    utilization: dict[str, dict[str, float]] = field(default_factory=dict)
+    binds: str = ""
 
     def sample(self, now: float, link_bytes: int, kv_bytes: int) -> None:
         self.timeline.append((now, self.num_output_tokens, link_bytes, kv_bytes))

@@ -11,10 +11,21 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
   (latency); the verifier verifies them and one more token in one forward, batched with whatever
   else is due; the committed tokens' exact KV crosses with the next draft call. A round with no
   drafts to make (one token left) calls the verifier alone, as the coordinator does.
-- FULL_LOCAL: the verifiers decode alone over the full KV from the store.
-- FULL_REMOTE: the drafters fetch full KV over the network and decode.
-- FULL_BOTH: every device serves full KV at once; a router sends each request to the pool that
-  would finish it first, given the throughput each measured alone.
+- Warm nodes (`warm_nodes`, as served: serve/warm_node.py): once a drafter node has the prefix's
+  compressed KV and drafts over it, it streams the prefix's full KV over its link into its host
+  tier, in the background (compressed fetches and the rounds' exact KV go first). Once the copy
+  is complete, its sessions' next round boundary moves their verification onto the node: the
+  central verifier lets go of the session, the node prefills the session's tokens after the
+  prefix once over its full KV, and each round then drafts and verifies there, with no link
+  traffic: a verification reads the prefix's full KV from the host tier over PCIe (streamed
+  through the forward, a layer's worth on the device at a time), unless the device holds a copy,
+  which it keeps after a read where room is free (least recently used out first). A session
+  whose drafter is warm when it arrives never visits the central verifier. Placement prefers warm
+  nodes (scheduler/placement.py).
+- Sequential turns (`turns_per_session`): a session's next turn starts when its last ends, over
+  the same worker's KV, prefilling only its new suffix.
+- FULL_LOCAL, FULL_REMOTE, FULL_BOTH: remote_prefix_full.py; `mode: auto`, each request's choice
+  of path: remote_prefix_auto.py.
 Scheduled rounds, each verifier's loads and verifications planned by the real scheduler within
 its memory, are remote_prefix_scheduled.py's.
 Memory: with per-request rounds and in the full-KV configurations, a worker keeps every session it
@@ -32,18 +43,19 @@ drafter is its own.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vericache.errors import InvalidRequestError
 from vericache.sim.batch_loop import SimJob
 from vericache.sim.cost import Row
 from vericache.sim.decoding import SimSequence
 from vericache.sim.kv_memory import Session
 from vericache.sim.long_context import SimReport
+from vericache.sim.remote_prefix_full import FullPool, simulate_full
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
-from vericache.sim.remote_prefix_workers import Run, Worker, placed
+from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Worker
+
+__all__ = ["FullPool", "VeriCacheRequest", "compare", "simulate_full", "simulate_vericache"]
 
 
 def simulate_vericache(scenario: RemotePrefixScenario) -> SimReport:
@@ -54,16 +66,34 @@ def simulate_vericache(scenario: RemotePrefixScenario) -> SimReport:
 class VeriCacheRequest:
     run: Run
     prefix: int
+    turns: SessionTurns
     seq: SimSequence
     arrival_s: float
     drafter: Worker
-    verifier: Worker
+    verifier: Worker | None  # the central verifier; None while the drafter's node verifies
+    own_bytes: int = 0  # its own tokens' exact KV, as reserved from its open to its end
+    is_newly_local: bool = False  # its node has not yet prefilled its tokens after the prefix
 
     @classmethod
-    def start(cls, run: Run, prefix: int, num_tokens: int, arrival_s: float) -> None:
-        key = run.placement_key(prefix)
-        drafter, verifier = placed(run.drafters, key), placed(run.verifiers, key)
-        request = cls(run, prefix, run.sequence(num_tokens), arrival_s, drafter, verifier)
+    def start(
+        cls,
+        run: Run,
+        prefix: int,
+        turns: SessionTurns,
+        arrival_s: float,
+        drafter: Worker | None = None,
+    ) -> None:
+        """Opens the session on `drafter` (placed and counted by the caller), or on the drafter
+        placement gives; verified on its node where that is warm, else by a central verifier."""
+        drafter = drafter or run.place(run.drafters, prefix)
+        seq = run.sequence(turns)
+        own_bytes = run.own_bytes(turns, seq)
+        if run.scenario.warm_nodes and drafter.host_tier.holds(PrefixKey(prefix, False)):
+            request = cls(run, prefix, turns, seq, arrival_s, drafter, None, own_bytes, True)
+            drafter.memory.admit(request.drafter_session(), request._open)
+            return
+        verifier = run.place(run.verifiers, prefix)
+        request = cls(run, prefix, turns, seq, arrival_s, drafter, verifier, own_bytes)
         if verifier.residency is not None:  # its own full KV, beside the shared prefix's
             own = run.scenario.reserved_own_full_kv_bytes(request.seq.max_output_tokens)
             verifier.residency.open(request, own)
@@ -75,36 +105,49 @@ class VeriCacheRequest:
             lambda: drafter.memory.admit(request.drafter_session(), request._open),
         )
 
+    @property
+    def full_key(self) -> PrefixKey:
+        return self.run.prefix_key(self.prefix, self, compressed=False)
+
     def verifier_session(self) -> Session:
         """Over the prefix's full KV, which verifications attend over, beside the exact KV of
         its own tokens (which the residency holds instead, where the verifier keeps one)."""
-        scenario = self.run.scenario
-        residency = self.verifier.residency
-        own = 0 if residency is not None else scenario.own_bytes(self.seq.max_output_tokens)
-        key = self.run.prefix_key(self.prefix, self)
-        return Session(key, scenario.prefix_bytes(compressed=False), own)
+        own = 0 if self.verifier.residency is not None else self.own_bytes
+        return Session(self.full_key, self.run.scenario.prefix_bytes(compressed=False), own)
 
     def drafter_session(self) -> Session:
         """Over the prefix's compressed KV, beside the exact KV of its own tokens."""
-        scenario = self.run.scenario
-        own = scenario.own_bytes(self.seq.max_output_tokens)
-        key = self.run.prefix_key(self.prefix, self)
-        return Session(key, scenario.prefix_bytes(compressed=True), own)
+        key = self.run.prefix_key(self.prefix, self, compressed=True)
+        return Session(key, self.run.scenario.prefix_bytes(compressed=True), self.own_bytes)
 
     def finished(self) -> None:
-        self.verifier.memory.release(self.verifier_session())
+        verifier = self.verifier
+        if verifier is not None:
+            verifier.memory.release(self.verifier_session())
         self.drafter.memory.release(self.drafter_session())
-        if self.verifier.residency is not None:
-            self.verifier.residency.close(self)
-        self.run.finish(self.verifier, self.arrival_s)
-        self.drafter.num_requests -= 1
+        if verifier is not None and verifier.residency is not None:
+            verifier.residency.close(self)
+        self.run.finish(self.arrival_s, *([verifier] if verifier else []), self.drafter)
 
     def _open(self) -> None:
-        """Both prefixes in place: the verifier prefills the prompt after its prefix."""
+        """Both prefixes in place (or the compressed one, on a warm node): the turn's prompt
+        after its prefix is prefilled."""
         self._prefill()
 
     def _prefill(self) -> None:
-        row = self.run.scenario.row(self.run.scenario.suffix_tokens, 0, compressed=False)
+        """The turn's new tokens over the full KV: on the central verifier, or on the node, which
+        first takes every token after the prefix that it does not hold yet."""
+        scenario = self.run.scenario
+        if self.verifier is None:
+            done = 0 if self.is_newly_local else self.turns.history_tokens
+            self.is_newly_local = False
+            num_new = self.turns.history_tokens + scenario.suffix_tokens - done
+            row = scenario.row(num_new, done, compressed=False, prefix_key=self.full_key)
+            self._on_local(row, self._first_token)
+            return
+        row = scenario.row(
+            scenario.suffix_tokens, self.turns.history_tokens, False, prefix_key=self.full_key
+        )
         self._on_verifier(row, self._first_token)
 
     def _on_verifier(self, row: Row, then: Callable[[], None]) -> None:
@@ -121,6 +164,26 @@ class VeriCacheRequest:
 
         residency.use(self, lambda: self.verifier.loop.submit(SimJob(lambda: row, 1, done)))
 
+    def _on_local(self, row: Row, then: Callable[[], None]) -> None:
+        """One forward on the warm node over the prefix's full KV: its device's copy where it
+        holds one, else read from its host tier over PCIe (kept on the device after, where room
+        is free), or where the tier has let it go, fetched again as a cold worker would."""
+        drafter, key = self.drafter, self.full_key
+        nbytes = self.run.scenario.prefix_bytes(compressed=False)
+
+        def forward() -> None:
+            drafter.memory.offer(key, nbytes)
+            drafter.loop.submit(SimJob(lambda: row, 1, then))
+
+        if drafter.memory.holds(key):
+            drafter.memory.touch(key)
+            drafter.loop.submit(SimJob(lambda: row, 1, then))
+        elif drafter.host_tier.holds(key):
+            drafter.host_tier.touch(key)
+            drafter.host_link.send(nbytes, forward)
+        else:
+            drafter.fetches.fetch(key, nbytes, forward)
+
     def _first_token(self) -> None:
         self._committed(self.seq.first_token(), exact_tokens=self.run.scenario.suffix_tokens + 1)
 
@@ -128,34 +191,96 @@ class VeriCacheRequest:
         """Emits tokens; their exact KV crosses to the drafter with the next draft call."""
         self.run.emit(num_tokens)
         if self.seq.is_finished:
+            self._turn_ended()
+        elif self._can_go_local():
+            self._go_local(lambda: self._begin_round(0))
+        else:
+            self._begin_round(exact_tokens)
+
+    def _turn_ended(self) -> None:
+        if self.turns.is_last:
             self.finished()
             return
+        self.turns.advance(self.run.scenario.suffix_tokens, self.seq.num_output_tokens)
+        self.seq = self.run.sequence(self.turns)
+        if self._can_go_local():
+            self._leave_verifier()
+        self._prefill()
+
+    def _can_go_local(self) -> bool:
+        """Whether its node has become warm for its prefix while a central verifier served it."""
+        if self.verifier is None or not self.run.scenario.warm_nodes:
+            return False
+        return self.drafter.host_tier.holds(self.full_key)
+
+    def _go_local(self, then: Callable[[], None]) -> None:
+        """Between two rounds: the node prefills the session's tokens after the prefix over its
+        full KV, and verifies its rounds from now on."""
+        self._leave_verifier()
+        self.is_newly_local = False
+        row = self.run.scenario.row(
+            self._after_prefix(), 0, compressed=False, prefix_key=self.full_key
+        )
+        self._on_local(row, then)
+
+    def _leave_verifier(self) -> None:
+        verifier = self.verifier
+        verifier.memory.release(self.verifier_session())
+        if verifier.residency is not None:
+            verifier.residency.close(self)
+        verifier.num_requests -= 1
+        self.verifier, self.is_newly_local = None, True
+        self.run.report.num_warm_switches += 1
+
+    def _begin_round(self, exact_tokens: int) -> None:
         num_drafts = self.seq.begin_round(self.run.scenario.draft_len)
         if num_drafts == 0:  # the budget leaves one token: the verifier alone chooses it
             self._verify()
-            return
-        exact_bytes = exact_tokens * self.run.scenario.kv_bytes_per_token
-        self.drafter.link.send(exact_bytes, lambda: self._draft(num_drafts))
+        elif self.verifier is None:  # on its node: the committed tokens' KV is in place
+            self._draft(num_drafts)
+        else:
+            exact_bytes = exact_tokens * self.run.scenario.kv_bytes_per_token
+            self.drafter.link.send(exact_bytes, lambda: self._draft(num_drafts))
 
     def _draft(self, num_drafts: int) -> None:
+        if self.verifier is not None and self.run.scenario.warm_nodes:
+            full_bytes = self.run.scenario.prefix_bytes(compressed=False)
+            self.drafter.stream_full(self.full_key, full_bytes)
         job = SimJob(self._draft_row, num_drafts, self._drafted, on_step=self.seq.draft_step)
         self.drafter.loop.submit(job)
 
     def _drafted(self) -> None:
-        """The drafts cross to the verifier: a call, small enough to cost only latency."""
-        self.run.sim.after(self.run.scenario.network_latency_s, self._verify)
+        """The drafts cross to the verifier: a call, small enough to cost only latency (none on
+        the drafter's own node)."""
+        if self.verifier is None:
+            self._verify()
+        else:
+            self.run.sim.after(self.run.scenario.network_latency_s, self._verify)
 
     def _after_prefix(self) -> int:
-        """Exact tokens a cache holds after the prefix: the suffix and the committed output."""
-        return self.run.scenario.suffix_tokens + self.seq.num_output_tokens
+        """Exact tokens a cache holds after the prefix: earlier turns, the suffix and the
+        committed output."""
+        return (
+            self.turns.history_tokens + self.run.scenario.suffix_tokens + self.seq.num_output_tokens
+        )
 
     def _draft_row(self) -> Row:
         """A draft step over the compressed KV, which holds this round's drafts so far too."""
-        return self.run.scenario.row(1, self._after_prefix() + self.seq.num_drafts, compressed=True)
+        key = self.run.prefix_key(self.prefix, self, compressed=True)
+        num_after = self._after_prefix() + self.seq.num_drafts
+        return self.run.scenario.row(1, num_after, compressed=True, prefix_key=key)
 
     def _verify(self) -> None:
-        row = self.run.scenario.row(self.seq.num_drafts + 1, self._after_prefix(), compressed=False)
-        self._on_verifier(row, self._verified)
+        scenario = self.run.scenario
+        row = scenario.row(
+            self.seq.num_drafts + 1, self._after_prefix(), False, prefix_key=self.full_key
+        )
+        if self.verifier is None:
+            self.run.report.num_local_verifications += 1
+            self._on_local(row, self._verified)
+        else:
+            self.run.report.num_central_verifications += 1
+            self._on_verifier(row, self._verified)
 
     def _verified(self) -> None:
         num_drafts = self.seq.num_drafts
@@ -163,76 +288,6 @@ class VeriCacheRequest:
         self.run.report.accepted_per_round.append(self.seq.seq.stats.accepted_per_round[-1])
         self.run.report.draft_lens.append(num_drafts)
         self._committed(len(outcome.committed), exact_tokens=len(outcome.committed))
-
-
-class FullPool(enum.Enum):
-    LOCAL = "full_local"  # the verifiers
-    REMOTE = "full_remote"  # the drafters
-    BOTH = "full_both"  # every device, routed
-
-
-def simulate_full(
-    scenario: RemotePrefixScenario, pool: FullPool, rates: dict[FullPool, float] | None = None
-) -> SimReport:
-    """Full-KV serving on a pool; BOTH routes by `rates`, the tokens/s each pool served alone."""
-    if pool is FullPool.BOTH and not rates:
-        raise InvalidRequestError("routing over both pools needs each pool's rate")
-    return Run(scenario).serve(lambda *args: _FullRequest.start(*args, pool=pool, rates=rates))
-
-
-@dataclass(eq=False)
-class _FullRequest:
-    run: Run
-    seq: SimSequence
-    arrival_s: float
-    worker: Worker
-    prefix: int
-
-    @classmethod
-    def start(cls, run, prefix, num_tokens, arrival_s, pool: FullPool, rates) -> None:
-        local = pool is FullPool.LOCAL or (pool is FullPool.BOTH and _route_local(run, rates))
-        worker = placed(run.verifiers if local else run.drafters, run.placement_key(prefix))
-        request = cls(run, run.sequence(num_tokens), arrival_s, worker, prefix)
-        # The prefix's full KV, unless held: from the store (a verifier) or over the network.
-        worker.memory.admit(request.session, request._prefill)
-
-    @property
-    def session(self) -> Session:
-        scenario = self.run.scenario
-        own = scenario.own_bytes(self.seq.max_output_tokens)
-        key = self.run.prefix_key(self.prefix, self)
-        return Session(key, scenario.prefix_bytes(compressed=False), own)
-
-    def _prefill(self) -> None:
-        row = self.run.scenario.row(self.run.scenario.suffix_tokens, 0, compressed=False)
-        self.worker.loop.submit(SimJob(lambda: row, 1, self._decode))
-
-    def _decode(self) -> None:
-        self.run.emit(self.seq.first_token())
-        num_steps = (
-            0 if self.seq.is_finished else self.seq.decode_target(self.seq.seq.num_remaining)
-        )
-        job = SimJob(self._row, num_steps, self._finish, on_step=self._decoded)
-        self.worker.loop.submit(job)
-
-    def _row(self) -> Row:
-        after_prefix = self.run.scenario.suffix_tokens + self.seq.num_output_tokens
-        return self.run.scenario.row(1, after_prefix, compressed=False)
-
-    def _decoded(self) -> None:
-        self.run.emit(self.seq.decode_step())
-
-    def _finish(self) -> None:
-        self.worker.memory.release(self.session)
-        self.run.finish(self.worker, self.arrival_s)
-
-
-def _route_local(run: Run, rates: dict[FullPool, float]) -> bool:
-    """Whether the verifiers' pool would finish one more request first: its requests in flight
-    (with this one) over its throughput, against the drafters'."""
-    local = sum(w.num_requests for w in run.verifiers) + 1
-    remote = sum(w.num_requests for w in run.drafters) + 1
-    return local / rates[FullPool.LOCAL] <= remote / rates[FullPool.REMOTE]
 
 
 def compare(

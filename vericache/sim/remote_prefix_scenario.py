@@ -7,11 +7,17 @@ one copy of each (kv_memory.WorkerMemory), within a prefix budget where one is s
 parallelism over g devices a worker holds 1/g of the weights and of every KV on each device, and
 each device moves its share over its own link at once: the worker's links carry g times one
 device's bandwidth.
+
+What a well-run deployment adds, each a switch (off by default, as the CPU benchmarks' workers
+run): a host-memory tier on every node (host_tier.py), recomputing a prefix where that beats
+fetching it, shared-prefix (cascade) attention, and VeriCache's warm drafter nodes, which verify
+their own sessions once a prefix's full KV has reached their host tier (remote_prefix.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
@@ -65,6 +71,23 @@ class RemotePrefixScenario:
     # next call. None: a per-request session holds its KV from open to end (WorkerMemory), and
     # scheduled rounds load the prefix's full KV for every verification.
     verifier_resident_bytes: int | None = None
+    # Where set, every node keeps prefixes' KV in this many bytes of host memory (host_tier.py):
+    # what its device evicts and what arrives over its links, brought back over its host link
+    # (the device profile's host_to_device_bytes_per_s). None: no host tier.
+    host_tier_bytes: int | None = None
+    # A worker prefills a full prefix it lacks where the cost model makes that sooner than the
+    # fetch over its link.
+    recompute_prefixes: bool = False
+    # A forward reads a shared prefix's KV once for all its rows over that copy (cascade
+    # attention, as the served CUDA kernels do), for every kind of row.
+    shared_prefix_attention: bool = False
+    # VeriCache's drafter nodes stream a prefix's full KV into their host tier in the background
+    # once they draft over it, and then verify their sessions over it themselves.
+    warm_nodes: bool = False
+    # Sequential turns: a request is a session of this many turns, each after the one before it
+    # ends, its prompt the one before with that turn's output and a new suffix appended.
+    turns_per_session: int = 1
+    prefill_chunk_tokens: int = 2048  # a prefill's tokens per forward (chunked prefill)
 
     def __post_init__(self):
         counts = (self.num_verifiers, self.num_drafters, self.prefix_tokens, self.num_prefixes)
@@ -96,11 +119,22 @@ class RemotePrefixScenario:
                 f"{self.model.name}'s weights leave no KV room on {self.tensor_parallel} x "
                 f"{self.device.name}: raise tensor_parallel"
             )
-        if self.prefix_tokens + self.suffix_tokens >= self.model.max_positions:
+        self._check_turns_and_tiers()
+
+    def _check_turns_and_tiers(self) -> None:
+        if self.turns_per_session < 1 or self.prefill_chunk_tokens < 1:
+            raise InvalidRequestError("turns_per_session and prefill_chunk_tokens must be >= 1")
+        longest = self.prefix_tokens + self.turns_per_session * self.suffix_tokens
+        longest += (self.turns_per_session - 1) * max(self.output_lengths.lengths)
+        if longest >= self.model.max_positions:
             raise InvalidRequestError(
-                f"a prompt of {self.prefix_tokens + self.suffix_tokens} tokens leaves no room in "
-                f"{self.model.name}'s context of {self.model.max_positions}"
+                f"a prompt of {longest} tokens leaves no room in {self.model.name}'s context of "
+                f"{self.model.max_positions}"
             )
+        if self.host_tier_bytes is not None and self.host_tier_bytes < 1:
+            raise InvalidRequestError("host_tier_bytes must be >= 1")
+        if self.warm_nodes and (self.host_tier_bytes is None or not self.prefix_caching):
+            raise InvalidRequestError("warm nodes need a host tier and prefix caching")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -110,13 +144,37 @@ class RemotePrefixScenario:
         ratio = self.compressed_ratio if compressed else 1.0
         return int(self.prefix_tokens * self.kv_bytes_per_token * ratio)
 
-    def row(self, num_new: int, num_after_prefix: int, compressed: bool) -> Row:
+    def row(
+        self,
+        num_new: int,
+        num_after_prefix: int,
+        compressed: bool,
+        prefix_key: Hashable | None = None,
+    ) -> Row:
         """A row over the prefix (the tokens its compressed KV keeps, or all of them) and
-        `num_after_prefix` exact tokens."""
+        `num_after_prefix` exact tokens; read once per forward with the other rows over the
+        worker's copy `prefix_key`, where the deployment has shared-prefix attention."""
         share = self.compressed_token_share if compressed else 1.0
         context = math.ceil(self.prefix_tokens * share) + num_after_prefix
-        kv_bytes = self.prefix_bytes(compressed) + num_after_prefix * self.kv_bytes_per_token
-        return Row(num_new, context, kv_bytes / context, exact=not compressed)
+        prefix_bytes = self.prefix_bytes(compressed)
+        kv_bytes = prefix_bytes + num_after_prefix * self.kv_bytes_per_token
+        if not self.shared_prefix_attention or prefix_key is None:
+            return Row(num_new, context, kv_bytes / context, exact=not compressed)
+        return Row(
+            num_new, context, kv_bytes / context, exact=not compressed,
+            shared_prefix=prefix_key, shared_kv_bytes=prefix_bytes,
+        )  # fmt: skip
+
+    def prefix_prefill_rows(self) -> list[Row]:
+        """A prefix's prefill on a worker that recomputes it, one row per chunk."""
+        chunk = self.prefill_chunk_tokens
+        starts = range(0, self.prefix_tokens, chunk)
+        size = self.kv_bytes_per_token
+        return [Row(min(chunk, self.prefix_tokens - start), start, size, True) for start in starts]
+
+    def prompt_tokens(self, history_tokens: int) -> int:
+        """A turn's prompt: the prefix, what earlier turns added, and its suffix."""
+        return self.prefix_tokens + history_tokens + self.suffix_tokens
 
     @property
     def kv_room_bytes(self) -> int:

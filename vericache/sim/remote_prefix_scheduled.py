@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vericache.errors import InvalidRequestError
 from vericache.scheduler import BaseScheduler, CostModel, SchedulerRequest
 from vericache.scheduler.records import IterationPlan
 from vericache.sim.batch_loop import SimJob
@@ -43,6 +44,11 @@ def simulate_vericache_scheduled(
     scenario: RemotePrefixScenario, make_scheduler: Callable[[CostModel], BaseScheduler]
 ) -> SimReport:
     """VeriCache with each verifier's rounds planned by `make_scheduler(costs)`."""
+    if scenario.warm_nodes or scenario.turns_per_session > 1:
+        raise InvalidRequestError(
+            "scheduled rounds serve one-turn sessions on central verifiers: warm nodes and "
+            "sequential turns are per-request rounds'"
+        )
     run = Run(scenario)
     for verifier in run.verifiers:
         verifier.schedule = VerifierSchedule(run, verifier, make_scheduler)

@@ -43,6 +43,12 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
     prefixes_in_turn: false         # true: request i asks prefix i % prefixes
     requests: {count: 64, concurrency: 8}   # or a rate_per_s: a closed loop of 8 clients
     output_tokens, acceptance, seed: as above
+    host_tier_gb: 256               # optional: each node's host memory for prefixes' KV
+    recompute_prefixes: false       # true: prefill a full prefix where that beats its fetch
+    shared_prefix_attention: false  # true: a forward reads a shared prefix once (cascade)
+    warm_nodes: false               # true: drafter nodes verify once their host tier is warm
+    turns_per_session: 1            # sequential turns per request (a session)
+    mode: vericache                 # or auto: each request's path chosen, reported beside it
 
 Every field is checked, unknown ones refused. The result sets VeriCache against full-KV serving on
 the same devices and memory (Pipeline 1: full-KV decoding; Pipeline 2: FULL_LOCAL, FULL_REMOTE and
@@ -67,6 +73,7 @@ from vericache.sim.long_context import (
 from vericache.sim.profiles import device_profile, model_profile
 from vericache.sim.remote_prefix import FullPool, compare
 from vericache.sim.remote_prefix import simulate_vericache as simulate_vericache_per_request
+from vericache.sim.remote_prefix_auto import simulate_auto
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_scheduled import simulate_vericache_scheduled
 from vericache.sim.workload import (
@@ -97,6 +104,8 @@ _FIELDS = {
         "store_gb_per_s", "network_gb_per_s", "network_latency_ms", "scheduling",
         "tensor_parallel", "activation_reserve", "prefix_caching", "compressed_token_share",
         "verifier_prefix_cache_gb", "drafter_prefix_cache_gb", "prefixes_in_turn",
+        "host_tier_gb", "recompute_prefixes", "shared_prefix_attention", "warm_nodes",
+        "turns_per_session", "mode",
     },
 }  # fmt: skip
 
@@ -141,15 +150,31 @@ def run_scenario(data: dict) -> dict:
         scenario = build_remote_prefix(data)
         compared = compare(scenario, vericache_simulation(data, scenario.draft_len))
         reports = {name: compared[name] for name in ("vericache", *(p.value for p in FullPool))}
-    baselines = [name for name in reports if name != "vericache"]
+    systems = {"vericache"}
+    if _mode(data) == "auto":
+        reports["auto"] = simulate_auto(scenario)
+        systems.add("auto")
+    baselines = [name for name in reports if name not in systems]
     best = max(reports[name].tokens_per_s for name in baselines)
-    return {
+    result = {
         "scenario": data,
         **{name: report_summary(report) for name, report in reports.items()},
         "baselines": baselines,
         "speedup": reports["vericache"].tokens_per_s / best,
         "sources": {"device": scenario.device.source, "acceptance": scenario.acceptance.source},
     }
+    if "auto" in reports:
+        result["auto_speedup"] = reports["auto"].tokens_per_s / best
+    return result
+
+
+def _mode(data: dict) -> str:
+    mode = data.get("mode", "vericache")
+    if mode not in ("vericache", "auto"):
+        raise InvalidRequestError(f"mode must be vericache or auto, not {mode!r}")
+    if mode == "auto" and data.get("pipeline") != "remote-prefix":
+        raise InvalidRequestError("mode: auto is for remote-prefix")
+    return mode
 
 
 def build_long_context(data: dict) -> LongContextScenario:
@@ -256,6 +281,11 @@ def _remote_prefix(data: dict) -> RemotePrefixScenario:
         verifier_prefix_cache_bytes=_gigabytes(data, "verifier_prefix_cache_gb"),
         drafter_prefix_cache_bytes=_gigabytes(data, "drafter_prefix_cache_gb"),
         prefixes_in_turn=_bool(data, "prefixes_in_turn", False),
+        host_tier_bytes=_gigabytes(data, "host_tier_gb"),
+        recompute_prefixes=_bool(data, "recompute_prefixes", False),
+        shared_prefix_attention=_bool(data, "shared_prefix_attention", False),
+        warm_nodes=_bool(data, "warm_nodes", False),
+        turns_per_session=int(data.get("turns_per_session", 1)),
     )
 
 
@@ -356,6 +386,22 @@ def report_summary(report: SimReport) -> dict:
         "peak_kv_bytes": report.peak_kv_bytes,
         "mean_accepted_per_round": sum(rounds) / len(rounds) if rounds else None,
         "timeline": _downsampled(report.timeline),
+        **_remote_prefix_accounts(report),
+    }
+
+
+def _remote_prefix_accounts(report: SimReport) -> dict:
+    """Pipeline 2's own accounts, where the run kept them: what binds, and how it served."""
+    if not report.utilization:
+        return {}
+    return {
+        "binds": report.binds,
+        "utilization": report.utilization,
+        "paths": dict(report.paths),
+        "num_warm_switches": report.num_warm_switches,
+        "num_local_verifications": report.num_local_verifications,
+        "num_central_verifications": report.num_central_verifications,
+        "prefix_sources": dict(report.prefix_sources),
     }
 
 

@@ -1,0 +1,127 @@
+"""A node's host memory for prefixes' KV, and where a worker's device gets a prefix it lacks.
+
+A well-run full-KV deployment keeps what its GPUs evict in host memory (SGLang's hierarchical
+cache, LMCache's CPU backend, vLLM's CPU offloading) and brings it back over PCIe instead of the
+slow network or the store, and recomputes a prefix where a prefill is sooner than a fetch. A
+VeriCache drafter node streams a prefix's full KV into the same host memory, in the background,
+to verify its own sessions (remote_prefix.py's warm nodes). Both are modelled here:
+- `HostTier`: prefixes' KV within a budget of bytes, the least recently used evicted first.
+- `TieredFetch`: a device's misses, served from the host tier over the node's host link where it
+  holds the prefix, else by a prefill on the device where the cost model makes that sooner than
+  the fetch (and the worker may recompute), else over the inbound link. What arrives over the
+  link lands in host memory first (a NIC writes there), so the host tier keeps it too; what the
+  device evicts goes there.
+Assumptions, stated: copying a prefix from the device to host memory costs no link time (it rides
+PCIe's other direction, idle while loads come in); a prefill is charged its forwards' time, in
+chunks batched with the device's other rows, and the choice compares that time alone with the
+fetch's (the link's queue ahead included).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Protocol
+
+from vericache.sim.events import Link
+
+
+class HostTier:
+    """Prefixes' KV in a node's host memory: at most `capacity_bytes`, least recently used out
+    first."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.num_evictions = 0
+        self.peak_bytes = 0
+        self._held: OrderedDict[Hashable, int] = OrderedDict()
+        self._used_bytes = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    def holds(self, prefix: Hashable) -> bool:
+        return prefix in self._held
+
+    def touch(self, prefix: Hashable) -> None:
+        self._held.move_to_end(prefix)
+
+    def put(self, prefix: Hashable, nbytes: int) -> bool:
+        """Keeps the prefix (the most recently used), evicting others for room; whether it fits
+        at all."""
+        if prefix in self._held:
+            self.touch(prefix)
+            return True
+        if nbytes > self.capacity_bytes:
+            return False
+        while self._used_bytes + nbytes > self.capacity_bytes:
+            _, evicted = self._held.popitem(last=False)
+            self._used_bytes -= evicted
+            self.num_evictions += 1
+        self._held[prefix] = nbytes
+        self._used_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self._used_bytes)
+        return True
+
+
+class Recompute(Protocol):
+    """A worker's prefill of a prefix on its device, where it may recompute that prefix."""
+
+    def seconds(self, prefix: Hashable) -> float | None:
+        """The prefill's forwards alone, by the cost model; None: it may not recompute it."""
+        ...
+
+    def run(self, prefix: Hashable, done: Callable[[], None]) -> None: ...
+
+
+class TieredFetch:
+    """A worker's device misses: from its host tier, by a prefill, or over its inbound link."""
+
+    def __init__(
+        self,
+        inbound: Link,
+        host_link: Link,
+        host_tier: HostTier | None,
+        recompute: Recompute | None,
+        send: Callable[[int, Callable[[], None]], None] | None = None,
+    ):
+        self.inbound = inbound
+        self.host_link = host_link
+        self.host_tier = host_tier
+        self.recompute = recompute
+        # How an inbound fetch is sent (the inbound link's own send, unless arrivals are taken in
+        # by the host as well).
+        self._send = send or inbound.send
+        self.num_from_host = 0
+        self.num_recomputed = 0
+        self.num_fetched = 0
+
+    def fetch(self, prefix: Hashable, nbytes: int, delivered: Callable[[], None]) -> None:
+        tier = self.host_tier
+        if tier is not None and tier.holds(prefix):
+            tier.touch(prefix)
+            self.num_from_host += 1
+            self.host_link.send(nbytes, delivered)
+            return
+        prefill_s = self.recompute.seconds(prefix) if self.recompute is not None else None
+        if prefill_s is not None and prefill_s < self.fetch_seconds(nbytes):
+            self.num_recomputed += 1
+            self.recompute.run(prefix, lambda: self._landed(prefix, nbytes, delivered))
+            return
+        self.num_fetched += 1
+        self._send(nbytes, lambda: self._landed(prefix, nbytes, delivered))
+
+    def fetch_seconds(self, nbytes: int) -> float:
+        """A fetch over the inbound link sent now: the foreground transfers ahead, its own bytes
+        and the latency."""
+        return self.inbound.foreground_wait_s() + self.inbound.seconds_for(nbytes)
+
+    def evicted(self, prefix: Hashable, nbytes: int) -> None:
+        if self.host_tier is not None:
+            self.host_tier.put(prefix, nbytes)
+
+    def _landed(self, prefix: Hashable, nbytes: int, delivered: Callable[[], None]) -> None:
+        if self.host_tier is not None:
+            self.host_tier.put(prefix, nbytes)
+        delivered()

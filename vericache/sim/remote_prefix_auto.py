@@ -1,0 +1,227 @@
+"""`mode: auto` simulated: each request's path chosen when it arrives, among VeriCache, FULL_LOCAL,
+FULL_REMOTE and full decoding on a warm node, by scheduler/path_choice.py (the function a served
+coordinator imports) from this module's estimates.
+
+Each estimate comes from the cost model (cost.py) and the workers' state now: the rows each
+worker's next forward holds (its load), what its device and host tier hold, and the transfers
+queued ahead on its links. For the worker placement would give each path (placement.py, warm
+nodes first):
+- full decoding: the seconds until its prefix's full KV is on the device (held: none; in the host
+  tier: over PCIe; else the fetch or, where the deployment recomputes, the prefill if sooner) and
+  its prompt's prefill; then one decode step at the worker's batch with it added, per token;
+- VeriCache: the compressed KV onto the drafter and the full KV onto the verifier (on a warm
+  node: its host tier), the prefill; then a round per the acceptance's mean accepted drafts at x:
+  x draft steps at the drafter's batch, a verification at the verifier's (or the node's), and the
+  calls' latency and exact KV (on a warm node: a PCIe load, unless its device holds the KV);
+- and, where a worker's memory has no room for the request now, its turn behind the sessions
+  waiting there, as sessions leave (each taken to last as long as this request).
+A session of several turns is placed once: its later turns stay where its KV is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vericache.scheduler.path_choice import (
+    PathEstimate,
+    ServingPath,
+    choose_path,
+    round_seconds_per_token,
+)
+from vericache.sim.cost import Row
+from vericache.sim.kv_memory import Session
+from vericache.sim.long_context import SimReport
+from vericache.sim.remote_prefix import VeriCacheRequest
+from vericache.sim.remote_prefix_full import FullRequest
+from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
+from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Worker
+
+
+def simulate_auto(scenario: RemotePrefixScenario) -> SimReport:
+    return Run(scenario).serve(start_auto)
+
+
+def start_auto(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
+    chosen = choose_path(path_estimates(run, prefix, turns), turns.total_tokens)
+    run.report.paths[chosen.path.value] = run.report.paths.get(chosen.path.value, 0) + 1
+    worker = next(w for w in run.workers if w.name == chosen.worker)
+    worker.num_requests += 1
+    if chosen.path is ServingPath.VERICACHE:
+        VeriCacheRequest.start(run, prefix, turns, arrival_s, drafter=worker)
+    else:
+        FullRequest.open_on(run, prefix, turns, arrival_s, worker)
+
+
+def path_estimates(run: Run, prefix: int, turns: SessionTurns) -> list[PathEstimate]:
+    """Every path on the worker placement gives it, and on the least loaded worker of its kind
+    where that is another (where the placed one holds nothing of the prefix, nothing is lost)."""
+    estimates = []
+    for verifier in _candidates(run, run.verifiers, prefix):
+        estimates.append(_full(run, verifier, ServingPath.FULL_LOCAL, prefix, turns))
+    placed_verifier = run.choose(run.verifiers, prefix)
+    for drafter in _candidates(run, run.drafters, prefix):
+        is_warm = _is_warm(drafter, prefix)
+        remote = ServingPath.FULL_WARM if is_warm else ServingPath.FULL_REMOTE
+        estimates.append(_full(run, drafter, remote, prefix, turns))
+        estimates.append(_vericache(run, drafter, placed_verifier, prefix, turns))
+    return estimates
+
+
+def _candidates(run: Run, workers: list[Worker], prefix: int) -> list[Worker]:
+    placed = run.choose(workers, prefix)
+    least = min(workers, key=lambda worker: worker.num_requests)
+    return [placed] if least is placed else [placed, least]
+
+
+def _full(
+    run: Run, worker: Worker, path: ServingPath, prefix: int, turns: SessionTurns
+) -> PathEstimate:
+    scenario = run.scenario
+    key = PrefixKey(prefix, False)
+    full_bytes = scenario.prefix_bytes(compressed=False)
+    session = Session(key, full_bytes, _own_bytes(scenario, turns))
+    room = _room_in_sessions(worker, session)
+    setup = _ready_s(run, worker, key, full_bytes) + _prefill_s(scenario, key)
+    row = scenario.row(1, scenario.suffix_tokens, False, key)
+    per_token = _step_s(run, worker, [row], room)
+    wait = _memory_wait_s(worker, session, room, setup + turns.total_tokens * per_token)
+    return PathEstimate(path, worker.name, setup, per_token, wait)
+
+
+def _vericache(
+    run: Run, drafter: Worker, verifier: Worker, prefix: int, turns: SessionTurns
+) -> PathEstimate:
+    scenario = run.scenario
+    full, compressed = PrefixKey(prefix, False), PrefixKey(prefix, True)
+    compressed_bytes, full_bytes = (scenario.prefix_bytes(c) for c in (True, False))
+    drafted = Session(compressed, compressed_bytes, _own_bytes(scenario, turns))
+    room = _room_in_sessions(drafter, drafted)
+    compressed_ready = _ready_s(run, drafter, compressed, compressed_bytes)
+    local_s, load_s = _local_seconds_per_token(run, drafter, prefix, room)
+    if _is_warm(drafter, prefix):
+        setup = compressed_ready + load_s + _prefill_s(scenario, full)
+        wait = _memory_wait_s(drafter, drafted, room, setup + turns.total_tokens * local_s)
+        return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait)
+    central_s = _central_seconds_per_token(run, drafter, verifier, prefix, room)
+    full_ready = _ready_s(run, verifier, full, full_bytes)
+    setup = max(compressed_ready, full_ready) + _prefill_s(scenario, full)
+    setup += scenario.network_latency_s
+    per_token, warm_s = central_s, float("inf")
+    if scenario.warm_nodes:  # central until its node has the full KV, then on its node
+        link = drafter.link
+        warm_s = link.backlog_s() + link.seconds_for(compressed_bytes + full_bytes)
+        cold_tokens = min(turns.total_tokens, warm_s / central_s)
+        setup += cold_tokens * max(0.0, central_s - local_s)
+        per_token = local_s
+    service_s = setup + turns.total_tokens * per_token
+    # The central verifier admits it first, and holds its full KV while its node is cold:
+    # either memory may bind. The sessions ahead of it there may be full-KV ones, which stay for
+    # their whole service: it waits as if they were as long as this one.
+    verified = Session(full, full_bytes, drafted.own_bytes)
+    central_room = _room_in_sessions(verifier, verified)
+    wait = max(
+        _memory_wait_s(drafter, drafted, room, service_s),
+        _memory_wait_s(verifier, verified, central_room, service_s),
+    )
+    return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, per_token, wait)
+
+
+def _central_seconds_per_token(
+    run: Run, drafter: Worker, verifier: Worker, prefix: int, room: int
+) -> float:
+    """A round drafted on `drafter` and verified on the central verifier: the draft steps, the
+    verification, the two calls' latency and the committed tokens' exact KV across."""
+    scenario, mean = run.scenario, run.mean_accepted
+    x = scenario.draft_len
+    draft_row = scenario.row(1, scenario.suffix_tokens, True, PrefixKey(prefix, True))
+    verify_row = scenario.row(x + 1, scenario.suffix_tokens, False, PrefixKey(prefix, False))
+    draft_s = _step_s(run, drafter, [draft_row], room)
+    verify_s = _step_s(run, verifier, [verify_row], 0)
+    exact_s = (mean + 1) * scenario.kv_bytes_per_token / drafter.link.bytes_per_s
+    overhead_s = 2 * scenario.network_latency_s + exact_s
+    return round_seconds_per_token(x, draft_s, verify_s, overhead_s, mean)
+
+
+def _local_seconds_per_token(
+    run: Run, drafter: Worker, prefix: int, room: int
+) -> tuple[float, float]:
+    """A round drafted and verified on the warm node, and the PCIe read of the full KV for each
+    verification (none where its device holds a copy), which the node's sessions take in turn:
+    their rounds go no faster than their reads."""
+    scenario, mean = run.scenario, run.mean_accepted
+    x = scenario.draft_len
+    full = PrefixKey(prefix, False)
+    draft_row = scenario.row(1, scenario.suffix_tokens, True, PrefixKey(prefix, True))
+    verify_row = scenario.row(x + 1, scenario.suffix_tokens, False, full)
+    draft_s = _step_s(run, drafter, [draft_row], room)
+    verify_s = _step_s(run, drafter, [draft_row, verify_row], room)
+    full_bytes = scenario.prefix_bytes(compressed=False)
+    load_s = 0.0 if drafter.memory.holds(full) else drafter.host_link.seconds_for(full_bytes)
+    per_token = round_seconds_per_token(x, draft_s, verify_s, load_s, mean)
+    num_sessions = min(drafter.num_requests + 1, room)
+    return max(per_token, num_sessions * load_s / (mean + 1)), load_s
+
+
+def _room_in_sessions(worker: Worker, session: Session) -> int:
+    """How many sessions like this one, each over a prefix of its own, the worker's memory holds
+    at once (at least one)."""
+    memory = worker.memory
+    size = session.own_bytes + session.prefix_bytes
+    return max(1, memory.capacity_bytes // max(1, size))
+
+
+def _memory_wait_s(worker: Worker, session: Session, room: int, service_s: float) -> float:
+    """Until the worker's memory admits the session: none where it fits now; else its turn
+    behind the sessions waiting there (first come, first served), as sessions leave at `room`
+    per `service_s` (each taken to last as long as this one)."""
+    if worker.memory.fits_now(session):
+        return 0.0
+    return (worker.memory.num_waiting + 1) * service_s / room
+
+
+def _is_warm(drafter: Worker, prefix: int) -> bool:
+    tier = drafter.host_tier
+    return (
+        drafter.run.scenario.warm_nodes
+        and tier is not None
+        and tier.holds(PrefixKey(prefix, False))
+    )
+
+
+def _ready_s(run: Run, worker: Worker, key: PrefixKey, nbytes: int) -> float:
+    """Until the prefix's KV is on the worker's device: none where held; where it is on its way,
+    the link's queue ahead (a bound on what is left of it); from the host tier over PCIe; else
+    fetched over the link or, where the deployment recomputes full prefixes, prefilled, if
+    sooner."""
+    if worker.memory.holds(key):
+        return 0.0
+    if worker.memory.is_fetching(key):
+        return worker.link.foreground_wait_s()
+    if worker.host_tier is not None and worker.host_tier.holds(key):
+        return worker.host_link.foreground_wait_s() + worker.host_link.seconds_for(nbytes)
+    fetch_s = worker.link.foreground_wait_s() + worker.link.seconds_for(nbytes)
+    if run.scenario.recompute_prefixes and not key.is_compressed:
+        return min(fetch_s, run.prefix_prefill_s)
+    return fetch_s
+
+
+def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
+    """The worker's next forward with `rows` added to what it holds now, and to one more like
+    the first for each session placed there and within its room that has not reached its batch
+    yet (its KV on the way), taken to share its prefix with none (its prefix is not known here)."""
+    # A prefill's chunks pass in a few forwards: the steady batch is its decodes, drafts and
+    # verifications.
+    limit = run.scenario.draft_len + 1
+    current = [row for row in worker.loop.current_rows() if row.num_new_tokens <= limit]
+    num_placed = max(0, min(worker.num_requests, room) - len(current))
+    unshared = dataclasses.replace(rows[0], shared_prefix=None, shared_kv_bytes=0.0)
+    return run.scenario.forward_s(current + [unshared] * num_placed + rows)
+
+
+def _prefill_s(scenario: RemotePrefixScenario, key: PrefixKey) -> float:
+    return scenario.forward_s([scenario.row(scenario.suffix_tokens, 0, False, key)])
+
+
+def _own_bytes(scenario: RemotePrefixScenario, turns: SessionTurns) -> int:
+    num_tokens = len(turns.output_lengths) * scenario.suffix_tokens + turns.total_tokens
+    return num_tokens * scenario.kv_bytes_per_token

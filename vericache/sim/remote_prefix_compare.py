@@ -1,0 +1,77 @@
+"""Pipeline 2 held to two baselines, on one scenario's workers and workload.
+
+- The paper's baseline: full-KV decoding on the remote GPUs (FULL_REMOTE), every request moving
+  its prefix's full KV over the slow network: no prefix caching, no host tier, no recomputing,
+  no shared-prefix attention.
+- The strongest full-KV baseline: the best of FULL_LOCAL, FULL_REMOTE and FULL_BOTH given all a
+  well-run full-KV deployment has: prefix caching with VeriCache's placement (warm nodes first),
+  a host tier on every node (the scenario's `host_tier_bytes`), shared-prefix attention, and
+  recomputing a prefix where its prefill beats its fetch; each pool also runs without
+  recomputing, since a prefill's forwards slow the decodes they share the device with, which the
+  rule does not weigh, and the better of the two stands.
+Against them, with the same grants: VeriCache as served (per-request rounds, warm drafter nodes),
+VeriCache without warm nodes (every verification central), and `mode: auto` (each request's path
+chosen). Each run says what binds it (remote_prefix_workers.binding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vericache.errors import InvalidRequestError
+from vericache.sim.long_context import SimReport
+from vericache.sim.remote_prefix import simulate_vericache
+from vericache.sim.remote_prefix_auto import simulate_auto
+from vericache.sim.remote_prefix_full import FullPool, simulate_full
+from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
+
+FULL_POOLS = tuple(pool.value for pool in FullPool)
+NO_RECOMPUTE = "_without_recompute"  # a pool's run name with this suffix: it fetches every prefix
+
+
+def paper_baseline_scenario(scenario: RemotePrefixScenario) -> RemotePrefixScenario:
+    return dataclasses.replace(
+        scenario, prefix_caching=False, host_tier_bytes=None, recompute_prefixes=False,
+        shared_prefix_attention=False, warm_nodes=False,
+    )  # fmt: skip
+
+
+def strongest_scenario(scenario: RemotePrefixScenario) -> RemotePrefixScenario:
+    """All a well-run deployment has; VeriCache as served adds its warm nodes to it."""
+    if scenario.host_tier_bytes is None:
+        raise InvalidRequestError("the strongest baseline needs the scenario's host_tier_bytes")
+    return dataclasses.replace(
+        scenario, prefix_caching=True, recompute_prefixes=True, shared_prefix_attention=True,
+        warm_nodes=False,
+    )  # fmt: skip
+
+
+def compare_deployments(scenario: RemotePrefixScenario) -> dict[str, SimReport | str | float]:
+    """Every run by name, the strongest full-KV pool's name, and the speedups of VeriCache (as
+    served, with warm nodes) and of `auto` over each baseline."""
+    strong = strongest_scenario(scenario)
+    served = dataclasses.replace(strong, warm_nodes=True)
+    runs: dict[str, SimReport] = {
+        "paper_baseline": simulate_full(paper_baseline_scenario(scenario), FullPool.REMOTE),
+    }
+    fetching = dataclasses.replace(strong, recompute_prefixes=False)
+    for suffix, deployment in (("", strong), (NO_RECOMPUTE, fetching)):
+        local = simulate_full(deployment, FullPool.LOCAL)
+        remote = simulate_full(deployment, FullPool.REMOTE)
+        rates = {FullPool.LOCAL: local.tokens_per_s, FullPool.REMOTE: remote.tokens_per_s}
+        runs[f"full_local{suffix}"], runs[f"full_remote{suffix}"] = local, remote
+        runs[f"full_both{suffix}"] = simulate_full(deployment, FullPool.BOTH, rates)
+    runs["vericache_central"] = simulate_vericache(strong)
+    runs["vericache"] = simulate_vericache(served)
+    runs["auto"] = simulate_auto(served)
+    candidates = [f"{pool}{suffix}" for pool in FULL_POOLS for suffix in ("", NO_RECOMPUTE)]
+    strongest = max(candidates, key=lambda name: runs[name].tokens_per_s)
+    paper_rate, strongest_rate = runs["paper_baseline"].tokens_per_s, runs[strongest].tokens_per_s
+    return {
+        "runs": runs,
+        "strongest": strongest,
+        "vericache_vs_paper_baseline": runs["vericache"].tokens_per_s / paper_rate,
+        "vericache_vs_strongest": runs["vericache"].tokens_per_s / strongest_rate,
+        "auto_vs_paper_baseline": runs["auto"].tokens_per_s / paper_rate,
+        "auto_vs_strongest": runs["auto"].tokens_per_s / strongest_rate,
+    }
