@@ -208,9 +208,13 @@ class DistributedBackend:
     def path_options(self, prefix_id: str) -> list[PathOption]:
         """The paths a request over `prefix_id` may take now, each on the worker placement would
         give it (auto_path.py): FULL_LOCAL on a verifier; VERICACHE with a drafter beside it;
-        full decoding on that drafter, over its host tier where it is warm (FULL_WARM)."""
+        full decoding on that drafter, over its host tier where it is warm (FULL_WARM). A drafter
+        of other arithmetic than the verifier's (`ModelInfo.numerics`) is offered for nothing:
+        its full decoding would give other bits, and auto's paths all give the verifier's."""
         verifier = _placed_or_none(self.verifiers, prefix_id)
         drafter = _placed_or_none(self.drafters, prefix_id)
+        if drafter is not None and verifier is not None and drafter.numerics != verifier.numerics:
+            drafter = None
         options = []
         if verifier is not None:
             options.append(PathOption(ServingPath.FULL_LOCAL, verifier.name, verifier.active))
