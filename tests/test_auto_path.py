@@ -79,3 +79,22 @@ def test_auto_serves_full_kv_decoding_s_tokens_whichever_path_it_takes(
         sample = metrics.registry.get_sample_value
         labels = {"model_name": metrics.model_name, "path": "vericache"}
         assert sample("vericache:auto_paths_total", labels) >= 1
+
+
+def test_auto_offers_no_drafter_of_other_arithmetic(tiny_chat_checkpoint, tmp_path):
+    import dataclasses
+
+    from tests.serve_fixtures import wait_for
+    from vericache.client import Client
+
+    with start_server(tiny_chat_checkpoint, tmp_path, num_drafters=1) as server:
+        with Client(server.target, timeout=120) as client:
+            prefix_id = client.put_prefix(CONTEXT, compressor="snapkv", ratio=4)
+        backend = server.coordinator.backend
+        offered = {option.path for option in backend.path_options(prefix_id)}
+        assert offered == {LOCAL, VERICACHE, REMOTE}
+        (drafter,) = backend.drafters
+        info = drafter.worker.info
+        drafter.worker.info = dataclasses.replace(info, numerics=info.numerics + ":elsewhere")
+        assert wait_for(lambda: drafter.numerics != backend.verifiers[0].numerics)
+        assert [option.path for option in backend.path_options(prefix_id)] == [LOCAL]
