@@ -9,8 +9,8 @@ forward loop, batched across sessions: verifications whose drafts arrive togethe
 Prefixes are shared (kv/shared_prefix.py): the verifier holds one copy of each prefix's full KV
 within `prefix_cache_bytes`, loaded from the store (at `load_bandwidth` where set: emulated PCIe)
 by the first session that needs it and pinned while any session uses it; drafters fetching a
-prefix's full KV read that copy too. A session's cache reads the copy's whole blocks in place and
-holds only what follows them (kv/prefixed.py). Residency (residency.py): the verifier holds at
+prefix's full KV read that copy too. A session's cache reads the copy in place and holds only
+what follows it (kv/prefixed.py). Residency (residency.py): the verifier holds at
 most `resident_bytes` of sessions' own full KV; an evicted session's next call rebuilds its cache
 over the shared copy, reading nothing from the store. Every call reports
 the bytes it loaded from the store and the time it took.

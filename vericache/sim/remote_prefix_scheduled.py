@@ -94,9 +94,9 @@ class _ScheduledRequest(VeriCacheRequest):
 
     def booked_kv_bytes(self) -> int:
         """What the verifier's scheduler books for the session, as the verifier allocates it
-        (whole blocks of slots, kv/slots.py): where the verifier keeps a residency, its own full
-        KV past its prefix's shared blocks, which stay resident (as the coordinator books it);
-        else its whole full KV, loaded for each verification."""
+        (kv/slots.py): where the verifier keeps a residency, its own full KV past its prefix's
+        shared copy, which stays resident (as the coordinator books it); else its whole full KV,
+        loaded for each verification."""
         scenario, max_output_tokens = self.run.scenario, self.seq.max_output_tokens
         if self.verifier.residency is not None:
             return scenario.reserved_own_full_kv_bytes(max_output_tokens)
