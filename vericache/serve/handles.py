@@ -353,7 +353,7 @@ class DrafterHandle(_Handle):
         and a DRAFT session's to stream the prefix's full KV into the node's host tier."""
         grant = self.secret.grant(call.session_id, call.prefix_id, fetch_kind(call.role))
         tier_grant = ""
-        if call.role is DraftRole.DRAFT:
+        if call.role is DraftRole.DRAFT and call.warms_host_tier:
             tier_grant = self.secret.grant(call.session_id, call.prefix_id, KVKind.FULL)
         call = dataclasses.replace(call, fetch_grant=grant, host_tier_grant=tier_grant)
         return await self._call(self.worker.open, call)

@@ -220,11 +220,20 @@ async def _open_verifier(
     return opened
 
 
-async def _open_drafter(served: ServedRequest, drafter: DrafterAPI, role: DraftRole, address: str):
+async def _open_drafter(
+    served: ServedRequest,
+    drafter: DrafterAPI,
+    role: DraftRole,
+    address: str,
+    warms: bool = False,
+):
+    """`warms`: a DRAFT session on a node that could verify it (the verifier's arithmetic): the
+    node may stream the prefix's full KV into its host tier."""
     request = served.plan.request
     call = OpenDrafter(
         served.session_id, role, address, served.plan.prefix_id, served.history,
         request.num_prefix_tokens, served.capacity, sampler=served.opening_sampler,
+        warms_host_tier=warms,
     )  # fmt: skip
     opened = await drafter.open(call)
     served.add(opened.traffic)
@@ -259,7 +268,7 @@ async def _vericache(
     resumed = served.is_resumed
     if schedule is None and _may_verify_on(drafter, verifier, served.plan.prefix_id):
         # Its drafter node is warm for the prefix: the request starts there, no central verifier.
-        await _open_drafter(served, drafter, DraftRole.DRAFT, address)
+        await _open_drafter(served, drafter, DraftRole.DRAFT, address, warms=True)
         local = await _go_local(served, verifier, drafter, None, needs_first_token=not resumed)
         if local is not None:
             if not resumed:
@@ -272,7 +281,9 @@ async def _vericache(
         # The verifier prefills the prompt while the drafter fetches the compressed prefix.
         opened, _ = await asyncio.gather(
             _open_verifier(served, verifier, True),
-            _open_drafter(served, drafter, DraftRole.DRAFT, address),
+            _open_drafter(
+                served, drafter, DraftRole.DRAFT, address, _same_arithmetic(drafter, verifier)
+            ),
         )
     if not resumed:
         yield served.commit([opened.first_token])
@@ -293,7 +304,7 @@ async def _central_rounds(
     (and of the verifier's arithmetic): the rest go there."""
     exact, link_delay = opened.exact, opened.link_delay_s
     seq = served.seq
-    may_go_local = drafter.numerics == verifier.numerics
+    may_go_local = _same_arithmetic(drafter, verifier)
     while not seq.is_finished:
         num_drafts = seq.begin_round(seq.request.draft_len)
         drafting, drafts = None, ()
@@ -316,8 +327,12 @@ async def _central_rounds(
 def _may_verify_on(drafter: DrafterAPI, verifier: VerifierAPI, prefix_id: str | None) -> bool:
     """Whether the drafter node holds the prefix's full KV and verifies with the verifier's
     arithmetic (same bits), as their last probes said."""
-    same_arithmetic = bool(drafter.numerics) and drafter.numerics == verifier.numerics
-    return same_arithmetic and prefix_id in drafter.warm_prefixes
+    return _same_arithmetic(drafter, verifier) and prefix_id in drafter.warm_prefixes
+
+
+def _same_arithmetic(drafter: DrafterAPI, verifier: VerifierAPI) -> bool:
+    """Whether the drafter node's verifications would give the verifier's bits."""
+    return bool(drafter.numerics) and drafter.numerics == verifier.numerics
 
 
 async def _go_local(

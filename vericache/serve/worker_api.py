@@ -144,7 +144,9 @@ class OpenDrafter:
     capacity: int  # cache slots to reserve
     fetch_grant: str = ""  # the coordinator's permission to fetch this prefix's KV (DrafterHandle)
     sampler: SequenceSampler | None = None  # None: greedy
-    # A DRAFT session's permission to stream the prefix's full KV into the node's host tier.
+    # A DRAFT session on a node that could verify it: it may stream the prefix's full KV into
+    # the node's host tier, with this permission (DrafterHandle).
+    warms_host_tier: bool = False
     host_tier_grant: str = ""
 
 
