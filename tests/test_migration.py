@@ -167,3 +167,26 @@ def test_a_request_on_a_staggered_schedule_moves_to_another_drafter(served):
     text, token_ids, reason = streamed(client, prefix_id, "vericache")
     assert (text, token_ids, reason) == (reference.text, reference.token_ids, "length")
     assert not first.alive and second.transport.calls > 0
+
+
+def test_a_stream_goes_on_only_on_a_worker_of_its_arithmetic(served):
+    # Batch-invariant kernels give one kind of device the same bits, not two kinds: a FULL_REMOTE
+    # stream whose drafter died waits for one of its kind rather than change its bits midway.
+    server, client, prefix_id, reference = served(num_drafters=2)
+    first, second = holder_first(server, prefix_id)
+    info = second.worker.info
+    second.worker.info = dataclasses.replace(info, numerics=info.numerics + ":elsewhere")
+    assert wait_for(lambda: second.numerics != first.numerics)
+    opened_on_second = []
+    original = second.open
+
+    async def recording(call):
+        opened_on_second.append(call.session_id)
+        return await original(call)
+
+    second.open = recording
+    dying = kill(first, "decode", at=2)
+    threading.Timer(1.0, dying.revive).start()  # back after a moment
+    text, token_ids, reason = streamed(client, prefix_id, "full_remote")
+    assert (text, token_ids, reason) == (reference.text, reference.token_ids, "length")
+    assert dying.calls >= 2 and opened_on_second == []  # it waited for the first drafter

@@ -258,18 +258,38 @@ class DistributedBackend:
         return served.num_migrations < self.config.max_migrations
 
     async def _wait_for_workers(self, served: ServedRequest) -> None:
-        """Until a worker of each kind the request needs is alive, or `worker_wait_s` passed."""
+        """Until workers that can go on with the request are alive (one of each kind it needs,
+        its stream's arithmetic where it decodes), or `worker_wait_s` passed."""
         deadline = time.monotonic() + self._restarts.wait_s()
-        while not self._are_up(served.plan.mode.needs_drafter):
+        while not self._can_place(served):
             if time.monotonic() > deadline:
                 raise WorkerUnavailableError("no worker came back to go on with the request")
             await asyncio.sleep(PROBE_INTERVAL_S / 2)
 
+    def _can_place(self, served: ServedRequest) -> bool:
+        try:
+            self._placed_for(served)
+        except WorkerUnavailableError:
+            return False
+        return True
+
+    def _placed_for(self, served: ServedRequest) -> tuple:
+        """The request's verifier and drafter (None where its mode needs none). The worker whose
+        forwards choose its tokens is of its stream's arithmetic, once it has one (`numerics`): a
+        stream that goes on elsewhere keeps its bits, or waits for such a worker."""
+        mode, prefix_id = served.plan.mode, served.plan.prefix_id
+        on_drafter = mode in (ServeMode.FULL_REMOTE, ServeMode.LOSSY)
+        numerics = served.numerics
+        verifier = _placed(self.verifiers, prefix_id, "verifier", "" if on_drafter else numerics)
+        drafter = None
+        if mode.needs_drafter:
+            drafter = _placed(self.drafters, prefix_id, "drafter", numerics if on_drafter else "")
+        served.numerics = numerics or (drafter if on_drafter else verifier).numerics
+        return verifier, drafter
+
     async def _serve_on_workers(self, served: ServedRequest) -> AsyncIterator[list[int]]:
         prefix_id = served.plan.prefix_id
-        verifier = _placed(self.verifiers, prefix_id, "verifier")
-        needs_drafter = served.plan.mode.needs_drafter
-        drafter = _placed(self.drafters, prefix_id, "drafter") if needs_drafter else None
+        verifier, drafter = self._placed_for(served)
         workers = [w for w in (verifier, drafter) if w is not None]
         counted = list(workers)  # the workers whose load it counts in now
         for worker in counted:
@@ -304,11 +324,13 @@ def _placed_or_none(workers: list, prefix_id: str | None):
         return None
 
 
-def _placed(workers: list, prefix_id: str | None, kind: str):
-    """The alive worker that holds the prefix (scheduler/placement.py), or the least busy one."""
-    alive = [worker for worker in workers if worker.alive]
+def _placed(workers: list, prefix_id: str | None, kind: str, numerics: str = ""):
+    """The alive worker that holds the prefix (scheduler/placement.py), or the least busy one;
+    of that arithmetic where `numerics` names one."""
+    alive = [w for w in workers if w.alive and (not numerics or w.numerics == numerics)]
     if not alive:
-        raise WorkerUnavailableError(f"no {kind} is running")
+        arithmetic = " of this stream's arithmetic" if numerics else ""
+        raise WorkerUnavailableError(f"no {kind}{arithmetic} is running")
     candidates = [Candidate(w.name, w.active, prefix_id in w.warm_prefixes) for w in alive]
     return alive[place(prefix_id, candidates)]
 

@@ -79,6 +79,9 @@ class ServedRequest:
     # whether that drafter was warm for its prefix (a FULL_REMOTE request then reads its tier).
     worker_load: int = 1
     on_warm_node: bool = False
+    # The arithmetic of the worker whose forwards choose its tokens (`ModelInfo.numerics`), from
+    # its first placement on: where it goes on after a worker died, it stays on such a worker.
+    numerics: str = ""
     # Called once its rounds moved to its warm drafter node: the central verifier no longer
     # counts it among its load (placement, distributed.py).
     release_verifier: Callable[[], None] = lambda: None
