@@ -16,10 +16,12 @@ Every configuration starts from the committed scenario files, so no constant is 
 - Pipeline 2 held to two baselines (vericache/sim/remote_prefix_compare.py) in five scenarios
   (SCENARIOS_P2, each file saying where its numbers come from): the paper's baseline (the remote
   GPUs, every request's full KV over the slow network, no prefix caching or host tier) and the
-  strongest full-KV one (the best pool, with prefix caching, placement, a host tier, recomputing
-  and shared-prefix attention), against VeriCache as served (warm nodes) and `mode: auto`, each
-  run with what binds it. Targets (issue 40): >= 2.11x the paper's baseline in the paper's
-  scenario; `auto` >= 1.0x the strongest everywhere and >= 1.5x in agentic coding.
+  strongest full-KV one (the best pool, with prefix caching, which keeps a finished turn's KV
+  for its session's next turn too, placement, a host tier, recomputing and shared-prefix
+  attention), against VeriCache as served (warm nodes) and `mode: auto`, whose requests (each
+  turn of a session one) keep no KV of their own, each run with what binds it. Targets (issue
+  40): >= 2.11x the paper's baseline in the paper's scenario; `auto` >= 1.0x the strongest
+  everywhere and >= 1.5x in agentic coding.
 Beside each paper configuration stands the best the planners find on the same hardware and
 workload (vericache/sim/plan.py). Device profiles are datasheets times stated efficiencies until
 `vericache calibrate` has measured a GPU; every result names its sources. A band that is missed is

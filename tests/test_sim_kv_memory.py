@@ -97,3 +97,22 @@ def test_where_pinned_prefixes_fill_the_budget_a_session_fetches_a_copy_of_its_o
     assert memory.holds(1) and not memory.holds(0)
     with pytest.raises(InvalidRequestError, match="prefix budget"):
         memory.admit(Session(4, 2 * PREFIX_BYTES, OWN_BYTES), lambda: None)
+
+
+def test_a_pinned_entry_stays_until_unpinned_and_dropping_it_admits_who_waits():
+    """A full-KV turn pins its session's KV from the turn before while it reads it in place."""
+    sim = Simulation()
+    link = Link(sim, "in", bytes_per_s=1000.0)
+    memory = WorkerMemory(2 * (PREFIX_BYTES + OWN_BYTES), link)
+    memory.offer("turn", PREFIX_BYTES)
+    memory.pin("turn")
+    memory.admit(_session(0), lambda: None)  # fits beside it
+    admitted = []
+    memory.admit(_session(1), lambda: admitted.append(sim.now))  # waits: "turn" is pinned
+    sim.run()
+    assert memory.holds("turn") and memory.num_waiting == 1 and not admitted
+    memory.unpin("turn", drop=True)
+    sim.run()
+    assert not memory.holds("turn") and admitted == [2.0]
+    with pytest.raises(InvalidRequestError, match="not held"):
+        memory.pin("turn")

@@ -1,6 +1,6 @@
 """Pipeline 2 as a well-run deployment serves it: shared-prefix attention, background transfers,
-host tiers, recomputed prefixes, sequential turns, VeriCache's warm drafter nodes and `mode:
-auto`'s choice of path."""
+host tiers, recomputed prefixes, VeriCache's warm drafter nodes and `mode: auto`'s choice of path
+(sequential turns: test_sim_remote_prefix_turns.py)."""
 
 from __future__ import annotations
 
@@ -166,20 +166,6 @@ def test_placement_prefers_a_node_whose_host_tier_holds_the_full_kv():
     other.host_tier.put(PrefixKey(0, False), 1)
     assert run.choose(run.drafters, 0) is other
     assert run.choose(run.drafters, 1) is not None  # others' placement unchanged by it
-
-
-def test_sequential_turns_run_each_turn_after_the_last_over_a_growing_prompt():
-    scenario = remote_prefix_scenario(
-        turns_per_session=3, arrivals=(0.0,) * 2, output_lengths=OutputLengths((32,))
-    )
-    for report in (simulate_vericache(scenario), simulate_full(scenario, FullPool.LOCAL)):
-        assert report.num_output_tokens == 2 * 3 * 32 and len(report.latencies_s) == 2
-    turns = SessionTurns((32, 32, 32))
-    turns.advance(scenario.suffix_tokens, 32)
-    assert (
-        Run(scenario).sequence(turns).seq.room
-        < Run(scenario).sequence(SessionTurns((32,))).seq.room
-    )
 
 
 def test_auto_chooses_the_path_that_finishes_first():

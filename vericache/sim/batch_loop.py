@@ -24,6 +24,13 @@ class SimJob:
     steps_taken: int = 0
 
 
+def chunked_job(rows: list[Row], done: Callable[[], None]) -> SimJob:
+    """A prefill in chunks (`rows`, in order): one chunk a forward, each batched with the device's
+    other rows, as chunked prefill runs it."""
+    job = SimJob(lambda: rows[min(job.steps_taken, len(rows) - 1)], len(rows), done)
+    return job
+
+
 class SimBatchLoop:
     def __init__(self, device: Device, forward_s: Callable[[list[Row]], float]):
         self.device = device

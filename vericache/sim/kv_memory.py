@@ -118,6 +118,23 @@ class WorkerMemory:
     def touch(self, prefix: Hashable) -> None:
         self._held.move_to_end(prefix)
 
+    def pin(self, key: Hashable) -> None:
+        """Keeps a held entry from eviction until `unpin` (a full-KV turn reading the KV its
+        session's turn before left here), as a session over it would."""
+        if not self.holds(key):
+            raise InvalidRequestError(f"{key} is not held: nothing to pin")
+        self._refs[key] = self._refs.get(key, 0) + 1
+        self.touch(key)
+
+    def unpin(self, key: Hashable, drop: bool = False) -> None:
+        """Lets a pinned entry be evicted again, or with `drop` lets it go now (without a host
+        tier's copy: what replaces it holds its tokens) once no one else pins it."""
+        self._refs[key] -= 1
+        if drop and not self._refs[key]:
+            self._drop(key)
+            del self._refs[key]
+            self._admit_waiting()
+
     def admit(self, session: Session, then: Callable[[], None]) -> None:
         needed = session.own_bytes + session.prefix_bytes
         if needed > self.capacity_bytes:

@@ -22,8 +22,12 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
   which it keeps after a read where room is free (least recently used out first). A session
   whose drafter is warm when it arrives never visits the central verifier. Placement prefers warm
   nodes (scheduler/placement.py).
-- Sequential turns (`turns_per_session`): a session's next turn starts when its last ends, over
-  the same worker's KV, prefilling only its new suffix.
+- Sequential turns (`turns_per_session`): each turn is a request of its own, as served (a
+  Generate call whose prompt is the prefix, the conversation so far and the new turn), arriving
+  when the one before it ends: placed anew (its path chosen anew under `mode: auto`), it keeps
+  no KV of its own from the turn before (only the prefix's shared copy is cached), so it
+  prefills every token after the prefix, and a central verifier hands all of their exact KV to
+  the drafter with its first draft call.
 - FULL_LOCAL, FULL_REMOTE, FULL_BOTH: remote_prefix_full.py; `mode: auto`, each request's choice
   of path: remote_prefix_auto.py.
 Scheduled rounds, each verifier's loads and verifications planned by the real scheduler within
@@ -46,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vericache.sim.batch_loop import SimJob
+from vericache.sim.batch_loop import SimJob, chunked_job
 from vericache.sim.cost import Row
 from vericache.sim.decoding import SimSequence
 from vericache.sim.kv_memory import Session
@@ -72,7 +76,6 @@ class VeriCacheRequest:
     drafter: Worker
     verifier: Worker | None  # the central verifier; None while the drafter's node verifies
     own_bytes: int = 0  # its own tokens' exact KV, as reserved from its open to its end
-    is_newly_local: bool = False  # its node has not yet prefilled its tokens after the prefix
 
     @classmethod
     def start(
@@ -89,7 +92,7 @@ class VeriCacheRequest:
         seq = run.sequence(turns)
         own_bytes = run.own_bytes(turns, seq)
         if run.scenario.warm_nodes and drafter.host_tier.holds(PrefixKey(prefix, False)):
-            request = cls(run, prefix, turns, seq, arrival_s, drafter, None, own_bytes, True)
+            request = cls(run, prefix, turns, seq, arrival_s, drafter, None, own_bytes)
             drafter.memory.admit(request.drafter_session(), request._open)
             return
         verifier = run.place(run.verifiers, prefix)
@@ -127,7 +130,7 @@ class VeriCacheRequest:
         self.drafter.memory.release(self.drafter_session())
         if verifier is not None and verifier.residency is not None:
             verifier.residency.close(self)
-        self.run.finish(self.arrival_s, *([verifier] if verifier else []), self.drafter)
+        self.run.finish(self, *([verifier] if verifier else []), self.drafter)
 
     def _open(self) -> None:
         """Both prefixes in place (or the compressed one, on a warm node): the turn's prompt
@@ -135,49 +138,43 @@ class VeriCacheRequest:
         self._prefill()
 
     def _prefill(self) -> None:
-        """The turn's new tokens over the full KV: on the central verifier, or on the node, which
-        first takes every token after the prefix that it does not hold yet."""
-        scenario = self.run.scenario
+        """Every token of the prompt after the prefix (its session's earlier turns' too: it holds
+        none of their KV) over the full KV: on the central verifier, or on the node."""
+        rows = self.run.scenario.prefill_rows(self._after_prefix(), 0, self.full_key)
         if self.verifier is None:
-            done = 0 if self.is_newly_local else self.turns.history_tokens
-            self.is_newly_local = False
-            num_new = self.turns.history_tokens + scenario.suffix_tokens - done
-            row = scenario.row(num_new, done, compressed=False, prefix_key=self.full_key)
-            self._on_local(row, self._first_token)
-            return
-        row = scenario.row(
-            scenario.suffix_tokens, self.turns.history_tokens, False, prefix_key=self.full_key
-        )
-        self._on_verifier(row, self._first_token)
+            self._on_local(rows, self._first_token)
+        else:
+            self._on_verifier(rows, self._first_token)
 
-    def _on_verifier(self, row: Row, then: Callable[[], None]) -> None:
-        """One verifier forward over the session's full KV, brought onto its device first (and
-        held there meanwhile) where the verifier keeps a residency."""
+    def _on_verifier(self, rows: list[Row], then: Callable[[], None]) -> None:
+        """Verifier forwards, one per row, over the session's full KV, brought onto its device
+        first (and held there meanwhile) where the verifier keeps a residency."""
         residency = self.verifier.residency
         if residency is None:
-            self.verifier.loop.submit(SimJob(lambda: row, 1, then))
+            self.verifier.loop.submit(chunked_job(rows, then))
             return
 
         def done() -> None:
             residency.release(self)
             then()
 
-        residency.use(self, lambda: self.verifier.loop.submit(SimJob(lambda: row, 1, done)))
+        residency.use(self, lambda: self.verifier.loop.submit(chunked_job(rows, done)))
 
-    def _on_local(self, row: Row, then: Callable[[], None]) -> None:
-        """One forward on the warm node over the prefix's full KV: its device's copy where it
-        holds one, else read from its host tier over PCIe (kept on the device after, where room
-        is free), or where the tier has let it go, fetched again as a cold worker would."""
+    def _on_local(self, rows: list[Row], then: Callable[[], None]) -> None:
+        """Forwards on the warm node, one per row, over the prefix's full KV: its device's copy
+        where it holds one, else read from its host tier over PCIe (kept on the device after,
+        where room is free), or where the tier has let it go, fetched again as a cold worker
+        would."""
         drafter, key = self.drafter, self.full_key
         nbytes = self.run.scenario.prefix_bytes(compressed=False)
 
         def forward() -> None:
             drafter.memory.offer(key, nbytes)
-            drafter.loop.submit(SimJob(lambda: row, 1, then))
+            drafter.loop.submit(chunked_job(rows, then))
 
         if drafter.memory.holds(key):
             drafter.memory.touch(key)
-            drafter.loop.submit(SimJob(lambda: row, 1, then))
+            drafter.loop.submit(chunked_job(rows, then))
         elif drafter.host_tier.holds(key):
             drafter.host_tier.touch(key)
             drafter.host_link.send(nbytes, forward)
@@ -185,27 +182,20 @@ class VeriCacheRequest:
             drafter.fetches.fetch(key, nbytes, forward)
 
     def _first_token(self) -> None:
-        self._committed(self.seq.first_token(), exact_tokens=self.run.scenario.suffix_tokens + 1)
+        """The prompt's exact KV after the prefix (and the first token's) crosses to the drafter
+        with the first draft call, as the verifier's open hands it over."""
+        num_tokens = self.seq.first_token()
+        self._committed(num_tokens, exact_tokens=self._after_prefix())
 
     def _committed(self, num_tokens: int, exact_tokens: int) -> None:
         """Emits tokens; their exact KV crosses to the drafter with the next draft call."""
         self.run.emit(num_tokens)
         if self.seq.is_finished:
-            self._turn_ended()
+            self.finished()
         elif self._can_go_local():
             self._go_local(lambda: self._begin_round(0))
         else:
             self._begin_round(exact_tokens)
-
-    def _turn_ended(self) -> None:
-        if self.turns.is_last:
-            self.finished()
-            return
-        self.turns.advance(self.run.scenario.suffix_tokens, self.seq.num_output_tokens)
-        self.seq = self.run.sequence(self.turns)
-        if self._can_go_local():
-            self._leave_verifier()
-        self._prefill()
 
     def _can_go_local(self) -> bool:
         """Whether its node has become warm for its prefix while a central verifier served it."""
@@ -217,11 +207,8 @@ class VeriCacheRequest:
         """Between two rounds: the node prefills the session's tokens after the prefix over its
         full KV, and verifies its rounds from now on."""
         self._leave_verifier()
-        self.is_newly_local = False
-        row = self.run.scenario.row(
-            self._after_prefix(), 0, compressed=False, prefix_key=self.full_key
-        )
-        self._on_local(row, then)
+        rows = self.run.scenario.prefill_rows(self._after_prefix(), 0, self.full_key)
+        self._on_local(rows, then)
 
     def _leave_verifier(self) -> None:
         verifier = self.verifier
@@ -229,7 +216,7 @@ class VeriCacheRequest:
         if verifier.residency is not None:
             verifier.residency.close(self)
         verifier.num_requests -= 1
-        self.verifier, self.is_newly_local = None, True
+        self.verifier = None
         self.run.report.num_warm_switches += 1
 
     def _begin_round(self, exact_tokens: int) -> None:
@@ -277,10 +264,10 @@ class VeriCacheRequest:
         )
         if self.verifier is None:
             self.run.report.num_local_verifications += 1
-            self._on_local(row, self._verified)
+            self._on_local([row], self._verified)
         else:
             self.run.report.num_central_verifications += 1
-            self._on_verifier(row, self._verified)
+            self._on_verifier([row], self._verified)
 
     def _verified(self) -> None:
         num_drafts = self.seq.num_drafts

@@ -1,6 +1,9 @@
 """`mode: auto` simulated: each request's path chosen when it arrives, among VeriCache, FULL_LOCAL,
 FULL_REMOTE and full decoding on a warm node, by scheduler/path_choice.py (the function a served
-coordinator imports) from this module's estimates.
+coordinator imports) from this module's estimates. A session's turns are requests of their own,
+as served (the coordinator resolves `auto` per request when it admits it): each turn's path is
+chosen and its worker placed when it arrives, and it keeps no KV of its own from the turn before,
+so every path prefills all of its prompt after the prefix.
 
 Each estimate comes from the cost model (cost.py) and the workers' state now: the rows each
 worker's next forward holds (its load), what its device and host tier hold, and the transfers
@@ -8,14 +11,15 @@ queued ahead on its links. For the worker placement would give each path (placem
 nodes first):
 - full decoding: the seconds until its prefix's full KV is on the device (held: none; in the host
   tier: over PCIe; else the fetch or, where the deployment recomputes, the prefill if sooner) and
-  its prompt's prefill; then one decode step at the worker's batch with it added, per token;
+  its prompt's prefill after the prefix; then one decode step at the worker's batch with it
+  added, per token;
 - VeriCache: the compressed KV onto the drafter and the full KV onto the verifier (on a warm
-  node: its host tier), the prefill; then a round per the acceptance's mean accepted drafts at x:
+  node: its host tier), the prefill, and from a central verifier the prompt's exact KV after the
+  prefix across to the drafter; then a round per the acceptance's mean accepted drafts at x:
   x draft steps at the drafter's batch, a verification at the verifier's (or the node's), and the
   calls' latency and exact KV (on a warm node: a PCIe load, unless its device holds the KV);
 - and, where a worker's memory has no room for the request now, its turn behind the sessions
   waiting there, as sessions leave (each taken to last as long as this request).
-A session of several turns is placed once: its later turns stay where its KV is.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def simulate_auto(scenario: RemotePrefixScenario) -> SimReport:
 
 
 def start_auto(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
-    chosen = choose_path(path_estimates(run, prefix, turns), turns.total_tokens)
+    chosen = choose_path(path_estimates(run, prefix, turns), turns.num_tokens)
     run.report.paths[chosen.path.value] = run.report.paths.get(chosen.path.value, 0) + 1
     worker = next(w for w in run.workers if w.name == chosen.worker)
     worker.num_requests += 1
@@ -76,44 +80,49 @@ def _candidates(run: Run, workers: list[Worker], prefix: int) -> list[Worker]:
 def _full(
     run: Run, worker: Worker, path: ServingPath, prefix: int, turns: SessionTurns
 ) -> PathEstimate:
-    scenario = run.scenario
+    scenario, num_after = run.scenario, _after_prefix(run, turns)
     key = PrefixKey(prefix, False)
     full_bytes = scenario.prefix_bytes(compressed=False)
     session = Session(key, full_bytes, _own_bytes(scenario, turns))
     room = _room_in_sessions(worker, session)
-    setup = _ready_s(run, worker, key, full_bytes) + _prefill_s(scenario, key)
-    row = scenario.row(1, scenario.suffix_tokens, False, key)
+    setup = _ready_s(run, worker, key, full_bytes) + _prefill_s(scenario, key, num_after)
+    row = scenario.row(1, num_after, False, key)
     per_token = _step_s(run, worker, [row], room)
-    wait = _memory_wait_s(worker, session, room, setup + turns.total_tokens * per_token)
+    wait = _memory_wait_s(worker, session, room, setup + turns.num_tokens * per_token)
     return PathEstimate(path, worker.name, setup, per_token, wait)
 
 
 def _vericache(
     run: Run, drafter: Worker, verifier: Worker, prefix: int, turns: SessionTurns
 ) -> PathEstimate:
-    scenario = run.scenario
+    scenario, num_after, num_tokens = run.scenario, _after_prefix(run, turns), turns.num_tokens
     full, compressed = PrefixKey(prefix, False), PrefixKey(prefix, True)
     compressed_bytes, full_bytes = (scenario.prefix_bytes(c) for c in (True, False))
     drafted = Session(compressed, compressed_bytes, _own_bytes(scenario, turns))
     room = _room_in_sessions(drafter, drafted)
     compressed_ready = _ready_s(run, drafter, compressed, compressed_bytes)
-    local_s, load_s = _local_seconds_per_token(run, drafter, prefix, room)
+    local_s, load_s = _local_seconds_per_token(run, drafter, prefix, room, num_after)
+    prefill_s = _prefill_s(scenario, full, num_after)
     if _is_warm(drafter, prefix):
-        setup = compressed_ready + load_s + _prefill_s(scenario, full)
-        wait = _memory_wait_s(drafter, drafted, room, setup + turns.total_tokens * local_s)
+        setup = compressed_ready + load_s + prefill_s
+        wait = _memory_wait_s(drafter, drafted, room, setup + num_tokens * local_s)
         return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait)
-    central_s = _central_seconds_per_token(run, drafter, verifier, prefix, room)
+    central_s = _central_seconds_per_token(run, drafter, verifier, prefix, room, num_after)
     full_ready = _ready_s(run, verifier, full, full_bytes)
-    setup = max(compressed_ready, full_ready) + _prefill_s(scenario, full)
+    # The prompt's exact KV after the prefix crosses to the drafter with the first draft call.
+    exact_s = drafter.link.seconds_for(num_after * scenario.kv_bytes_per_token)
+    setup = max(compressed_ready, full_ready) + prefill_s + exact_s
     setup += scenario.network_latency_s
     per_token, warm_s = central_s, float("inf")
     if scenario.warm_nodes:  # central until its node has the full KV, then on its node
         link = drafter.link
         warm_s = link.backlog_s() + link.seconds_for(compressed_bytes + full_bytes)
-        cold_tokens = min(turns.total_tokens, warm_s / central_s)
+        cold_tokens = min(num_tokens, warm_s / central_s)
         setup += cold_tokens * max(0.0, central_s - local_s)
+        if cold_tokens < num_tokens:  # the node prefills the prompt after the prefix again
+            setup += prefill_s
         per_token = local_s
-    service_s = setup + turns.total_tokens * per_token
+    service_s = setup + num_tokens * per_token
     # The central verifier admits it first, and holds its full KV while its node is cold:
     # either memory may bind. The sessions ahead of it there may be full-KV ones, which stay for
     # their whole service: it waits as if they were as long as this one.
@@ -127,14 +136,15 @@ def _vericache(
 
 
 def _central_seconds_per_token(
-    run: Run, drafter: Worker, verifier: Worker, prefix: int, room: int
+    run: Run, drafter: Worker, verifier: Worker, prefix: int, room: int, num_after: int
 ) -> float:
-    """A round drafted on `drafter` and verified on the central verifier: the draft steps, the
-    verification, the two calls' latency and the committed tokens' exact KV across."""
+    """A round drafted on `drafter` and verified on the central verifier over `num_after` tokens
+    past the prefix: the draft steps, the verification, the two calls' latency and the committed
+    tokens' exact KV across."""
     scenario, mean = run.scenario, run.mean_accepted
     x = scenario.draft_len
-    draft_row = scenario.row(1, scenario.suffix_tokens, True, PrefixKey(prefix, True))
-    verify_row = scenario.row(x + 1, scenario.suffix_tokens, False, PrefixKey(prefix, False))
+    draft_row = scenario.row(1, num_after, True, PrefixKey(prefix, True))
+    verify_row = scenario.row(x + 1, num_after, False, PrefixKey(prefix, False))
     draft_s = _step_s(run, drafter, [draft_row], room)
     verify_s = _step_s(run, verifier, [verify_row], 0)
     exact_s = (mean + 1) * scenario.kv_bytes_per_token / drafter.link.bytes_per_s
@@ -143,16 +153,16 @@ def _central_seconds_per_token(
 
 
 def _local_seconds_per_token(
-    run: Run, drafter: Worker, prefix: int, room: int
+    run: Run, drafter: Worker, prefix: int, room: int, num_after: int
 ) -> tuple[float, float]:
-    """A round drafted and verified on the warm node, and the PCIe read of the full KV for each
-    verification (none where its device holds a copy), which the node's sessions take in turn:
-    their rounds go no faster than their reads."""
+    """A round drafted and verified on the warm node over `num_after` tokens past the prefix, and
+    the PCIe read of the full KV for each verification (none where its device holds a copy),
+    which the node's sessions take in turn: their rounds go no faster than their reads."""
     scenario, mean = run.scenario, run.mean_accepted
     x = scenario.draft_len
     full = PrefixKey(prefix, False)
-    draft_row = scenario.row(1, scenario.suffix_tokens, True, PrefixKey(prefix, True))
-    verify_row = scenario.row(x + 1, scenario.suffix_tokens, False, full)
+    draft_row = scenario.row(1, num_after, True, PrefixKey(prefix, True))
+    verify_row = scenario.row(x + 1, num_after, False, full)
     draft_s = _step_s(run, drafter, [draft_row], room)
     verify_s = _step_s(run, drafter, [draft_row, verify_row], room)
     full_bytes = scenario.prefix_bytes(compressed=False)
@@ -218,10 +228,17 @@ def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
     return run.scenario.forward_s(current + [unshared] * num_placed + rows)
 
 
-def _prefill_s(scenario: RemotePrefixScenario, key: PrefixKey) -> float:
-    return scenario.forward_s([scenario.row(scenario.suffix_tokens, 0, False, key)])
+def _prefill_s(scenario: RemotePrefixScenario, key: PrefixKey, num_tokens: int) -> float:
+    """The prompt's `num_tokens` after the prefix prefilled alone, chunk by chunk."""
+    return sum(scenario.forward_s([row]) for row in scenario.prefill_rows(num_tokens, 0, key))
+
+
+def _after_prefix(run: Run, turns: SessionTurns) -> int:
+    """The turn's prompt after the prefix: its session's earlier turns and its suffix."""
+    return turns.history_tokens + run.scenario.suffix_tokens
 
 
 def _own_bytes(scenario: RemotePrefixScenario, turns: SessionTurns) -> int:
-    num_tokens = len(turns.output_lengths) * scenario.suffix_tokens + turns.total_tokens
+    """Every token after the prefix the turn comes to hold: a request keeps no KV of its own."""
+    num_tokens = turns.history_tokens + scenario.suffix_tokens + turns.num_tokens
     return num_tokens * scenario.kv_bytes_per_token

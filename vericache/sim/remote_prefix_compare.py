@@ -1,17 +1,19 @@
 """Pipeline 2 held to two baselines, on one scenario's workers and workload.
 
-- The paper's baseline: full-KV decoding on the remote GPUs (FULL_REMOTE), every request moving
-  its prefix's full KV over the slow network: no prefix caching, no host tier, no recomputing,
-  no shared-prefix attention.
+- The paper's baseline: full-KV decoding on the remote GPUs (FULL_REMOTE), every request (every
+  turn of a session) moving its prefix's full KV over the slow network and prefilling all of its
+  prompt after it: no prefix caching, no host tier, no recomputing, no shared-prefix attention.
 - The strongest full-KV baseline: the best of FULL_LOCAL, FULL_REMOTE and FULL_BOTH given all a
   well-run full-KV deployment has: prefix caching with VeriCache's placement (warm nodes first),
-  a host tier on every node (the scenario's `host_tier_bytes`), shared-prefix attention, and
-  recomputing a prefix where its prefill beats its fetch; each pool also runs without
-  recomputing, since a prefill's forwards slow the decodes they share the device with, which the
-  rule does not weigh, and the better of the two stands.
+  which keeps a finished turn's KV for its session's next turn as vLLM's and SGLang's do
+  (remote_prefix_full.py), a host tier on every node (the scenario's `host_tier_bytes`),
+  shared-prefix attention, and recomputing a prefix where its prefill beats its fetch; each pool
+  also runs without recomputing, since a prefill's forwards slow the decodes they share the
+  device with, which the rule does not weigh, and the better of the two stands.
 Against them, with the same grants: VeriCache as served (per-request rounds, warm drafter nodes),
 VeriCache without warm nodes (every verification central), and `mode: auto` (each request's path
-chosen). Each run says what binds it (remote_prefix_workers.binding).
+chosen), whose requests keep no KV of their own between a session's turns, as served. Each run
+says what binds it (remote_prefix_workers.binding).
 """
 
 from __future__ import annotations

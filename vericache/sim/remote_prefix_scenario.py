@@ -84,8 +84,8 @@ class RemotePrefixScenario:
     # VeriCache's drafter nodes stream a prefix's full KV into their host tier in the background
     # once they draft over it, and then verify their sessions over it themselves.
     warm_nodes: bool = False
-    # Sequential turns: a request is a session of this many turns, each after the one before it
-    # ends, its prompt the one before with that turn's output and a new suffix appended.
+    # Sequential turns: a session is this many requests (turns), each arriving when the one before
+    # it ends, its prompt the one before with that turn's output and a new suffix appended.
     turns_per_session: int = 1
     prefill_chunk_tokens: int = 2048  # a prefill's tokens per forward (chunked prefill)
 
@@ -164,6 +164,17 @@ class RemotePrefixScenario:
             num_new, context, kv_bytes / context, exact=not compressed,
             shared_prefix=prefix_key, shared_kv_bytes=prefix_bytes,
         )  # fmt: skip
+
+    def prefill_rows(
+        self, num_new: int, num_after_prefix: int, prefix_key: Hashable | None = None
+    ) -> list[Row]:
+        """A prefill over the full KV of `num_new` tokens that follow `num_after_prefix` exact ones
+        past the prefix, one row per chunk."""
+        chunk = self.prefill_chunk_tokens
+        return [
+            self.row(min(chunk, num_new - start), num_after_prefix + start, False, prefix_key)
+            for start in range(0, num_new, chunk)
+        ]
 
     def prefix_prefill_rows(self) -> list[Row]:
         """A prefix's prefill on a worker that recomputes it, one row per chunk."""

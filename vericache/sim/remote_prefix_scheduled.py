@@ -89,7 +89,7 @@ class _ScheduledRequest(VeriCacheRequest):
         if self.seq.is_finished:
             self.finished()
             return
-        self.exact_tokens = self.run.scenario.suffix_tokens + 1
+        self.exact_tokens = self._after_prefix()  # the prompt's after its prefix, the first's
         self.verifier.schedule.add(self)
 
     def booked_kv_bytes(self) -> int:

@@ -8,11 +8,11 @@ import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from vericache.errors import InvalidRequestError
 from vericache.scheduler.placement import Candidate, place
-from vericache.sim.batch_loop import SimBatchLoop, SimJob
+from vericache.sim.batch_loop import SimBatchLoop, chunked_job
 from vericache.sim.cost import Row, forward_cost
 from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
@@ -37,8 +37,9 @@ class PrefixKey:
 
 @dataclass
 class SessionTurns:
-    """A request's turns (one, but for sequential turns): the output tokens each may emit, and
-    the tokens the turns before the current one added after the prefix (suffixes, outputs)."""
+    """A session's turns (one, but for sequential turns), each a request of its own that arrives
+    when the one before it ends: the output tokens each may emit, and the tokens the turns before
+    the current one added after the prefix (suffixes, outputs)."""
 
     output_lengths: tuple[int, ...]
     index: int = 0
@@ -51,10 +52,6 @@ class SessionTurns:
     @property
     def num_tokens(self) -> int:
         return self.output_lengths[self.index]
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.output_lengths)
 
     def advance(self, suffix_tokens: int, num_output_tokens: int) -> None:
         self.history_tokens += suffix_tokens + num_output_tokens
@@ -160,6 +157,15 @@ class Worker:
         return max(self.memory.peak_bytes, planned)
 
 
+class Turn(Protocol):
+    """A request: one turn of a session."""
+
+    prefix: int
+    turns: SessionTurns
+    seq: SimSequence
+    arrival_s: float  # its session's: a session's latency runs from it to its last token
+
+
 Start = Callable[["Run", int, SessionTurns, float], None]
 # Below this share of the run's time busy, no resource binds: the arrivals do.
 BINDING_SHARE = 0.5
@@ -195,11 +201,12 @@ class Run:
         return self.verifiers + self.drafters
 
     def serve(self, start: Start) -> SimReport:
-        """Starts each request with its prefix and turns' output lengths (the same draws in every
+        """Starts each session with its prefix and turns' output lengths (the same draws in every
         configuration of a scenario): at its arrival, or with a concurrency, the first that many
         at once and each of the others when one finishes (a closed loop, as a load generator
-        with that many clients runs)."""
+        with that many clients runs). `start` starts each of its turns."""
         draws = random.Random(self.scenario.seed)
+        self._start = start
         jobs = []
         num_prefixes, in_turn = self.scenario.num_prefixes, self.scenario.prefixes_in_turn
         for index, arrival in enumerate(sorted(self.scenario.arrivals)):
@@ -214,7 +221,6 @@ class Run:
         else:
             pending = reversed(jobs)
             self._pending = [(prefix, SessionTurns(lengths)) for _, prefix, lengths in pending]
-            self._start = start
             for _ in range(self.scenario.concurrency):
                 self._start_next()
         self.sim.run()
@@ -284,13 +290,11 @@ class Run:
         return SimSequence(prompt_tokens, turns.num_tokens, self.scenario.model.max_positions)
 
     def own_bytes(self, turns: SessionTurns, seq: SimSequence) -> int:
-        """The exact KV a session comes to hold of its own: its suffix and its output (every
-        turn's, with sequential turns)."""
+        """The exact KV a turn comes to hold of its own: every token after the prefix, its
+        session's earlier turns' too (a request keeps none of its own after it ends)."""
         scenario = self.scenario
-        if len(turns.output_lengths) == 1:
-            return scenario.own_bytes(seq.max_output_tokens)
-        num_tokens = len(turns.output_lengths) * scenario.suffix_tokens + turns.total_tokens
-        return num_tokens * scenario.kv_bytes_per_token
+        history_bytes = turns.history_tokens * scenario.kv_bytes_per_token
+        return history_bytes + scenario.own_bytes(seq.max_output_tokens)
 
     def placement_key(self, prefix: int) -> str | None:
         """What placement ranks workers by: the prefix, or nothing where no prefix is held."""
@@ -302,22 +306,25 @@ class Run:
         owner = None if self.scenario.prefix_caching else id(request)
         return PrefixKey(prefix, compressed, owner)
 
-    def choose(self, workers: list[Worker], prefix: int) -> Worker:
+    def choose(self, workers: list[Worker], prefix: int, prefer: Worker | None = None) -> Worker:
         """The worker the server would place the request on (scheduler/placement.py): a node
-        whose host tier holds the prefix's full KV first, its prefix's holder, or the least busy
+        whose host tier holds the prefix's full KV (or `prefer`, one that holds more of the
+        prompt: a full-KV turn's session's KV) first, its prefix's holder, or the least busy
         once out of balance or without a prefix."""
         full = PrefixKey(prefix, False)
         candidates = [
             Candidate(
-                w.name, w.num_requests, is_warm=w.host_tier is not None and w.host_tier.holds(full)
+                w.name,
+                w.num_requests,
+                is_warm=w is prefer or (w.host_tier is not None and w.host_tier.holds(full)),
             )
             for w in workers
         ]
         return workers[place(self.placement_key(prefix), candidates)]
 
-    def place(self, workers: list[Worker], prefix: int) -> Worker:
+    def place(self, workers: list[Worker], prefix: int, prefer: Worker | None = None) -> Worker:
         """`choose`, the request counted in flight there."""
-        worker = self.choose(workers, prefix)
+        worker = self.choose(workers, prefix, prefer)
         worker.num_requests += 1
         return worker
 
@@ -327,11 +334,19 @@ class Run:
         link_bytes = sum(w.link.bytes_moved for w in workers)
         self.report.sample(self.sim.now, link_bytes, sum(w.kv_bytes for w in workers))
 
-    def finish(self, arrival_s: float, *workers: Worker) -> None:
-        """A request ended: no longer in flight on `workers`."""
+    def finish(self, request: Turn, *workers: Worker) -> None:
+        """A request ended: no longer in flight on `workers`. Its session's next turn arrives now,
+        a request of its own, started (its path chosen, its workers placed) as any other; or its
+        session ended."""
         for worker in workers:
             worker.num_requests -= 1
-        self.report.latencies_s.append(self.sim.now - arrival_s)
+        turns = request.turns
+        if not turns.is_last:
+            turns.advance(self.scenario.suffix_tokens, request.seq.num_output_tokens)
+            prefix, arrival_s = request.prefix, request.arrival_s
+            self.sim.at(self.sim.now, lambda: self._start(self, prefix, turns, arrival_s))
+            return
+        self.report.latencies_s.append(self.sim.now - request.arrival_s)
         if self.scenario.concurrency is not None:
             self._start_next()
 
@@ -371,9 +386,7 @@ class _Prefill:
         return self.worker.run.prefix_prefill_s
 
     def run(self, prefix: PrefixKey, done: Callable[[], None]) -> None:
-        rows = self.worker.run.scenario.prefix_prefill_rows()
-        job = SimJob(lambda: rows[min(job.steps_taken, len(rows) - 1)], len(rows), done)
-        self.worker.loop.submit(job)
+        self.worker.loop.submit(chunked_job(self.worker.run.scenario.prefix_prefill_rows(), done))
 
 
 class _Received:

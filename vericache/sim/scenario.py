@@ -47,7 +47,7 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
     recompute_prefixes: false       # true: prefill a full prefix where that beats its fetch
     shared_prefix_attention: false  # true: a forward reads a shared prefix once (cascade)
     warm_nodes: false               # true: drafter nodes verify once their host tier is warm
-    turns_per_session: 1            # sequential turns per request (a session)
+    turns_per_session: 1            # a session's sequential turns, each a request of its own
     mode: vericache                 # or auto: each request's path chosen, reported beside it
 
 Every field is checked, unknown ones refused. The result sets VeriCache against full-KV serving on

@@ -1,0 +1,195 @@
+"""Sequential turns as served: each turn a request of its own, arriving when the one before it ends.
+VeriCache and `mode: auto` place (and auto chooses) each turn anew and keep no KV of a session's
+own between its turns; a full-KV deployment with prefix caching keeps a finished turn's KV for
+the next, where memory allows, as vLLM's and SGLang's do; the paper's baseline keeps nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.sim_scenarios import remote_prefix_scenario
+from vericache.sim.cost import Row
+from vericache.sim.remote_prefix import VeriCacheRequest
+from vericache.sim.remote_prefix_auto import path_estimates, start_auto
+from vericache.sim.remote_prefix_compare import paper_baseline_scenario
+from vericache.sim.remote_prefix_full import FullPool, FullRequest, full_start
+from vericache.sim.remote_prefix_workers import Run, SessionTurns
+from vericache.sim.workload import OutputLengths
+
+SUFFIX, OUTPUT, TURNS = 256, 32, 3
+
+
+def _turns(**changes):
+    """One session of 3 turns by default: a 256-token suffix (more than a verification's x + 1
+    tokens, so a prefill's rows stand apart) and 32 output tokens a turn."""
+    base = remote_prefix_scenario(
+        turns_per_session=TURNS, arrivals=(0.0,), suffix_tokens=SUFFIX,
+        output_lengths=OutputLengths((OUTPUT,)), host_tier_bytes=10**11,
+    )  # fmt: skip
+    return dataclasses.replace(base, **changes)
+
+
+def _recorded(run: Run) -> list[Row]:
+    """Every row of every forward `run`'s workers run, in order."""
+    rows: list[Row] = []
+    for worker in run.workers:
+        forward_s = worker.loop.forward_s
+
+        def recorded(batch: list[Row], forward_s=forward_s) -> float:
+            rows.extend(batch)
+            return forward_s(batch)
+
+        worker.loop.forward_s = recorded
+    return rows
+
+
+def _prefills(run: Run, rows: list[Row]) -> list[tuple[int, int]]:
+    """Each prefill chunk's tokens, and the exact tokens past the prefix that it follows."""
+    scenario = run.scenario
+    return [
+        (row.num_new_tokens, row.context_tokens - scenario.prefix_tokens)
+        for row in rows
+        if row.num_new_tokens > scenario.draft_len + 1
+    ]
+
+
+# Every token after the prefix, each turn: the suffixes and outputs of the turns before it too.
+ALL_AFTER_PREFIX = [(SUFFIX, 0), (2 * SUFFIX + OUTPUT, 0), (3 * SUFFIX + 2 * OUTPUT, 0)]
+
+
+@pytest.mark.parametrize("warm_nodes", [False, True], ids=["central", "warm-nodes"])
+def test_vericache_keeps_no_kv_of_a_session_between_its_turns(warm_nodes):
+    scenario = _turns(warm_nodes=warm_nodes)
+    run = Run(scenario)
+    rows, held_own = _recorded(run), []
+
+    def start(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
+        # What every worker holds beside its cached prefixes when a turn arrives.
+        held_own.extend(w.memory.used_bytes - w.memory.held_prefix_bytes for w in run.workers)
+        VeriCacheRequest.start(run, prefix, turns, arrival_s)
+
+    report = run.serve(start)
+    assert report.num_output_tokens == TURNS * OUTPUT and len(report.latencies_s) == 1
+    assert held_own == [0] * (TURNS * len(run.workers))
+    assert _prefills(run, rows) == ALL_AFTER_PREFIX
+    # The central verifier hands each turn's prompt after the prefix to the drafter as exact KV.
+    if not warm_nodes:
+        handed = sum(num_tokens + 1 for num_tokens, _ in ALL_AFTER_PREFIX)
+        compressed = scenario.prefix_bytes(compressed=True)
+        assert run.drafters[0].link.bytes_delivered >= compressed + (
+            handed * scenario.kv_bytes_per_token
+        )
+
+
+def test_vericache_places_each_turn_when_it_arrives():
+    run = Run(_turns(arrivals=(0.0,) * 4, num_prefixes=2))
+    placed = []  # whether each placement was a drafter's
+    place = run.place
+
+    def counted(workers, prefix, prefer=None):
+        placed.append(workers is run.drafters)
+        return place(workers, prefix, prefer)
+
+    run.place = counted
+    run.serve(VeriCacheRequest.start)
+    num_requests = 4 * TURNS
+    assert placed.count(True) == placed.count(False) == num_requests  # a drafter, a verifier
+
+
+def test_auto_chooses_each_turns_path_when_it_arrives_over_all_its_prompt():
+    scenario = _turns(arrivals=(0.0,) * 4, warm_nodes=True)
+    run = Run(scenario)
+    chosen: dict[int, list[int]] = {}
+
+    def start(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
+        chosen.setdefault(id(turns), []).append(turns.index)
+        before = sum(run.report.paths.values())
+        start_auto(run, prefix, turns, arrival_s)
+        assert sum(run.report.paths.values()) == before + 1
+
+    report = run.serve(start)
+    assert sorted(chosen.values()) == [list(range(TURNS))] * 4
+    assert sum(report.paths.values()) == 4 * TURNS
+    # A later turn's estimate prefills the earlier turns' tokens too, on every path.
+    first, later = SessionTurns((OUTPUT,) * TURNS), SessionTurns((OUTPUT,) * TURNS)
+    for _ in range(TURNS - 1):
+        later.advance(SUFFIX, 4096)
+    idle = Run(scenario)
+    for early, late in zip(path_estimates(idle, 0, first), path_estimates(idle, 0, later)):
+        assert (early.path, early.worker) == (late.path, late.worker)
+        assert late.setup_s > early.setup_s
+
+
+def test_a_full_kv_deployment_with_prefix_caching_reuses_the_turn_befores_kv():
+    cached = _turns()
+    for pool in FullPool:
+        run = Run(cached)
+        rows = _recorded(run)
+        run.serve(full_start(pool, {FullPool.LOCAL: 1.0, FullPool.REMOTE: 1.0}))
+        # Each later turn prefills only its suffix, after the turns before it.
+        assert _prefills(run, rows) == [
+            (SUFFIX, 0), (SUFFIX, SUFFIX + OUTPUT), (SUFFIX, 2 * (SUFFIX + OUTPUT)),
+        ]  # fmt: skip
+    # The paper's baseline keeps nothing: every turn fetches the prefix again and prefills all.
+    paper = paper_baseline_scenario(cached)
+    run = Run(paper)
+    rows = _recorded(run)
+    report = run.serve(full_start(FullPool.REMOTE))
+    assert _prefills(run, rows) == ALL_AFTER_PREFIX
+    assert report.link_bytes == TURNS * paper.prefix_bytes(compressed=False)
+
+
+def test_a_full_kv_turn_placed_elsewhere_prefills_all_its_prompt_again():
+    run = Run(_turns(num_verifiers=2, turns_per_session=2))
+    rows = _recorded(run)
+    served = []
+
+    def start(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
+        # The first turn on one verifier, the second on the other.
+        worker = run.verifiers[len(served)]
+        worker.num_requests += 1
+        served.append(worker)
+        FullRequest.open_on(run, prefix, turns, arrival_s, worker, caches_turns=True)
+
+    run.serve(start)
+    assert _prefills(run, rows) == [(SUFFIX, 0), (2 * SUFFIX + OUTPUT, 0)]
+
+
+@pytest.mark.parametrize("host_tier_bytes", [None, 10**12], ids=["no-tier", "host-tier"])
+def test_a_full_kv_turns_kv_stays_while_memory_allows_then_comes_back_from_the_host_tier(
+    host_tier_bytes,
+):
+    # 32 sessions over prefixes of their own on one verifier that holds about 14 of them: the
+    # sessions waiting for room take it from a finished turn's KV.
+    scenario = _turns(
+        arrivals=(0.0,) * 32, num_prefixes=32, prefixes_in_turn=True,
+        host_tier_bytes=host_tier_bytes,
+    )  # fmt: skip
+    run = Run(scenario)
+    rows = _recorded(run)
+    run.serve(full_start(FullPool.LOCAL))
+    prefilled = sum(num_tokens for num_tokens, _ in _prefills(run, rows))
+    only_suffixes = 32 * TURNS * SUFFIX
+    host_bytes = run.verifiers[0].host_link.bytes_delivered
+    if host_tier_bytes is None:
+        assert prefilled > only_suffixes and host_bytes == 0
+    else:  # every later turn found its KV, on the device or over PCIe
+        prefixes = scenario.prefix_bytes(compressed=False) * run.report.prefix_sources["host_tier"]
+        assert prefilled == only_suffixes and host_bytes > prefixes
+
+
+def test_sequential_turns_run_each_turn_after_the_last_over_a_growing_prompt():
+    scenario = remote_prefix_scenario(
+        turns_per_session=3, arrivals=(0.0,) * 2, output_lengths=OutputLengths((32,))
+    )
+    for start in (VeriCacheRequest.start, full_start(FullPool.LOCAL)):
+        report = Run(scenario).serve(start)
+        assert report.num_output_tokens == 2 * 3 * 32 and len(report.latencies_s) == 2
+    turns = SessionTurns((32, 32, 32))
+    turns.advance(scenario.suffix_tokens, 32)
+    assert (
+        Run(scenario).sequence(turns).seq.room
+        < Run(scenario).sequence(SessionTurns((32,))).seq.room
+    )
