@@ -30,17 +30,15 @@ from vericache.engine.sequence import Sequence
 from vericache.kv.exact import ExactKV
 from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.api_types import GenerateSummary, ServeMode
+from vericache.serve.local_rounds import go_local, local_rounds, may_verify_on, same_arithmetic
 from vericache.serve.worker_api import (
     DecodeCall,
     DraftCall,
     Drafted,
     DrafterAPI,
     DraftRole,
-    LocalOpened,
     LocalRound,
-    LocalRoundCall,
     OpenDrafter,
-    OpenLocal,
     OpenVerifier,
     Traffic,
     Verified,
@@ -269,14 +267,14 @@ async def _vericache(
     schedule: Schedule | None,
 ) -> AsyncIterator[list[int]]:
     resumed = served.is_resumed
-    if schedule is None and _may_verify_on(drafter, verifier, served.plan.prefix_id):
+    if schedule is None and may_verify_on(drafter, verifier, served.plan.prefix_id):
         # Its drafter node is warm for the prefix: the request starts there, no central verifier.
         await _open_drafter(served, drafter, DraftRole.DRAFT, address, warms=True)
-        local = await _go_local(served, verifier, drafter, None, needs_first_token=not resumed)
+        local = await go_local(served, verifier, drafter, None, needs_first_token=not resumed)
         if local is not None:
             if not resumed:
                 yield served.commit([local.first_token])
-            async for tokens in _local_rounds(served, drafter):
+            async for tokens in local_rounds(served, drafter):
                 yield tokens
             return
         opened = await _open_verifier(served, verifier, True)  # evicted since: central after all
@@ -285,7 +283,7 @@ async def _vericache(
         opened, _ = await asyncio.gather(
             _open_verifier(served, verifier, True),
             _open_drafter(
-                served, drafter, DraftRole.DRAFT, address, _same_arithmetic(drafter, verifier)
+                served, drafter, DraftRole.DRAFT, address, same_arithmetic(drafter, verifier)
             ),
         )
     if not resumed:
@@ -307,7 +305,7 @@ async def _central_rounds(
     (and of the verifier's arithmetic): the rest go there."""
     exact, link_delay = opened.exact, opened.link_delay_s
     seq = served.seq
-    may_go_local = _same_arithmetic(drafter, verifier)
+    may_go_local = same_arithmetic(drafter, verifier)
     while not seq.is_finished:
         num_drafts = seq.begin_round(seq.request.draft_len)
         drafting, drafts = None, ()
@@ -320,59 +318,11 @@ async def _central_rounds(
         exact, link_delay = verified.exact, verified.link_delay_s
         yield served.finish_round(verified)
         if may_go_local and served.drafter_is_warm and not seq.is_finished:
-            if await _go_local(served, verifier, drafter, exact) is not None:
-                async for tokens in _local_rounds(served, drafter):
+            if await go_local(served, verifier, drafter, exact) is not None:
+                async for tokens in local_rounds(served, drafter):
                     yield tokens
                 return
             may_go_local = False  # its tier let the prefix go meanwhile: it stays central
-
-
-def _may_verify_on(drafter: DrafterAPI, verifier: VerifierAPI, prefix_id: str | None) -> bool:
-    """Whether the drafter node holds the prefix's full KV and verifies with the verifier's
-    arithmetic (same bits), as their last probes said."""
-    return _same_arithmetic(drafter, verifier) and prefix_id in drafter.warm_prefixes
-
-
-def _same_arithmetic(drafter: DrafterAPI, verifier: VerifierAPI) -> bool:
-    """Whether the drafter node's verifications would give the verifier's bits."""
-    return bool(drafter.numerics) and drafter.numerics == verifier.numerics
-
-
-async def _go_local(
-    served: ServedRequest,
-    verifier: VerifierAPI,
-    drafter: DrafterAPI,
-    exact: ExactKV | None,
-    needs_first_token: bool = False,
-) -> LocalOpened | None:
-    """Puts the request's verification on its warm drafter node (from its start, or between
-    two rounds with the central verifier's last `exact` KV), then lets the central verifier go
-    (its session, and its count of the request); None where the node's tier no longer holds
-    the prefix, which changes nothing."""
-    call = OpenLocal(
-        served.session_id, served.history, exact, served.opening_sampler, needs_first_token
-    )
-    local = await drafter.open_local(call)
-    if not local.is_local:
-        return None
-    await verifier.close_session(served.session_id)
-    served.release_verifier()
-    return local
-
-
-async def _local_rounds(served: ServedRequest, drafter: DrafterAPI) -> AsyncIterator[list[int]]:
-    """Rounds drafted and verified on the warm drafter node, one call each."""
-    seq = served.seq
-    while not seq.is_finished:
-        num_drafts = seq.begin_round(seq.request.draft_len)
-        served.num_round_calls += 1
-        served.num_local_rounds += 1
-        call = LocalRoundCall(
-            served.session_id, served.pending, num_drafts, served.end_ids, seq.sampler()
-        )
-        done = await drafter.local_round(call)
-        seq.draft_ids = list(done.drafts)
-        yield served.finish_round(done)
 
 
 async def verification(
