@@ -88,15 +88,15 @@ def slot_bytes(config: ModelConfig, element_size: int) -> int:
     )
 
 
-def full_kv_capacity(request: Request, max_positions: int) -> int:
-    """Slots a request's full KV reserves (`slots.full_kv_slots`); over a prefix, the request
-    reads the prefix's shared copy (kv/prefixed.py) and reserves its own slots exactly."""
+def full_kv_capacity(request: Request, max_positions: int, shares_prefix: bool = True) -> int:
+    """Slots a request's full KV reserves (`slots.full_kv_slots`); where it reads its prefix from
+    a shared copy (kv/prefixed.py), it reserves its own slots exactly."""
     return slots.full_kv_slots(
         len(request.prompt_ids),
         request.params.max_new_tokens,
         request.draft_len,
         max_positions,
-        request.num_prefix_tokens,
+        request.num_prefix_tokens if shares_prefix else 0,
     )
 
 

@@ -282,7 +282,9 @@ class LongContextEngine(Engine):
             return seq
         resident_bytes = seq.compressed_cache.resident_bytes
         self.memory.hold(("compressed", key), resident_bytes)
-        capacity = full_kv_capacity(request, self.model_config.max_position_embeddings)
+        # Its host copy holds the prefix too (prefilled into its own full KV, `_prefix_caches`).
+        max_positions = self.model_config.max_position_embeddings
+        capacity = full_kv_capacity(request, max_positions, shares_prefix=False)
         self._host[key] = HostKV.from_cache(seq.full_cache, capacity, pin=self._is_cuda)
         seq.full_cache = None
         self.memory.release(("full", key))

@@ -251,7 +251,7 @@ class Coordinator:
         request = plan.request
         if mode.decode_mode is DecodeMode.FULL:
             request = dataclasses.replace(request, mode=DecodeMode.FULL, compressor=None)
-        return dataclasses.replace(plan, mode=mode, request=request, chosen=True)
+        return dataclasses.replace(plan, mode=mode, request=request)
 
     @property
     def num_running(self) -> int:

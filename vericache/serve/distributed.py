@@ -35,6 +35,7 @@ from vericache.serve.api_types import ServeMode
 from vericache.serve.auto_path import PathOption
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import CoordinatorConfig
+from vericache.serve.local_rounds import same_arithmetic
 from vericache.serve.metrics import ServeMetrics
 from vericache.serve.restarts import Restarts
 from vericache.serve.rounds import ServedRequest, run_request
@@ -213,7 +214,7 @@ class DistributedBackend:
         its full decoding would give other bits, and auto's paths all give the verifier's."""
         verifier = _placed_or_none(self.verifiers, prefix_id)
         drafter = _placed_or_none(self.drafters, prefix_id)
-        if drafter is not None and verifier is not None and drafter.numerics != verifier.numerics:
+        if drafter is not None and verifier is not None and not same_arithmetic(drafter, verifier):
             drafter = None
         options = []
         if verifier is not None:
@@ -277,19 +278,19 @@ class DistributedBackend:
         """The request's verifier and drafter (None where its mode needs none). The worker whose
         forwards choose its tokens is of its stream's arithmetic, once it has one (`numerics`): a
         stream that goes on elsewhere keeps its bits, or waits for such a worker."""
-        mode, prefix_id = served.plan.mode, served.plan.prefix_id
-        on_drafter = mode in (ServeMode.FULL_REMOTE, ServeMode.LOSSY)
-        numerics = served.numerics
+        mode, prefix_id, numerics = served.plan.mode, served.plan.prefix_id, served.numerics
+        on_drafter = _decodes_on_drafter(mode)
         verifier = _placed(self.verifiers, prefix_id, "verifier", "" if on_drafter else numerics)
         drafter = None
         if mode.needs_drafter:
             drafter = _placed(self.drafters, prefix_id, "drafter", numerics if on_drafter else "")
-        served.numerics = numerics or (drafter if on_drafter else verifier).numerics
         return verifier, drafter
 
     async def _serve_on_workers(self, served: ServedRequest) -> AsyncIterator[list[int]]:
         prefix_id = served.plan.prefix_id
         verifier, drafter = self._placed_for(served)
+        decoder = drafter if _decodes_on_drafter(served.plan.mode) else verifier
+        served.numerics = served.numerics or decoder.numerics
         workers = [w for w in (verifier, drafter) if w is not None]
         counted = list(workers)  # the workers whose load it counts in now
         for worker in counted:
@@ -314,6 +315,11 @@ class DistributedBackend:
             # Cancelled or not, the workers drop the request's caches.
             closing = [w.close_session(served.session_id) for w in workers]
             await asyncio.shield(asyncio.gather(*closing, return_exceptions=True))
+
+
+def _decodes_on_drafter(mode: ServeMode) -> bool:
+    """Whether a drafter's forwards choose the request's tokens (else the verifier's)."""
+    return mode in (ServeMode.FULL_REMOTE, ServeMode.LOSSY)
 
 
 def _placed_or_none(workers: list, prefix_id: str | None):

@@ -59,7 +59,6 @@ class RequestPlan:
     # The engine's request: prompt, prefix length, sampling, decode mode, compressor, draft length.
     request: Request
     decode_chunk: int  # tokens per worker call when one worker decodes alone
-    chosen: bool = False  # `mode` is what auto chose (auto_path.py), not what the caller named
 
 
 @dataclass

@@ -174,7 +174,7 @@ class Verifier:
             self.close_session(call.session_id)
             raise
         traffic = shared + loaded + self._found() + Traffic(link_bytes=exact.nbytes if exact else 0)
-        return VerifierOpened(first, exact, delay, traffic, numerics=self.info.numerics)
+        return VerifierOpened(first, exact, delay, traffic)
 
     def verify(self, call: VerifyCall) -> Verified:
         """One forward over [pending + drafts] with the full KV (batched with the other

@@ -130,7 +130,6 @@ class VerifierOpened:
     link_delay_s: float  # until `exact` has crossed the link to the drafters
     traffic: Traffic
     forward_s: float = 0.0  # the batch's verification forward, without waiting for loads
-    numerics: str = ""  # the verifier's (`ModelInfo.numerics`)
 
 
 @dataclass(frozen=True)
