@@ -108,6 +108,22 @@ def test_full_decoding_on_a_warm_node_reads_its_host_tier_and_fetches_nothing(wa
     assert drafter.worker._prefixes.stats().num_prefixes == 1  # the compressed copy alone
 
 
+def test_a_full_fetch_lands_in_the_host_tier_and_warms_the_node(warm_server):
+    # A full-KV server with a host-memory tier keeps what it fetched: the prefix crosses once.
+    server, client, prefix_id = warm_server()
+    reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=24)
+    first = client.generate(PROMPT, prefix_id=prefix_id, mode="full_remote", max_tokens=24)
+    again = client.generate(PROMPT, prefix_id=prefix_id, mode="full_remote", max_tokens=24)
+    assert first.token_ids == again.token_ids == reference.token_ids
+    assert first.stats["link_bytes"] > 0 and again.stats["link_bytes"] == 0
+    (drafter,) = server.coordinator.backend.drafters
+    assert drafter.worker._prefixes.stats().num_prefixes == 0  # nothing on the device's copies
+    assert wait_for(lambda: _warm(server, prefix_id), timeout_s=30)
+    warm = client.generate(PROMPT, prefix_id=prefix_id, **VERICACHE)
+    assert warm.stats["local_rounds"] == warm.stats["rounds"]
+    assert warm.token_ids[:24] == reference.token_ids
+
+
 def test_a_seeded_sampled_stream_is_unchanged_across_the_switch(warm_server):
     server, client, prefix_id = warm_server()
     options = {"max_tokens": 40, "temperature": 0.8, "seed": 11, "draft_len": 4}

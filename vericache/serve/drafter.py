@@ -150,15 +150,27 @@ class Drafter:
     def _prefix_copy(
         self, call: OpenDrafter
     ) -> tuple[HeldPrefix[KVCache], SharedPrefixes[KVCache], Traffic]:
-        """The session's prefix's copy, pinned, where it is held, and what fetching it cost: a
-        FULL session on a node warm for the prefix reads the host tier's copy, with no fetch;
-        else the device's copy, fetched over the link where it holds none."""
+        """The session's prefix's copy, pinned, where it is held, and what fetching it cost.
+        Full KV goes to the host tier where the node has one (read there with no fetch once it
+        holds it, as a full-KV server with a host-memory tier keeps what it fetched), unless the
+        prefix is larger than the whole tier; else to the device's copies, fetched over the link
+        where they hold none."""
         kind = fetch_kind(call.role)
-        if self._warm is not None and kind == KVKind.FULL:
-            held = self._warm.tier.acquire_held((call.prefix_id, kind))
-            if held is not None:
-                return held, self._warm.tier, Traffic()
         proofs = self._secret.fetch_metadata(call.session_id, call.fetch_grant)
+        nbytes = call.num_prefix_tokens * self.info.full_kv_bytes_per_token
+        if (
+            kind == KVKind.FULL
+            and self._warm is not None
+            and nbytes <= self._warm.tier.budget_bytes
+        ):
+            tier = self._warm.tier
+            held = tier.acquire_held((call.prefix_id, kind))
+            if held is not None:
+                return held, tier, Traffic()
+            fetcher = self._fetcher(call.transfer_address, self._tier_fetchers, tier)
+            fetched = fetcher.fetch(call.prefix_id, kind, proofs, nbytes=nbytes)
+            traffic = Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds)
+            return fetched.held, tier, traffic
         fetched = self._fetcher(call.transfer_address).fetch(call.prefix_id, kind, proofs)
         traffic = Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds)
         return fetched.held, self._prefixes, traffic
