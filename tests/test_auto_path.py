@@ -38,6 +38,18 @@ def test_every_path_is_measured_before_the_measurements_choose():
     assert tried == [LOCAL, VERICACHE, REMOTE]
 
 
+def test_requests_started_together_spread_over_the_unmeasured_paths():
+    auto = AutoPaths()
+    started = [auto.choose(options(), 32) for _ in range(4)]
+    assert started == [LOCAL, VERICACHE, REMOTE, LOCAL]  # the fourth: the fewest trying
+    auto.ended(VERICACHE)  # cut short: nothing measured, so it is tried again
+    assert auto.choose(options(), 32) is VERICACHE
+    auto.observe(LOCAL, summary(0.1, 50.0), load=1)
+    auto.ended(LOCAL)
+    # LOCAL is measured now; the others are still being tried, so LOCAL takes the next.
+    assert auto.choose(options(), 32) is LOCAL
+
+
 def test_the_path_that_finishes_first_wins_at_the_loads_of_now():
     auto = AutoPaths()
     auto.observe(LOCAL, summary(0.2, 40.0), load=1)  # 25 ms a token alone

@@ -9,12 +9,15 @@ gives. A path's estimate for a new request is then setup + tokens x seconds per 
 of the worker placement would give it now (its drafter for VERICACHE and FULL_REMOTE, on a node
 warm for the prefix where one is: FULL_WARM; its verifier for FULL_LOCAL), and `choose_path`
 takes the one that finishes first. A path the server has not measured yet is tried first, so
-that every path is measured; a path none of whose workers is alive is never offered.
+that every path is measured, by one request at a time: while it is being tried, requests take the
+paths measured or not yet tried (those started together spread over the unmeasured paths, rather
+than all piling onto the first). A path none of whose workers is alive is never offered.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass
 
 from vericache.scheduler.path_choice import PathEstimate, ServingPath, choose_path
@@ -56,13 +59,32 @@ class PathOption:
 class AutoPaths:
     def __init__(self):
         self._measured: dict[ServingPath, _Measured] = {}
+        self._trying: Counter[ServingPath] = Counter()  # unmeasured paths' requests in flight
         self._lock = threading.Lock()
 
     def choose(self, options: list[PathOption], num_tokens: int) -> ServingPath:
-        """The option that finishes `num_tokens` first, by the measurements so far."""
+        """The option that finishes `num_tokens` first, by the measurements so far, counted as
+        started (`ended` when it ends). Paths being tried are left out while another is
+        measured or untried; where every option is being tried, the one fewest are trying."""
         with self._lock:
-            estimates = [self._estimate(option) for option in options]
-        return choose_path(estimates, num_tokens).path
+            open_options = [o for o in options if not self._is_trying(o.path)]
+            if open_options:
+                estimates = [self._estimate(option) for option in open_options]
+                path = choose_path(estimates, num_tokens).path
+            else:
+                path = min(options, key=lambda option: self._trying[option.path]).path
+            if path not in self._measured:
+                self._trying[path] += 1
+        return path
+
+    def ended(self, path: ServingPath) -> None:
+        """A request `choose` sent down `path` ended, served or not."""
+        with self._lock:
+            if self._trying[path] > 0:
+                self._trying[path] -= 1
+
+    def _is_trying(self, path: ServingPath) -> bool:
+        return path not in self._measured and self._trying[path] > 0
 
     def observe(self, path: ServingPath, summary: GenerateSummary, load: int) -> None:
         """A request served on `path` ended, its decoding worker holding `load` requests (it

@@ -30,6 +30,7 @@ from vericache.errors import (
     PrefixNotFoundError,
     WorkerUnavailableError,
 )
+from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.admission import Admission
 from vericache.serve.api_types import (
     CompressorChoice,
@@ -226,8 +227,10 @@ class Coordinator:
         with self._active(tenant):
             await self._admission.admit(plan.prefix_id)
             self._meter_queue()
+            chosen = None
             try:
-                served = self._served(self._resolved(plan))  # auto chooses at the loads of now
+                plan, chosen = self._resolved(plan)  # auto chooses at the loads of now
+                served = self._served(plan)
                 rounds = self.backend.serve(served)
                 events = metered(self.metrics, served, stream_events(served, rounds))
                 async with contextlib.aclosing(events):
@@ -236,14 +239,16 @@ class Coordinator:
                 if served.path is not None and served.seq.finish_reason is not None:
                     self._auto.observe(served.path, served.summary(), served.worker_load)
             finally:
+                if chosen is not None:
+                    self._auto.ended(chosen)
                 self._admission.release(plan.prefix_id)
                 self._meter_queue()
 
-    def _resolved(self, plan: RequestPlan) -> RequestPlan:
-        """The plan of an AUTO request with the path chosen for it (auto_path.py); any other
-        plan as it is."""
+    def _resolved(self, plan: RequestPlan) -> tuple[RequestPlan, ServingPath | None]:
+        """The plan of an AUTO request with the path chosen for it (auto_path.py), and that
+        path; any other plan as it is, and None."""
         if plan.mode is not ServeMode.AUTO:
-            return plan
+            return plan, None
         options = self.backend.path_options(plan.prefix_id)
         path = self._auto.choose(options, plan.request.params.max_new_tokens)
         self.metrics.auto_path_chosen(path.value)
@@ -251,7 +256,7 @@ class Coordinator:
         request = plan.request
         if mode.decode_mode is DecodeMode.FULL:
             request = dataclasses.replace(request, mode=DecodeMode.FULL, compressor=None)
-        return dataclasses.replace(plan, mode=mode, request=request)
+        return dataclasses.replace(plan, mode=mode, request=request), path
 
     @property
     def num_running(self) -> int:
