@@ -14,6 +14,12 @@ thread each: a worker stands for one GPU; a cold drafter LRU):
 - FULL_BOTH: full-KV serving on every worker at once: a router sends each request to the verifier
   (FULL_LOCAL) or the drafters (FULL_REMOTE), whichever would finish it first given the
   throughput each measured alone (bench/serving.py, `Router`).
+- AUTO: the server chooses each request's path (serve/auto_path.py) among the above.
+A second stream (`--many-prefixes`, 8 of 3k+ tokens, a few sessions each) is served past the
+drafters' device budget (`--many-drafter-kv`: 2 full prefixes), every drafter with a host tier
+that holds them all: FULL_REMOTE keeps what it fetched there (a full-KV server with a host-memory
+tier), and VERICACHE's drafter nodes turn warm and verify their own rounds (serve/warm_node.py).
+Its cells: FULL_LOCAL, FULL_REMOTE, FULL_BOTH, VERICACHE and AUTO, on the same workers and budgets.
 The link's bandwidth makes moving one prefix's full KV take `--ratio` times FULL_LOCAL's seconds
 per reply (its stream's wall time / requests). Each cell is served `--repeats` times, on fresh
 workers each time: its median tokens/s, with the smallest and largest. Each time the stream's
@@ -40,6 +46,10 @@ Summary:
   (reference_cpu_s_pertoken_range);
 - verifier_serving_overhead: the verifier's CPU over its own forward loop's plus the suffix
   prefills', in the same stream: serving's share alone;
+- auto_over_best_full_many_prefixes: AUTO over the best full-KV cell of the many-prefix stream,
+  at the headline draft length and one drafter (target >= 1.5);
+- auto_over_best_everywhere: the least, over every AUTO cell, of AUTO over the better of VERICACHE
+  (same stream, draft length and drafters) and that stream's best full-KV cell (target >= 0.95);
 - identical: every sample's exact outputs equal FULL_LOCAL's, and the in-process engine's too.
 Run with OMP_NUM_THREADS=1 on a machine with a core per worker and nothing else busy; each sample
 keeps the CPU seconds of the drafters, the verifier and everything else during its stream.
@@ -49,21 +59,24 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vericache.bench.common import (
-    compressor_from_label,
     environment,
     int_list,
     str_list,
     token_range,
 )
 from vericache.bench.remote_prefix_cells import (
+    FEW,
+    MANY,
     Cell,
     StreamSpec,
+    auto_cells,
     cell_record,
+    many_prefix_cells,
     request_stream,
     vericache_cells,
 )
@@ -72,6 +85,7 @@ from vericache.bench.remote_prefix_reference import (
     EngineReference,
     ReferenceRun,
 )
+from vericache.bench.remote_prefix_registration import register_prefixes
 from vericache.bench.remote_prefix_summary import DEFINITIONS, summarize
 from vericache.bench.serving import (
     Router,
@@ -81,7 +95,7 @@ from vericache.bench.serving import (
     serve_stream,
     stream_record,
 )
-from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
+from vericache.bench.workloads import code_contexts
 from vericache.client import Client
 from vericache.engine.link import LinkSpec
 from vericache.errors import InvalidRequestError
@@ -108,6 +122,14 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--drafter-kv", type=float, default=1.5, help="drafter LRU, full prefixes")
     parser.add_argument("--rtt-latency-ms", type=float, default=20.0, help="one-way, for rtt20")
+    parser.add_argument("--many-prefixes", type=int, help="many-prefix stream (8; 0: none)")
+    parser.add_argument(
+        "--many-prefix-tokens", type=token_range, help="its MIN,MAX tokens (3000,3500)"
+    )
+    parser.add_argument("--many-requests", type=int, help="its requests (24; quick 8)")
+    parser.add_argument(
+        "--many-drafter-kv", type=float, default=2.0, help="its drafters' budget, full prefixes"
+    )
 
 
 def stream_spec(args) -> StreamSpec:
@@ -128,6 +150,10 @@ def stream_spec(args) -> StreamSpec:
         ratio=args.ratio,
         drafter_kv_prefixes=args.drafter_kv,
         rtt_latency_s=args.rtt_latency_ms / 1e3,
+        many_prefixes=pick(args.many_prefixes, 8, 8),
+        many_prefix_tokens=pick(args.many_prefix_tokens, (3000, 3500), (1000, 1500)),
+        many_requests=pick(args.many_requests, 24, 8),
+        many_drafter_kv_prefixes=args.many_drafter_kv,
     )
 
 
@@ -142,16 +168,26 @@ def bandwidth_for(ratio: float, full_wire_bytes: float, seconds_per_reply: float
 
 
 @dataclass
+class Stream:
+    """One stream of requests over its prefixes, and the drafters' budgets it is served with."""
+
+    prefixes: list[dict]
+    jobs: list[tuple[str, str]]
+    drafter_kv_bytes: int
+    host_tier_bytes: int = 0
+    expected: list[list[int]] | None = None  # FULL_LOCAL's outputs, once served
+
+
+@dataclass
 class Bench:
-    """What every cell is served with: the model, the store, the stream and the link."""
+    """What every cell is served with: the model, the store, the streams and the link."""
 
     model: str
     root: Path
     spec: StreamSpec
-    jobs: list[tuple[str, str]]
-    drafter_kv_bytes: int
+    streams: dict[str, Stream]
     bandwidth: float | None = None  # None: an open link (registration, calibration)
-    rates: dict[str, float] | None = None  # per pool, alone: the FULL_BOTH router's weights
+    rates: dict[str, float] = field(default_factory=dict)  # by cell: the FULL_BOTH router's
     reference: EngineReference | None = None  # measured beside VERICACHE cells, if set
 
     def serve(self, *cells: Cell) -> list[tuple[dict, list[list[list[int]]]]]:
@@ -177,7 +213,12 @@ class Bench:
         ]
 
     def _is_referenced(self, cell: Cell) -> bool:
-        return self.reference is not None and cell.mode == "vericache" and not cell.latency_s
+        return (
+            self.reference is not None
+            and cell.mode == "vericache"
+            and cell.workload == FEW
+            and not cell.latency_s
+        )
 
     @staticmethod
     def _record(cell: Cell, samples, outputs, parts: list[ReferenceRun]) -> dict:
@@ -190,10 +231,14 @@ class Bench:
         return record
 
     def _serve_once(self, cell: Cell) -> tuple[dict, list[list[int]]]:
+        stream = self.streams[cell.workload]
         verifier = VerifierConfig(
             model=self.model, root=self.root, link=LinkSpec(self.bandwidth, cell.latency_s)
         )
-        drafter = DrafterConfig(model=self.model, kv_cache_bytes=self.drafter_kv_bytes)
+        drafter = DrafterConfig(
+            model=self.model, kv_cache_bytes=stream.drafter_kv_bytes,
+            host_tier_bytes=stream.host_tier_bytes,
+        )  # fmt: skip
         config = CoordinatorConfig(
             default_draft_len=cell.draft_len or 30, scheduling=cell.scheduling
         )
@@ -202,72 +247,42 @@ class Bench:
         draft_len = cell.draft_len or 30
         with ray_server(verifier, drafter, cell.num_drafters, config) as server:
             # The stream's first wave, untimed: the workers reach their steady state (KV buffers
-            # of closed sessions to reuse, prefixes in the drafters' LRU as far as it holds them).
-            warm = self.jobs[: spec.concurrency]
+            # of closed sessions to reuse, prefixes in the drafters' LRU as far as it holds them,
+            # AUTO's first measurement of each path).
+            warm = stream.jobs[: spec.concurrency]
             serve_stream(server.target, warm, mode, spec.max_tokens, draft_len, spec.concurrency)
             before = _server_counts(server)
             wall_s, results, cpu_s, routed = serve_stream(
-                server.target, self.jobs, mode, spec.max_tokens, draft_len, spec.concurrency
+                server.target, stream.jobs, mode, spec.max_tokens, draft_len, spec.concurrency
             )
             sample = stream_record(wall_s, results, cpu_s)
             sample |= {k: v - before[k] for k, v in _server_counts(server).items()}
         if cell.mode == "full_both":
-            sample["routed"] = {m: routed.count(m) for m in set(routed)}
+            sample["routed"] = dict(Counter(routed))
+        if cell.mode == "auto":
+            sample["paths"] = dict(Counter(result.stats["path"] for result in results))
         return sample, [result.token_ids for result in results]
 
     def _pools(self, cell: Cell) -> dict[str, float]:
+        def rate(mode: str, num_drafters: int) -> float:
+            return self.rates[Cell(mode, num_drafters, workload=cell.workload).name]
+
         return {
-            "full_local": self.rates["full_local d=1"],
-            "full_remote": self.rates[f"full_remote d={cell.num_drafters}"],
+            "full_local": rate("full_local", 1),
+            "full_remote": rate("full_remote", cell.num_drafters),
         }
 
 
 def _server_counts(server) -> dict[str, float]:
-    """Counts that a stream adds to: round calls, rounds, the verifier's forward-loop CPU."""
+    """Counts that a stream adds to: round calls, rounds, the verifier's forward-loop CPU, the
+    rounds verified on warm drafter nodes."""
     batching = server.run(server.coordinator.backend.verifiers[0].batching())
     return {
         "round_calls": metric(server, "round_worker_calls_total"),
         "verified_rounds": metric(server, "spec_decode_num_drafts_total"),
+        "local_rounds": metric(server, "local_rounds_total"),
         "verifier_forward_cpu_s": batching.cpu_s,
     }
-
-
-def _register(client: Client, contexts, label: str) -> list[dict]:
-    """Registers every prefix, timing each stage; one FULL_REMOTE request each (one output
-    token) measures the bytes its full KV puts on the link."""
-    params = compressor_from_label(label).spec()["params"]
-    prefixes = []
-    for context in contexts:
-        stages, last = {}, time.perf_counter()
-
-        def on_progress(progress, stages=stages):
-            nonlocal last
-            now = time.perf_counter()
-            stages[progress.stage] = now - last
-            last = now
-
-        prefix_id = client.put_prefix(
-            text=context.text, compressor=label.split("-", 1)[0], ratio=params.get("ratio"),
-            bits=params.get("bits"), dtype=params.get("dtype"), on_progress=on_progress,
-        )  # fmt: skip
-        info = client.get_prefix(prefix_id)
-        fetch = client.generate(
-            CONTEXT_PROMPTS[0], prefix_id=prefix_id, mode="full_remote", max_tokens=1
-        )
-        prefixes.append(
-            {
-                "name": context.name,
-                "prefix_id": prefix_id,
-                "text": context.text,
-                "num_tokens": info.num_tokens,
-                "full_kv_bytes": info.full_kv_bytes,
-                "compressed_wire_bytes": info.compressed_kv_bytes,
-                "full_wire_bytes": fetch.stats["link_bytes"],
-                "stage_s": stages,
-            }
-        )
-        print(f"[remote-prefix] registered {context.name}: {info.num_tokens} tokens")
-    return prefixes
 
 
 # --- The benchmark -------------------------------------------------------------------------------
@@ -276,59 +291,98 @@ def _register(client: Client, contexts, label: str) -> list[dict]:
 def run(args) -> dict:
     spec = stream_spec(args)
     tokenizer = load_tokenizer(resolve_model_dir(args.model))
-    contexts = code_contexts(tokenizer, *spec.prefix_tokens, spec.num_prefixes, truncate=True)
+    contexts = {
+        FEW: code_contexts(tokenizer, *spec.prefix_tokens, spec.num_prefixes, truncate=True)
+    }
+    if spec.many_prefixes:
+        contexts[MANY] = code_contexts(
+            tokenizer, *spec.many_prefix_tokens, spec.many_prefixes, truncate=True
+        )
     with ray_session(max(spec.drafter_counts)), tempfile.TemporaryDirectory() as directory:
-        bench = Bench(args.model, Path(directory), spec, [], 16 << 30)
+        bench = Bench(args.model, Path(directory), spec, {})
         with ray_server(VerifierConfig(model=args.model, root=bench.root), DrafterConfig(
             model=args.model
         ), 1) as server, Client(server.target) as client:  # fmt: skip
-            prefixes = _register(client, contexts, spec.compressor)
-        max_full = max(p["full_kv_bytes"] for p in prefixes)
-        bench.drafter_kv_bytes = int(spec.drafter_kv_prefixes * max_full)
-        bench.jobs = request_stream([p["prefix_id"] for p in prefixes], spec.num_requests)
-        cells = _serve_all(bench, prefixes)
+            prefixes = {
+                name: register_prefixes(client, c, spec.compressor) for name, c in contexts.items()
+            }
+        bench.streams = {name: _stream(name, found, spec) for name, found in prefixes.items()}
+        cells = _serve_all(bench)
     return {
         "benchmark": "remote-prefix",
         "summary": summarize(cells, spec),
         "definitions": DEFINITIONS,
         "config": {**asdict(spec), "model": args.model, "quick": args.quick},
         "environment": environment(),
-        "prefixes": [{k: v for k, v in p.items() if k != "text"} for p in prefixes],
+        "prefixes": [_without_text(p) for p in prefixes[FEW]],
+        "many_prefixes": [_without_text(p) for p in prefixes.get(MANY, [])],
         "bandwidth_bytes_per_s": bench.bandwidth,
-        "drafter_kv_cache_bytes": bench.drafter_kv_bytes,
+        "drafter_kv_cache_bytes": bench.streams[FEW].drafter_kv_bytes,
+        "many_prefix_budgets": _budgets(bench.streams.get(MANY)),
         "cells": cells,
     }
 
 
-def _serve_all(bench: Bench, prefixes: list[dict]) -> list[dict]:
+def _stream(name: str, prefixes: list[dict], spec: StreamSpec) -> Stream:
+    """The stream over `prefixes`, with its drafters' device budget (and, for the many-prefix
+    stream, a host tier that holds every prefix)."""
+    ids = [p["prefix_id"] for p in prefixes]
+    max_full = max(p["full_kv_bytes"] for p in prefixes)
+    if name == FEW:
+        return Stream(prefixes, request_stream(ids, spec.num_requests), int(
+            spec.drafter_kv_prefixes * max_full
+        ))  # fmt: skip
+    tier = int(1.25 * sum(p["full_kv_bytes"] for p in prefixes))
+    budget = int(spec.many_drafter_kv_prefixes * max_full)
+    return Stream(prefixes, request_stream(ids, spec.many_requests), budget, tier)
+
+
+def _without_text(prefix: dict) -> dict:
+    return {k: v for k, v in prefix.items() if k != "text"}
+
+
+def _budgets(stream: Stream | None) -> dict | None:
+    if stream is None:
+        return None
+    return {"drafter_kv_bytes": stream.drafter_kv_bytes, "host_tier_bytes": stream.host_tier_bytes}
+
+
+def _serve_all(bench: Bench) -> list[dict]:
     """FULL_LOCAL first (it calibrates the link), then every other cell at that bandwidth, each
-    VERICACHE cell followed by its in-process reference."""
-    spec = bench.spec
-    ((full_local, local_outputs),) = bench.serve(Cell("full_local", 1))
-    expected = local_outputs[0]
-    full_local["outputs_match"] = all(outputs == expected for outputs in local_outputs)
+    VERICACHE cell followed by its in-process reference; then the many-prefix stream's cells."""
+    spec, few = bench.spec, bench.streams[FEW]
+    (full_local,) = _served(bench, (Cell("full_local", 1),))
     seconds_per_reply = statistics.median(s["wall_s"] for s in full_local["samples"]) / len(
-        bench.jobs
+        few.jobs
     )
-    full_wire = statistics.mean(p["full_wire_bytes"] for p in prefixes)
+    full_wire = statistics.mean(p["full_wire_bytes"] for p in few.prefixes)
     bench.bandwidth = bandwidth_for(spec.ratio, full_wire, seconds_per_reply)
     print(f"[remote-prefix] link: {bench.bandwidth / 1e6:.2f} MB/s")
-    cells, bench.rates = [full_local], {full_local["name"]: full_local["tokens_per_s"]}
+    cells = [full_local]
     plan = [Cell("full_remote", n) for n in spec.drafter_counts]
     plan += [Cell("full_both", n) for n in spec.drafter_counts]
     for cell in plan:
-        cells += _served(bench, (cell,), expected)
-    bench.reference = EngineReference(bench.model, prefixes, bench.jobs, spec)
+        cells += _served(bench, (cell,))
+    bench.reference = EngineReference(bench.model, few.prefixes, few.jobs, spec)
     bench.reference.measure(max(spec.draft_lens))  # untimed: prefills the prefixes' full KV
-    for group in vericache_cells(spec):
-        cells += _served(bench, group, expected)
+    for group in vericache_cells(spec) + auto_cells(spec):
+        cells += _served(bench, group)
+    if MANY in bench.streams:
+        full, others = many_prefix_cells(spec)
+        for group in [(cell,) for cell in full] + others:
+            cells += _served(bench, group)
     return cells
 
 
-def _served(bench: Bench, group: tuple[Cell, ...], expected: list[list[int]]) -> list[dict]:
+def _served(bench: Bench, group: tuple[Cell, ...]) -> list[dict]:
+    """The group's records, each checked against its stream's FULL_LOCAL outputs (a FULL_LOCAL
+    cell's first sample sets them)."""
     records = []
     for record, outputs in bench.serve(*group):
-        record["outputs_match"] = all(sample_outputs == expected for sample_outputs in outputs)
+        stream = bench.streams[record["workload"]]
+        if stream.expected is None:
+            stream.expected = outputs[0]
+        record["outputs_match"] = all(sample == stream.expected for sample in outputs)
         bench.rates[record["name"]] = record["tokens_per_s"]
         records.append(record)
     return records

@@ -11,6 +11,9 @@ from vericache.errors import InvalidRequestError
 
 HEADLINE = {"draft_len": 30, "num_drafters": 1, "scheduling": "per-request"}
 FULL_MODES = ("full_local", "full_remote", "full_both")
+# The two streams: a few prefixes every drafter holds in full (the paper's Pipeline 2 at this
+# machine's scale), and many prefixes past a drafter's device budget, behind a host tier.
+FEW, MANY = "few-prefixes", "many-prefixes"
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,12 @@ class StreamSpec:
     ratio: float
     drafter_kv_prefixes: float
     rtt_latency_s: float
+    # The many-prefix stream (0 prefixes: none): its prefixes, their sizes, its requests (a few
+    # sessions per prefix), and the drafters' device budget in its largest prefix's full KV.
+    many_prefixes: int = 0
+    many_prefix_tokens: tuple[int, int] = (3000, 3500)
+    many_requests: int = 24
+    many_drafter_kv_prefixes: float = 2.0
 
     def __post_init__(self):
         counts = (*self.draft_lens, *self.drafter_counts, self.num_prefixes, self.num_requests)
@@ -37,6 +46,8 @@ class StreamSpec:
             raise InvalidRequestError(f"counts must be >= 1: {self}")
         if not self.ratio > 0 or not self.drafter_kv_prefixes > 0 or self.rtt_latency_s < 0:
             raise InvalidRequestError(f"--ratio and --drafter-kv must be > 0: {self}")
+        if self.many_prefixes < 0 or min(self.many_requests, self.many_drafter_kv_prefixes) <= 0:
+            raise InvalidRequestError(f"the many-prefix stream's counts must be > 0: {self}")
         if set(self.schedulings) - {"per-request", "staggered", "lockstep"}:
             raise InvalidRequestError(f"unknown scheduling in {self.schedulings}")
 
@@ -45,18 +56,23 @@ class StreamSpec:
 class Cell:
     """One configuration of the table."""
 
-    mode: str  # vericache, full_local, full_remote or full_both
+    mode: str  # vericache, auto, full_local, full_remote or full_both
     num_drafters: int
-    draft_len: int | None = None  # VERICACHE only
+    draft_len: int | None = None  # VERICACHE and AUTO only
     scheduling: str = "per-request"
     latency_s: float = 0.0  # one way, on the link toward the drafters
+    workload: str = FEW
 
     @property
     def name(self) -> str:
+        stream = f"{MANY}: " if self.workload == MANY else ""
+        if self.mode == "auto":
+            return f"{stream}auto x={self.draft_len} d={self.num_drafters}"
         if self.mode != "vericache":
-            return f"{self.mode} d={self.num_drafters}"
+            return f"{stream}{self.mode} d={self.num_drafters}"
         latency = f" rtt={2e3 * self.latency_s:g}ms" if self.latency_s else ""
-        return f"vericache x={self.draft_len} d={self.num_drafters} {self.scheduling}{latency}"
+        drafters = f"d={self.num_drafters} {self.scheduling}{latency}"
+        return f"{stream}vericache x={self.draft_len} {drafters}"
 
 
 def request_stream(prefix_ids: list[str], num_requests: int) -> list[tuple[str, str]]:
@@ -81,6 +97,29 @@ def vericache_cells(spec: StreamSpec) -> list[tuple[Cell, ...]]:
                 else:
                     groups.append((cell,))
     return groups
+
+
+def auto_cells(spec: StreamSpec, workload: str = FEW) -> list[tuple[Cell, ...]]:
+    """`mode: auto` at each draft length and drafter count (per-request rounds: the server's
+    default scheduling), each alone."""
+    return [
+        (Cell("auto", drafters, draft_len, workload=workload),)
+        for drafters in spec.drafter_counts
+        for draft_len in spec.draft_lens
+    ]
+
+
+def many_prefix_cells(spec: StreamSpec) -> tuple[list[Cell], list[tuple[Cell, ...]]]:
+    """The many-prefix stream's full-KV cells (served first: FULL_BOTH routes by their rates)
+    and then its VERICACHE (warm nodes: per-request rounds) and AUTO cells."""
+    full = [Cell("full_local", 1, workload=MANY)]
+    full += [Cell(mode, n, workload=MANY) for mode in FULL_MODES[1:] for n in spec.drafter_counts]
+    vericache = [
+        (Cell("vericache", drafters, draft_len, workload=MANY),)
+        for drafters in spec.drafter_counts
+        for draft_len in spec.draft_lens
+    ]
+    return full, vericache + auto_cells(spec, MANY)
 
 
 def _is_rtt_pair(cell: Cell, spec: StreamSpec) -> bool:

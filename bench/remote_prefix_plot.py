@@ -1,5 +1,6 @@
 """The remote-prefix benchmark's figure: tokens/s of every cell with the spread of its repeats, and
-VeriCache over the best full-KV configuration on the same workers."""
+VeriCache and `mode: auto` over the best full-KV configuration of their stream on the same
+workers."""
 
 from __future__ import annotations
 
@@ -17,15 +18,21 @@ def plot(result: dict, path) -> None:
         [m - cell["tokens_per_s_min"] for m, cell in zip(medians, cells)],
         [cell["tokens_per_s_max"] - m for m, cell in zip(medians, cells)],
     ]
-    colours = ["C0" if cell["mode"] == "vericache" else "C1" for cell in cells]
+    colour = {"vericache": "C0", "auto": "C2"}
+    colours = [colour.get(cell["mode"], "C1") for cell in cells]
     rates.bar(range(len(cells)), medians, yerr=spread, color=colours, capsize=3)
     rates.set_xticks(range(len(cells)), names, rotation=60, ha="right", fontsize=7)
     rates.set(ylabel="tokens/s over the stream (median, min-max)", ylim=(0, None))
-    over = summary["vericache_over_best_full_by_cell"]
-    gains.barh(range(len(over)), list(over.values()), color="C0")
-    gains.set_yticks(range(len(over)), list(over), fontsize=7)
+    over = summary["vericache_over_best_full_by_cell"] | summary.get(
+        "vericache_over_best_full_many_prefixes_by_cell", {}
+    )
+    auto = summary.get("auto_over_best_full_many_prefixes_by_cell", {})
+    names = list(over) + list(auto)
+    gain_colours = ["C0"] * len(over) + ["C2"] * len(auto)
+    gains.barh(range(len(names)), [*over.values(), *auto.values()], color=gain_colours)
+    gains.set_yticks(range(len(names)), names, fontsize=7)
     gains.axvline(1.0, color="grey", linewidth=0.8)
-    gains.set(xlabel="VERICACHE / best full-KV on the same workers")
+    gains.set(xlabel="VERICACHE (blue), AUTO (green) / best full-KV of the stream, same workers")
     config = result["config"]
     title = (
         f"{config['num_requests']} requests over {config['num_prefixes']} prefixes, "

@@ -1,26 +1,33 @@
-"""What a remote-prefix run's cells add up to (bench/remote_prefix.py's summary): VeriCache over
-the best full-KV configuration, worker calls per round, the latency comparison, and the
-verifier's CPU over the in-process engine's."""
+"""What a remote-prefix run's cells add up to (bench/remote_prefix.py's summary): VeriCache and
+`mode: auto` over the best full-KV configuration of their stream, worker calls per round, the
+latency comparison, and the verifier's CPU over the in-process engine's."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import replace
 
-from vericache.bench.remote_prefix_cells import FULL_MODES, HEADLINE, Cell, StreamSpec
+from vericache.bench.remote_prefix_cells import FEW, FULL_MODES, HEADLINE, MANY, Cell, StreamSpec
 
 TARGETS = {
     "rpcs_per_round": 2.0,  # at most
     "rtt20_over_rtt0": 0.85,  # at least
     "verifier_overhead": 1.3,  # at most
+    "auto_over_best_full_many_prefixes": 1.5,  # at least
+    "auto_over_best_everywhere": 0.95,  # at least
 }
 
 
 DEFINITIONS = {
     "tokens_per_s": "output tokens of the whole stream / its wall time; the median of the "
     "cell's repeats, with tokens_per_s_min and _max",
-    "best_full": "the most tokens/s of FULL_LOCAL, FULL_REMOTE and FULL_BOTH on the same drafters",
-    "vericache_over_best_full": "VERICACHE tokens/s / best_full",
+    "best_full": "the most tokens/s of FULL_LOCAL, FULL_REMOTE and FULL_BOTH on the same drafters "
+    "and stream",
+    "vericache_over_best_full": "VERICACHE tokens/s / best_full (the few-prefix stream)",
+    "auto_over_best_full_many_prefixes": "AUTO tokens/s / best_full, the many-prefix stream, "
+    "headline draft length, one drafter",
+    "auto_over_best_everywhere": "the least over AUTO cells of AUTO tokens/s / max(VERICACHE at "
+    "the same stream, draft length and drafters (per-request rounds), best_full)",
     "rpcs_per_round": "worker calls of VERICACHE rounds / rounds verified",
     "rtt20_over_rtt0": "VERICACHE tokens/s at the rtt latency / at none (x = the largest, 1 "
     "drafter), each sample over the one served just before it; the median",
@@ -37,10 +44,14 @@ DEFINITIONS = {
 
 def summarize(cells: list[dict], spec: StreamSpec) -> dict:
     by_name = {cell["name"]: cell for cell in cells}
-    vericache = [c for c in cells if c["mode"] == "vericache" and not c["latency_s"]]
+    vericache = [
+        c for c in cells if c["mode"] == "vericache" and not c["latency_s"] and c["workload"] == FEW
+    ]
 
-    def best_full(num_drafters: int) -> float:
-        names = ["full_local d=1"] + [f"{m} d={num_drafters}" for m in FULL_MODES[1:]]
+    def best_full(num_drafters: int, workload: str = FEW) -> float:
+        names = [Cell("full_local", 1, workload=workload).name] + [
+            Cell(mode, num_drafters, workload=workload).name for mode in FULL_MODES[1:]
+        ]
         return max(by_name[name]["tokens_per_s"] for name in names if name in by_name)
 
     over = {c["name"]: c["tokens_per_s"] / best_full(c["num_drafters"]) for c in vericache}
@@ -68,6 +79,7 @@ def summarize(cells: list[dict], spec: StreamSpec) -> dict:
         "reference_cpu_s_per_token_range": reference_spread(cells),
         "verifier_serving_overhead": max(serving.values()) if serving else None,
         "verifier_serving_overhead_by_cell": serving,
+        **_auto_summary(by_name, best_full),
         "identical": all(c["outputs_match"] for c in cells if c["mode"] != "lossy")
         and all(all(c.get("reference_outputs_match", [True])) for c in cells),
     }
@@ -76,8 +88,44 @@ def summarize(cells: list[dict], spec: StreamSpec) -> dict:
         "rtt20_over_rtt0": bool(rtt) and summary["rtt20_over_rtt0"] >= TARGETS["rtt20_over_rtt0"],
         "verifier_overhead": bool(overhead)
         and summary["verifier_overhead"] <= TARGETS["verifier_overhead"],
+    } | {
+        key: summary[key] is not None and summary[key] >= TARGETS[key]
+        for key in ("auto_over_best_full_many_prefixes", "auto_over_best_everywhere")
     }
     return summary
+
+
+def _auto_summary(by_name: dict[str, dict], best_full) -> dict:
+    """AUTO against the better of VERICACHE and the best full-KV cell, per AUTO cell; and over
+    the best full-KV cell alone in the many-prefix stream (with VERICACHE's there beside it)."""
+    auto = [cell for cell in by_name.values() if cell["mode"] == "auto"]
+    over_best, over_full_many, vericache_many = {}, {}, {}
+    for cell in auto:
+        full = best_full(cell["num_drafters"], cell["workload"])
+        twin = Cell("vericache", cell["num_drafters"], cell["draft_len"], workload=cell["workload"])
+        vericache = by_name.get(twin.name, {}).get("tokens_per_s", 0.0)
+        over_best[cell["name"]] = cell["tokens_per_s"] / max(full, vericache)
+        if cell["workload"] == MANY:
+            over_full_many[cell["name"]] = cell["tokens_per_s"] / full
+            vericache_many[twin.name] = vericache / full
+    headline = Cell("auto", HEADLINE["num_drafters"], HEADLINE["draft_len"], workload=MANY).name
+    return {
+        "auto_over_best_full_many_prefixes": over_full_many.get(headline),
+        "auto_over_best_full_many_prefixes_by_cell": over_full_many,
+        "vericache_over_best_full_many_prefixes_by_cell": vericache_many,
+        "auto_over_best_everywhere": min(over_best.values()) if over_best else None,
+        "auto_over_best_by_cell": over_best,
+        "auto_paths": {cell["name"]: _paths(cell) for cell in auto},
+    }
+
+
+def _paths(cell: dict) -> dict[str, int]:
+    """How many of the cell's requests took each path, over its samples."""
+    counts: dict[str, int] = {}
+    for sample in cell["samples"]:
+        for path, count in sample.get("paths", {}).items():
+            counts[path] = counts.get(path, 0) + count
+    return counts
 
 
 def _rpcs_per_round(cell: dict) -> float:

@@ -9,7 +9,14 @@ import dataclasses
 import pytest
 
 from vericache.bench import remote_prefix
-from vericache.bench.remote_prefix_cells import Cell, cell_record, request_stream, vericache_cells
+from vericache.bench.remote_prefix_cells import (
+    FEW,
+    MANY,
+    Cell,
+    cell_record,
+    request_stream,
+    vericache_cells,
+)
 from vericache.bench.remote_prefix_reference import ReferenceRun
 from vericache.bench.remote_prefix_summary import summarize
 from vericache.bench.serving import Router, stream_record
@@ -164,10 +171,40 @@ def test_the_summary_compares_with_the_best_full_kv_configuration_on_the_same_wo
     assert summary["identical"] is True
     assert summary["meets_targets"] == {
         "rpcs_per_round": True, "rtt20_over_rtt0": False, "verifier_overhead": False,
+        "auto_over_best_full_many_prefixes": False, "auto_over_best_everywhere": False,
     }  # fmt: skip
+    assert summary["auto_over_best_everywhere"] is None  # no AUTO cell in this table
     # FULL_LOCAL the best: one full-KV cell beats the others on the same workers.
     slow_both = summarize(_table(full_both=5), spec)
     assert slow_both["vericache_over_best_full"] == pytest.approx(30 / 15)
+
+
+def test_auto_is_set_against_the_better_of_vericache_and_full_kv_in_its_own_stream():
+    spec = remote_prefix.stream_spec(_args("--draft-lens", "30"))
+    many = [
+        _cell(Cell("full_local", 1, workload=MANY), 10),
+        _cell(Cell("full_remote", 1, workload=MANY), 12),
+        _cell(Cell("full_both", 1, workload=MANY), 16),
+        _cell(Cell("vericache", 1, 30, workload=MANY), 20),
+        _cell(Cell("auto", 1, 30, workload=MANY), 24),
+    ]
+    few_auto = _cell(Cell("auto", 1, 30), 27)  # the few-prefix stream: VERICACHE there is 30
+    few_auto["samples"][0]["paths"] = {"vericache": 3, "full_local": 1}
+    summary = summarize([*_table(), few_auto, *many], spec)
+    assert summary["auto_over_best_full_many_prefixes"] == pytest.approx(24 / 16)
+    assert summary["vericache_over_best_full_many_prefixes_by_cell"] == {
+        "many-prefixes: vericache x=30 d=1 per-request": pytest.approx(20 / 16)
+    }
+    assert summary["auto_over_best_by_cell"] == {
+        "auto x=30 d=1": pytest.approx(27 / 30),
+        "many-prefixes: auto x=30 d=1": pytest.approx(24 / 20),
+    }
+    assert summary["auto_over_best_everywhere"] == pytest.approx(0.9)
+    assert summary["auto_paths"]["auto x=30 d=1"] == {"vericache": 3, "full_local": 1}
+    targets = summary["meets_targets"]
+    assert targets["auto_over_best_full_many_prefixes"] and not targets["auto_over_best_everywhere"]
+    # The many-prefix stream's cells leave the few-prefix comparisons as they were.
+    assert summary["vericache_over_best_full"] == pytest.approx(30 / 20)
 
 
 class _Reference:
@@ -185,7 +222,8 @@ class _Reference:
 
 def test_a_cells_reference_is_measured_in_parts_beside_its_samples(monkeypatch, tmp_path):
     spec = remote_prefix.stream_spec(_args("--draft-lens", "8", "--repeats", "3"))
-    bench = remote_prefix.Bench("m", tmp_path, spec, [], 0, reference=_Reference())
+    stream = remote_prefix.Stream([], [], 0)
+    bench = remote_prefix.Bench("m", tmp_path, spec, {FEW: stream}, reference=_Reference())
     order = []
     served = iter([[[0], [1], [2]], [[0], [9], [2]], [[0], [1], [2]]] * 2)  # one went wrong
 
@@ -232,7 +270,8 @@ def test_a_tiny_run_end_to_end(tiny_chat_checkpoint, ray_cluster):
     args = _args(
         "--quick", "--model", str(tiny_chat_checkpoint), "--prefix-tokens", "150,300",
         "--requests", "2", "--max-tokens", "6", "--draft-lens", "4",
-        "--schedulings", "per-request,staggered", "--rtt-latency-ms", "0",
+        "--schedulings", "per-request,staggered", "--rtt-latency-ms", "0", "--many-prefixes",
+        "3", "--many-prefix-tokens", "150,300", "--many-requests", "3",
     )  # fmt: skip
     result = remote_prefix.run(args)
     summary = result["summary"]
@@ -250,3 +289,10 @@ def test_a_tiny_run_end_to_end(tiny_chat_checkpoint, ray_cluster):
     full_remote = next(c for c in result["cells"] if c["name"] == "full_remote d=1")
     assert full_remote["samples"][0]["link_bytes"] > 0
     assert summary["verifier_overhead"] > 0
+    # The many-prefix stream: behind a host tier, its full KV crosses the link once per prefix.
+    assert {"many-prefixes: auto x=4 d=1", "many-prefixes: full_both d=1"} <= names
+    assert summary["auto_over_best_everywhere"] > 0
+    assert summary["auto_over_best_full_many_prefixes"] is None  # the headline is x=30
+    assert sum(summary["auto_paths"]["many-prefixes: auto x=4 d=1"].values()) == 3
+    budgets = result["many_prefix_budgets"]
+    assert budgets["host_tier_bytes"] > 3 * budgets["drafter_kv_bytes"] / 2
