@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from vericache.bench.common import compressor_from_label
+from vericache.bench.remote_prefix_cells import FEW, MANY, Cell
 from vericache.bench.workloads import CONTEXT_PROMPTS
 from vericache.engine.prompt import build_chat_prompt
 from vericache.scheduler import LockstepScheduler, SchedulerConfig, StaggeredScheduler
@@ -17,6 +18,7 @@ from vericache.sim import long_context as sim_long_context
 from vericache.sim.long_context import LongContextScenario
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.remote_prefix import FullPool, simulate_full
+from vericache.sim.remote_prefix_auto import simulate_auto
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.scenario import vericache_simulation
 from vericache.sim.workload import (
@@ -27,6 +29,8 @@ from vericache.sim.workload import (
 )
 
 ELEMENT_SIZE = 4  # the CPU benchmarks run the model in float32
+# A CPU's "host tier" is its one memory, which the served worker reads in place: no load.
+IN_PLACE_BYTES_PER_S = 1e15
 # A quick run has few rounds, so one simulation's acceptance draws scatter its tokens/s by tens of
 # percent: a prediction is the mean over this many seeds.
 NUM_SEEDS = 5
@@ -82,22 +86,27 @@ def served_rounds(
 def remote_prefix_predictions(
     result: dict, model: ModelProfile, device: DeviceProfile, tokenizer
 ) -> list[Prediction]:
-    """Each cell of a `bench remote-prefix` result, simulated."""
-    base = _remote_prefix_base(result, model, device, tokenizer)
+    """Each cell of a `bench remote-prefix` result, simulated, in both of its streams."""
+    bases = {FEW: _remote_prefix_base(result, model, device, tokenizer, FEW)}
+    if result.get("many_prefixes"):
+        bases[MANY] = _remote_prefix_base(result, model, device, tokenizer, MANY)
+    by_name = {cell["name"]: cell for cell in result["cells"]}
+    max_tokens = result["config"]["max_tokens"]
     rates = {}
     predictions = []
     for cell in result["cells"]:  # FULL_LOCAL and FULL_REMOTE come before FULL_BOTH
+        workload = cell.get("workload", FEW)
         scenario = replace(
-            base,
+            bases[workload],
             num_drafters=cell["num_drafters"],
             draft_len=cell["draft_len"] or 30,
             network_latency_s=cell["latency_s"],
-            acceptance=_cell_acceptance(cell, result["config"]["max_tokens"]),
+            acceptance=_cell_acceptance(cell, by_name, max_tokens),
         )
         simulate = _simulation(cell, rates)
         predicted = mean_over_seeds(scenario, partial(_steady_tokens_per_s, simulate=simulate))
         if cell["mode"] in ("full_local", "full_remote"):
-            rates[(cell["mode"], cell["num_drafters"])] = predicted
+            rates[(workload, cell["mode"], cell["num_drafters"])] = predicted
         predictions.append(
             Prediction("remote-prefix", cell["name"], expected_tokens_per_s(cell), predicted)
         )
@@ -112,37 +121,56 @@ def expected_tokens_per_s(cell: dict) -> float:
     return statistics.mean(s["tokens_per_s"] for s in cell["samples"])
 
 
-def _remote_prefix_base(result: dict, model, device, tokenizer) -> RemotePrefixScenario:
-    config, prefixes = result["config"], result["prefixes"]
-    full_local = next(c for c in result["cells"] if c["mode"] == "full_local")
+def _remote_prefix_base(
+    result: dict, model, device, tokenizer, workload: str
+) -> RemotePrefixScenario:
+    """The stream `workload` as served. The many-prefix one had a host tier on every drafter,
+    whose nodes turned warm; on a CPU the tier is the device's own memory, read in place, so its
+    loads to the device cost nothing."""
+    config, cells = result["config"], result["cells"]
+    full_local = next(
+        c for c in cells if c["mode"] == "full_local" and c.get("workload", FEW) == workload
+    )
     samples = full_local["samples"]
-    num_tokens = statistics.mean(s["num_tokens"] for s in samples) / config["num_requests"]
-    ratio = statistics.mean(p["compressed_wire_bytes"] / p["full_wire_bytes"] for p in prefixes)
     params = compressor_from_label(config["compressor"]).spec()["params"]
+    # The drafter's prefix cache as served (DrafterConfig.kv_cache_bytes); the verifier's was the
+    # served default, what the device has left: its KV room.
+    if workload == FEW:
+        prefixes, num_requests = result["prefixes"], config["num_requests"]
+        tier = {"drafter_prefix_cache_bytes": result["drafter_kv_cache_bytes"]}
+    else:
+        prefixes, num_requests = result["many_prefixes"], config["many_requests"]
+        budgets = result["many_prefix_budgets"]
+        tier = {
+            "drafter_prefix_cache_bytes": budgets["drafter_kv_bytes"],
+            "host_tier_bytes": budgets["host_tier_bytes"],
+            "warm_nodes": True,
+        }
+        device = replace(device, host_to_device_bytes_per_s=IN_PLACE_BYTES_PER_S)
+    num_tokens = statistics.mean(s["num_tokens"] for s in samples) / num_requests
+    ratio = statistics.mean(p["compressed_wire_bytes"] / p["full_wire_bytes"] for p in prefixes)
     return RemotePrefixScenario(
         model=model,
         device=device,
         num_verifiers=1,
         num_drafters=1,
         prefix_tokens=round(statistics.mean(p["num_tokens"] for p in prefixes)),
-        num_prefixes=config["num_prefixes"],
+        num_prefixes=len(prefixes),
         suffix_tokens=prompt_suffix_tokens(tokenizer),
         compressed_ratio=ratio,
         store_bytes_per_s=store_bytes_per_s(samples, device.host_to_device_bytes_per_s),
         network_bytes_per_s=result["bandwidth_bytes_per_s"],
         network_latency_s=0.0,
         draft_len=30,
-        arrivals=(0.0,) * config["num_requests"],
+        arrivals=(0.0,) * num_requests,
         output_lengths=OutputLengths((max(1, round(num_tokens)),)),
         acceptance=AcceptanceTrace("unset", (0,)),
         concurrency=config["concurrency"],
         element_size=ELEMENT_SIZE,
         compressed_token_share=1 / params["ratio"] if params.get("ratio") else 1.0,
-        # The drafter's prefix cache as served (DrafterConfig.kv_cache_bytes); the verifier's was
-        # the served default, what the device has left: its KV room.
-        drafter_prefix_cache_bytes=result["drafter_kv_cache_bytes"],
         prefixes_in_turn=True,
-        network_receive_bytes_per_s=_receive_bytes_per_s(result["cells"]),
+        network_receive_bytes_per_s=_receive_bytes_per_s(cells),
+        **tier,
     )
 
 
@@ -176,7 +204,12 @@ def prompt_suffix_tokens(tokenizer) -> int:
     return round(statistics.mean(lengths))
 
 
-def _cell_acceptance(cell: dict, max_tokens: int) -> AcceptanceTrace:
+def _cell_acceptance(cell: dict, by_name: dict[str, dict], max_tokens: int) -> AcceptanceTrace:
+    """A VERICACHE cell's own rounds; an AUTO cell's VERICACHE twin's (same stream, draft length
+    and drafters), the acceptance of the requests it sends that way."""
+    if cell["mode"] == "auto":
+        twin = Cell("vericache", cell["num_drafters"], cell["draft_len"], workload=cell["workload"])
+        cell = by_name[twin.name]
     if cell["mode"] != "vericache":
         return AcceptanceTrace("full-KV decoding drafts nothing", (0,))
     return served_acceptance(cell["samples"], cell["draft_len"], max_tokens, cell["name"])
@@ -198,15 +231,18 @@ def served_acceptance(
 
 
 def _simulation(cell: dict, rates: dict):
-    """How the cell's configuration is simulated: its scheduling, or its full-KV pool (FULL_BOTH
-    routed by the rates the pools' own simulations gave, as the benchmark routes by measured
-    ones)."""
+    """How the cell's configuration is simulated: its scheduling, AUTO's choice per request, or
+    its full-KV pool (FULL_BOTH routed by the rates the pools' own simulations gave, as the
+    benchmark routes by measured ones)."""
     if cell["mode"] == "vericache":
         return vericache_simulation({"scheduling": cell["scheduling"]}, cell["draft_len"])
+    if cell["mode"] == "auto":
+        return simulate_auto
     if cell["mode"] == "full_both":
+        workload = cell.get("workload", FEW)
         pools = {
-            FullPool.LOCAL: rates[("full_local", 1)],
-            FullPool.REMOTE: rates[("full_remote", cell["num_drafters"])],
+            FullPool.LOCAL: rates[(workload, "full_local", 1)],
+            FullPool.REMOTE: rates[(workload, "full_remote", cell["num_drafters"])],
         }
         return lambda scenario: simulate_full(scenario, FullPool.BOTH, pools)
     pool = FullPool.LOCAL if cell["mode"] == "full_local" else FullPool.REMOTE

@@ -13,6 +13,7 @@ import statistics
 import pytest
 
 from vericache.bench import sim_validate, sim_validate_serve
+from vericache.bench.remote_prefix_cells import MANY, Cell
 from vericache.bench.serve_stagger import POLICIES
 from vericache.bench.sim_validate_scenarios import (
     NUM_SEEDS,
@@ -152,6 +153,34 @@ def test_every_served_configuration_is_predicted(tokenizer):
     # Latency on the link toward the drafter only slows VERICACHE down.
     near, far = by_name["vericache x=30 rtt=0.0"], by_name["vericache x=30 rtt=0.02"]
     assert far.predicted_tokens_per_s < near.predicted_tokens_per_s
+
+
+def _many_prefix_cell(mode: str, tokens_per_s: float, draft_len=None, accepted=None) -> dict:
+    name = Cell(mode, 1, draft_len, workload=MANY).name
+    return _cell(mode, tokens_per_s, draft_len, accepted) | {"name": name, "workload": MANY}
+
+
+def test_the_many_prefix_stream_and_auto_are_predicted_with_warm_nodes(tokenizer):
+    result = copy.deepcopy(REMOTE_PREFIX)
+    result["config"]["many_requests"] = 6
+    result["many_prefixes"] = [
+        {"num_tokens": 3000 + i, "compressed_wire_bytes": 17e6, "full_wire_bytes": 138e6}
+        for i in range(3)
+    ]
+    result["many_prefix_budgets"] = {"drafter_kv_bytes": 276e6, "host_tier_bytes": 520e6}
+    result["cells"] += [
+        _many_prefix_cell("full_local", 30.0), _many_prefix_cell("full_remote", 25.0),
+        _many_prefix_cell("full_both", 35.0), _many_prefix_cell("vericache", 40.0, 8, 5.0),
+        _many_prefix_cell("auto", 42.0, 8),
+    ]  # fmt: skip
+    predictions = remote_prefix_predictions(result, MODEL, CPU, tokenizer)
+    assert [p.configuration for p in predictions] == [c["name"] for c in result["cells"]]
+    assert all(p.predicted_tokens_per_s > 0 for p in predictions)
+    # The few-prefix stream's cells are predicted as before the many-prefix stream was added.
+    alone = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)
+    assert [p.predicted_tokens_per_s for p in predictions[: len(alone)]] == pytest.approx(
+        [p.predicted_tokens_per_s for p in alone]
+    )
 
 
 def test_predictions_follow_the_measured_acceptance_and_the_link(tokenizer):
