@@ -4,10 +4,11 @@ the paths cost on this server, as measured, and the workers' load now.
 Every path gives the same tokens (full-KV decoding's), so the choice is about time alone. For each
 path the server keeps moving averages over the requests it served that way: seconds to the first
 token (the prefix's KV moved or read, the prompt's prefill), and seconds per output token after it
-per request sharing the decoding worker when it started, the time-sharing a saturated worker
-gives. A path's estimate for a new request is then setup + tokens x seconds per token at the load
-of the worker placement would give it now (its drafter for VERICACHE and FULL_REMOTE, on a node
-warm for the prefix where one is: FULL_WARM; its verifier for FULL_LOCAL), and `choose_path`
+per request sharing the decoding worker, the time-sharing a saturated worker gives (the worker's
+mean count of requests over the request's life, worker_load.py). A path's estimate for a new
+request is then setup + tokens x seconds per token at the load of the worker placement would give
+it now (its drafter for VERICACHE and FULL_REMOTE, on a node warm for the prefix where one is:
+FULL_WARM; its verifier for FULL_LOCAL), and `choose_path`
 takes the one that finishes first. A path the server has not measured yet is tried first, so
 that every path is measured, by one request at a time: while it is being tried, requests take the
 paths measured or not yet tried (those started together spread over the unmeasured paths, rather
@@ -86,10 +87,10 @@ class AutoPaths:
     def _is_trying(self, path: ServingPath) -> bool:
         return path not in self._measured and self._trying[path] > 0
 
-    def observe(self, path: ServingPath, summary: GenerateSummary, load: int) -> None:
+    def observe(self, path: ServingPath, summary: GenerateSummary, load: float) -> None:
         """A request served on `path` ended, its decoding worker holding `load` requests (it
-        among them) when it started. Requests cut short before their second token say nothing
-        of the seconds per token."""
+        among them) on average while it ran (worker_load.py). Requests cut short before their
+        second token say nothing of the seconds per token."""
         if summary.num_tokens < 2 or summary.tokens_per_s <= 0:
             return
         per_load = 1.0 / summary.tokens_per_s / max(load, 1)

@@ -218,13 +218,13 @@ class DistributedBackend:
             drafter = None
         options = []
         if verifier is not None:
-            options.append(PathOption(ServingPath.FULL_LOCAL, verifier.name, verifier.active))
+            options.append(PathOption(ServingPath.FULL_LOCAL, verifier.name, _paced(verifier)))
         if drafter is not None:
             if verifier is not None:
-                options.append(PathOption(ServingPath.VERICACHE, drafter.name, drafter.active))
+                options.append(PathOption(ServingPath.VERICACHE, drafter.name, _paced(drafter)))
             warm = prefix_id in drafter.warm_prefixes
             path = ServingPath.FULL_WARM if warm else ServingPath.FULL_REMOTE
-            options.append(PathOption(path, drafter.name, drafter.active))
+            options.append(PathOption(path, drafter.name, _paced(drafter)))
         return options
 
     def check_can_serve(self, mode: ServeMode) -> None:
@@ -292,10 +292,15 @@ class DistributedBackend:
         decoder = drafter if _decodes_on_drafter(served.plan.mode) else verifier
         served.numerics = served.numerics or decoder.numerics
         workers = [w for w in (verifier, drafter) if w is not None]
-        counted = list(workers)  # the workers whose load it counts in now
+        # The workers whose load it counts in now: those whose forwards it runs in (a verifier
+        # that only sends a FULL_REMOTE request its prefix's KV computes nothing for it).
+        drafts = served.plan.mode is ServeMode.VERICACHE
+        counted = [w for w in workers if w is decoder or drafts]
         for worker in counted:
             worker.active += 1
-        served.worker_load = (drafter or verifier).active  # its decoding worker's
+        paced = drafter or verifier  # whose forwards set its pace: the worker auto names
+        paced.decoding.count += 1
+        mark = paced.decoding.mark()
         served.on_warm_node = drafter is not None and prefix_id in drafter.warm_prefixes
 
         def release_verifier() -> None:  # its rounds moved to a warm drafter node
@@ -310,11 +315,18 @@ class DistributedBackend:
             async for tokens in run_request(served, verifier, drafter, address, schedule):
                 yield tokens
         finally:
+            served.worker_load = paced.decoding.mean_since(mark)  # it included
+            paced.decoding.count -= 1
             for worker in counted:
                 worker.active -= 1
             # Cancelled or not, the workers drop the request's caches.
             closing = [w.close_session(served.session_id) for w in workers]
             await asyncio.shield(asyncio.gather(*closing, return_exceptions=True))
+
+
+def _paced(worker) -> int:
+    """Requests whose tokens come at the worker's pace now (VERICACHE's: its drafter's)."""
+    return worker.decoding.count
 
 
 def _decodes_on_drafter(mode: ServeMode) -> bool:

@@ -59,6 +59,7 @@ from vericache.serve.worker_api import (
     VerifierOpened,
     VerifyCall,
 )
+from vericache.serve.worker_load import WorkerLoad
 
 if TYPE_CHECKING:
     from vericache.serve.drafter import Drafter
@@ -194,7 +195,10 @@ class _Handle:
         self.worker = worker
         self.transport = transport
         self.name = name
-        self.active = 0  # sessions the coordinator has placed on it
+        self.active = 0  # requests the coordinator has placed on it that compute there
+        # Requests whose tokens come at its pace (it decodes them, or drafts them), and their
+        # mean over time: what `mode: auto` weighs its paths by (auto_path.py).
+        self.decoding = WorkerLoad()
         # The prefixes whose full KV it holds for its own sessions as its last probe said: a warm
         # drafter node's host tier (warm_node.py); none on a verifier, which holds them all.
         self.warm_prefixes: frozenset[str] = frozenset()

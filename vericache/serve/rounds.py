@@ -72,9 +72,10 @@ class ServedRequest:
     num_local_rounds: int = 0  # of its rounds, those its warm drafter node verified itself
     num_migrations: int = 0  # times it went on elsewhere after a worker died
     drafter_is_warm: bool = False  # its drafter said it holds the prefix's full KV
-    # Where it was placed: requests on its decoding worker then, it included (auto_path.py), and
-    # whether that drafter was warm for its prefix (a FULL_REMOTE request then reads its tier).
-    worker_load: int = 1
+    # Where it was placed: the mean count of requests on its decoding worker over its life, it
+    # included (auto_path.py, worker_load.py), and whether that drafter was warm for its prefix
+    # (a FULL_REMOTE request then reads its tier).
+    worker_load: float = 1.0
     on_warm_node: bool = False
     # The arithmetic of the worker whose forwards choose its tokens (`ModelInfo.numerics`), from
     # its first placement on: where it goes on after a worker died, it stays on such a worker.
