@@ -32,7 +32,7 @@ def plot(result: dict, path) -> None:
     gains.barh(range(len(names)), [*over.values(), *auto.values()], color=gain_colours)
     gains.set_yticks(range(len(names)), names, fontsize=7)
     gains.axvline(1.0, color="grey", linewidth=0.8)
-    gains.set(xlabel="VERICACHE (blue), AUTO (green) / best full-KV of the stream, same workers")
+    gains.set(xlabel="VERICACHE (blue), AUTO (green) / best full-KV of its stream")
     config = result["config"]
     title = (
         f"{config['num_requests']} requests over {config['num_prefixes']} prefixes, "
@@ -40,4 +40,12 @@ def plot(result: dict, path) -> None:
         f"{config['compressor']}, link {result['bandwidth_bytes_per_s'] / 1e6:.3g} MB/s, "
         f"{config['repeats']} repeats per cell"
     )
+    if result.get("many_prefix_budgets"):
+        budgets = result["many_prefix_budgets"]
+        title += (
+            f"\nmany-prefixes: {config['many_requests']} requests over "
+            f"{config['many_prefixes']} prefixes, drafter budget "
+            f"{budgets['drafter_kv_bytes'] / 1e6:.0f} MB, host tier "
+            f"{budgets['host_tier_bytes'] / 1e6:.0f} MB"
+        )
     save_figure(fig, path, title)
