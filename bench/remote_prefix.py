@@ -151,7 +151,7 @@ def stream_spec(args) -> StreamSpec:
         drafter_kv_prefixes=args.drafter_kv,
         rtt_latency_s=args.rtt_latency_ms / 1e3,
         many_prefixes=pick(args.many_prefixes, 8, 8),
-        many_prefix_tokens=pick(args.many_prefix_tokens, (3000, 3500), (1000, 1500)),
+        many_prefix_tokens=pick(args.many_prefix_tokens, (3000, 3500), (1600, 2000)),
         many_requests=pick(args.many_requests, 24, 8),
         many_drafter_kv_prefixes=args.many_drafter_kv,
     )
@@ -306,6 +306,7 @@ def run(args) -> dict:
             prefixes = {
                 name: register_prefixes(client, c, spec.compressor) for name, c in contexts.items()
             }
+        _check_disjoint(prefixes)
         bench.streams = {name: _stream(name, found, spec) for name, found in prefixes.items()}
         cells = _serve_all(bench)
     return {
@@ -335,6 +336,17 @@ def _stream(name: str, prefixes: list[dict], spec: StreamSpec) -> Stream:
     tier = int(1.25 * sum(p["full_kv_bytes"] for p in prefixes))
     budget = int(spec.many_drafter_kv_prefixes * max_full)
     return Stream(prefixes, request_stream(ids, spec.many_requests), budget, tier)
+
+
+def _check_disjoint(prefixes: dict[str, list[dict]]) -> None:
+    """The streams' prefixes are distinct: a text registered twice is one prefix, whose second
+    registration fetches nothing and measures no full-KV bytes."""
+    ids = [p["prefix_id"] for found in prefixes.values() for p in found]
+    if len(set(ids)) != len(ids):
+        raise InvalidRequestError(
+            "the two streams share a prefix: give --many-prefix-tokens a range apart from "
+            "--prefix-tokens"
+        )
 
 
 def _without_text(prefix: dict) -> dict:

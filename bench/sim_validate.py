@@ -79,6 +79,7 @@ def run(args) -> dict:
     else:
         calibration, measured = _measure(args)
         measured_on = environment()
+        _keep_measurements(args, calibration, measured)
     predictions, gpu, gpu_device = _predict(calibration, measured, args.model)
     for p in predictions + gpu:
         print(
@@ -87,6 +88,15 @@ def run(args) -> dict:
         )
     record = result(predictions, gpu, calibration, dataclasses.asdict(gpu_device), measured)
     return record | {"measured_environment": measured_on}
+
+
+def _keep_measurements(args, calibration: dict, measured: dict) -> None:
+    """Writes what was measured beside `--json` (NAME.measured.json) before anything is
+    simulated: a run of half an hour stays usable with --from-json whatever the simulation does."""
+    if getattr(args, "json", None):
+        kept = {"calibration": calibration, "profile": calibration["profile"]}
+        kept |= {"measured": measured, "environment": environment()}
+        Path(args.json).with_suffix(".measured.json").write_text(json.dumps(kept, indent=1))
 
 
 def _measure(args) -> tuple[dict, dict]:
