@@ -59,6 +59,13 @@ def test_the_sweep_covers_every_cell_and_the_latency_pair():
     assert len({cell.name for cell in cells}) == len(cells)
 
 
+def test_streams_that_share_a_prefix_are_refused():
+    # A text registered twice is one prefix: its second stream would measure no full-KV bytes.
+    remote_prefix._check_disjoint({FEW: [{"prefix_id": "a"}], MANY: [{"prefix_id": "b"}]})
+    with pytest.raises(InvalidRequestError, match="share a prefix"):
+        remote_prefix._check_disjoint({FEW: [{"prefix_id": "a"}], MANY: [{"prefix_id": "a"}]})
+
+
 def test_the_stream_cycles_over_prefixes_then_prompts():
     jobs = request_stream(["a", "b"], 5)
     assert [prefix for prefix, _ in jobs] == ["a", "b", "a", "b", "a"]
@@ -271,7 +278,7 @@ def test_a_tiny_run_end_to_end(tiny_chat_checkpoint, ray_cluster):
         "--quick", "--model", str(tiny_chat_checkpoint), "--prefix-tokens", "150,300",
         "--requests", "2", "--max-tokens", "6", "--draft-lens", "4",
         "--schedulings", "per-request,staggered", "--rtt-latency-ms", "0", "--many-prefixes",
-        "3", "--many-prefix-tokens", "150,300", "--many-requests", "3",
+        "3", "--many-prefix-tokens", "320,400", "--many-requests", "3",
     )  # fmt: skip
     result = remote_prefix.run(args)
     summary = result["summary"]
