@@ -5,19 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.test_link import FakeClock
 from vericache.serve.worker_load import WorkerLoad
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_request_that_starts_alone_is_charged_with_those_that_join_it():
-    clock = Clock()
+    clock = FakeClock()
     load = WorkerLoad(clock)
     load.count += 1  # the request starts alone
     mark = load.mark()
@@ -29,7 +22,7 @@ def test_a_request_that_starts_alone_is_charged_with_those_that_join_it():
 
 
 def test_no_time_gives_the_count_now_and_a_negative_count_is_refused():
-    clock = Clock()
+    clock = FakeClock()
     load = WorkerLoad(clock)
     load.count = 2
     assert load.mean_since(load.mark()) == 2.0
