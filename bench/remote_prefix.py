@@ -330,12 +330,12 @@ def _stream(name: str, prefixes: list[dict], spec: StreamSpec) -> Stream:
     ids = [p["prefix_id"] for p in prefixes]
     max_full = max(p["full_kv_bytes"] for p in prefixes)
     if name == FEW:
-        return Stream(prefixes, request_stream(ids, spec.num_requests), int(
-            spec.drafter_kv_prefixes * max_full
-        ))  # fmt: skip
-    tier = int(1.25 * sum(p["full_kv_bytes"] for p in prefixes))
-    budget = int(spec.many_drafter_kv_prefixes * max_full)
-    return Stream(prefixes, request_stream(ids, spec.many_requests), budget, tier)
+        num_requests, budget_prefixes, tier = spec.num_requests, spec.drafter_kv_prefixes, 0
+    else:
+        num_requests, budget_prefixes = spec.many_requests, spec.many_drafter_kv_prefixes
+        tier = int(1.25 * sum(p["full_kv_bytes"] for p in prefixes))
+    jobs = request_stream(ids, num_requests)
+    return Stream(prefixes, jobs, int(budget_prefixes * max_full), tier)
 
 
 def _check_disjoint(prefixes: dict[str, list[dict]]) -> None:

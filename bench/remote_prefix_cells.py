@@ -102,8 +102,13 @@ def vericache_cells(spec: StreamSpec) -> list[tuple[Cell, ...]]:
 def auto_cells(spec: StreamSpec, workload: str = FEW) -> list[tuple[Cell, ...]]:
     """`mode: auto` at each draft length and drafter count (per-request rounds: the server's
     default scheduling), each alone."""
+    return _per_request_cells("auto", spec, workload)
+
+
+def _per_request_cells(mode: str, spec: StreamSpec, workload: str) -> list[tuple[Cell, ...]]:
+    """`mode`'s cells at each draft length and drafter count, per-request rounds, each alone."""
     return [
-        (Cell("auto", drafters, draft_len, workload=workload),)
+        (Cell(mode, drafters, draft_len, workload=workload),)
         for drafters in spec.drafter_counts
         for draft_len in spec.draft_lens
     ]
@@ -114,12 +119,7 @@ def many_prefix_cells(spec: StreamSpec) -> tuple[list[Cell], list[tuple[Cell, ..
     and then its VERICACHE (warm nodes: per-request rounds) and AUTO cells."""
     full = [Cell("full_local", 1, workload=MANY)]
     full += [Cell(mode, n, workload=MANY) for mode in FULL_MODES[1:] for n in spec.drafter_counts]
-    vericache = [
-        (Cell("vericache", drafters, draft_len, workload=MANY),)
-        for drafters in spec.drafter_counts
-        for draft_len in spec.draft_lens
-    ]
-    return full, vericache + auto_cells(spec, MANY)
+    return full, _per_request_cells("vericache", spec, MANY) + auto_cells(spec, MANY)
 
 
 def _is_rtt_pair(cell: Cell, spec: StreamSpec) -> bool:
