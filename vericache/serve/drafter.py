@@ -116,7 +116,8 @@ class Drafter:
     def open(self, call: OpenDrafter) -> DrafterOpened:
         """Fetches the prefix's KV (an LRU hit costs nothing). Alone (lossy, full), prefills the
         rest of the prompt and returns the first token; drafting waits for the verifier's KV."""
-        held, copies, traffic = self._prefix_copy(call)
+        nbytes = call.num_prefix_tokens * self.info.full_kv_bytes_per_token  # its full KV's
+        held, copies, traffic = self._prefix_copy(call, nbytes)
         try:
             if held.cache.num_tokens != call.num_prefix_tokens:
                 raise InvalidRequestError(
@@ -142,22 +143,21 @@ class Drafter:
             self._sessions[call.session_id] = session
         if self._warm is not None and call.role is DraftRole.DRAFT and call.host_tier_grant:
             proofs = self._secret.fetch_metadata(call.session_id, call.host_tier_grant)
-            fetcher = self._fetcher(call.transfer_address, self._tier_fetchers, self._warm.tier)
-            nbytes = call.num_prefix_tokens * self.info.full_kv_bytes_per_token
+            fetcher = self._fetcher(call.transfer_address, into_tier=True)
             self._warm.stream(call.prefix_id, nbytes, fetcher, proofs)
         return DrafterOpened(first, traffic)
 
     def _prefix_copy(
-        self, call: OpenDrafter
+        self, call: OpenDrafter, nbytes: int
     ) -> tuple[HeldPrefix[KVCache], SharedPrefixes[KVCache], Traffic]:
-        """The session's prefix's copy, pinned, where it is held, and what fetching it cost.
+        """The session's prefix's copy, pinned, where it is held, and what fetching it cost
+        (`nbytes`: the prefix's full KV).
         Full KV goes to the host tier where the node has one (read there with no fetch once it
         holds it, as a full-KV server with a host-memory tier keeps what it fetched), unless the
         prefix is larger than the whole tier; else to the device's copies, fetched over the link
         where they hold none."""
         kind = fetch_kind(call.role)
         proofs = self._secret.fetch_metadata(call.session_id, call.fetch_grant)
-        nbytes = call.num_prefix_tokens * self.info.full_kv_bytes_per_token
         if (
             kind == KVKind.FULL
             and self._warm is not None
@@ -167,7 +167,7 @@ class Drafter:
             held = tier.acquire_held((call.prefix_id, kind))
             if held is not None:
                 return held, tier, Traffic()
-            fetcher = self._fetcher(call.transfer_address, self._tier_fetchers, tier)
+            fetcher = self._fetcher(call.transfer_address, into_tier=True)
             fetched = fetcher.fetch(call.prefix_id, kind, proofs, nbytes=nbytes)
             traffic = Traffic(link_bytes=fetched.link_bytes, link_s=fetched.seconds)
             return fetched.held, tier, traffic
@@ -299,18 +299,14 @@ class Drafter:
         if self._warm is not None:
             self._warm.close(session.session_id)
 
-    def _fetcher(
-        self,
-        address: str,
-        fetchers: dict[str, KVFetcher] | None = None,
-        into: SharedPrefixes[KVCache] | None = None,
-    ) -> KVFetcher:
-        """The fetcher from a verifier's KVTransfer service into the device's copies (or, given
-        `fetchers` and `into`, into the host tier's)."""
-        fetchers = self._fetchers if fetchers is None else fetchers
+    def _fetcher(self, address: str, into_tier: bool = False) -> KVFetcher:
+        """The fetcher from a verifier's KVTransfer service into the device's copies, or into
+        the host tier's."""
+        fetchers, copies = self._fetchers, self._prefixes
+        if into_tier:
+            fetchers, copies = self._tier_fetchers, self._warm.tier
         if address not in fetchers:
-            held = self._prefixes if into is None else into
-            fetchers[address] = KVFetcher(address, self.info.fingerprint, held, self.runner.rope)
+            fetchers[address] = KVFetcher(address, self.info.fingerprint, copies, self.runner.rope)
         return fetchers[address]
 
 

@@ -164,7 +164,3 @@ class WarmNode:
         if session is not None:
             session.cache.release(self._buffers)
             self.tier.release(session.prefix)
-
-    def is_local(self, session_id: str) -> bool:
-        with self._lock:
-            return session_id in self._sessions
