@@ -33,7 +33,6 @@ class HostTier:
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
         self.num_evictions = 0
-        self.peak_bytes = 0
         self._held: OrderedDict[Hashable, int] = OrderedDict()
         self._used_bytes = 0
 
@@ -61,7 +60,6 @@ class HostTier:
             self.num_evictions += 1
         self._held[prefix] = nbytes
         self._used_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self._used_bytes)
         return True
 
 

@@ -91,7 +91,7 @@ class VeriCacheRequest:
         drafter = drafter or run.place(run.drafters, prefix)
         seq = run.sequence(turns)
         own_bytes = run.own_bytes(turns, seq)
-        if run.scenario.warm_nodes and drafter.host_tier.holds(PrefixKey(prefix, False)):
+        if drafter.is_warm(prefix):
             request = cls(run, prefix, turns, seq, arrival_s, drafter, None, own_bytes)
             drafter.memory.admit(request.drafter_session(), request._open)
             return

@@ -60,19 +60,17 @@ def path_estimates(run: Run, prefix: int, turns: SessionTurns) -> list[PathEstim
     """Every path on the worker placement gives it, and on the least loaded worker of its kind
     where that is another (where the placed one holds nothing of the prefix, nothing is lost)."""
     estimates = []
-    for verifier in _candidates(run, run.verifiers, prefix):
-        estimates.append(_full(run, verifier, ServingPath.FULL_LOCAL, prefix, turns))
     placed_verifier = run.choose(run.verifiers, prefix)
-    for drafter in _candidates(run, run.drafters, prefix):
-        is_warm = _is_warm(drafter, prefix)
-        remote = ServingPath.FULL_WARM if is_warm else ServingPath.FULL_REMOTE
+    for verifier in _candidates(run.verifiers, placed_verifier):
+        estimates.append(_full(run, verifier, ServingPath.FULL_LOCAL, prefix, turns))
+    for drafter in _candidates(run.drafters, run.choose(run.drafters, prefix)):
+        remote = ServingPath.FULL_WARM if drafter.is_warm(prefix) else ServingPath.FULL_REMOTE
         estimates.append(_full(run, drafter, remote, prefix, turns))
         estimates.append(_vericache(run, drafter, placed_verifier, prefix, turns))
     return estimates
 
 
-def _candidates(run: Run, workers: list[Worker], prefix: int) -> list[Worker]:
-    placed = run.choose(workers, prefix)
+def _candidates(workers: list[Worker], placed: Worker) -> list[Worker]:
     least = min(workers, key=lambda worker: worker.num_requests)
     return [placed] if least is placed else [placed, least]
 
@@ -101,13 +99,17 @@ def _vericache(
     drafted = Session(compressed, compressed_bytes, _own_bytes(scenario, turns))
     room = _room_in_sessions(drafter, drafted)
     compressed_ready = _ready_s(run, drafter, compressed, compressed_bytes)
-    local_s, load_s = _local_seconds_per_token(run, drafter, prefix, room, num_after)
+    draft_row = scenario.row(1, num_after, True, compressed)
+    draft_s = _step_s(run, drafter, [draft_row], room)
     prefill_s = _prefill_s(scenario, full, num_after)
-    if _is_warm(drafter, prefix):
+    if scenario.warm_nodes:
+        draft = (draft_row, draft_s)
+        local_s, load_s = _local_seconds_per_token(run, drafter, full, num_after, draft, room)
+    if drafter.is_warm(prefix):
         setup = compressed_ready + load_s + prefill_s
         wait = _memory_wait_s(drafter, drafted, room, setup + num_tokens * local_s)
         return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait)
-    central_s = _central_seconds_per_token(run, drafter, verifier, prefix, room, num_after)
+    central_s = _central_seconds_per_token(run, drafter, verifier, draft_s, full, num_after)
     full_ready = _ready_s(run, verifier, full, full_bytes)
     # The prompt's exact KV after the prefix crosses to the drafter with the first draft call.
     exact_s = drafter.link.seconds_for(num_after * scenario.kv_bytes_per_token)
@@ -136,16 +138,14 @@ def _vericache(
 
 
 def _central_seconds_per_token(
-    run: Run, drafter: Worker, verifier: Worker, prefix: int, room: int, num_after: int
+    run: Run, drafter: Worker, verifier: Worker, draft_s: float, full: PrefixKey, num_after: int
 ) -> float:
-    """A round drafted on `drafter` and verified on the central verifier over `num_after` tokens
-    past the prefix: the draft steps, the verification, the two calls' latency and the committed
-    tokens' exact KV across."""
+    """A round drafted on `drafter` (a step: `draft_s`) and verified on the central verifier
+    over `num_after` tokens past the prefix (`full`): the draft steps, the verification, the two
+    calls' latency and the committed tokens' exact KV across."""
     scenario, mean = run.scenario, run.mean_accepted
     x = scenario.draft_len
-    draft_row = scenario.row(1, num_after, True, PrefixKey(prefix, True))
-    verify_row = scenario.row(x + 1, num_after, False, PrefixKey(prefix, False))
-    draft_s = _step_s(run, drafter, [draft_row], room)
+    verify_row = scenario.row(x + 1, num_after, False, full)
     verify_s = _step_s(run, verifier, [verify_row], 0)
     exact_s = (mean + 1) * scenario.kv_bytes_per_token / drafter.link.bytes_per_s
     overhead_s = 2 * scenario.network_latency_s + exact_s
@@ -153,17 +153,16 @@ def _central_seconds_per_token(
 
 
 def _local_seconds_per_token(
-    run: Run, drafter: Worker, prefix: int, room: int, num_after: int
+    run: Run, drafter: Worker, full: PrefixKey, num_after: int, draft: tuple[Row, float], room: int
 ) -> tuple[float, float]:
-    """A round drafted and verified on the warm node over `num_after` tokens past the prefix, and
-    the PCIe read of the full KV for each verification (none where its device holds a copy),
-    which the node's sessions take in turn: their rounds go no faster than their reads."""
+    """A round drafted (`draft`: its row and a step's seconds) and verified on the warm node over
+    `num_after` tokens past the prefix (`full`), and the PCIe read of the full KV for each
+    verification (none where its device holds a copy), which the node's sessions take in turn:
+    their rounds go no faster than their reads."""
     scenario, mean = run.scenario, run.mean_accepted
     x = scenario.draft_len
-    full = PrefixKey(prefix, False)
-    draft_row = scenario.row(1, num_after, True, PrefixKey(prefix, True))
+    draft_row, draft_s = draft
     verify_row = scenario.row(x + 1, num_after, False, full)
-    draft_s = _step_s(run, drafter, [draft_row], room)
     verify_s = _step_s(run, drafter, [draft_row, verify_row], room)
     full_bytes = scenario.prefix_bytes(compressed=False)
     load_s = 0.0 if drafter.memory.holds(full) else drafter.host_link.seconds_for(full_bytes)
@@ -187,15 +186,6 @@ def _memory_wait_s(worker: Worker, session: Session, room: int, service_s: float
     if worker.memory.fits_now(session):
         return 0.0
     return (worker.memory.num_waiting + 1) * service_s / room
-
-
-def _is_warm(drafter: Worker, prefix: int) -> bool:
-    tier = drafter.host_tier
-    return (
-        drafter.run.scenario.warm_nodes
-        and tier is not None
-        and tier.holds(PrefixKey(prefix, False))
-    )
 
 
 def _ready_s(run: Run, worker: Worker, key: PrefixKey, nbytes: int) -> float:

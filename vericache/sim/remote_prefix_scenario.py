@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from vericache.errors import InvalidRequestError
 from vericache.kv.slots import own_full_kv_slots, reserved_full_kv_bytes
-from vericache.sim.cost import Row, forward_seconds
+from vericache.sim.cost import ForwardCost, Row, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
 
@@ -230,7 +230,9 @@ class RemotePrefixScenario:
         """The exact KV a session comes to hold of its own: its suffix and its output."""
         return (self.suffix_tokens + num_output_tokens) * self.kv_bytes_per_token
 
+    def forward_cost(self, rows: list[Row]) -> ForwardCost:
+        size = self.element_size
+        return forward_cost(self.model, self.device, rows, size, size, self.tensor_parallel)
+
     def forward_s(self, rows: list[Row]) -> float:
-        return forward_seconds(
-            self.model, self.device, rows, self.element_size, self.tensor_parallel
-        )
+        return self.forward_cost(rows).seconds

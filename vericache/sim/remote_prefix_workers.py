@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from vericache.errors import InvalidRequestError
 from vericache.scheduler.placement import Candidate, place
 from vericache.sim.batch_loop import SimBatchLoop, chunked_job
-from vericache.sim.cost import Row, forward_cost
+from vericache.sim.cost import Row
 from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
 from vericache.sim.host_tier import HostTier, TieredFetch
@@ -107,16 +107,21 @@ class Worker:
         self.schedule: VerifierSchedule | None = None  # a verifier's, with scheduled rounds
 
     def _forward_s(self, rows: list[Row]) -> float:
-        scenario = self.run.scenario
-        size = scenario.element_size
-        cost = forward_cost(
-            scenario.model, scenario.device, rows, size, size, scenario.tensor_parallel
-        )
+        cost = self.run.scenario.forward_cost(rows)
         if cost.is_compute_bound:
             self.compute_bound_s += cost.seconds
         else:
             self.memory_bound_s += cost.seconds
         return cost.seconds
+
+    def tier_holds_full(self, prefix: int) -> bool:
+        """Whether its host tier holds the prefix's full KV."""
+        return self.host_tier is not None and self.host_tier.holds(PrefixKey(prefix, False))
+
+    def is_warm(self, prefix: int) -> bool:
+        """Whether it verifies its sessions on the prefix itself: warm nodes, the prefix's full KV
+        in its host tier."""
+        return self.run.scenario.warm_nodes and self.tier_holds_full(prefix)
 
     def stream_full(self, key: PrefixKey, nbytes: int) -> None:
         """Streams the prefix's full KV over its link into its host tier, in the background,
@@ -311,12 +316,11 @@ class Run:
         whose host tier holds the prefix's full KV (or `prefer`, one that holds more of the
         prompt: a full-KV turn's session's KV) first, its prefix's holder, or the least busy
         once out of balance or without a prefix."""
-        full = PrefixKey(prefix, False)
         candidates = [
             Candidate(
                 w.name,
                 w.num_requests,
-                is_warm=w is prefer or (w.host_tier is not None and w.host_tier.holds(full)),
+                is_warm=w is prefer or w.tier_holds_full(prefix),
             )
             for w in workers
         ]
