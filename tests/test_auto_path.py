@@ -1,70 +1,123 @@
-"""`mode: auto` (serve/auto_path.py): each request takes the path that would finish it first by
-what the paths cost on this server, every path measured before it is trusted, and the output is
-full-KV decoding's whichever path it takes."""
+"""`mode: auto` (serve/auto_path.py over serve/path_costs.py): each request takes the path that
+would finish it first by the cost model at the workers' loads now, what the server measured
+corrects the model, and the output is full-KV decoding's whichever path it takes."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.serve_fixtures import CONTEXT, start_server
+from vericache.engine.link import LinkSpec
+from vericache.errors import InvalidRequestError
 from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.api_types import GenerateSummary
-from vericache.serve.auto_path import AutoPaths, PathOption
+from vericache.serve.auto_path import PRIOR_ACCEPTED_SHARE, AutoPaths
+from vericache.serve.config import CoordinatorConfig
+from vericache.serve.path_costs import (
+    PathCosts,
+    PathOption,
+    RequestShape,
+    default_device_profile,
+)
+from vericache.sim.profiles import model_profile
 
-LOCAL, VERICACHE, REMOTE = ServingPath.FULL_LOCAL, ServingPath.VERICACHE, ServingPath.FULL_REMOTE
+LOCAL, VERICACHE = ServingPath.FULL_LOCAL, ServingPath.VERICACHE
+REMOTE, WARM = ServingPath.FULL_REMOTE, ServingPath.FULL_WARM
+MODEL = model_profile("smollm2-135m")
+KV_BYTES_PER_TOKEN = 2 * MODEL.num_layers * MODEL.num_kv_heads * MODEL.head_dim * 4  # float32
+SHAPE = RequestShape("p", 3200, 40, 96, 8, 0.25)
+# The prefix's full KV crosses in about 3 s, some hundred tokens' decoding.
+LINK = LinkSpec(SHAPE.prefix_tokens * KV_BYTES_PER_TOKEN / 3.0)
 
 
-def summary(ttft_s: float, tokens_per_s: float, num_tokens: int = 32) -> GenerateSummary:
+def costs() -> PathCosts:
+    return PathCosts(MODEL, default_device_profile("cpu:avx512:float32"), KV_BYTES_PER_TOKEN, 4)
+
+
+def summary(
+    ttft_s: float, tokens_per_s: float, num_tokens: int = 96, accepted=()
+) -> GenerateSummary:
     return GenerateSummary(
-        finish_reason="length", num_tokens=num_tokens, rounds=1, accepted_per_round=(),
-        link_bytes=0, store_bytes=0, link_wait_s=0.0, store_wait_s=0.0, ttft_s=ttft_s,
-        tokens_per_s=tokens_per_s, total_s=ttft_s + 1.0,
+        finish_reason="length", num_tokens=num_tokens, rounds=max(1, len(accepted)),
+        accepted_per_round=tuple(accepted), link_bytes=0, store_bytes=0, link_wait_s=0.0,
+        store_wait_s=0.0, ttft_s=ttft_s, tokens_per_s=tokens_per_s, total_s=ttft_s + 1.0,
     )  # fmt: skip
 
 
-def options(local_load: int = 0, drafter_load: int = 0) -> list[PathOption]:
+def options(local_load: int = 0, drafter_load: int = 0, warm: bool = False) -> list[PathOption]:
+    full = WARM if warm else REMOTE
     return [
         PathOption(LOCAL, "verifier-0", local_load),
-        PathOption(VERICACHE, "drafter-0", drafter_load),
-        PathOption(REMOTE, "drafter-0", drafter_load),
+        PathOption(VERICACHE, "drafter-0", drafter_load, local_load, warm, LINK),
+        PathOption(full, "drafter-0", drafter_load, link=LINK),
     ]
 
 
-def test_every_path_is_measured_before_the_measurements_choose():
-    auto = AutoPaths()
-    tried = []
-    for _ in range(3):
-        path = auto.choose(options(), 32)
-        tried.append(path)
-        auto.observe(path, summary(0.1, 50.0), load=1)
-    assert tried == [LOCAL, VERICACHE, REMOTE]
+def test_the_cost_model_prices_every_path_from_the_first_request():
+    auto = AutoPaths(costs())
+    estimates = {o.path: auto.estimate(o, SHAPE) for o in options()}
+    # A cold drafter's full KV crosses the link first: seconds before its first token.
+    assert estimates[REMOTE].setup_s > 2.5 > estimates[LOCAL].setup_s
+    # Alone, a full-KV step beats a round's steps per token on a CPU, where weights bind.
+    assert estimates[LOCAL].seconds_per_token < estimates[VERICACHE].seconds_per_token
+    assert auto.choose(options(), SHAPE).path is LOCAL
 
 
-def test_requests_started_together_spread_over_the_unmeasured_paths():
-    auto = AutoPaths()
-    started = [auto.choose(options(), 32) for _ in range(4)]
-    assert started == [LOCAL, VERICACHE, REMOTE, LOCAL]  # the fourth: the fewest trying
-    auto.ended(VERICACHE)  # cut short: nothing measured, so it is tried again
-    assert auto.choose(options(), 32) is VERICACHE
-    auto.observe(LOCAL, summary(0.1, 50.0), load=1)
-    auto.ended(LOCAL)
-    # LOCAL is measured now; the others are still being tried, so LOCAL takes the next.
-    assert auto.choose(options(), 32) is LOCAL
+def test_the_loads_of_now_send_a_request_where_it_finishes_first():
+    auto = AutoPaths(costs())
+    # Two requests on the verifier, none on the warm drafter: full decoding there.
+    assert auto.choose(options(local_load=2, warm=True), SHAPE).path is WARM
+    # The drafter cold for the prefix: moving the full KV costs more than VeriCache's start.
+    assert auto.choose(options(local_load=2), SHAPE).path is VERICACHE
+    # Both busy: the compressed KV's cheaper steps batch better than full ones.
+    busy = options(local_load=4, drafter_load=4, warm=True)
+    assert auto.choose(busy, SHAPE).path is VERICACHE
 
 
-def test_the_path_that_finishes_first_wins_at_the_loads_of_now():
-    auto = AutoPaths()
-    auto.observe(LOCAL, summary(0.2, 40.0), load=1)  # 25 ms a token alone
-    auto.observe(VERICACHE, summary(0.5, 80.0), load=1)  # 12.5 ms, half a second to start
-    auto.observe(REMOTE, summary(3.0, 45.0), load=1)  # its full KV crosses the link first
-    assert auto.choose(options(), 64) is VERICACHE
-    assert auto.choose(options(), 8) is LOCAL  # too short to pay VERICACHE's start
-    # Three requests on the drafter already: each of its tokens takes four times as long.
-    assert auto.choose(options(drafter_load=3), 64) is LOCAL
+def test_measurements_correct_the_model_path_by_path():
+    auto = AutoPaths(costs())
+    option = options()[0]
+    prior = auto.estimate(option, SHAPE)
+    for _ in range(30):  # FULL_LOCAL measured at three times the model's seconds per token
+        auto.observe(
+            auto.choose([option], SHAPE),
+            summary(prior.setup_s, 1 / (3 * prior.seconds_per_token)),
+            load=1,
+        )
+    corrected = auto.estimate(option, SHAPE)
+    assert corrected.seconds_per_token == pytest.approx(3 * prior.seconds_per_token, rel=0.01)
+    assert corrected.setup_s == pytest.approx(prior.setup_s, rel=0.01)
+    # VeriCache is not corrected by FULL_LOCAL's measurements: it now wins alone.
+    assert auto.choose(options(), SHAPE).path is VERICACHE
+
+
+def test_the_measured_acceptance_replaces_the_prior():
+    auto = AutoPaths(costs())
+    choice = auto.choose([options()[1]], SHAPE)
+    before = auto.estimate(choice.option, SHAPE).seconds_per_token
+    predicted = auto.costs.seconds_per_token(choice.option, SHAPE, 1 / 8, 0)
+    for _ in range(30):  # one draft in eight accepted, at the speed that predicts
+        auto.observe(choice, summary(1.0, 1 / predicted, accepted=[1] * 12), load=1)
+    assert auto.accepted_share == pytest.approx(1 / 8, abs=0.01)
+    assert auto.accepted_share < PRIOR_ACCEPTED_SHARE
+    assert auto.estimate(choice.option, SHAPE).seconds_per_token > 1.5 * before
 
 
 def test_a_request_cut_short_teaches_nothing_of_its_speed():
-    auto = AutoPaths()
-    auto.observe(LOCAL, summary(0.2, 0.0, num_tokens=1), load=1)
-    assert auto.choose(options(), 32) is LOCAL  # still unmeasured: tried first
+    auto = AutoPaths(costs())
+    option = options()[0]
+    prior = auto.estimate(option, SHAPE)
+    auto.observe(auto.choose([option], SHAPE), summary(prior.setup_s, 0.0, num_tokens=1), load=1)
+    assert auto.estimate(option, SHAPE) == prior
+
+
+def test_the_prior_is_the_gpus_datasheet_or_the_cpus_profile():
+    assert default_device_profile("cuda:NVIDIA H100 80GB HBM3:sm90:bfloat16").name == "h100-sxm"
+    assert default_device_profile("cuda:NVIDIA H200:sm90:bfloat16").name == "h200"
+    assert default_device_profile("cpu:avx512:float32").name == "cpu"
+    assert default_device_profile("cuda:Some Other GPU:sm80:bfloat16").name == "cpu"
+    with pytest.raises(InvalidRequestError, match="no device profile"):
+        CoordinatorConfig(cost_profile="no-such-device")
 
 
 def test_auto_serves_full_kv_decoding_s_tokens_whichever_path_it_takes(
@@ -80,17 +133,21 @@ def test_auto_serves_full_kv_decoding_s_tokens_whichever_path_it_takes(
                 prompt, prefix_id=prefix_id, mode="full_local", max_tokens=24
             )
             paths = []
-            for _ in range(4):
-                got = client.generate(prompt, prefix_id=prefix_id, mode="auto", max_tokens=24)
+            for mode in ("auto", None, "auto"):  # auto is the default where a prefix is given
+                got = client.generate(prompt, prefix_id=prefix_id, mode=mode, max_tokens=24)
                 assert got.token_ids == reference.token_ids
                 paths.append(got.stats["path"])
-        # The server measured full_local on the reference; auto tries the paths it has not.
-        assert paths[:2] == ["vericache", "full_remote"]
-        assert set(paths[2:]) <= {"vericache", "full_local", "full_remote"}
+        assert set(paths) <= {"vericache", "full_local", "full_remote", "full_warm"}
         metrics = server.coordinator.metrics
         sample = metrics.registry.get_sample_value
-        labels = {"model_name": metrics.model_name, "path": "vericache"}
-        assert sample("vericache:auto_paths_total", labels) >= 1
+        counted = {
+            path: sample(
+                "vericache:auto_paths_total", {"model_name": metrics.model_name, "path": path}
+            )
+            or 0
+            for path in set(paths)
+        }
+        assert sum(counted.values()) == 3
 
 
 def test_auto_offers_no_drafter_of_other_arithmetic(tiny_chat_checkpoint, tmp_path):

@@ -103,8 +103,9 @@ def test_generate_defaults(fake):
     result = fake.connect().generate("hi", stop="\n\n")
     assert result.finish_reason == "stop" and len(result.token_ids) == MAX_FAKE_TOKENS
     request = fake.state.requests["Generate"][0]
-    assert request.mode == vericache_pb2.VERICACHE
-    # Unset: the server's default, which it clamps to the API key's limit.
+    # Unset: the server's defaults (its choice of path; the most tokens, within the API key's
+    # limit).
+    assert request.mode == vericache_pb2.MODE_UNSPECIFIED
     assert not request.HasField("max_tokens")
     assert request.prefix_id == "" and not request.HasField("draft_len")
     assert list(request.stop) == ["\n\n"]  # one stop string, not two newlines

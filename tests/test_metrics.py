@@ -160,7 +160,9 @@ def test_a_served_request_is_metered(tiny_chat_checkpoint, tmp_path):
     with start_server(tiny_chat_checkpoint, tmp_path / "store") as server:
         with Client(server.target, timeout=120) as client:
             prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
-            result = client.generate("Go on.", prefix_id=prefix_id, max_tokens=12, draft_len=4)
+            result = client.generate(
+                "Go on.", prefix_id=prefix_id, mode="vericache", max_tokens=12, draft_len=4
+            )
         metrics = server.coordinator.metrics
         loads = "vericache:prefix_cache_loads"
         deadline = time.monotonic() + 10

@@ -59,9 +59,9 @@ def test_a_chat_whose_system_turn_is_registered_uses_it_unnamed(server):
     with Client(server.target, api_key=KEY_A, timeout=120) as client:
         prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
         num_prefix_tokens = client.get_prefix(prefix_id).num_tokens
-    named = _chat(server, KEY_A, CONTEXT, prefix_id=prefix_id)
+    named = _chat(server, KEY_A, CONTEXT, prefix_id=prefix_id, mode="vericache")
     queries, hits = _counts(server)
-    unnamed = _chat(server, KEY_A, CONTEXT)
+    unnamed = _chat(server, KEY_A, CONTEXT, mode="vericache")
     assert unnamed["choices"] == named["choices"]
     assert unnamed["vericache"]["rounds"] < 12  # VERICACHE rounds over the prefix it found
     after_queries, after_hits = _counts(server)
@@ -75,7 +75,7 @@ def test_grpc_generate_without_a_prefix_id_matches_leading_tokens(server):
     with Client(server.target, api_key=KEY_A, timeout=120) as client:
         client.put_prefix(token_ids=leading, compressor="streamingllm", ratio=2)
         _, hits = _counts(server)
-        found = client.generate(PROMPT, max_tokens=12)
+        found = client.generate(PROMPT, max_tokens=12, mode="vericache")
         reference = client.generate(PROMPT, max_tokens=12, mode="full_local")
     assert found.token_ids == reference.token_ids
     assert found.stats["rounds"] < 12 and found.stats["link_bytes"] > 0  # drafted remotely
@@ -102,7 +102,7 @@ def test_a_system_turn_sent_twice_registers_itself_and_the_oldest_goes(server):
         assert wait_for(lambda: len(client.list_prefixes()) == len(before) + 1, timeout_s=60)
         (first,) = {p.prefix_id for p in client.list_prefixes()} - before
         _, hits = _counts(server)
-        assert _chat(server, KEY_B, system("lists"))["vericache"]["rounds"] < 12
+        assert _chat(server, KEY_B, system("lists"), mode="vericache")["vericache"]["rounds"] < 12
         assert _counts(server)[1] > hits
         # One automatic prefix per tenant here: the next one takes its place.
         _chat(server, KEY_B, system("dicts"))
@@ -124,7 +124,7 @@ def test_a_chat_asking_for_a_compressor_matches_and_registers_only_with_it(serve
     with Client(server.target, api_key=KEY_A, timeout=120) as client:
         client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
         _, hits = _counts(server)
-        found = _chat(server, KEY_A, CONTEXT, compressor="streamingllm", ratio=4)
+        found = _chat(server, KEY_A, CONTEXT, compressor="streamingllm", ratio=4, mode="vericache")
         assert found["vericache"]["rounds"] < 12 and _counts(server)[1] > hits
         # Asked for another compressor, the same system turn finds nothing...
         _, hits = _counts(server)
@@ -140,7 +140,7 @@ def test_a_chat_asking_for_a_compressor_matches_and_registers_only_with_it(serve
         assert wait_for(lambda: len(snapkv_prefixes()) == 1, timeout_s=60)
         (registered,) = snapkv_prefixes()
         assert registered.compressor.ratio == 2
-        again = _chat(server, KEY_A, CONTEXT, compressor="snapkv", ratio=2)
+        again = _chat(server, KEY_A, CONTEXT, compressor="snapkv", ratio=2, mode="vericache")
         assert again["vericache"]["rounds"] < 12 and again["choices"] == found["choices"]
 
 

@@ -109,7 +109,7 @@ def test_a_full_server_refuses_with_resource_exhausted(server, prefix_id):
         ) as busy:
             next(iter(busy))  # running: the only slot is taken
             with pytest.raises(ServerBusyError):
-                client.generate("hi", prefix_id=prefix_id, max_tokens=4)
+                client.generate("hi", prefix_id=prefix_id, mode="vericache", max_tokens=4)
     assert wait_for(lambda: open_sessions(server) == 0)
 
 
@@ -136,13 +136,15 @@ def test_a_passed_deadline_stops_the_work(server):
 
 def test_a_cancelled_stream_closes_the_sessions_on_the_workers(server, prefix_id):
     with Client(server.target, timeout=60) as client:
-        stream = client.stream("Go on.", prefix_id=prefix_id, max_tokens=300, draft_len=2)
+        stream = client.stream(
+            "Go on.", prefix_id=prefix_id, mode="vericache", max_tokens=300, draft_len=2
+        )
         next(iter(stream))
         assert open_sessions(server) == 2  # the verifier's and the drafter's
         stream.close()
         assert wait_for(lambda: open_sessions(server) == 0)
         # The slot is free again, and the server serves as before.
-        result = client.generate("hi", prefix_id=prefix_id, max_tokens=6)
+        result = client.generate("hi", prefix_id=prefix_id, mode="vericache", max_tokens=6)
         assert len(result.token_ids) == 6
 
 
@@ -197,7 +199,12 @@ def test_a_registration_abandoned_after_prefill_leaves_no_staged_kv(staging_serv
         # Registering again finds the full KV in the store and completes.
         assert client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4) == prefix_id
         assert verifier.prefixes.staged_bytes == 0
-        assert len(client.generate("hi", prefix_id=prefix_id, max_tokens=4).token_ids) == 4
+        assert (
+            len(
+                client.generate("hi", prefix_id=prefix_id, mode="vericache", max_tokens=4).token_ids
+            )
+            == 4
+        )
 
 
 def test_a_store_stage_whose_staged_kv_was_dropped_prefills_again(staging_server):

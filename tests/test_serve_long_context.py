@@ -58,7 +58,9 @@ def engine_requests(server: BackgroundServer) -> int:
 def test_vericache_equals_full_local(client, name, strength):
     prefix_id = client.put_prefix(CONTEXT, compressor=name, **strength)
     full = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=40)
-    with client.stream(PROMPT, prefix_id=prefix_id, max_tokens=40, draft_len=4) as stream:
+    with client.stream(
+        PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=40, draft_len=4
+    ) as stream:
         deltas = list(stream)
         vericache = stream.result()
     assert len(full.token_ids) == 40 and full.finish_reason == "length"
@@ -75,9 +77,11 @@ def test_sampled_vericache_equals_sampled_full_local(client):
     prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
     sampling = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 32}
     full = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", seed=4, **sampling)
-    vericache = client.generate(PROMPT, prefix_id=prefix_id, draft_len=4, seed=4, **sampling)
+    vericache = client.generate(
+        PROMPT, prefix_id=prefix_id, mode="vericache", draft_len=4, seed=4, **sampling
+    )
     assert vericache.token_ids == full.token_ids and vericache.stats["seed"] == 4
-    drawn = client.generate(PROMPT, prefix_id=prefix_id, draft_len=4, **sampling)
+    drawn = client.generate(PROMPT, prefix_id=prefix_id, mode="vericache", draft_len=4, **sampling)
     seed = drawn.stats["seed"]
     again = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", seed=seed, **sampling)
     assert again.token_ids == drawn.token_ids
@@ -149,19 +153,23 @@ def test_bad_requests_are_refused_and_the_server_serves_on(client, server):
         assert _code(generate(prompt=LONG_PROMPT, mode=pb.FULL_LOCAL)) == invalid
         assert _code(generate(prefix_id="pfx-" + "0" * 32)) == grpc.StatusCode.NOT_FOUND
     for draft_len in (3, 128):  # 128: the longest allowed, past the scheduler's window
-        result = client.generate(PROMPT, prefix_id=prefix_id, max_tokens=6, draft_len=draft_len)
+        result = client.generate(
+            PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=6, draft_len=draft_len
+        )
         assert len(result.token_ids) == 6
 
 
 def test_a_cancelled_stream_leaves_the_engine(client, server):
     prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
-    stream = client.stream("Go on.", prefix_id=prefix_id, max_tokens=300, draft_len=2)
+    stream = client.stream(
+        "Go on.", prefix_id=prefix_id, mode="vericache", max_tokens=300, draft_len=2
+    )
     next(iter(stream))
     assert engine_requests(server) == 1
     stream.close()
     # Aborted in the engine between iterations, long before its 300 tokens.
     assert wait_for(lambda: engine_requests(server) == 0, timeout_s=10)
-    result = client.generate("hi", prefix_id=prefix_id, max_tokens=6)
+    result = client.generate("hi", prefix_id=prefix_id, mode="vericache", max_tokens=6)
     assert len(result.token_ids) == 6
 
 
@@ -203,7 +211,9 @@ def test_vericache_serve_long_context(tiny_chat_checkpoint):
         with Client(target, timeout=60) as client:
             prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
             full = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=12)
-            exact = client.generate(PROMPT, prefix_id=prefix_id, max_tokens=12, draft_len=3)
+            exact = client.generate(
+                PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=12, draft_len=3
+            )
             _a_system_turn_sent_twice_registers_itself(api_url, client)
         assert exact.token_ids == full.token_ids
         with urllib.request.urlopen(metrics_url, timeout=10) as response:

@@ -93,7 +93,9 @@ def test_sampling_depends_on_the_seed_and_only_on_it(served):
     prompt = PROMPTS[0]
 
     def sample(**options):
-        return client.generate(prompt, prefix_id=prefix_id, max_tokens=12, **options)
+        return client.generate(
+            prompt, prefix_id=prefix_id, mode="vericache", max_tokens=12, **options
+        )
 
     first, again = sample(temperature=1.0, seed=5), sample(temperature=1.0, seed=5)
     assert first.token_ids == again.token_ids
@@ -111,7 +113,9 @@ def test_rejection_coupling_is_served_and_repeats_itself_for_a_seed(served):
     server, client, prefix_id = served
     options = {"temperature": 0.7, "coupling": "rejection", "max_tokens": MAX_TOKENS}
     results = [
-        client.generate(PROMPTS[1], prefix_id=prefix_id, seed=3, draft_len=6, **options)
+        client.generate(
+            PROMPTS[1], prefix_id=prefix_id, mode="vericache", seed=3, draft_len=6, **options
+        )
         for _ in range(2)
     ]
     assert results[0].token_ids == results[1].token_ids
@@ -155,4 +159,4 @@ def test_bad_sampling_is_refused_by_the_server(served, options, message):
 def test_bad_sampling_is_refused_by_the_client_before_any_call(served, options, message):
     _, client, prefix_id = served
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
-        client.generate("hi", prefix_id=prefix_id, max_tokens=4, **options)
+        client.generate("hi", prefix_id=prefix_id, mode="vericache", max_tokens=4, **options)

@@ -59,7 +59,10 @@ def _all_at_once(client, prefix_id: str, max_tokens: int) -> list:
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         return list(
             pool.map(
-                lambda p: client.generate(p, prefix_id=prefix_id, max_tokens=max_tokens), PROMPTS
+                lambda p: client.generate(
+                    p, prefix_id=prefix_id, mode="vericache", max_tokens=max_tokens
+                ),
+                PROMPTS,
             )
         )
 
@@ -150,14 +153,16 @@ def test_every_verification_follows_its_own_load(scheduled):
 
 def test_a_cancelled_request_leaves_the_schedule(scheduled):
     server, client, prefix_id, recording = scheduled
-    stream = client.stream("Go on.", prefix_id=prefix_id, max_tokens=300, draft_len=2)
+    stream = client.stream(
+        "Go on.", prefix_id=prefix_id, mode="vericache", max_tokens=300, draft_len=2
+    )
     next(iter(stream))
     stream.close()
     schedule = server.coordinator.backend.schedules[recording.name]
     assert wait_for(lambda: not schedule.scheduler.has_requests)
     assert wait_for(lambda: open_sessions(server) == 0)
     # The server schedules the next request as before.
-    result = client.generate("hi", prefix_id=prefix_id, max_tokens=6)
+    result = client.generate("hi", prefix_id=prefix_id, mode="vericache", max_tokens=6)
     assert len(result.token_ids) == 6
 
 
@@ -170,7 +175,7 @@ def test_a_request_past_the_verifier_memory_is_refused(tiny_chat_checkpoint, tmp
         with Client(server.target, timeout=60) as client:
             prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
             with pytest.raises(InvalidRequestError, match="budget"):
-                client.generate("hi", prefix_id=prefix_id, max_tokens=6)
+                client.generate("hi", prefix_id=prefix_id, mode="vericache", max_tokens=6)
             assert wait_for(lambda: open_sessions(server) == 0)
             # Modes that do not verify in rounds still run.
             result = client.generate("hi", prefix_id=prefix_id, mode="lossy", max_tokens=6)

@@ -47,10 +47,13 @@ def test_every_bundled_model_has_the_parameters_its_shapes_give():
         assert model_profile(name).num_params == _params_from_shapes(name), name
 
 
-def test_bundled_devices_are_datasheets_until_measured():
-    assert {"h100-sxm", "h100-nvl", "h200"} <= set(bundled("devices"))
+def test_bundled_gpus_are_datasheets_and_the_cpu_a_measurement():
+    assert {"h100-sxm", "h100-nvl", "h200", "cpu"} <= set(bundled("devices"))
     for name in bundled("devices"):
         device = device_profile(name)
+        if name == "cpu":  # `mode: auto`'s prior on a CPU (serve/path_costs.py)
+            assert device.is_measured and device.product_curve
+            continue
         assert not device.is_measured and device.source.startswith("datasheet")
         assert device.bytes_per_s < device.hbm_bytes_per_s and device.flops < device.peak_flops
 

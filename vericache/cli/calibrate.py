@@ -9,10 +9,7 @@ import logging
 from pathlib import Path
 
 from vericache.errors import InvalidRequestError
-from vericache.sim.profiles import bundled, device_profile, model_profile
-
-# The datasheet profile a CUDA device's unmeasurable fields come from, by its name.
-_DATASHEETS = (("H200", "h200"), ("H100 NVL", "h100-nvl"), ("H100", "h100-sxm"))
+from vericache.sim.profiles import bundled, datasheet_for, device_profile, model_profile
 
 
 def add_parser(commands) -> None:
@@ -46,7 +43,7 @@ def run(args) -> int:
         raise InvalidRequestError("--device cuda: CUDA is not available here")
     device = torch.device(args.device)
     if base is None and device.type == "cuda":
-        base = _datasheet_for(torch.cuda.get_device_name(device))
+        base = datasheet_for(torch.cuda.get_device_name(device))
     logging.basicConfig(level=logging.INFO, format="[calibrate] %(message)s")
     plan = CalibrationPlan.for_device(device, model)
     if args.layers is not None:
@@ -63,10 +60,3 @@ def run(args) -> int:
         f"us per layer"
     )
     return 0
-
-
-def _datasheet_for(device_name: str):
-    for marker, name in _DATASHEETS:
-        if marker in device_name:
-            return device_profile(name)
-    return None

@@ -1,5 +1,6 @@
 """`vericache generate`: one request, in this process (modes full, lossy, vericache) or on a
-server (`--server HOST:PORT`; modes vericache, full_local, full_remote, lossy). `--long-context`
+server (`--server HOST:PORT`; modes auto, vericache, full_local, full_remote, lossy; the server
+chooses, `auto`, where none is given). `--long-context`
 runs it in long-context mode (Pipeline 1: compressed KV on the device, full KV in host memory,
 loaded for each verification) within `--memory-budget`, over a link of `--pcie-bandwidth`."""
 
@@ -36,7 +37,11 @@ def add_parser(commands) -> None:
         "--context-file", type=Path, help="text put in the system turn (the prefix)"
     )
     parser.add_argument("--prompt", required=True, help="the user turn")
-    parser.add_argument("--mode", choices=[*IN_PROCESS_MODES, *SERVER_MODES], default="vericache")
+    parser.add_argument(
+        "--mode", choices=[*IN_PROCESS_MODES, *SERVER_MODES],
+        help="in this process: vericache (default), full or lossy; with --server: the server's "
+        "default (auto, where a prefix is given) or one named",
+    )  # fmt: skip
     parser.add_argument("--server", help="HOST:PORT of a `vericache serve` API")
     parser.add_argument("--prefix-id", help="a registered prefix (with --server)")
     add_connection_arguments(parser)
@@ -161,7 +166,7 @@ def parse_draft_len(text: str) -> int | str:
 
 
 IN_PROCESS_MODES = [m.value for m in DecodeMode]
-SERVER_MODES = ["full_local", "full_remote"]  # and lossy, vericache
+SERVER_MODES = ["auto", "full_local", "full_remote"]  # and lossy, vericache
 
 
 def build_request_compressor(args):
@@ -227,6 +232,8 @@ def check_device(name: str) -> None:
 
 
 def run(args) -> int:
+    if args.mode is None and not args.server:
+        args.mode = DecodeMode.VERICACHE.value
     long_context = long_context_config(args)
     is_engine_mode = args.mode in (DecodeMode.VERICACHE.value, DecodeMode.FULL.value)
     if long_context is not None and (args.server or not is_engine_mode):
@@ -237,7 +244,9 @@ def run(args) -> int:
     if args.server:
         return run_on_server(args, params)
     if args.mode in SERVER_MODES or args.prefix_id:
-        raise InvalidRequestError("--mode full_local/full_remote and --prefix-id need --server")
+        raise InvalidRequestError(
+            "--mode auto/full_local/full_remote and --prefix-id need --server"
+        )
     # Check the cheap things before loading the model.
     check_device(args.device)
     if args.mode != DecodeMode.FULL.value:

@@ -133,6 +133,12 @@ def add_parser(commands) -> None:
         "either way)",
     )
     parser.add_argument(
+        "--cost-profile", default="",
+        help="the device profile `mode: auto` prices its paths with: a bundled name or the JSON "
+        "`vericache calibrate` writes (default: the workers' GPU's datasheet, or a CPU's prior; "
+        "what requests take corrects it either way)",
+    )  # fmt: skip
+    parser.add_argument(
         "--served-model-name",
         help="the model id of the HTTP API (default: the model's name, a directory's last part)",
     )
@@ -246,6 +252,7 @@ def coordinator_config(args) -> CoordinatorConfig:
         max_output_tokens=args.max_output_tokens,
         max_migrations=args.max_migrations,
         auto_prefix_min_tokens=args.auto_prefix_min_tokens,
+        cost_profile=args.cost_profile,
     )
 
 

@@ -72,7 +72,7 @@ def prefix_compressor(
 def generate_request(
     prompt: str,
     prefix_id: str | None,
-    mode: str,
+    mode: str | None,
     max_tokens: int | None,
     stop: Sequence[str],
     draft_len: int | None,
@@ -82,7 +82,7 @@ def generate_request(
 ) -> vericache_pb2.GenerateRequest:
     if not isinstance(prompt, str):
         raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise InvalidRequestError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if max_tokens is not None:  # None: the server's default, within the API key's limit
         _check_count("max_tokens", max_tokens)
@@ -97,7 +97,7 @@ def generate_request(
         prompt=prompt,
         max_tokens=max_tokens,
         stop=stop,
-        mode=MODES[mode],
+        mode=MODES[mode] if mode is not None else None,
         draft_len=draft_len,
         stop_token_ids=stop_token_ids,
         compressor=compressor,

@@ -221,7 +221,7 @@ class Client:
         prompt: str,
         *,
         prefix_id: str | None = None,
-        mode: ModeName = "vericache",
+        mode: ModeName | None = None,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
@@ -234,10 +234,11 @@ class Client:
     ) -> Result:
         """Generates a reply to `prompt` after the registered prefix `prefix_id` (None: none).
 
-        `mode` is "vericache" (lossless speculative decoding), "full_local", "full_remote" or
-        "lossy"; `draft_len` is the number of tokens drafted per round (None: the server's), and
-        `max_tokens` the most tokens generated (None: the server's default, within the API key's
-        limit).
+        `mode` is "auto" (the server chooses the fastest lossless path), "vericache" (lossless
+        speculative decoding), "full_local", "full_remote" or "lossy" (None: the server's
+        default, auto where a prefix is found); `draft_len` is the number of tokens drafted per
+        round (None: the server's), and `max_tokens` the most tokens generated (None: the
+        server's default, within the API key's limit).
         Decoding stops at the first of `stop` (the text ends before it) or of `stop_token_ids`
         (end tokens besides the model's EOS, kept in the output). `compressor` (with `ratio` or
         `bits`) asks for the prefix's compressor: a named prefix must have been registered with
@@ -257,7 +258,7 @@ class Client:
         prompt: str,
         *,
         prefix_id: str | None = None,
-        mode: ModeName = "vericache",
+        mode: ModeName | None = None,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),

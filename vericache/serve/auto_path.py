@@ -1,33 +1,36 @@
-"""`mode: auto`: the coordinator chooses each request's path (scheduler/path_choice.py) from what
-the paths cost on this server, as measured, and the workers' load now.
+"""`mode: auto`: the coordinator chooses each request's path (scheduler/path_choice.py) from the
+cost model (path_costs.py) at the workers' loads now, corrected by what the paths took on this
+server.
 
-Every path gives the same tokens (full-KV decoding's), so the choice is about time alone. For each
-path the server keeps moving averages over the requests it served that way: seconds to the first
-token (the prefix's KV moved or read, the prompt's prefill), and seconds per output token after it
-per request sharing the decoding worker, the time-sharing a saturated worker gives (the worker's
-mean count of requests over the request's life, worker_load.py). A path's estimate for a new
-request is then setup + tokens x seconds per token at the load of the worker placement would give
-it now (its drafter for VERICACHE and FULL_REMOTE, on a node warm for the prefix where one is:
-FULL_WARM; its verifier for FULL_LOCAL), and `choose_path`
-takes the one that finishes first. A path the server has not measured yet is tried first, so
-that every path is measured, by one request at a time: while it is being tried, requests take the
-paths measured or not yet tried (those started together spread over the unmeasured paths, rather
-than all piling onto the first). A path none of whose workers is alive is never offered.
+Every path gives the same tokens (full-KV decoding's), so the choice is about time alone. From the
+first request on, each path is estimated by the cost model: its setup and its seconds per token at
+the load of the worker placement gives it (its drafter for VERICACHE and FULL_REMOTE, on a node
+warm for the prefix where one is: FULL_WARM; its verifier for FULL_LOCAL), and `choose_path`
+takes the one that finishes first. What the requests then took corrects it, per path: the moving
+average of measured over predicted, for the setup (time to the first token) and for the seconds
+per token, each prediction made again at the load its worker had on average over the request's
+life (worker_load.py). VERICACHE's acceptance is the one the server measured (the share of its
+drafts accepted), from a prior of what the compressors accept on code and tool calls. A path
+none of whose workers is alive is never offered.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections import Counter
 from dataclasses import dataclass
 
 from vericache.scheduler.path_choice import PathEstimate, ServingPath, choose_path
 from vericache.serve.api_types import GenerateSummary, ServeMode
+from vericache.serve.path_costs import PathCosts, PathOption, RequestShape
 
 # Weight of each new request in the moving averages: the last ten or so requests of a path count.
 ALPHA = 0.2
-# What an unmeasured path is estimated at: below every measured one, so it is tried next.
-UNMEASURED_S = 0.0
+# The share of its drafts a VeriCache round accepts before any is measured here: the least of
+# bench/results/acceptance_4x.json's (18.6 of 30 at 4x compression, code and tool calls) is 0.62.
+PRIOR_ACCEPTED_SHARE = 0.6
+# A correction is a ratio within these: one request far off (a stall) cannot swing a path away.
+MAX_CORRECTION = 8.0
 
 _SERVED_AS = {
     ServingPath.VERICACHE: ServeMode.VERICACHE,
@@ -37,76 +40,74 @@ _SERVED_AS = {
 }
 
 
-@dataclass
-class _Measured:
-    setup_s: float
-    seconds_per_token_per_load: float  # a request's decode seconds per token / its worker's load
-
-    def observe(self, setup_s: float, seconds_per_token_per_load: float) -> None:
-        self.setup_s += ALPHA * (setup_s - self.setup_s)
-        gap = seconds_per_token_per_load - self.seconds_per_token_per_load
-        self.seconds_per_token_per_load += ALPHA * gap
-
-
 @dataclass(frozen=True)
-class PathOption:
-    """A path the request may take now, on the worker placement would give it."""
+class PathChoice:
+    """The option a request took, and what it was chosen for: `observe` prices it again."""
 
-    path: ServingPath
-    worker: str
-    load: int  # requests on that worker now
+    option: PathOption
+    shape: RequestShape
+
+    @property
+    def path(self) -> ServingPath:
+        return self.option.path
+
+
+class _Correction:
+    """A moving average of log(measured / predicted): a ratio the prior is multiplied by."""
+
+    def __init__(self):
+        self.log_ratio = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return math.exp(self.log_ratio)
+
+    def observe(self, measured: float, predicted: float) -> None:
+        if measured <= 0 or predicted <= 0:
+            return
+        bound = math.log(MAX_CORRECTION)
+        log_ratio = min(bound, max(-bound, math.log(measured / predicted)))
+        self.log_ratio += ALPHA * (log_ratio - self.log_ratio)
 
 
 class AutoPaths:
-    def __init__(self):
-        self._measured: dict[ServingPath, _Measured] = {}
-        self._trying: Counter[ServingPath] = Counter()  # unmeasured paths' requests in flight
+    def __init__(self, costs: PathCosts):
+        self.costs = costs
+        self._setup = {path: _Correction() for path in ServingPath}
+        self._per_token = {path: _Correction() for path in ServingPath}
+        self.accepted_share = PRIOR_ACCEPTED_SHARE
         self._lock = threading.Lock()
 
-    def choose(self, options: list[PathOption], num_tokens: int) -> ServingPath:
-        """The option that finishes `num_tokens` first, by the measurements so far, counted as
-        started (`ended` when it ends). Paths being tried are left out while another is
-        measured or untried; where every option is being tried, the one fewest are trying."""
+    def choose(self, options: list[PathOption], shape: RequestShape) -> PathChoice:
+        """The option that finishes `shape.num_tokens` first, by the corrected cost model."""
         with self._lock:
-            open_options = [o for o in options if not self._is_trying(o.path)]
-            if open_options:
-                estimates = [self._estimate(option) for option in open_options]
-                path = choose_path(estimates, num_tokens).path
-            else:
-                path = min(options, key=lambda option: self._trying[option.path]).path
-            if path not in self._measured:
-                self._trying[path] += 1
-        return path
+            estimates = [self.estimate(option, shape) for option in options]
+        chosen = choose_path(estimates, shape.num_tokens)
+        return PathChoice(options[estimates.index(chosen)], shape)
 
-    def ended(self, path: ServingPath) -> None:
-        """A request `choose` sent down `path` ended, served or not."""
-        with self._lock:
-            if self._trying[path] > 0:
-                self._trying[path] -= 1
+    def estimate(self, option: PathOption, shape: RequestShape) -> PathEstimate:
+        prior = self.costs.estimate(option, shape, self.accepted_share)
+        setup_s = prior.setup_s * self._setup[option.path].ratio
+        per_token = prior.seconds_per_token * self._per_token[option.path].ratio
+        return PathEstimate(option.path, option.worker, setup_s, per_token)
 
-    def _is_trying(self, path: ServingPath) -> bool:
-        return path not in self._measured and self._trying[path] > 0
-
-    def observe(self, path: ServingPath, summary: GenerateSummary, load: float) -> None:
-        """A request served on `path` ended, its decoding worker holding `load` requests (it
+    def observe(self, choice: PathChoice, summary: GenerateSummary, load: float) -> None:
+        """A request served as `choice` ended, its decoding worker holding `load` requests (it
         among them) on average while it ran (worker_load.py). Requests cut short before their
         second token say nothing of the seconds per token."""
-        if summary.num_tokens < 2 or summary.tokens_per_s <= 0:
-            return
-        per_load = 1.0 / summary.tokens_per_s / max(load, 1)
+        option, shape, costs = choice.option, choice.shape, self.costs
         with self._lock:
-            measured = self._measured.get(path)
-            if measured is None:
-                self._measured[path] = _Measured(summary.ttft_s, per_load)
-            else:
-                measured.observe(summary.ttft_s, per_load)
-
-    def _estimate(self, option: PathOption) -> PathEstimate:
-        measured = self._measured.get(option.path)
-        if measured is None:
-            return PathEstimate(option.path, option.worker, UNMEASURED_S, 1e-9)
-        per_token = measured.seconds_per_token_per_load * (option.load + 1)
-        return PathEstimate(option.path, option.worker, measured.setup_s, max(per_token, 1e-9))
+            self._setup[option.path].observe(summary.ttft_s, costs.setup_s(option, shape))
+            if summary.num_tokens < 2 or summary.tokens_per_s <= 0:
+                return
+            accepted_share = self.accepted_share
+            if option.path is ServingPath.VERICACHE and summary.accepted_per_round:
+                measured_share = summary.mean_accepted_per_round / shape.draft_len
+                accepted_share = min(1.0, measured_share)
+                self.accepted_share += ALPHA * (accepted_share - self.accepted_share)
+            others = max(0.0, load - 1)
+            predicted = costs.seconds_per_token(option, shape, accepted_share, others)
+            self._per_token[option.path].observe(1.0 / summary.tokens_per_s, predicted)
 
 
 def served_as(path: ServingPath) -> ServeMode:

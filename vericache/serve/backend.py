@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
 from vericache.serve.api_types import ServeMode
-from vericache.serve.auto_path import PathOption
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.metrics import ServeMetrics
+from vericache.serve.path_costs import PathOption
 from vericache.serve.rounds import ServedRequest
 from vericache.serve.worker_api import ModelInfo
 
@@ -37,7 +37,7 @@ class ServingBackend(Protocol):
 
     def path_options(self, prefix_id: str) -> list[PathOption]:
         """The lossless paths a request over the prefix may take now, each on the worker that
-        would serve it and that worker's load (`mode: auto`, auto_path.py)."""
+        would serve it and that worker's load (`mode: auto`, path_costs.py)."""
 
     def register(self, prefix_id: str, key: PrefixKey) -> AsyncIterator[str]:
         """Makes what a new prefix needs; yields each stage's name as it begins."""

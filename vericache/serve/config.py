@@ -12,6 +12,7 @@ from vericache.model.loader import DEFAULT_MODEL, DTYPES
 from vericache.scheduler import SchedulerConfig
 from vericache.serve.api_types import CompressorChoice
 from vericache.serve.cluster_secret import ClusterSecret
+from vericache.sim.profiles import device_profile
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,9 @@ class CoordinatorConfig:
     auto_prefix_min_tokens: int | None = None
     auto_prefix_compressor: CompressorChoice = CompressorChoice("snapkv", ratio=4.0)
     auto_prefix_max_per_tenant: int = 8
+    # The device profile `mode: auto` prices its paths with (path_costs.py): a bundled name or
+    # the JSON `vericache calibrate` writes. "": the workers' GPU's datasheet, or a CPU's prior.
+    cost_profile: str = ""
 
     def __post_init__(self):
         if self.scheduling not in SCHEDULING_POLICIES:
@@ -138,6 +142,8 @@ class CoordinatorConfig:
             raise InvalidRequestError(f"coordinator settings out of range: {self}")
         if self.default_draft_len > self.max_draft_len:
             raise InvalidRequestError("default_draft_len must not exceed max_draft_len")
+        if self.cost_profile:
+            device_profile(self.cost_profile)  # read and checked now, not at the first request
         if self.auto_prefix_min_tokens is not None and self.auto_prefix_min_tokens < 1:
             raise InvalidRequestError("auto_prefix_min_tokens must be >= 1")
         if self.auto_prefix_max_per_tenant < 1:

@@ -30,7 +30,6 @@ from vericache.errors import (
     PrefixNotFoundError,
     WorkerUnavailableError,
 )
-from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.admission import Admission
 from vericache.serve.api_types import (
     CompressorChoice,
@@ -41,7 +40,7 @@ from vericache.serve.api_types import (
     ServeMode,
 )
 from vericache.serve.auth import ANONYMOUS, PrefixQuotaError, Tenant, TenantLimitError
-from vericache.serve.auto_path import AutoPaths, served_as
+from vericache.serve.auto_path import AutoPaths, PathChoice, served_as
 from vericache.serve.auto_prefix import AutoPrefixCache, PrefixWish
 from vericache.serve.backend import ServingBackend
 from vericache.serve.catalog import (
@@ -53,6 +52,7 @@ from vericache.serve.catalog import (
 )
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics, metered
+from vericache.serve.path_costs import RequestShape, path_costs
 from vericache.serve.prompts import Prompts
 from vericache.serve.rounds import RequestPlan, ServedRequest
 from vericache.serve.streaming import stream_events
@@ -71,7 +71,7 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.config = config = config or CoordinatorConfig()
         self.metrics = ServeMetrics(model_name)
-        self._auto = AutoPaths()  # what each path cost, for `mode: auto`
+        self._auto: AutoPaths | None = None  # prices the paths of `mode: auto`, once started
         self.info: ModelInfo | None = None  # known once started
         self.prompts: Prompts | None = None  # ...with it
         self.auto_prefixes: AutoPrefixCache | None = None  # ...with it
@@ -83,6 +83,7 @@ class Coordinator:
 
     async def start(self) -> Coordinator:
         self.info = await self.backend.start(self.metrics)
+        self._auto = AutoPaths(path_costs(self.info, self.config.cost_profile))
         self.prompts = Prompts(self.tokenizer, self.info)
         self.auto_prefixes = AutoPrefixCache(
             self.config, self.metrics, self.info.fingerprint, self._register_text,
@@ -227,36 +228,45 @@ class Coordinator:
         with self._active(tenant):
             await self._admission.admit(plan.prefix_id)
             self._meter_queue()
-            chosen = None
             try:
-                plan, chosen = self._resolved(plan)  # auto chooses at the loads of now
+                plan, placed = self._resolved(plan)  # auto chooses at the loads of now
                 served = self._served(plan)
                 rounds = self.backend.serve(served)
                 events = metered(self.metrics, served, stream_events(served, rounds))
                 async with contextlib.aclosing(events):
                     async for event in events:
                         yield event
-                if served.path is not None and served.seq.finish_reason is not None:
-                    self._auto.observe(served.path, served.summary(), served.worker_load)
+                if placed is not None and served.seq.finish_reason is not None:
+                    self._auto.observe(placed, served.summary(), served.worker_load)
             finally:
-                if chosen is not None:
-                    self._auto.ended(chosen)
                 self._admission.release(plan.prefix_id)
                 self._meter_queue()
 
-    def _resolved(self, plan: RequestPlan) -> tuple[RequestPlan, ServingPath | None]:
-        """The plan of an AUTO request with the path chosen for it (auto_path.py), and that
-        path; any other plan as it is, and None."""
-        if plan.mode is not ServeMode.AUTO:
+    def _resolved(self, plan: RequestPlan) -> tuple[RequestPlan, PathChoice | None]:
+        """The plan of an AUTO request with the path chosen for it (auto_path.py); any other
+        plan as it is. And the option it takes, which its measurements correct auto's prices of
+        (None: no prefix, or a mode auto never takes)."""
+        if plan.prefix_id is None:
             return plan, None
         options = self.backend.path_options(plan.prefix_id)
-        path = self._auto.choose(options, plan.request.params.max_new_tokens)
+        request = plan.request
+        shape = RequestShape(
+            prefix_id=plan.prefix_id, prefix_tokens=request.num_prefix_tokens,
+            after_prefix=len(request.prompt_ids) - request.num_prefix_tokens,
+            num_tokens=request.params.max_new_tokens, draft_len=request.draft_len,
+            compressed_share=plan.compressed_share,
+        )  # fmt: skip
+        if plan.mode is not ServeMode.AUTO:
+            named = [o for o in options if served_as(o.path) is plan.mode]
+            return plan, PathChoice(named[0], shape) if named else None
+        choice = self._auto.choose(options, shape)
+        path = choice.path
         self.metrics.auto_path_chosen(path.value)
         mode = served_as(path)
         request = plan.request
         if mode.decode_mode is DecodeMode.FULL:
             request = dataclasses.replace(request, mode=DecodeMode.FULL, compressor=None)
-        return dataclasses.replace(plan, mode=mode, request=request), path
+        return dataclasses.replace(plan, mode=mode, request=request), choice
 
     @property
     def num_running(self) -> int:
@@ -279,7 +289,7 @@ class Coordinator:
             raise InvalidRequestError(f"draft_len must lie in [1, {config.max_draft_len}]")
         params = self._sampling_params(call, tenant)
         record, prompt_ids = await self._prompt(call, tenant)
-        mode = call.mode or (ServeMode.VERICACHE if record else ServeMode.FULL_LOCAL)
+        mode = call.mode or (ServeMode.AUTO if record else ServeMode.FULL_LOCAL)
         if mode is ServeMode.AUTO and record is None:
             mode = ServeMode.FULL_LOCAL  # no prefix: the one path there is
         if record is None and mode is not ServeMode.FULL_LOCAL:
@@ -305,7 +315,10 @@ class Coordinator:
             request_id=session_id,
         )
         prefix_id = record.prefix_id if record else None
-        return RequestPlan(session_id, mode, prefix_id, tenant.name, request, config.decode_chunk)
+        share = record.compressed_kv_bytes / record.full_kv_bytes if record else 1.0
+        return RequestPlan(
+            session_id, mode, prefix_id, tenant.name, request, config.decode_chunk, share
+        )
 
     def _sampling_params(self, call: GenerateCall, tenant: Tenant) -> SamplingParams:
         max_tokens = call.max_tokens

@@ -27,16 +27,17 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from vericache.engine.link import LinkSpec
 from vericache.errors import UnsupportedModelError, WorkerUnavailableError
 from vericache.kv.shared_prefix import PrefixCacheStats
 from vericache.scheduler.path_choice import ServingPath
 from vericache.scheduler.placement import Candidate, place
 from vericache.serve.api_types import ServeMode
-from vericache.serve.auto_path import PathOption
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.local_rounds import same_arithmetic
 from vericache.serve.metrics import ServeMetrics
+from vericache.serve.path_costs import PathOption
 from vericache.serve.restarts import Restarts
 from vericache.serve.rounds import ServedRequest, run_request
 from vericache.serve.scheduled import ScheduledRounds, new_scheduled_rounds
@@ -64,6 +65,7 @@ class DistributedBackend:
         self.drafters = drafters
         self.config = config or CoordinatorConfig()
         self._addresses: dict[str, str] = {}  # verifier name -> its KVTransfer address
+        self._links: dict[str, LinkSpec] = {}  # verifier name -> its link toward the drafters
         # Verifier name -> the schedule of its VERICACHE rounds; empty: each request on its own.
         self.schedules: dict[str, ScheduledRounds] = {}
         self._probe: asyncio.Task | None = None
@@ -78,6 +80,7 @@ class DistributedBackend:
         described = await asyncio.gather(*(v.describe() for v in self.verifiers))
         for verifier, about in zip(self.verifiers, described):
             self._addresses[verifier.name] = about.transfer_address
+            self._links[verifier.name] = about.link
         drafters = await asyncio.gather(*(d.describe() for d in self.drafters))
         models = {about.model for about in [*described, *drafters]}
         if len({model.fingerprint for model in models}) != 1:
@@ -208,10 +211,11 @@ class DistributedBackend:
 
     def path_options(self, prefix_id: str) -> list[PathOption]:
         """The paths a request over `prefix_id` may take now, each on the worker placement would
-        give it (auto_path.py): FULL_LOCAL on a verifier; VERICACHE with a drafter beside it;
-        full decoding on that drafter, over its host tier where it is warm (FULL_WARM). A drafter
-        of other arithmetic than the verifier's (`ModelInfo.numerics`) is offered for nothing:
-        its full decoding would give other bits, and auto's paths all give the verifier's."""
+        give it, at its load (path_costs.py): FULL_LOCAL on a verifier; VERICACHE with a drafter
+        beside it; full decoding on that drafter, over its host tier where it is warm
+        (FULL_WARM). A drafter of other arithmetic than the verifier's (`ModelInfo.numerics`) is
+        offered for nothing: its full decoding would give other bits, and auto's paths all give
+        the verifier's."""
         verifier = _placed_or_none(self.verifiers, prefix_id)
         drafter = _placed_or_none(self.drafters, prefix_id)
         if drafter is not None and verifier is not None and not same_arithmetic(drafter, verifier):
@@ -220,11 +224,15 @@ class DistributedBackend:
         if verifier is not None:
             options.append(PathOption(ServingPath.FULL_LOCAL, verifier.name, _paced(verifier)))
         if drafter is not None:
-            if verifier is not None:
-                options.append(PathOption(ServingPath.VERICACHE, drafter.name, _paced(drafter)))
             warm = prefix_id in drafter.warm_prefixes
+            link = self._links.get(verifier.name, LinkSpec()) if verifier else LinkSpec()
+            if verifier is not None:
+                options.append(PathOption(
+                    ServingPath.VERICACHE, drafter.name, _paced(drafter), _paced(verifier), warm,
+                    link,
+                ))  # fmt: skip
             path = ServingPath.FULL_WARM if warm else ServingPath.FULL_REMOTE
-            options.append(PathOption(path, drafter.name, _paced(drafter)))
+            options.append(PathOption(path, drafter.name, _paced(drafter), link=link))
         return options
 
     def check_can_serve(self, mode: ServeMode) -> None:

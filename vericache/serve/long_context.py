@@ -30,7 +30,6 @@ from vericache.errors import InvalidRequestError, PrefixNotFoundError
 from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.api_types import ServeMode
 from vericache.serve.auth import Access
-from vericache.serve.auto_path import PathOption
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.config import CoordinatorConfig, WorkerConfig
 from vericache.serve.coordinator import Coordinator
@@ -42,6 +41,7 @@ from vericache.serve.engine_loop import (
     TokensCommitted,
 )
 from vericache.serve.metrics import ServeMetrics
+from vericache.serve.path_costs import PathOption
 from vericache.serve.rounds import ServedRequest
 from vericache.serve.server import BackgroundServer, HttpSettings
 from vericache.serve.worker import load_worker_model
@@ -98,10 +98,11 @@ class LongContextBackend:
         return self.engine_loop.is_running  # one engine in this process
 
     def path_options(self, prefix_id: str) -> list[PathOption]:
-        """Its one engine runs VeriCache or full-KV decoding; its load, the requests in it."""
+        """Its one engine runs VeriCache, verifying over the full KV in host memory, or full-KV
+        decoding; its load, the requests in it."""
         load = self._num_serving
         return [
-            PathOption(ServingPath.VERICACHE, "engine", load),
+            PathOption(ServingPath.VERICACHE, "engine", load, is_warm=True),
             PathOption(ServingPath.FULL_LOCAL, "engine", load),
         ]
 

@@ -59,6 +59,8 @@ class RequestPlan:
     # The engine's request: prompt, prefix length, sampling, decode mode, compressor, draft length.
     request: Request
     decode_chunk: int  # tokens per worker call when one worker decodes alone
+    # Its prefix's compressed KV bytes over its full KV bytes (PrefixRecord): what auto prices.
+    compressed_share: float = 1.0
 
 
 @dataclass

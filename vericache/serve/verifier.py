@@ -111,6 +111,7 @@ class Verifier:
             resident_bytes=self.config.resident_bytes,
             startup=self.startup,
             prefix_cache=self._prefix_copies.stats(),
+            link=self.config.link,
         )
 
     def measure_load_bandwidth(self) -> float:

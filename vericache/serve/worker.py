@@ -24,6 +24,7 @@ from vericache.model.loader import LoadedModel, load_model
 from vericache.model.runner import ModelRunner
 from vericache.serve.config import WorkerConfig
 from vericache.serve.worker_api import ModelInfo, WorkerStartup
+from vericache.sim.profiles import ModelProfile
 
 
 class SessionNotFoundError(VeriCacheError):
@@ -73,6 +74,8 @@ def load_worker_model(config: WorkerConfig) -> WorkerModel:
         eos_token_ids=tuple(loaded.config.eos_token_ids),
         full_kv_bytes_per_token=slot_bytes(loaded.config, runner.dtype.itemsize),
         numerics=_numerics(runner.device, runner.dtype),
+        shape=_shape(loaded, config.model, runner.weights.nbytes // runner.dtype.itemsize),
+        weight_element_size=runner.dtype.itemsize,
     )
     return WorkerModel(loaded, runner, info, started_at, model_s, kernels_s)
 
@@ -84,6 +87,18 @@ def first_token(logits: torch.Tensor, sampler: SequenceSampler | None = None) ->
         return int(logits[-1].argmax())
     (token,) = sampler.sample(logits[-1:])
     return token
+
+
+def _shape(loaded: LoadedModel, name: str, num_params: int) -> ModelProfile:
+    """The model as the cost model sees it (vericache/sim/profiles.py)."""
+    config = loaded.config
+    return ModelProfile(
+        name=name, source="the served model's config", num_layers=config.num_layers,
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        vocab_size=config.vocab_size, num_params=num_params,
+        max_positions=config.max_position_embeddings,
+    )  # fmt: skip
 
 
 def _numerics(device: torch.device, dtype: torch.dtype) -> str:

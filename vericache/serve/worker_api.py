@@ -23,10 +23,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from vericache.engine.link import LinkSpec
 from vericache.engine.sampling import SequenceSampler
 from vericache.kv.exact import ExactKV
 from vericache.kv.shared_prefix import PrefixCacheStats
 from vericache.serve.catalog import PrefixKey, PrefixRecord, StoredKind
+from vericache.sim.profiles import ModelProfile
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,10 @@ class ModelInfo:
     # workers give a forward the same bits only where these match (kernels are batch-invariant
     # on one kind of device, not across kinds).
     numerics: str = ""
+    # Its shape for the cost model (`mode: auto`'s prior, path_costs.py), and its weights'
+    # element size on the device.
+    shape: ModelProfile | None = None
+    weight_element_size: int = 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class VerifierInfo:
     resident_bytes: int  # the budget of full KV kept on the device across sessions
     startup: WorkerStartup
     prefix_cache: PrefixCacheStats  # its shared copies of prefixes' full KV, now
+    link: LinkSpec = LinkSpec()  # toward its drafters
 
 
 @dataclass(frozen=True)

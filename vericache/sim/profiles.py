@@ -146,6 +146,18 @@ def device_profile(name_or_path: str) -> DeviceProfile:
     return DeviceProfile(**_read("devices", name_or_path, DeviceProfile))
 
 
+# The datasheet profile of a CUDA device, by a marker in its name (most specific first).
+_DATASHEETS = (("H200", "h200"), ("H100 NVL", "h100-nvl"), ("H100", "h100-sxm"))
+
+
+def datasheet_for(device_name: str) -> DeviceProfile | None:
+    """The bundled datasheet profile of a CUDA device named `device_name`, if there is one."""
+    for marker, name in _DATASHEETS:
+        if marker in device_name:
+            return device_profile(name)
+    return None
+
+
 def bundled(kind: str) -> list[str]:
     """Names of the bundled profiles of a kind ("models" or "devices")."""
     folder = resources.files(__package__).joinpath(_PROFILES, kind)

@@ -1,0 +1,173 @@
+"""What each path of `mode: auto` would cost a request, from the simulator's cost model
+(vericache/sim/cost.py) over the served model's shape and a device profile: the prior that
+auto_path.py's measurements correct.
+
+A path's estimate (scheduler/path_choice.py `PathEstimate`) is its setup (until the first token)
+and its seconds per output token after it, on the worker placement gives it, at that worker's
+load now:
+- setup: the bytes that must cross the link first (FULL_REMOTE: the prefix's full KV;
+  VERICACHE: its compressed KV, and the prompt's exact KV across to the drafter after the
+  verifier's prefill), the link's latency, and the prompt's prefill after the prefix;
+- full decoding: one decode step over the full KV, batched with one row like it per request its
+  worker paces now (each over a prefix of its own: which prefix they read is not known here);
+- VERICACHE: a round of x draft steps over the compressed KV at the drafter's batch, one
+  verification of x + 1 tokens (on the central verifier beside its full-KV decodes, or on a warm
+  node beside its drafts), the two calls' latency and, from a central verifier, the committed
+  tokens' exact KV across the link, over the accepted drafts and the verifier's token.
+A request is priced at the middle of its output: its context is the prompt and half the tokens it
+asks for. Which device the profile describes is the deployment's to say (`vericache calibrate`
+writes one); by default the datasheet of the workers' GPU, or on a CPU a profile calibrated on a
+2-core server CPU with one torch thread, which the measurements then scale to the CPU at hand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from vericache.engine.link import LinkSpec
+from vericache.errors import UnsupportedModelError
+from vericache.scheduler.path_choice import PathEstimate, ServingPath, round_seconds_per_token
+from vericache.serve.worker_api import ModelInfo
+from vericache.sim.cost import Row, forward_cost
+from vericache.sim.profiles import DeviceProfile, ModelProfile, datasheet_for, device_profile
+
+# The bundled prior for a CPU worker (vericache/sim/profiles/devices/cpu.json).
+CPU_PRIOR = "cpu"
+PREFILL_CHUNK = 512  # tokens per prefill forward, as the workers' default `prefill_chunk`
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What a path's cost depends on, of one request over one prefix."""
+
+    prefix_id: str
+    prefix_tokens: int
+    after_prefix: int  # prompt tokens after the prefix
+    num_tokens: int  # output tokens it asks for
+    draft_len: int
+    compressed_share: float  # the prefix's compressed KV bytes over its full KV bytes
+
+
+@dataclass(frozen=True)
+class PathOption:
+    """A path a request may take now, on the worker placement would give it."""
+
+    path: ServingPath
+    worker: str
+    load: int  # requests whose tokens that worker paces now
+    verifier_load: int = 0  # VERICACHE: requests the central verifier decodes now
+    is_warm: bool = False  # VERICACHE: its drafter node verifies the prefix's rounds itself
+    link: LinkSpec = LinkSpec()  # between the store's verifier and that drafter
+
+
+class PathCosts:
+    def __init__(
+        self,
+        model: ModelProfile,
+        device: DeviceProfile,
+        kv_bytes_per_token: int,
+        weight_element_size: int,
+    ):
+        self.model = model
+        self.device = device
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.weight_element_size = weight_element_size
+
+    def estimate(
+        self, option: PathOption, shape: RequestShape, accepted_share: float
+    ) -> PathEstimate:
+        """The path's prior at its workers' loads now; VERICACHE accepting `accepted_share` of
+        its drafts."""
+        per_token = self.seconds_per_token(option, shape, accepted_share, option.load)
+        return PathEstimate(option.path, option.worker, self.setup_s(option, shape), per_token)
+
+    def setup_s(self, option: PathOption, shape: RequestShape) -> float:
+        full_bytes = shape.prefix_tokens * self.kv_bytes_per_token
+        prefill_s = self._prefill_s(shape)
+        link = option.link
+        if option.path is ServingPath.FULL_REMOTE:
+            return _link_s(link, full_bytes) + link.latency + prefill_s
+        if option.path is not ServingPath.VERICACHE:  # the KV is beside the worker
+            return prefill_s
+        compressed_s = _link_s(link, full_bytes * shape.compressed_share) + link.latency
+        if option.is_warm:
+            return compressed_s + prefill_s
+        exact_s = _link_s(link, shape.after_prefix * self.kv_bytes_per_token) + link.latency
+        return compressed_s + prefill_s + exact_s
+
+    def seconds_per_token(
+        self, option: PathOption, shape: RequestShape, accepted_share: float, load: float
+    ) -> float:
+        """After the first token, at `load` requests paced by its worker besides it."""
+        others = max(0, round(load))
+        if option.path is not ServingPath.VERICACHE:
+            return self._forward_s(self._row(shape, 1, compressed=False), others)
+        x = shape.draft_len
+        draft = self._row(shape, 1, compressed=True)
+        draft_s = self._forward_s(draft, others)
+        verify = self._row(shape, x + 1, compressed=False)
+        mean_accepted = accepted_share * x
+        link = option.link
+        if option.is_warm:  # verified beside its drafts, over the node's host tier
+            verify_s = self._seconds([verify] + [_alone(draft)] * others)
+            return round_seconds_per_token(x, draft_s, verify_s, 0.0, mean_accepted)
+        decodes = [_alone(self._row(shape, 1, compressed=False))] * option.verifier_load
+        verify_s = self._seconds([verify] + decodes)
+        calls_s = 2 * link.latency + _link_s(link, (mean_accepted + 1) * self.kv_bytes_per_token)
+        return round_seconds_per_token(x, draft_s, verify_s, calls_s, mean_accepted)
+
+    def _row(self, shape: RequestShape, num_new: int, compressed: bool) -> Row:
+        """The request's row at the middle of its output: over the prefix (the share of it the
+        compressed KV keeps, or all of it) and the tokens after it."""
+        share = shape.compressed_share if compressed else 1.0
+        kept = math.ceil(shape.prefix_tokens * share)
+        own = shape.after_prefix + shape.num_tokens // 2
+        size = self.kv_bytes_per_token
+        return Row(
+            num_new, kept + own, size, exact=not compressed,
+            shared_prefix=(shape.prefix_id, compressed), shared_kv_bytes=kept * size,
+        )  # fmt: skip
+
+    def _forward_s(self, row: Row, others: int) -> float:
+        """A step with `others` rows like `row` beside it, each over a prefix of its own."""
+        return self._seconds([row] + [_alone(row)] * others)
+
+    def _prefill_s(self, shape: RequestShape) -> float:
+        """The prompt after the prefix prefilled over the prefix's full KV, chunk by chunk."""
+        size, seconds = self.kv_bytes_per_token, 0.0
+        for start in range(0, shape.after_prefix, PREFILL_CHUNK):
+            num_new = min(PREFILL_CHUNK, shape.after_prefix - start)
+            seconds += self._seconds([Row(num_new, shape.prefix_tokens + start, size, True)])
+        return seconds
+
+    def _seconds(self, rows: list[Row]) -> float:
+        cost = forward_cost(self.model, self.device, rows, self.weight_element_size)
+        return cost.seconds
+
+
+def path_costs(info: ModelInfo, cost_profile: str = "") -> PathCosts:
+    """The prices of the paths over the workers' model (`info`), on the device `cost_profile`
+    names ("": `default_device_profile`)."""
+    device = device_profile(cost_profile) if cost_profile else default_device_profile(info.numerics)
+    if info.shape is None:
+        raise UnsupportedModelError(f"the workers of {info.model} report no shape to price with")
+    return PathCosts(info.shape, device, info.full_kv_bytes_per_token, info.weight_element_size)
+
+
+def default_device_profile(numerics: str) -> DeviceProfile:
+    """The prior for a worker of `ModelInfo.numerics`: its GPU's datasheet, else the CPU's."""
+    if numerics.startswith("cuda:"):
+        datasheet = datasheet_for(numerics.split(":")[1])
+        if datasheet is not None:
+            return datasheet
+    return device_profile(CPU_PRIOR)
+
+
+def _alone(row: Row) -> Row:
+    """`row` over a copy of its prefix that no other row reads."""
+    return replace(row, shared_prefix=None, shared_kv_bytes=0.0)
+
+
+def _link_s(link: LinkSpec, num_bytes: float) -> float:
+    return num_bytes / link.bandwidth if link.bandwidth else 0.0
