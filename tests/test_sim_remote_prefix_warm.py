@@ -17,7 +17,7 @@ from vericache.scheduler.path_choice import (
 )
 from vericache.sim.cost import forward_cost
 from vericache.sim.events import BACKGROUND_SLICE_BYTES, Link, Simulation
-from vericache.sim.host_tier import HostTier, TieredFetch
+from vericache.sim.host_tier import HostTier, Source, TieredFetch
 from vericache.sim.kv_memory import Session, WorkerMemory
 from vericache.sim.remote_prefix import VeriCacheRequest, simulate_vericache
 from vericache.sim.remote_prefix_auto import path_estimates, simulate_auto, start_auto
@@ -89,7 +89,7 @@ def test_a_host_tier_keeps_what_the_device_evicts_least_recent_out_first():
         sim.run()
         memory.release(session)
     assert network.bytes_delivered == 2000 and pcie.bytes_delivered == 1000
-    assert (fetches.num_fetched, fetches.num_from_host) == (2, 1)
+    assert (fetches.counts[Source.LINK], fetches.counts[Source.HOST_TIER]) == (2, 1)
     assert sim.now == pytest.approx(20.0 + 1.0)  # two fetches at 10 s, one load at 1 s
     # A prefix that reached the device without landing in the tier (read through it for a
     # verification) goes there when the device evicts it.

@@ -10,7 +10,8 @@ to verify its own sessions (remote_prefix.py's warm nodes). Both are modelled he
   holds the prefix, else by a prefill on the device where the cost model makes that sooner than
   the fetch (and the worker may recompute), else over the inbound link. What arrives over the
   link lands in host memory first (a NIC writes there), so the host tier keeps it too; what the
-  device evicts goes there.
+  device evicts goes there. Its one choice also says when a fetch sent now would land, which
+  `mode: auto`'s estimates read (remote_prefix_auto.py).
 Assumptions, stated: copying a prefix from the device to host memory costs no link time (it rides
 PCIe's other direction, idle while loads come in); a prefill is charged its forwards' time, in
 chunks batched with the device's other rows, and the choice compares that time alone with the
@@ -19,7 +20,8 @@ fetch's (the link's queue ahead included).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import enum
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Protocol
 
@@ -73,6 +75,14 @@ class Recompute(Protocol):
     def run(self, prefix: Hashable, done: Callable[[], None]) -> None: ...
 
 
+class Source(enum.Enum):
+    """Where a device's miss comes from (the report's names)."""
+
+    HOST_TIER = "host_tier"
+    RECOMPUTED = "recomputed"
+    LINK = "link"
+
+
 class TieredFetch:
     """A worker's device misses: from its host tier, by a prefill, or over its inbound link."""
 
@@ -91,35 +101,62 @@ class TieredFetch:
         # How an inbound fetch is sent (the inbound link's own send, unless arrivals are taken in
         # by the host as well).
         self._send = send or inbound.send
-        self.num_from_host = 0
-        self.num_recomputed = 0
-        self.num_fetched = 0
+        self.counts: Counter[Source] = Counter()  # the misses brought from each source
 
     def fetch(self, prefix: Hashable, nbytes: int, delivered: Callable[[], None]) -> None:
+        """A miss, brought the soonest way (`choose`) and counted by where it came from."""
+        source, _ = self.choose(prefix, nbytes)
+        self.counts[source] += 1
+        self._bring(source, prefix, nbytes, delivered)
+
+    def read(self, prefix: Hashable, nbytes: int, delivered: Callable[[], None]) -> None:
+        """One forward's read of a prefix the device lacks, as a warm node's verification reads
+        its host tier's copy: from the tier it is not counted (a read per forward, which would
+        swamp the misses), else it is fetched as a miss."""
+        source, _ = self.choose(prefix, nbytes)
+        if source is not Source.HOST_TIER:
+            self.counts[source] += 1
+        self._bring(source, prefix, nbytes, delivered)
+
+    def ready_s(self, prefix: Hashable, nbytes: int) -> float:
+        """Until a prefix fetched now is on the device, by the way `fetch` would bring it."""
+        _, seconds = self.choose(prefix, nbytes)
+        return seconds
+
+    def choose(self, prefix: Hashable, nbytes: int) -> tuple[Source, float]:
+        """Where a prefix fetched now comes from, and the seconds until it is on the device: the
+        host tier where it holds it; else a prefill where the worker may recompute it and that is
+        sooner than the fetch; else the inbound link. Each counts the transfers queued ahead."""
         tier = self.host_tier
         if tier is not None and tier.holds(prefix):
-            tier.touch(prefix)
-            self.num_from_host += 1
-            self.host_link.send(nbytes, delivered)
-            return
+            return Source.HOST_TIER, _transfer_s(self.host_link, nbytes)
+        fetch_s = _transfer_s(self.inbound, nbytes)
         prefill_s = self.recompute.seconds(prefix) if self.recompute is not None else None
-        if prefill_s is not None and prefill_s < self.fetch_seconds(nbytes):
-            self.num_recomputed += 1
-            self.recompute.run(prefix, lambda: self._landed(prefix, nbytes, delivered))
-            return
-        self.num_fetched += 1
-        self._send(nbytes, lambda: self._landed(prefix, nbytes, delivered))
-
-    def fetch_seconds(self, nbytes: int) -> float:
-        """A fetch over the inbound link sent now: the foreground transfers ahead, its own bytes
-        and the latency."""
-        return self.inbound.foreground_wait_s() + self.inbound.seconds_for(nbytes)
+        if prefill_s is not None and prefill_s < fetch_s:
+            return Source.RECOMPUTED, prefill_s
+        return Source.LINK, fetch_s
 
     def evicted(self, prefix: Hashable, nbytes: int) -> None:
         if self.host_tier is not None:
             self.host_tier.put(prefix, nbytes)
 
+    def _bring(
+        self, source: Source, prefix: Hashable, nbytes: int, delivered: Callable[[], None]
+    ) -> None:
+        if source is Source.HOST_TIER:
+            self.host_tier.touch(prefix)
+            self.host_link.send(nbytes, delivered)
+        elif source is Source.RECOMPUTED:
+            self.recompute.run(prefix, lambda: self._landed(prefix, nbytes, delivered))
+        else:
+            self._send(nbytes, lambda: self._landed(prefix, nbytes, delivered))
+
     def _landed(self, prefix: Hashable, nbytes: int, delivered: Callable[[], None]) -> None:
         if self.host_tier is not None:
             self.host_tier.put(prefix, nbytes)
         delivered()
+
+
+def _transfer_s(link: Link, nbytes: int) -> float:
+    """A foreground transfer sent now: the transfers ahead, its own bytes and the latency."""
+    return link.foreground_wait_s() + link.seconds_for(nbytes)

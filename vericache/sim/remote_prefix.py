@@ -126,11 +126,16 @@ class VeriCacheRequest:
     def finished(self) -> None:
         verifier = self.verifier
         if verifier is not None:
-            verifier.memory.release(self.verifier_session())
+            self._release_verifier()
         self.drafter.memory.release(self.drafter_session())
-        if verifier is not None and verifier.residency is not None:
-            verifier.residency.close(self)
         self.run.finish(self, *([verifier] if verifier else []), self.drafter)
+
+    def _release_verifier(self) -> None:
+        """The central verifier lets go of the session's KV: the prefix's share and its own."""
+        verifier = self.verifier
+        verifier.memory.release(self.verifier_session())
+        if verifier.residency is not None:
+            verifier.residency.close(self)
 
     def _open(self) -> None:
         """Both prefixes in place (or the compressed one, on a warm node): the turn's prompt
@@ -140,11 +145,15 @@ class VeriCacheRequest:
     def _prefill(self) -> None:
         """Every token of the prompt after the prefix (its session's earlier turns' too: it holds
         none of their KV) over the full KV: on the central verifier, or on the node."""
-        rows = self.run.scenario.prefill_rows(self._after_prefix(), 0, self.full_key)
+        rows = self._prefill_rows()
         if self.verifier is None:
             self._on_local(rows, self._first_token)
         else:
             self._on_verifier(rows, self._first_token)
+
+    def _prefill_rows(self) -> list[Row]:
+        """A prefill of every exact token after the prefix, over its full KV."""
+        return self.run.scenario.prefill_rows(self._after_prefix(), 0, self.full_key)
 
     def _on_verifier(self, rows: list[Row], then: Callable[[], None]) -> None:
         """Verifier forwards, one per row, over the session's full KV, brought onto its device
@@ -162,9 +171,9 @@ class VeriCacheRequest:
 
     def _on_local(self, rows: list[Row], then: Callable[[], None]) -> None:
         """Forwards on the warm node, one per row, over the prefix's full KV: its device's copy
-        where it holds one, else read from its host tier over PCIe (kept on the device after,
-        where room is free), or where the tier has let it go, fetched again as a cold worker
-        would."""
+        where it holds one, else read as its device's misses come (TieredFetch.read: from its
+        host tier over PCIe, or where the tier has let it go, fetched again as a cold worker
+        would), and kept on the device after where room is free."""
         drafter, key = self.drafter, self.full_key
         nbytes = self.run.scenario.prefix_bytes(compressed=False)
 
@@ -175,11 +184,8 @@ class VeriCacheRequest:
         if drafter.memory.holds(key):
             drafter.memory.touch(key)
             drafter.loop.submit(chunked_job(rows, then))
-        elif drafter.host_tier.holds(key):
-            drafter.host_tier.touch(key)
-            drafter.host_link.send(nbytes, forward)
         else:
-            drafter.fetches.fetch(key, nbytes, forward)
+            drafter.fetches.read(key, nbytes, forward)
 
     def _first_token(self) -> None:
         """The prompt's exact KV after the prefix (and the first token's) crosses to the drafter
@@ -206,18 +212,11 @@ class VeriCacheRequest:
     def _go_local(self, then: Callable[[], None]) -> None:
         """Between two rounds: the node prefills the session's tokens after the prefix over its
         full KV, and verifies its rounds from now on."""
-        self._leave_verifier()
-        rows = self.run.scenario.prefill_rows(self._after_prefix(), 0, self.full_key)
-        self._on_local(rows, then)
-
-    def _leave_verifier(self) -> None:
-        verifier = self.verifier
-        verifier.memory.release(self.verifier_session())
-        if verifier.residency is not None:
-            verifier.residency.close(self)
-        verifier.num_requests -= 1
+        self._release_verifier()
+        self.verifier.num_requests -= 1
         self.verifier = None
         self.run.report.num_warm_switches += 1
+        self._on_local(self._prefill_rows(), then)
 
     def _begin_round(self, exact_tokens: int) -> None:
         num_drafts = self.seq.begin_round(self.run.scenario.draft_len)
@@ -247,8 +246,8 @@ class VeriCacheRequest:
     def _after_prefix(self) -> int:
         """Exact tokens a cache holds after the prefix: earlier turns, the suffix and the
         committed output."""
-        return (
-            self.turns.history_tokens + self.run.scenario.suffix_tokens + self.seq.num_output_tokens
+        return self.run.scenario.tokens_after_prefix(
+            self.turns.history_tokens, self.seq.num_output_tokens
         )
 
     def _draft_row(self) -> Row:

@@ -60,13 +60,14 @@ def path_estimates(run: Run, prefix: int, turns: SessionTurns) -> list[PathEstim
     """Every path on the worker placement gives it, and on the least loaded worker of its kind
     where that is another (where the placed one holds nothing of the prefix, nothing is lost)."""
     estimates = []
+    own_bytes = run.own_bytes(turns, run.sequence(turns))  # the same on every path
     placed_verifier = run.choose(run.verifiers, prefix)
     for verifier in _candidates(run.verifiers, placed_verifier):
-        estimates.append(_full(run, verifier, ServingPath.FULL_LOCAL, prefix, turns))
+        estimates.append(_full(run, verifier, ServingPath.FULL_LOCAL, prefix, turns, own_bytes))
     for drafter in _candidates(run.drafters, run.choose(run.drafters, prefix)):
         remote = ServingPath.FULL_WARM if drafter.is_warm(prefix) else ServingPath.FULL_REMOTE
-        estimates.append(_full(run, drafter, remote, prefix, turns))
-        estimates.append(_vericache(run, drafter, placed_verifier, prefix, turns))
+        estimates.append(_full(run, drafter, remote, prefix, turns, own_bytes))
+        estimates.append(_vericache(run, drafter, placed_verifier, prefix, turns, own_bytes))
     return estimates
 
 
@@ -76,14 +77,15 @@ def _candidates(workers: list[Worker], placed: Worker) -> list[Worker]:
 
 
 def _full(
-    run: Run, worker: Worker, path: ServingPath, prefix: int, turns: SessionTurns
+    run: Run, worker: Worker, path: ServingPath, prefix: int, turns: SessionTurns, own_bytes: int
 ) -> PathEstimate:
-    scenario, num_after = run.scenario, _after_prefix(run, turns)
+    scenario = run.scenario
+    num_after = scenario.tokens_after_prefix(turns.history_tokens)
     key = PrefixKey(prefix, False)
     full_bytes = scenario.prefix_bytes(compressed=False)
-    session = Session(key, full_bytes, _own_bytes(scenario, turns))
+    session = Session(key, full_bytes, own_bytes)
     room = _room_in_sessions(worker, session)
-    setup = _ready_s(run, worker, key, full_bytes) + _prefill_s(scenario, key, num_after)
+    setup = _ready_s(worker, key, full_bytes) + _prefill_s(scenario, key, num_after)
     row = scenario.row(1, num_after, False, key)
     per_token = _step_s(run, worker, [row], room)
     wait = _memory_wait_s(worker, session, room, setup + turns.num_tokens * per_token)
@@ -91,14 +93,15 @@ def _full(
 
 
 def _vericache(
-    run: Run, drafter: Worker, verifier: Worker, prefix: int, turns: SessionTurns
+    run: Run, drafter: Worker, verifier: Worker, prefix: int, turns: SessionTurns, own_bytes: int
 ) -> PathEstimate:
-    scenario, num_after, num_tokens = run.scenario, _after_prefix(run, turns), turns.num_tokens
+    scenario, num_tokens = run.scenario, turns.num_tokens
+    num_after = scenario.tokens_after_prefix(turns.history_tokens)
     full, compressed = PrefixKey(prefix, False), PrefixKey(prefix, True)
     compressed_bytes, full_bytes = (scenario.prefix_bytes(c) for c in (True, False))
-    drafted = Session(compressed, compressed_bytes, _own_bytes(scenario, turns))
+    drafted = Session(compressed, compressed_bytes, own_bytes)
     room = _room_in_sessions(drafter, drafted)
-    compressed_ready = _ready_s(run, drafter, compressed, compressed_bytes)
+    compressed_ready = _ready_s(drafter, compressed, compressed_bytes)
     draft_row = scenario.row(1, num_after, True, compressed)
     draft_s = _step_s(run, drafter, [draft_row], room)
     prefill_s = _prefill_s(scenario, full, num_after)
@@ -110,7 +113,7 @@ def _vericache(
         wait = _memory_wait_s(drafter, drafted, room, setup + num_tokens * local_s)
         return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait)
     central_s = _central_seconds_per_token(run, drafter, verifier, draft_s, full, num_after)
-    full_ready = _ready_s(run, verifier, full, full_bytes)
+    full_ready = _ready_s(verifier, full, full_bytes)
     # The prompt's exact KV after the prefix crosses to the drafter with the first draft call.
     exact_s = drafter.link.seconds_for(num_after * scenario.kv_bytes_per_token)
     setup = max(compressed_ready, full_ready) + prefill_s + exact_s
@@ -188,21 +191,15 @@ def _memory_wait_s(worker: Worker, session: Session, room: int, service_s: float
     return (worker.memory.num_waiting + 1) * service_s / room
 
 
-def _ready_s(run: Run, worker: Worker, key: PrefixKey, nbytes: int) -> float:
+def _ready_s(worker: Worker, key: PrefixKey, nbytes: int) -> float:
     """Until the prefix's KV is on the worker's device: none where held; where it is on its way,
-    the link's queue ahead (a bound on what is left of it); from the host tier over PCIe; else
-    fetched over the link or, where the deployment recomputes full prefixes, prefilled, if
-    sooner."""
+    the link's queue ahead (a bound on what is left of it); else as a fetch sent now would bring
+    it (TieredFetch.choose: from the host tier, by a prefill if sooner, or over the link)."""
     if worker.memory.holds(key):
         return 0.0
     if worker.memory.is_fetching(key):
         return worker.link.foreground_wait_s()
-    if worker.host_tier is not None and worker.host_tier.holds(key):
-        return worker.host_link.foreground_wait_s() + worker.host_link.seconds_for(nbytes)
-    fetch_s = worker.link.foreground_wait_s() + worker.link.seconds_for(nbytes)
-    if run.scenario.recompute_prefixes and not key.is_compressed:
-        return min(fetch_s, run.prefix_prefill_s)
-    return fetch_s
+    return worker.fetches.ready_s(key, nbytes)
 
 
 def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
@@ -221,14 +218,3 @@ def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
 def _prefill_s(scenario: RemotePrefixScenario, key: PrefixKey, num_tokens: int) -> float:
     """The prompt's `num_tokens` after the prefix prefilled alone, chunk by chunk."""
     return sum(scenario.forward_s([row]) for row in scenario.prefill_rows(num_tokens, 0, key))
-
-
-def _after_prefix(run: Run, turns: SessionTurns) -> int:
-    """The turn's prompt after the prefix: its session's earlier turns and its suffix."""
-    return turns.history_tokens + run.scenario.suffix_tokens
-
-
-def _own_bytes(scenario: RemotePrefixScenario, turns: SessionTurns) -> int:
-    """Every token after the prefix the turn comes to hold: a request keeps no KV of its own."""
-    num_tokens = turns.history_tokens + scenario.suffix_tokens + turns.num_tokens
-    return num_tokens * scenario.kv_bytes_per_token

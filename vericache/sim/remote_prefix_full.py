@@ -153,7 +153,7 @@ class FullRequest:
     def _prefill(self) -> None:
         """The prompt after the prefix, but for the tokens whose KV it reuses."""
         scenario = self.run.scenario
-        num_new = self.turns.history_tokens + scenario.suffix_tokens - self.num_reused
+        num_new = scenario.tokens_after_prefix(self.turns.history_tokens) - self.num_reused
         rows = scenario.prefill_rows(num_new, self.num_reused, self.key)
         self.worker.loop.submit(chunked_job(rows, self._decode))
 
@@ -166,11 +166,13 @@ class FullRequest:
         self.worker.loop.submit(job)
 
     def _row(self) -> Row:
-        scenario = self.run.scenario
-        after_prefix = (
-            self.turns.history_tokens + scenario.suffix_tokens + self.seq.num_output_tokens
+        return self.run.scenario.row(1, self._after_prefix(), compressed=False, prefix_key=self.key)
+
+    def _after_prefix(self) -> int:
+        """Its session's tokens after the prefix: earlier turns, the suffix and its output."""
+        return self.run.scenario.tokens_after_prefix(
+            self.turns.history_tokens, self.seq.num_output_tokens
         )
-        return scenario.row(1, after_prefix, compressed=False, prefix_key=self.key)
 
     def _decoded(self) -> None:
         self.run.emit(self.seq.decode_step())
@@ -187,11 +189,11 @@ class FullRequest:
     def _keep_turns(self) -> None:
         """Keeps its session's KV after the prefix for the next turn: on the device where room is
         free (evicted later into the host tier, as a prefix is), else in the host tier at once."""
-        scenario = self.run.scenario
-        num_tokens = self.turns.history_tokens + scenario.suffix_tokens + self.seq.num_output_tokens
-        key, nbytes = TurnKey(id(self.turns), num_tokens), num_tokens * scenario.kv_bytes_per_token
+        num_tokens = self._after_prefix()
+        key = TurnKey(id(self.turns), num_tokens)
+        nbytes = num_tokens * self.run.scenario.kv_bytes_per_token
         self.worker.memory.offer(key, nbytes)
-        if not self.worker.memory.holds(key) and self.worker.fetches is not None:
+        if not self.worker.memory.holds(key):
             self.worker.fetches.evicted(key, nbytes)
 
 

@@ -184,8 +184,13 @@ class RemotePrefixScenario:
         return [Row(min(chunk, self.prefix_tokens - start), start, size, True) for start in starts]
 
     def prompt_tokens(self, history_tokens: int) -> int:
-        """A turn's prompt: the prefix, what earlier turns added, and its suffix."""
-        return self.prefix_tokens + history_tokens + self.suffix_tokens
+        """A turn's prompt: the prefix, and what earlier turns added and its suffix after it."""
+        return self.prefix_tokens + self.tokens_after_prefix(history_tokens)
+
+    def tokens_after_prefix(self, history_tokens: int, num_output_tokens: int = 0) -> int:
+        """A turn's tokens past its prefix, each with exact KV of its own: what its session's
+        earlier turns added, its suffix, and its output so far."""
+        return history_tokens + self.suffix_tokens + num_output_tokens
 
     @property
     def kv_room_bytes(self) -> int:
@@ -225,10 +230,6 @@ class RemotePrefixScenario:
             self.prefix_tokens,
         )
         return own_slots * self.model.slot_bytes(self.element_size)
-
-    def own_bytes(self, num_output_tokens: int) -> int:
-        """The exact KV a session comes to hold of its own: its suffix and its output."""
-        return (self.suffix_tokens + num_output_tokens) * self.kv_bytes_per_token
 
     def forward_cost(self, rows: list[Row]) -> ForwardCost:
         size = self.element_size

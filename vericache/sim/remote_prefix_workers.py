@@ -16,7 +16,7 @@ from vericache.sim.batch_loop import SimBatchLoop, chunked_job
 from vericache.sim.cost import Row
 from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
-from vericache.sim.host_tier import HostTier, TieredFetch
+from vericache.sim.host_tier import HostTier, Source, TieredFetch
 from vericache.sim.kv_memory import WorkerMemory
 from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
@@ -92,15 +92,16 @@ class Worker:
         inbound = (
             self.link if receive_bytes_per_s is None else _Received(self, name, receive_bytes_per_s)
         )
-        self.fetches = None
-        if self.host_tier is not None or scenario.recompute_prefixes:
-            recompute = _Prefill(self)
-            self.fetches = TieredFetch(
-                self.link, self.host_link, self.host_tier, recompute, inbound.send
-            )
+        # Where its device gets a prefix it lacks, and when one would land. With neither a host
+        # tier nor recomputing, the link is the only way: its memory sends over it itself, and
+        # the report counts no source.
+        self.fetches = TieredFetch(
+            self.link, self.host_link, self.host_tier, _Prefill(self), inbound.send
+        )
+        has_choice = self.host_tier is not None or scenario.recompute_prefixes
         self.memory = WorkerMemory(
-            room, inbound, scenario.prefix_caching, prefix_budget_bytes, source=self.fetches,
-            clock=lambda: run.sim.now,
+            room, inbound, scenario.prefix_caching, prefix_budget_bytes,
+            source=self.fetches if has_choice else None, clock=lambda: run.sim.now,
         )  # fmt: skip
         # A verifier's sessions' own full KV, where it keeps VeriCache's residency.
         self.residency = None if resident_bytes is None else SimResidency(resident_bytes)
@@ -199,7 +200,6 @@ class Run:
         self.report = SimReport(sources=(scenario.device.source, scenario.acceptance.source))
         self._pending: list[tuple[int, SessionTurns]] = []  # a closed loop's next
         self._start: Start | None = None
-        self._prefix_prefill_s: float | None = None
 
     @property
     def workers(self) -> list[Worker]:
@@ -246,11 +246,8 @@ class Run:
         report.peak_kv_bytes = max(w.peak_kv_bytes for w in workers)
         report.utilization = self.utilization()
         report.binds = binding(report.utilization)
-        fetches = [w.fetches for w in workers if w.fetches is not None]
         report.prefix_sources = {
-            "host_tier": sum(f.num_from_host for f in fetches),
-            "recomputed": sum(f.num_recomputed for f in fetches),
-            "link": sum(f.num_fetched for f in fetches),
+            source.value: sum(w.fetches.counts[source] for w in workers) for source in Source
         }
 
     def utilization(self) -> dict[str, dict[str, float]]:
@@ -276,13 +273,11 @@ class Run:
             "drafters": shares(self.drafters, "network_link"),
         }
 
-    @property
+    @functools.cached_property
     def prefix_prefill_s(self) -> float:
         """A full prefix's prefill alone on one worker, by the cost model."""
-        if self._prefix_prefill_s is None:
-            rows = self.scenario.prefix_prefill_rows()
-            self._prefix_prefill_s = sum(self.scenario.forward_s([row]) for row in rows)
-        return self._prefix_prefill_s
+        rows = self.scenario.prefix_prefill_rows()
+        return sum(self.scenario.forward_s([row]) for row in rows)
 
     @functools.cached_property
     def mean_accepted(self) -> float:
@@ -296,10 +291,11 @@ class Run:
 
     def own_bytes(self, turns: SessionTurns, seq: SimSequence) -> int:
         """The exact KV a turn comes to hold of its own: every token after the prefix, its
-        session's earlier turns' too (a request keeps none of its own after it ends)."""
+        session's earlier turns' too (a request keeps none of its own after it ends), and every
+        output token its budget and its context allow."""
         scenario = self.scenario
-        history_bytes = turns.history_tokens * scenario.kv_bytes_per_token
-        return history_bytes + scenario.own_bytes(seq.max_output_tokens)
+        num_tokens = scenario.tokens_after_prefix(turns.history_tokens, seq.max_output_tokens)
+        return num_tokens * scenario.kv_bytes_per_token
 
     def placement_key(self, prefix: int) -> str | None:
         """What placement ranks workers by: the prefix, or nothing where no prefix is held."""
