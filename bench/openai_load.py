@@ -6,9 +6,9 @@ as the other serving benchmarks), with automatic prefix registration on
 (`--auto-prefix-min-tokens`). `--clients` asyncio clients each send `--requests` streamed chat
 completions (greedy, `--max-tokens`), all with the same system turn (a standard-library module's
 start) and their own user turns, and name no prefix:
-- `vericache`: the server's default mode: a request whose system turn is a registered prefix
-  runs VERICACHE over it (automatic prefix caching); the first ones miss and run FULL_LOCAL until
-  the turn, seen twice, has registered itself;
+- `vericache`: the server's default mode set to vericache (`--default-mode`): a request whose
+  system turn is a registered prefix runs VERICACHE over it (automatic prefix caching); the first
+  ones miss and run FULL_LOCAL until the turn, seen twice, has registered itself;
 - `full_local`: the same requests with `vericache.mode` = full_local (the baseline).
 
 Per configuration, over `--repeats` serves: p50 and p99 time to first token, inter-chunk latency
@@ -106,7 +106,9 @@ def _system_turn(num_chars: int) -> str:
 
 
 def _serve(args, name: str, system: str, clients: int, requests: int, max_tokens: int):
-    config = CoordinatorConfig(auto_prefix_min_tokens=args.auto_prefix_min_tokens)
+    config = CoordinatorConfig(
+        auto_prefix_min_tokens=args.auto_prefix_min_tokens, default_mode="vericache"
+    )
     with tempfile.TemporaryDirectory() as root:
         verifier = VerifierConfig(model=args.model, root=Path(root))
         drafter = DrafterConfig(model=args.model)

@@ -78,17 +78,21 @@ def test_measurements_correct_the_model_path_by_path():
     auto = AutoPaths(costs())
     option = options()[0]
     prior = auto.estimate(option, SHAPE)
-    for _ in range(30):  # FULL_LOCAL measured at three times the model's seconds per token
-        auto.observe(
-            auto.choose([option], SHAPE),
-            summary(prior.setup_s, 1 / (3 * prior.seconds_per_token)),
-            load=1,
-        )
+
+    def observe(slower: float) -> None:  # FULL_LOCAL measured `slower` times the model's
+        measured = summary(prior.setup_s, 1 / (slower * prior.seconds_per_token))
+        auto.observe(auto.choose([option], SHAPE), measured, load=1)
+
+    observe(3.0)  # the first measurement replaces the prior at once
     corrected = auto.estimate(option, SHAPE)
     assert corrected.seconds_per_token == pytest.approx(3 * prior.seconds_per_token, rel=0.01)
     assert corrected.setup_s == pytest.approx(prior.setup_s, rel=0.01)
     # VeriCache is not corrected by FULL_LOCAL's measurements: it now wins alone.
     assert auto.choose(options(), SHAPE).path is VERICACHE
+    for _ in range(30):  # later ones move a moving average
+        observe(1.5)
+    corrected = auto.estimate(option, SHAPE)
+    assert corrected.seconds_per_token == pytest.approx(1.5 * prior.seconds_per_token, rel=0.01)
 
 
 def test_the_measured_acceptance_replaces_the_prior():
@@ -118,6 +122,13 @@ def test_the_prior_is_the_gpus_datasheet_or_the_cpus_profile():
     assert default_device_profile("cuda:Some Other GPU:sm80:bfloat16").name == "cpu"
     with pytest.raises(InvalidRequestError, match="no device profile"):
         CoordinatorConfig(cost_profile="no-such-device")
+
+
+def test_the_default_mode_is_auto_or_vericache():
+    assert CoordinatorConfig().default_mode == "auto"
+    assert CoordinatorConfig(default_mode="vericache").default_mode == "vericache"
+    with pytest.raises(InvalidRequestError, match="default_mode must be one of"):
+        CoordinatorConfig(default_mode="lossy")
 
 
 def test_auto_serves_full_kv_decoding_s_tokens_whichever_path_it_takes(

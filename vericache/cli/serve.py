@@ -33,6 +33,7 @@ from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES, cache_root
 from vericache.serve.auth import Access, ApiKeys, TlsFiles
 from vericache.serve.config import (
+    DEFAULT_MODES,
     SCHEDULING_POLICIES,
     CoordinatorConfig,
     DrafterConfig,
@@ -137,6 +138,11 @@ def add_parser(commands) -> None:
         help="the device profile `mode: auto` prices its paths with: a bundled name or the JSON "
         "`vericache calibrate` writes (default: the workers' GPU's datasheet, or a CPU's prior; "
         "what requests take corrects it either way)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--default-mode", choices=DEFAULT_MODES, default="auto",
+        help="the mode of a request over a prefix that names none (auto: the fastest lossless "
+        "path; a request without a prefix is full_local)",
     )  # fmt: skip
     parser.add_argument(
         "--served-model-name",
@@ -253,6 +259,7 @@ def coordinator_config(args) -> CoordinatorConfig:
         max_migrations=args.max_migrations,
         auto_prefix_min_tokens=args.auto_prefix_min_tokens,
         cost_profile=args.cost_profile,
+        default_mode=args.default_mode,
     )
 
 

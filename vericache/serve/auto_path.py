@@ -6,12 +6,13 @@ Every path gives the same tokens (full-KV decoding's), so the choice is about ti
 first request on, each path is estimated by the cost model: its setup and its seconds per token at
 the load of the worker placement gives it (its drafter for VERICACHE and FULL_REMOTE, on a node
 warm for the prefix where one is: FULL_WARM; its verifier for FULL_LOCAL), and `choose_path`
-takes the one that finishes first. What the requests then took corrects it, per path: the moving
-average of measured over predicted, for the setup (time to the first token) and for the seconds
-per token, each prediction made again at the load its worker had on average over the request's
-life (worker_load.py). VERICACHE's acceptance is the one the server measured (the share of its
-drafts accepted), from a prior of what the compressors accept on code and tool calls. A path
-none of whose workers is alive is never offered.
+takes the one that finishes first. What the requests then took corrects it, per path: the
+moving mean of measured over predicted (the first measurement replaces the prior), for the setup
+(time to the first token) and for the seconds per token, each prediction made again at the load
+its worker had on average over the request's life (worker_load.py). VERICACHE's acceptance is
+the one the server measured (the share of its drafts accepted), from a prior of what the
+compressors accept on code and tool calls. A path none of whose workers is alive is never
+offered.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from vericache.scheduler.path_choice import PathEstimate, ServingPath, choose_pa
 from vericache.serve.api_types import GenerateSummary, ServeMode
 from vericache.serve.path_costs import PathCosts, PathOption, RequestShape
 
-# Weight of each new request in the moving averages: the last ten or so requests of a path count.
+# Weight of each new request in the moving averages, past the first five: the last ten or so
+# requests of a path count.
 ALPHA = 0.2
 # The share of its drafts a VeriCache round accepts before any is measured here: the least of
 # bench/results/acceptance_4x.json's (18.6 of 30 at 4x compression, code and tool calls) is 0.62.
@@ -52,22 +54,35 @@ class PathChoice:
         return self.option.path
 
 
+class _MovingMean:
+    """The mean of the values so far until they are 1 / ALPHA, then a moving average: the first
+    measurement replaces the prior at once (a server learns within its first requests), later
+    ones follow the last ten or so."""
+
+    def __init__(self, prior: float):
+        self.value = prior
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.value += max(ALPHA, 1 / self.count) * (value - self.value)
+
+
 class _Correction:
-    """A moving average of log(measured / predicted): a ratio the prior is multiplied by."""
+    """A ratio the prior is multiplied by: the moving mean of log(measured / predicted)."""
 
     def __init__(self):
-        self.log_ratio = 0.0
+        self._log_ratio = _MovingMean(0.0)
 
     @property
     def ratio(self) -> float:
-        return math.exp(self.log_ratio)
+        return math.exp(self._log_ratio.value)
 
     def observe(self, measured: float, predicted: float) -> None:
         if measured <= 0 or predicted <= 0:
             return
         bound = math.log(MAX_CORRECTION)
-        log_ratio = min(bound, max(-bound, math.log(measured / predicted)))
-        self.log_ratio += ALPHA * (log_ratio - self.log_ratio)
+        self._log_ratio.observe(min(bound, max(-bound, math.log(measured / predicted))))
 
 
 class AutoPaths:
@@ -75,8 +90,13 @@ class AutoPaths:
         self.costs = costs
         self._setup = {path: _Correction() for path in ServingPath}
         self._per_token = {path: _Correction() for path in ServingPath}
-        self.accepted_share = PRIOR_ACCEPTED_SHARE
+        self._accepted_share = _MovingMean(PRIOR_ACCEPTED_SHARE)
         self._lock = threading.Lock()
+
+    @property
+    def accepted_share(self) -> float:
+        """The share of its drafts a VeriCache round accepts, as measured here."""
+        return self._accepted_share.value
 
     def choose(self, options: list[PathOption], shape: RequestShape) -> PathChoice:
         """The option that finishes `shape.num_tokens` first, by the corrected cost model."""
@@ -102,9 +122,8 @@ class AutoPaths:
                 return
             accepted_share = self.accepted_share
             if option.path is ServingPath.VERICACHE and summary.accepted_per_round:
-                measured_share = summary.mean_accepted_per_round / shape.draft_len
-                accepted_share = min(1.0, measured_share)
-                self.accepted_share += ALPHA * (accepted_share - self.accepted_share)
+                accepted_share = min(1.0, summary.mean_accepted_per_round / shape.draft_len)
+                self._accepted_share.observe(accepted_share)
             others = max(0.0, load - 1)
             predicted = costs.seconds_per_token(option, shape, accepted_share, others)
             self._per_token[option.path].observe(1.0 / summary.tokens_per_s, predicted)

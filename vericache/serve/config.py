@@ -95,6 +95,7 @@ class DrafterConfig(WorkerConfig):
 
 
 SCHEDULING_POLICIES = ("per-request", "staggered", "lockstep")
+DEFAULT_MODES = ("auto", "vericache")
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,9 @@ class CoordinatorConfig:
     # The device profile `mode: auto` prices its paths with (path_costs.py): a bundled name or
     # the JSON `vericache calibrate` writes. "": the workers' GPU's datasheet, or a CPU's prior.
     cost_profile: str = ""
+    # The mode of a request over a prefix that names none: "auto" (the fastest lossless path) or
+    # "vericache". A request without a prefix is FULL_LOCAL either way.
+    default_mode: str = "auto"
 
     def __post_init__(self):
         if self.scheduling not in SCHEDULING_POLICIES:
@@ -142,6 +146,10 @@ class CoordinatorConfig:
             raise InvalidRequestError(f"coordinator settings out of range: {self}")
         if self.default_draft_len > self.max_draft_len:
             raise InvalidRequestError("default_draft_len must not exceed max_draft_len")
+        if self.default_mode not in DEFAULT_MODES:
+            raise InvalidRequestError(
+                f"default_mode must be one of {DEFAULT_MODES}, got {self.default_mode!r}"
+            )
         if self.cost_profile:
             device_profile(self.cost_profile)  # read and checked now, not at the first request
         if self.auto_prefix_min_tokens is not None and self.auto_prefix_min_tokens < 1:

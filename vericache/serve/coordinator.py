@@ -289,7 +289,7 @@ class Coordinator:
             raise InvalidRequestError(f"draft_len must lie in [1, {config.max_draft_len}]")
         params = self._sampling_params(call, tenant)
         record, prompt_ids = await self._prompt(call, tenant)
-        mode = call.mode or (ServeMode.AUTO if record else ServeMode.FULL_LOCAL)
+        mode = call.mode or (ServeMode(config.default_mode) if record else ServeMode.FULL_LOCAL)
         if mode is ServeMode.AUTO and record is None:
             mode = ServeMode.FULL_LOCAL  # no prefix: the one path there is
         if record is None and mode is not ServeMode.FULL_LOCAL:
