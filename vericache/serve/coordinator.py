@@ -248,21 +248,13 @@ class Coordinator:
         (None: no prefix, or a mode auto never takes)."""
         if plan.prefix_id is None:
             return plan, None
-        options = self.backend.path_options(plan.prefix_id)
-        request = plan.request
-        shape = RequestShape(
-            prefix_id=plan.prefix_id, prefix_tokens=request.num_prefix_tokens,
-            after_prefix=len(request.prompt_ids) - request.num_prefix_tokens,
-            num_tokens=request.params.max_new_tokens, draft_len=request.draft_len,
-            compressed_share=plan.compressed_share,
-        )  # fmt: skip
+        options, shape = self.backend.path_options(plan.prefix_id), _shape(plan)
         if plan.mode is not ServeMode.AUTO:
             named = [o for o in options if served_as(o.path) is plan.mode]
             return plan, PathChoice(named[0], shape) if named else None
         choice = self._auto.choose(options, shape)
-        path = choice.path
-        self.metrics.auto_path_chosen(path.value)
-        mode = served_as(path)
+        self.metrics.auto_path_chosen(choice.path.value)
+        mode = served_as(choice.path)
         request = plan.request
         if mode.decode_mode is DecodeMode.FULL:
             request = dataclasses.replace(request, mode=DecodeMode.FULL, compressor=None)
@@ -370,3 +362,14 @@ def _compressor(choice: CompressorChoice) -> Compressor:
 def _described(spec: dict) -> str:
     params = ", ".join(f"{k}={v}" for k, v in sorted(spec["params"].items()))
     return f"{spec['name']}({params})"
+
+
+def _shape(plan: RequestPlan) -> RequestShape:
+    """What auto prices of a request over a prefix (path_costs.py)."""
+    request = plan.request
+    return RequestShape(
+        prefix_id=plan.prefix_id, prefix_tokens=request.num_prefix_tokens,
+        after_prefix=len(request.prompt_ids) - request.num_prefix_tokens,
+        num_tokens=request.params.max_new_tokens, draft_len=request.draft_len,
+        compressed_share=plan.compressed_share,
+    )  # fmt: skip
