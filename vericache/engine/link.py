@@ -68,6 +68,10 @@ class LinkSpec:
             parse_duration(latency) if latency else 0.0,
         )
 
+    def transfer_s(self, num_bytes: float) -> float:
+        """Seconds `num_bytes` take on the wire at its bandwidth (latency apart)."""
+        return num_bytes / self.bandwidth if self.bandwidth else 0.0
+
     @property
     def throttled(self) -> bool:
         return self.bandwidth is not None or self.latency > 0
@@ -88,7 +92,7 @@ class ThrottledLink:
         with self._lock:
             now = self._clock()
             start = max(now, self._free_at)
-            duration = num_bytes / self.spec.bandwidth if self.spec.bandwidth else 0.0
+            duration = self.spec.transfer_s(num_bytes)
             self._free_at = start + duration
             self.bytes_sent += num_bytes
             return self._free_at - now + (self.spec.latency if first else 0.0)

@@ -225,7 +225,7 @@ class DistributedBackend:
             options.append(PathOption(ServingPath.FULL_LOCAL, verifier.name, _paced(verifier)))
         if drafter is not None:
             warm = prefix_id in drafter.warm_prefixes
-            link = self._links.get(verifier.name, LinkSpec()) if verifier else LinkSpec()
+            link = self._links[verifier.name] if verifier else LinkSpec()
             if verifier is not None:
                 options.append(PathOption(
                     ServingPath.VERICACHE, drafter.name, _paced(drafter), _paced(verifier), warm,

@@ -23,7 +23,7 @@ writes one); by default the datasheet of the workers' GPU, or on a CPU a profile
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from vericache.engine.link import LinkSpec
 from vericache.errors import UnsupportedModelError
@@ -87,13 +87,13 @@ class PathCosts:
         prefill_s = self._prefill_s(shape)
         link = option.link
         if option.path is ServingPath.FULL_REMOTE:
-            return _link_s(link, full_bytes) + link.latency + prefill_s
+            return link.transfer_s(full_bytes) + link.latency + prefill_s
         if option.path is not ServingPath.VERICACHE:  # the KV is beside the worker
             return prefill_s
-        compressed_s = _link_s(link, full_bytes * shape.compressed_share) + link.latency
+        compressed_s = link.transfer_s(full_bytes * shape.compressed_share) + link.latency
         if option.is_warm:
             return compressed_s + prefill_s
-        exact_s = _link_s(link, shape.after_prefix * self.kv_bytes_per_token) + link.latency
+        exact_s = link.transfer_s(shape.after_prefix * self.kv_bytes_per_token) + link.latency
         return compressed_s + prefill_s + exact_s
 
     def seconds_per_token(
@@ -110,11 +110,11 @@ class PathCosts:
         mean_accepted = accepted_share * x
         link = option.link
         if option.is_warm:  # verified beside its drafts, over the node's host tier
-            verify_s = self._seconds([verify] + [_alone(draft)] * others)
+            verify_s = self._seconds([verify] + [draft.unshared()] * others)
             return round_seconds_per_token(x, draft_s, verify_s, 0.0, mean_accepted)
-        decodes = [_alone(self._row(shape, 1, compressed=False))] * option.verifier_load
+        decodes = [self._row(shape, 1, compressed=False).unshared()] * option.verifier_load
         verify_s = self._seconds([verify] + decodes)
-        calls_s = 2 * link.latency + _link_s(link, (mean_accepted + 1) * self.kv_bytes_per_token)
+        calls_s = 2 * link.latency + link.transfer_s((mean_accepted + 1) * self.kv_bytes_per_token)
         return round_seconds_per_token(x, draft_s, verify_s, calls_s, mean_accepted)
 
     def _row(self, shape: RequestShape, num_new: int, compressed: bool) -> Row:
@@ -131,7 +131,7 @@ class PathCosts:
 
     def _forward_s(self, row: Row, others: int) -> float:
         """A step with `others` rows like `row` beside it, each over a prefix of its own."""
-        return self._seconds([row] + [_alone(row)] * others)
+        return self._seconds([row] + [row.unshared()] * others)
 
     def _prefill_s(self, shape: RequestShape) -> float:
         """The prompt after the prefix prefilled over the prefix's full KV, chunk by chunk."""
@@ -162,12 +162,3 @@ def default_device_profile(numerics: str) -> DeviceProfile:
         if datasheet is not None:
             return datasheet
     return device_profile(CPU_PRIOR)
-
-
-def _alone(row: Row) -> Row:
-    """`row` over a copy of its prefix that no other row reads."""
-    return replace(row, shared_prefix=None, shared_kv_bytes=0.0)
-
-
-def _link_s(link: LinkSpec, num_bytes: float) -> float:
-    return num_bytes / link.bandwidth if link.bandwidth else 0.0

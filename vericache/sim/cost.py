@@ -31,7 +31,7 @@ byte (an H100 has about 300), and several where it has few (a CPU about 6).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vericache.errors import InvalidRequestError
 from vericache.sim.profiles import DeviceProfile, ModelProfile
@@ -58,6 +58,10 @@ class Row:
         cache_bytes = self.context_tokens * self.kv_bytes_per_token
         if not 0 <= self.shared_kv_bytes <= cache_bytes * (1 + 1e-9):
             raise InvalidRequestError(f"a row's shared prefix lies within its cache: {self}")
+
+    def unshared(self) -> Row:
+        """The same row over a copy of its prefix that no other row reads."""
+        return replace(self, shared_prefix=None, shared_kv_bytes=0.0)
 
 
 @dataclass(frozen=True)

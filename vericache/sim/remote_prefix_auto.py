@@ -24,8 +24,6 @@ nodes first):
 
 from __future__ import annotations
 
-import dataclasses
-
 from vericache.scheduler.path_choice import (
     PathEstimate,
     ServingPath,
@@ -211,8 +209,7 @@ def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
     limit = run.scenario.draft_len + 1
     current = [row for row in worker.loop.current_rows() if row.num_new_tokens <= limit]
     num_placed = max(0, min(worker.num_requests, room) - len(current))
-    unshared = dataclasses.replace(rows[0], shared_prefix=None, shared_kv_bytes=0.0)
-    return run.scenario.forward_s(current + [unshared] * num_placed + rows)
+    return run.scenario.forward_s(current + [rows[0].unshared()] * num_placed + rows)
 
 
 def _prefill_s(scenario: RemotePrefixScenario, key: PrefixKey, num_tokens: int) -> float:
