@@ -113,12 +113,18 @@ class _Prefill:
         done()
 
 
-@pytest.mark.parametrize("prefill_s, recomputes", [(1.0, True), (20.0, False)])
-def test_a_prefix_is_recomputed_where_its_prefill_beats_its_fetch(prefill_s, recomputes):
+@pytest.mark.parametrize(
+    "prefill_s, num_jobs, recomputes",
+    [(1.0, None, True), (20.0, None, False), (4.0, 1, True), (4.0, 3, False)],
+)
+def test_a_prefix_is_recomputed_where_its_prefill_beats_its_fetch(prefill_s, num_jobs, recomputes):
+    # Where the choice weighs the jobs on the device (`mode: auto`), each waits out the prefill
+    # too: 4 s held up for 2 sessions beats a 10 s fetch, for 4 it does not.
     sim = Simulation()
     network = Link(sim, "network", 100.0)  # a 1000-byte prefix in 10 s
     prefill = _Prefill(prefill_s)
-    fetches = TieredFetch(network, Link(sim, "pcie", 1e6), None, prefill)
+    holds_up = None if num_jobs is None else (lambda: num_jobs)
+    fetches = TieredFetch(network, Link(sim, "pcie", 1e6), None, prefill, holds_up=holds_up)
     fetches.fetch("p", 1000, lambda: None)
     sim.run()
     assert (prefill.num_runs == 1, network.bytes_sent == 0) == (recomputes, recomputes)
@@ -196,6 +202,39 @@ def test_auto_spreads_to_the_drafters_once_the_verifier_is_loaded():
     assert auto.paths.get("full_local", 0) > 0 and len(auto.paths) > 1
     local = simulate_full(dataclasses.replace(scenario, warm_nodes=False), FullPool.LOCAL)
     assert auto.tokens_per_s > local.tokens_per_s
+
+
+def test_auto_recomputes_a_prefix_only_where_that_beats_its_fetch_for_the_jobs_it_holds_up():
+    # 32 clients over 128 prefixes: the drafters are busy, and a prefix's prefill (about 2 s,
+    # sooner than its 3.6 s fetch) stalls every session decoding beside it. Chosen for the
+    # request alone, as a deployment's rule does, it recomputes most prefixes and serves slower.
+    scenario = _warm(
+        num_prefixes=128, arrivals=(0.0,) * 128, concurrency=32,
+        output_lengths=OutputLengths((256, 512)), recompute_prefixes=True,
+    )  # fmt: skip
+    weighed = simulate_auto(scenario)
+    alone = Run(scenario).serve(start_auto)
+    assert weighed.num_output_tokens == alone.num_output_tokens
+    assert 0 < weighed.prefix_sources["recomputed"] < alone.prefix_sources["recomputed"] / 2
+    assert weighed.tokens_per_s > 1.05 * alone.tokens_per_s
+
+
+def test_auto_counts_only_the_sessions_a_warm_node_verifies_against_its_pcie_reads():
+    # A warm node's VeriCache sessions read the prefix's full KV over PCIe every round; its
+    # full-KV sessions read theirs on the device and leave PCIe to them.
+    run = Run(_warm(num_drafters=1))
+    drafter = run.drafters[0]
+    drafter.host_tier.put(PrefixKey(0, False), run.scenario.prefix_bytes(compressed=False))
+    turns = SessionTurns((256,))
+
+    def vericache_s() -> float:
+        estimates = path_estimates(run, 0, turns)
+        return next(e for e in estimates if e.path is ServingPath.VERICACHE).seconds_per_token
+
+    drafter.num_requests = 40
+    beside_full_kv = vericache_s()
+    drafter.num_local_sessions = 40
+    assert vericache_s() > 1.5 * beside_full_kv
 
 
 def test_the_paper_baseline_moves_every_requests_full_kv_over_the_network():

@@ -14,8 +14,11 @@ to verify its own sessions (remote_prefix.py's warm nodes). Both are modelled he
   `mode: auto`'s estimates read (remote_prefix_auto.py).
 Assumptions, stated: copying a prefix from the device to host memory costs no link time (it rides
 PCIe's other direction, idle while loads come in); a prefill is charged its forwards' time, in
-chunks batched with the device's other rows, and the choice compares that time alone with the
-fetch's (the link's queue ahead included).
+chunks batched with the device's other rows. A deployment's rule compares that time alone with
+the fetch's (the link's queue ahead included). `mode: auto`'s coordinator counts it once more for
+each job on the device (`holds_up`): they share the prefill's forwards, each a chunk's long, so
+each of them waits about as long as the session whose prefix it is, where a fetch holds up none
+of them.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class TieredFetch:
         host_tier: HostTier | None,
         recompute: Recompute | None,
         send: Callable[[int, Callable[[], None]], None] | None = None,
+        holds_up: Callable[[], int] | None = None,
     ):
         self.inbound = inbound
         self.host_link = host_link
@@ -101,6 +105,8 @@ class TieredFetch:
         # How an inbound fetch is sent (the inbound link's own send, unless arrivals are taken in
         # by the host as well).
         self._send = send or inbound.send
+        # Where the choice weighs the others' wait too: the jobs a prefill would hold up now.
+        self._holds_up = holds_up
         self.counts: Counter[Source] = Counter()  # the misses brought from each source
 
     def fetch(self, prefix: Hashable, nbytes: int, delivered: Callable[[], None]) -> None:
@@ -126,13 +132,15 @@ class TieredFetch:
     def choose(self, prefix: Hashable, nbytes: int) -> tuple[Source, float]:
         """Where a prefix fetched now comes from, and the seconds until it is on the device: the
         host tier where it holds it; else a prefill where the worker may recompute it and that is
-        sooner than the fetch; else the inbound link. Each counts the transfers queued ahead."""
+        sooner than the fetch (counted once for each job it holds up, where the choice weighs
+        those); else the inbound link. Each counts the transfers queued ahead."""
         tier = self.host_tier
         if tier is not None and tier.holds(prefix):
             return Source.HOST_TIER, _transfer_s(self.host_link, nbytes)
         fetch_s = _transfer_s(self.inbound, nbytes)
         prefill_s = self.recompute.seconds(prefix) if self.recompute is not None else None
-        if prefill_s is not None and prefill_s < fetch_s:
+        num_held_up = 1 + (self._holds_up() if self._holds_up is not None else 0)
+        if prefill_s is not None and prefill_s * num_held_up < fetch_s:
             return Source.RECOMPUTED, prefill_s
         return Source.LINK, fetch_s
 

@@ -93,6 +93,7 @@ class VeriCacheRequest:
         own_bytes = run.own_bytes(turns, seq)
         if drafter.is_warm(prefix):
             request = cls(run, prefix, turns, seq, arrival_s, drafter, None, own_bytes)
+            drafter.num_local_sessions += 1
             drafter.memory.admit(request.drafter_session(), request._open)
             return
         verifier = run.place(run.verifiers, prefix)
@@ -127,6 +128,8 @@ class VeriCacheRequest:
         verifier = self.verifier
         if verifier is not None:
             self._release_verifier()
+        else:
+            self.drafter.num_local_sessions -= 1
         self.drafter.memory.release(self.drafter_session())
         self.run.finish(self, *([verifier] if verifier else []), self.drafter)
 
@@ -215,6 +218,7 @@ class VeriCacheRequest:
         self._release_verifier()
         self.verifier.num_requests -= 1
         self.verifier = None
+        self.drafter.num_local_sessions += 1
         self.run.report.num_warm_switches += 1
         self._on_local(self._prefill_rows(), then)
 

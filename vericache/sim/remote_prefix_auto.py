@@ -10,8 +10,9 @@ worker's next forward holds (its load), what its device and host tier hold, and 
 queued ahead on its links. For the worker placement would give each path (placement.py, warm
 nodes first):
 - full decoding: the seconds until its prefix's full KV is on the device (held: none; in the host
-  tier: over PCIe; else the fetch or, where the deployment recomputes, the prefill if sooner) and
-  its prompt's prefill after the prefix; then one decode step at the worker's batch with it
+  tier: over PCIe; else the fetch or, where the deployment recomputes, the prefill if sooner
+  counted once for each job on the device it would hold up, as its workers choose: host_tier.py)
+  and its prompt's prefill after the prefix; then one decode step at the worker's batch with it
   added, per token;
 - VeriCache: the compressed KV onto the drafter and the full KV onto the verifier (on a warm
   node: its host tier), the prefill, and from a central verifier the prompt's exact KV after the
@@ -40,7 +41,7 @@ from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Wo
 
 
 def simulate_auto(scenario: RemotePrefixScenario) -> SimReport:
-    return Run(scenario).serve(start_auto)
+    return Run(scenario, weighs_recompute=True).serve(start_auto)
 
 
 def start_auto(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
@@ -158,8 +159,9 @@ def _local_seconds_per_token(
 ) -> tuple[float, float]:
     """A round drafted (`draft`: its row and a step's seconds) and verified on the warm node over
     `num_after` tokens past the prefix (`full`), and the PCIe read of the full KV for each
-    verification (none where its device holds a copy), which the node's sessions take in turn:
-    their rounds go no faster than their reads."""
+    verification (none where its device holds a copy), which the sessions it verifies take in
+    turn (not its full-KV ones, which read theirs on the device): their rounds go no faster than
+    their reads."""
     scenario, mean = run.scenario, run.mean_accepted
     x = scenario.draft_len
     draft_row, draft_s = draft
@@ -168,7 +170,7 @@ def _local_seconds_per_token(
     full_bytes = scenario.prefix_bytes(compressed=False)
     load_s = 0.0 if drafter.memory.holds(full) else drafter.host_link.seconds_for(full_bytes)
     per_token = round_seconds_per_token(x, draft_s, verify_s, load_s, mean)
-    num_sessions = min(drafter.num_requests + 1, room)
+    num_sessions = min(drafter.num_local_sessions + 1, room)
     return max(per_token, num_sessions * load_s / (mean + 1)), load_s
 
 

@@ -82,6 +82,7 @@ class Worker:
         host_bytes_per_s = scenario.device.host_to_device_bytes_per_s * scenario.tensor_parallel
         self.host_link = Link(run.sim, f"{name}-host", host_bytes_per_s)
         self.num_requests = 0  # in flight here, admitted or waiting for memory
+        self.num_local_sessions = 0  # of them, VeriCache sessions it verifies (a warm node)
         self.compute_bound_s = 0.0  # forwards whose flops take longer than their bytes
         self.memory_bound_s = 0.0
         tier_bytes = scenario.host_tier_bytes
@@ -95,8 +96,9 @@ class Worker:
         # Where its device gets a prefix it lacks, and when one would land. With neither a host
         # tier nor recomputing, the link is the only way: its memory sends over it itself, and
         # the report counts no source.
+        holds_up = (lambda: self.loop.num_jobs) if run.weighs_recompute else None
         self.fetches = TieredFetch(
-            self.link, self.host_link, self.host_tier, _Prefill(self), inbound.send
+            self.link, self.host_link, self.host_tier, _Prefill(self), inbound.send, holds_up
         )
         has_choice = self.host_tier is not None or scenario.recompute_prefixes
         self.memory = WorkerMemory(
@@ -178,8 +180,10 @@ BINDING_SHARE = 0.5
 
 
 class Run:
-    def __init__(self, scenario: RemotePrefixScenario):
+    def __init__(self, scenario: RemotePrefixScenario, weighs_recompute: bool = False):
         self.scenario = scenario
+        # Whether its workers weigh a prefix's recompute for the jobs it holds up (`mode: auto`).
+        self.weighs_recompute = weighs_recompute
         self.sim = Simulation()
         self.rng = random.Random(scenario.seed + 1)
         self.verifiers = [
