@@ -117,6 +117,36 @@ def test_runner_step_by_step_equals_one_forward_bitwise(
         assert torch.equal(step_layer.keys_values()[0], verify_layer.keys_values()[0])
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_full_prefill_gives_the_bits_of_decode_steps_whatever_its_chunks(
+    tiny_checkpoint, family, row_blocks
+):
+    """A token's full KV does not depend on how it was computed: a session reopened over its
+    history (a migration, a warm node, a later turn) prefills what full-KV decoding stepped."""
+    loaded = load_model(str(tiny_checkpoint(family)))
+    runner = ModelRunner(loaded.config, loaded.weights)
+    torch.manual_seed(0)
+    tokens = torch.randint(3, 512, (KEY_ALIGN + 40,))
+    stepped = runner.new_cache()
+    runner.prefill(tokens[:50], stepped, num_logits=0)
+    step_logits = [
+        runner.forward([SequenceInput(t.view(1), stepped)], invariant=True)[0] for t in tokens[50:]
+    ]
+    for chunk_size in (7, 64, 512):
+        prefilled = runner.new_cache()
+        logits = runner.prefill(tokens, prefilled, num_logits=1, chunk_size=chunk_size)
+        assert torch.equal(logits, step_logits[-1]), chunk_size
+        for step_layer, prefill_layer in zip(stepped.layers, prefilled.layers):
+            for stepped_kv, prefilled_kv in zip(
+                step_layer.keys_values(), prefill_layer.keys_values()
+            ):
+                assert torch.equal(stepped_kv, prefilled_kv), chunk_size
+    # Into compressed KV, which drafts alone read, the fast kernels prefill.
+    fast = runner.new_cache()
+    runner.prefill(tokens, fast, num_logits=0, chunk_size=64, invariant=False)
+    assert fast.num_tokens == stepped.num_tokens
+
+
 def test_row_blocked_attention_matches_the_library_attention(row_blocks):
     torch.manual_seed(1)
     num_cached, num_new = KEY_ALIGN + 300, 31

@@ -279,7 +279,10 @@ class Engine:
         return self.prefix_store.lookup(prefix_ids, prefill)
 
     def _prefill_tokens(self, token_ids: torch.Tensor, cache: KVCache, num_logits: int = 1):
-        return self.runner.prefill(token_ids, cache, num_logits, self.config.prefill_chunk)
+        invariant = self.config.invariant_full_kv and cache.is_full
+        return self.runner.prefill(
+            token_ids, cache, num_logits, self.config.prefill_chunk, invariant=invariant
+        )
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(

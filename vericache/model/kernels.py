@@ -1,13 +1,15 @@
 """The math of one Llama-family forward, in two kernel sets.
 
 `invariant=False` (fast): library kernels as they come (the runner hands one-token steps on CPU to
-vericache/kernels/cpu_attention.py instead). Used for drafting and prefill, whose results only need
-to be deterministic for a given input shape.
+vericache/kernels/cpu_attention.py instead). Used for drafting and for prefills into compressed KV,
+whose results only drafts read and need only be deterministic for a given input shape.
 
 `invariant=True` (batch-invariant): the result for a token does not depend on how many other
 tokens or sequences share the forward. A one-token decode step and a 31-token verification then
 produce bit-identical logits for the same token, which makes VeriCache's greedy output identical to
-full-KV decoding, not merely close. Linear layers: see linear.py. Attention: on CPU the runner
+full-KV decoding, not merely close. Prefills into full KV use them too (runner.py `prefill`): a
+token's full KV is then the same bits whether a prefill chunk, a decode step or a verification
+computed it. Linear layers: see linear.py. Attention: on CPU the runner
 hands layers without a sliding window to vericache/kernels/cpu_attention.py, invariant by
 construction (each row on its own, in a fixed order); what follows serves the rest. Measured on MKL,
 batched products with fewer than four rows take other code paths than larger ones, so query rows
