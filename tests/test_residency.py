@@ -168,3 +168,22 @@ def test_a_closed_session_unpins_its_prefix_once_its_last_call_ends():
     sessions.add("b", Session(PREFIX, CAPACITY, shared=held))
     sessions.remove("b")
     assert released == [held, held]
+
+
+def test_a_closed_session_is_seen_once_with_its_kv_unless_a_call_failed_in_it():
+    closed = []
+    sessions = _sessions(budget_bytes=1 << 30)
+    sessions._on_closed = lambda session: closed.append(session.kv_after_prefix().num_tokens)
+    sessions.add("a", Session(PREFIX, CAPACITY, history=[7]))
+    with sessions.using("a") as (session, _):
+        new = torch.randn(1, HEADS, DIM)
+        for layer in session.cache.layers:
+            layer.append(new, new, torch.tensor([len(PREFIX)], dtype=torch.int32))
+        session.cache.num_tokens += 1
+    sessions.remove("a")
+    assert closed == [1]
+    sessions.add("b", Session(PREFIX, CAPACITY, history=[7]))
+    with pytest.raises(RuntimeError):
+        with sessions.using("b") as (failed, _):
+            raise RuntimeError("a forward failed midway")
+    assert failed.history is None  # what its cache holds is no longer known

@@ -73,9 +73,15 @@ def add_parser(commands) -> None:
     parser.add_argument("--link-latency", help="emulated one-way link latency, e.g. 2ms")
     parser.add_argument("--resident-bytes", default="4GiB", help="full KV a verifier keeps")
     parser.add_argument(
+        "--turn-cache-bytes",
+        default="1GiB",
+        help="finished turns' full KV a verifier keeps for the next turn to reuse (0: none)",
+    )
+    parser.add_argument(
         "--prefix-cache-bytes",
         help="a verifier's copies of prefixes' full KV, one per prefix, shared by its sessions "
-        "(default: the GPU memory left after the weights and --resident-bytes; on CPU, a "
+        "(default: the GPU memory left after the weights, --resident-bytes and "
+        "--turn-cache-bytes; on CPU, a "
         "quarter of the RAM)",
     )
     parser.add_argument(
@@ -231,6 +237,7 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
         **common,
         root=args.root or cache_root() / "store",
         resident_bytes=parse_size(args.resident_bytes),
+        turn_cache_bytes=parse_size(args.turn_cache_bytes),
         prefix_cache_bytes=_size_or_none(args.prefix_cache_bytes),
         link=LinkSpec.parse(args.link_bandwidth, args.link_latency),
         load_bandwidth=parse_bandwidth(args.pcie_bandwidth) if args.pcie_bandwidth else None,

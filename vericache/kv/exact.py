@@ -57,6 +57,14 @@ class ExactKV:
     def num_tokens(self) -> int:
         return self.keys[0].shape[0] if self.keys else 0
 
+    def head(self, num_tokens: int) -> ExactKV:
+        """Its first `num_tokens` tokens, as views of it."""
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise CacheStateError(f"exact KV of {self.num_tokens} tokens has no first {num_tokens}")
+        packed = self.packed[:, :, :num_tokens] if self.packed is not None else None
+        keys = tuple(k[:num_tokens] for k in self.keys)
+        return ExactKV(self.start, keys, tuple(v[:num_tokens] for v in self.values), packed)
+
     @property
     def end(self) -> int:
         return self.start + self.num_tokens

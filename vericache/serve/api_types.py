@@ -144,6 +144,9 @@ class GenerateSummary:
     prompt_tokens: int = 0  # the prompt's, its prefix's included
     local_rounds: int = 0  # of the rounds, those its warm drafter node verified itself
     path: str = ""  # how it was served (scheduler/path_choice.py ServingPath), chosen or named
+    # Prompt tokens whose KV it did not compute: its prefix's, and those a finished turn's kept
+    # KV held (serve/turn_cache.py); OpenAI's usage.prompt_tokens_details.cached_tokens.
+    cached_tokens: int = 0
 
     @property
     def mean_accepted_per_round(self) -> float:

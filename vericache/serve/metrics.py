@@ -136,6 +136,10 @@ class ServeMetrics:
         self._prefix_hits = self._counter(
             "prefix_cache_hits", "Prompt tokens found in a registered prefix."
         )
+        self._turn_hits = self._counter(
+            "turn_cache_hits",
+            "Prompt tokens after a prefix whose KV a verifier kept from a finished turn.",
+        )
         self._link_bytes = self._counter("link_bytes", "Bytes sent over the slow link.")
         self._link_seconds = self._counter("link_seconds", "Seconds requests waited on the link.")
         self._store = self._counter("store_lookups", "Full-KV store lookups.", ("result",))
@@ -235,6 +239,9 @@ class ServeMetrics:
 
     def prefix_cache_hit(self, num_tokens: int) -> None:
         self._prefix_hits.labels(self.model_name).inc(num_tokens)
+
+    def turn_cache_hit(self, num_tokens: int) -> None:
+        self._turn_hits.labels(self.model_name).inc(num_tokens)
 
     def request_finished(self, finish_reason: str, e2e_s: float) -> None:
         self._success.labels(self.model_name, finish_reason).inc()
@@ -378,6 +385,7 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
             metrics.round_verified(drafted, accepted)
         metrics.round_calls_made(served.num_round_calls, served.num_local_rounds)
         metrics.requests_migrated(served.num_migrations)
+        metrics.turn_cache_hit(served.reused_tokens)
         traffic = served.traffic
         metrics.link_used(traffic.link_bytes, traffic.link_s)
         metrics.request_traffic(traffic.store_bytes, traffic.link_bytes)

@@ -251,6 +251,7 @@ def _usage(summary: GenerateSummary) -> dict:
         "prompt_tokens": summary.prompt_tokens,
         "completion_tokens": summary.num_tokens,
         "total_tokens": summary.prompt_tokens + summary.num_tokens,
+        "prompt_tokens_details": {"cached_tokens": summary.cached_tokens},
     }
 
 

@@ -48,6 +48,16 @@ class Session:
     # The worker's shared copy of its prefix's KV (kv/shared_prefix.py), pinned while the session
     # lives: its cache is built from it, and rebuilt from it after an eviction.
     shared: HeldPrefix | None = None
+    # The tokens after the prefix, in order: the prompt's, then each one committed. Its cache
+    # holds the KV of all but the newest. None: not known for certain (a call failed midway), so
+    # no later turn reuses its KV (turn_cache.py).
+    history: list[int] | None = None
+
+    def kv_after_prefix(self) -> ExactKV:
+        """Its full KV after the prefix (a copy, or its evicted tail as it is)."""
+        if self.cache is None:
+            return self.tail
+        return ExactKV.of(self.cache, len(self.prefix_tokens), self.cache.num_tokens)
 
     @property
     def own_slots(self) -> int:
@@ -67,12 +77,15 @@ class ResidentSessions:
         load_prefix: PrefixLoader,
         pool: BufferPool,
         release_prefix: Callable[[HeldPrefix], None],
+        on_closed: Callable[[Session], None] = lambda session: None,
     ):
         self.budget_bytes = budget_bytes
         self.slot_bytes = slot_bytes  # one token of full KV in a cache slot
         self._load_prefix = load_prefix
         # Unpins a closed session's shared prefix, once no call reads it through the session.
         self._release_prefix = release_prefix
+        # Sees a closed session once no call uses it, before its cache goes (turn_cache.py).
+        self._on_closed = on_closed
         self.pool = pool
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()  # calls run on many threads
@@ -118,6 +131,8 @@ class ResidentSessions:
         self._ahead_threads.shutdown(wait=False, cancel_futures=True)
 
     def _release(self, session: Session) -> None:
+        if session.closed and (session.cache is not None or session.tail is not None):
+            self._on_closed(session)
         if session.cache is not None:
             session.cache.release(self.pool)
             session.cache = None
@@ -185,7 +200,11 @@ class ResidentSessions:
                 with self._lock:
                     self._loading_bytes -= incoming
                     self._peak_bytes = max(self._peak_bytes, self._resident_bytes())
-            yield session, loaded
+            try:
+                yield session, loaded
+            except BaseException:
+                session.history = None  # what its cache holds now is not known
+                raise
         finally:
             with self._lock:
                 session.in_use = False

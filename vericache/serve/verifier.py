@@ -41,6 +41,7 @@ from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVKind, KVTransferService, TransferServer
 from vericache.serve.prefixes import PrefixRegistry
 from vericache.serve.residency import ResidentSessions, Session
+from vericache.serve.turn_cache import TurnCache
 from vericache.serve.verification import verify_round
 from vericache.serve.worker import (
     DraftFailedError,
@@ -81,12 +82,13 @@ class Verifier:
         self._buffers = BufferPool(config.resident_bytes)  # of closed and evicted sessions
         # One copy of each prefix's full KV, shared by the sessions and fetches that use it.
         budget = config.prefix_cache_bytes or prefix_budget_left(
-            self.runner.device, config.resident_bytes
+            self.runner.device, config.resident_bytes + config.turn_cache_bytes
         )
         self._prefix_copies: SharedPrefixes[KVCache] = SharedPrefixes(budget)
+        self._turns = TurnCache(config.turn_cache_bytes)
         self._sessions = ResidentSessions(
             config.resident_bytes, self._slot_bytes, self._load, self._buffers,
-            release_prefix=self._prefix_copies.release,
+            release_prefix=self._prefix_copies.release, on_closed=self._keep_turn,
         )  # fmt: skip
         self._loop = BatchLoop(self.runner, "verifier-batch")
         log.info("verifier prefix cache: %.2f GiB", budget / 2**30)
@@ -158,15 +160,22 @@ class Verifier:
         if prompt[: len(prefix)] != prefix or len(prompt) <= len(prefix):
             raise InvalidRequestError("the prompt must extend the prefix by at least one token")
         owner = record.tenant if record else ""
-        session = Session(prefix, call.capacity, namespace=owner)
+        after_prefix = prompt[len(prefix) :]
+        # A finished turn's KV of the prompt's first tokens after the prefix, where one is kept:
+        # the session starts from it as from an evicted tail (residency.py).
+        reused = self._turns.match((owner, prefix), after_prefix)
+        session = Session(prefix, call.capacity, tail=reused, namespace=owner)
+        session.history = list(after_prefix)
         self._sessions.add(call.session_id, session)
         try:
             shared = self._hold_prefix(session) if prefix else Traffic()
             with self._sessions.using(call.session_id) as (session, loaded):
-                suffix = torch.tensor(prompt[len(prefix) :], dtype=torch.long)
+                start = session.cache.num_tokens - len(prefix)
+                suffix = torch.tensor(after_prefix[start:], dtype=torch.long)
                 chunk = self.config.prefill_chunk
                 logits = self.runner.prefill(suffix, session.cache, chunk_size=chunk)
                 first = first_token(logits, call.sampler)
+                session.history.append(first)
                 exact, delay = None, 0.0
                 if call.for_drafter:
                     exact = ExactKV.of(session.cache, len(prefix), len(prompt))
@@ -175,7 +184,7 @@ class Verifier:
             self.close_session(call.session_id)
             raise
         traffic = shared + loaded + self._found() + Traffic(link_bytes=exact.nbytes if exact else 0)
-        return VerifierOpened(first, exact, delay, traffic)
+        return VerifierOpened(first, exact, delay, traffic, reused_tokens=start)
 
     def verify(self, call: VerifyCall) -> Verified:
         """One forward over [pending + drafts] with the full KV (batched with the other
@@ -187,7 +196,9 @@ class Verifier:
             self._sessions.load_ahead(call.session_id)
         drafted = self._drafted(call)
         with self._sessions.using(call.session_id) as (session, loaded):
+            _expect_pending(session, call.pending)
             done = verify_round(self._loop, session.cache, call.pending, drafted, call.sampler)
+            _committed(session, done.tokens[: done.num_accepted + 1])  # the rest were rejected
         delay = self._hand_over(done.exact)
         traffic = loaded + self._found() + Traffic(link_bytes=done.exact.nbytes)
         return Verified(done.tokens, done.num_accepted, done.exact, delay, traffic, done.forward_s)
@@ -211,11 +222,13 @@ class Verifier:
     def decode(self, call: DecodeCall) -> Decoded:
         """FULL_LOCAL: up to `max_tokens` greedy tokens over the full KV."""
         with self._sessions.using(call.session_id) as (session, loaded):
+            _expect_pending(session, call.pending)
             job = Job(
                 session.cache, list(call.pending), call.max_tokens, 1, call.end_ids, exact=True,
                 sampler=call.sampler,
             )  # fmt: skip
             tokens = self._loop.run(job)
+            _committed(session, tokens)
         return Decoded(tuple(tokens), loaded)
 
     def close_session(self, session_id: str) -> None:
@@ -277,6 +290,18 @@ class Verifier:
         load, or a drafter's fetch), for the request at hand to report."""
         return Traffic(corruptions=self.prefixes.take_corruptions())
 
+    def _keep_turn(self, session: Session) -> None:
+        """A closed session's KV after its prefix, for a later turn (turn_cache.py); kept
+        where its tokens are known for certain."""
+        history = session.history
+        if history is None:
+            return
+        kv = session.kv_after_prefix()
+        if kv.num_tokens <= len(history):
+            self._turns.keep(
+                (session.namespace, session.prefix_tokens), tuple(history[: kv.num_tokens]), kv
+            )
+
     def _kv_for_drafter(self, prefix_id: str, kind: int) -> CacheState:
         """KVTransfer's source (the transfer server's thread): a prefix's compressed KV, or its
         full KV from the shared copy (loaded once)."""
@@ -293,6 +318,20 @@ class Verifier:
         """Books the drafter's copy of `exact` on the link toward the drafters; returns the
         seconds until it has crossed. The call that carries it pays the link's latency."""
         return self.link.schedule(exact.nbytes, first=False)
+
+
+def _expect_pending(session: Session, pending: tuple[int, ...]) -> None:
+    """A call feeds its session the committed tokens whose KV it lacks: where they are not the
+    ones its history says, its tokens are no longer known for certain."""
+    history = session.history
+    num_cached = session.cache.num_tokens - len(session.prefix_tokens)
+    if history is not None and history[num_cached:] != list(pending):
+        session.history = None
+
+
+def _committed(session: Session, tokens) -> None:
+    if session.history is not None:
+        session.history.extend(tokens)
 
 
 def _answered(answer: DraftAnswer) -> Drafted | None:

@@ -143,4 +143,5 @@ def _stats(summary: GenerateSummary) -> pb.GenerateStats:
         prompt_tokens=summary.prompt_tokens,
         local_rounds=summary.local_rounds,
         path=summary.path,
+        cached_tokens=summary.cached_tokens,
     )

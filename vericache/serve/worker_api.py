@@ -137,6 +137,8 @@ class VerifierOpened:
     link_delay_s: float  # until `exact` has crossed the link to the drafters
     traffic: Traffic
     forward_s: float = 0.0  # the batch's verification forward, without waiting for loads
+    # Prompt tokens after the prefix whose KV a finished turn kept (turn_cache.py): not prefilled.
+    reused_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ class TokenChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("finish_reason", "num_tokens", "rounds", "mean_accepted_per_round", "accepted_per_round", "link_bytes", "store_bytes", "link_wait_s", "store_wait_s", "ttft_s", "tokens_per_s", "total_s", "seed", "prompt_tokens", "local_rounds", "path")
+    __slots__ = ("finish_reason", "num_tokens", "rounds", "mean_accepted_per_round", "accepted_per_round", "link_bytes", "store_bytes", "link_wait_s", "store_wait_s", "ttft_s", "tokens_per_s", "total_s", "seed", "prompt_tokens", "local_rounds", "path", "cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class GenerateStats(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     num_tokens: int
     rounds: int
@@ -203,4 +204,5 @@ class GenerateStats(_message.Message):
     prompt_tokens: int
     local_rounds: int
     path: str
-    def __init__(self, finish_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., link_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., link_wait_s: _Optional[float] = ..., store_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., seed: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., local_rounds: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., link_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., link_wait_s: _Optional[float] = ..., store_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., seed: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., local_rounds: _Optional[int] = ..., path: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...

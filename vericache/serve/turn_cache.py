@@ -1,0 +1,107 @@
+"""A verifier's finished turns: the exact KV after their prefix, for the next request to reuse.
+
+An agent's next call, or a chat's next turn, repeats the one before: its prompt is that turn's
+prompt and output and a few tokens more. Without this the verifier prefills the whole of it after
+the prefix again, every turn. vLLM's automatic prefix caching and SGLang's radix cache keep a
+finished request's KV for this; so does a verifier here. When a session closes, its full KV after
+the prefix (the tokens it committed, less the newest, whose KV no forward computed) is kept with
+their token ids, under its prefix and the prefix's owner, within `budget_bytes` on the worker's
+device; the least recently used turn goes first. A later session over the same prefix takes the
+longest leading run of its prompt after the prefix that a kept turn holds, copies that run's KV
+into its cache and prefills only the rest.
+
+Exact: full-KV prefills use the batch-invariant kernels, as decode steps and verifications do
+(model/runner.py `prefill`), so a token's full KV is the same bits whichever forward computed it:
+a reused run holds what the prefill it spares would have computed. A session whose tokens are not
+known for certain (a call failed midway, residency.py) keeps nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+from vericache.errors import CacheStateError
+from vericache.kv.exact import ExactKV
+
+
+@dataclass(frozen=True)
+class KeptTurn:
+    token_ids: tuple[int, ...]  # [n] after the prefix
+    kv: ExactKV  # their full KV, tokens [len(prefix), len(prefix) + n)
+
+
+class TurnCache:
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        # By owner (a prefix's tokens and whose they are: another tenant's turns never match),
+        # each owner's turns by id; and every id, least recently used first.
+        self._by_owner: dict[Hashable, dict[int, KeptTurn]] = {}
+        self._order: OrderedDict[int, Hashable] = OrderedDict()
+        self._next_id = 0
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def keep(self, owner: Hashable, token_ids: tuple[int, ...], kv: ExactKV) -> None:
+        """Keeps a finished session's turn (its KV a copy of its own): turns it extends go, the
+        least recently used ones too while the budget is exceeded."""
+        if len(token_ids) != kv.num_tokens:
+            raise CacheStateError(
+                f"{len(token_ids)} token ids for exact KV of {kv.num_tokens} tokens"
+            )
+        if not token_ids or kv.nbytes > self.budget_bytes:
+            return
+        with self._lock:
+            for turn_id, turn in list(self._by_owner.get(owner, {}).items()):
+                if token_ids[: len(turn.token_ids)] == turn.token_ids:
+                    self._drop(turn_id)
+            self._by_owner.setdefault(owner, {})[self._next_id] = KeptTurn(token_ids, kv)
+            self._order[self._next_id] = owner
+            self._next_id += 1
+            self._bytes += kv.nbytes
+            while self._bytes > self.budget_bytes:
+                self._drop(next(iter(self._order)))
+
+    def match(self, owner: Hashable, token_ids: tuple[int, ...]) -> ExactKV | None:
+        """The KV of the longest leading run of `token_ids` (a prompt after its prefix) that a
+        kept turn of `owner` holds, short of its last token, whose logits choose the next one;
+        None where no turn shares its first token."""
+        wanted = np.asarray(token_ids[:-1], dtype=np.int64)
+        best_id, best_run = None, 0
+        with self._lock:
+            turns = self._by_owner.get(owner, {})
+            for turn_id, turn in turns.items():
+                run = _common_run(wanted, turn.token_ids)
+                if run > best_run:
+                    best_id, best_run = turn_id, run
+            if best_id is None:
+                return None
+            self._order.move_to_end(best_id)
+            return turns[best_id].kv.head(best_run)
+
+    def _drop(self, turn_id: int) -> None:
+        owner = self._order.pop(turn_id)
+        turns = self._by_owner[owner]
+        self._bytes -= turns.pop(turn_id).kv.nbytes
+        if not turns:
+            del self._by_owner[owner]
+
+
+def _common_run(wanted: np.ndarray, kept: tuple[int, ...]) -> int:
+    """How many leading tokens `wanted` and `kept` share."""
+    size = min(len(wanted), len(kept))
+    if size == 0:
+        return 0
+    differs = np.flatnonzero(wanted[:size] != np.asarray(kept[:size], dtype=np.int64))
+    return int(differs[0]) if differs.size else size
