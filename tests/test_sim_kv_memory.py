@@ -116,3 +116,25 @@ def test_a_pinned_entry_stays_until_unpinned_and_dropping_it_admits_who_waits():
     assert not memory.holds("turn") and admitted == [2.0]
     with pytest.raises(InvalidRequestError, match="not held"):
         memory.pin("turn")
+
+
+def test_an_entry_kept_on_the_device_alone_is_dropped_not_spilled_when_evicted():
+    """A served verifier's turn cache lives on its device: evicted, it goes nowhere."""
+
+    class Spilled:
+        def __init__(self):
+            self.keys: list[str] = []
+
+        def fetch(self, prefix, nbytes, delivered) -> None:
+            delivered()
+
+        def evicted(self, prefix, nbytes) -> None:
+            self.keys.append(prefix)
+
+    source = Spilled()
+    memory = WorkerMemory(2 * PREFIX_BYTES + OWN_BYTES, None, source=source)
+    memory.offer("tiered", PREFIX_BYTES)
+    memory.offer("device", PREFIX_BYTES, spills=False)
+    memory.admit(Session(None, 0, 2 * PREFIX_BYTES), lambda: None)  # evicts both
+    assert not memory.holds("tiered") and not memory.holds("device")
+    assert source.keys == ["tiered"]

@@ -1,7 +1,9 @@
 """Sequential turns as served: each turn a request of its own, arriving when the one before it ends.
-VeriCache and `mode: auto` place (and auto chooses) each turn anew and keep no KV of a session's
-own between its turns; a full-KV deployment with prefix caching keeps a finished turn's KV for
-the next, where memory allows, as vLLM's and SGLang's do; the paper's baseline keeps nothing."""
+VeriCache and `mode: auto` place (and auto chooses) each turn anew; their verifiers keep a
+finished session's KV for its next turn on their devices, their drafters none; a full-KV
+deployment with prefix caching keeps a finished turn's KV for the next on any worker, where
+memory allows (into the host tier after), as vLLM's and SGLang's do; the paper's baseline keeps
+nothing."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import dataclasses
 import pytest
 
 from tests.sim_scenarios import remote_prefix_scenario
+from vericache.scheduler.path_choice import ServingPath
 from vericache.sim.cost import Row
 from vericache.sim.remote_prefix import VeriCacheRequest
 from vericache.sim.remote_prefix_auto import path_estimates, start_auto
 from vericache.sim.remote_prefix_compare import paper_baseline_scenario
 from vericache.sim.remote_prefix_full import FullPool, FullRequest, full_start
-from vericache.sim.remote_prefix_workers import Run, SessionTurns
+from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns
+from vericache.sim.turn_kv import KeptTurns, TurnKey, keep
 from vericache.sim.workload import OutputLengths
 
 SUFFIX, OUTPUT, TURNS = 256, 32, 3
@@ -57,30 +61,55 @@ def _prefills(run: Run, rows: list[Row]) -> list[tuple[int, int]]:
 
 # Every token after the prefix, each turn: the suffixes and outputs of the turns before it too.
 ALL_AFTER_PREFIX = [(SUFFIX, 0), (2 * SUFFIX + OUTPUT, 0), (3 * SUFFIX + 2 * OUTPUT, 0)]
+# Each turn's suffix alone, after the turns before it, whose KV its worker kept.
+ONLY_SUFFIXES = [(SUFFIX, n * (SUFFIX + OUTPUT)) for n in range(TURNS)]
+
+
+def _turn_keys(run: Run, workers) -> list[TurnKey]:
+    """The kept turns every worker of `workers` holds on its device or in its host tier."""
+    return [
+        key
+        for worker in workers
+        for held in (worker.memory._held, worker.host_tier._held)
+        for key in held
+        if isinstance(key, TurnKey)
+    ]
 
 
 @pytest.mark.parametrize("warm_nodes", [False, True], ids=["central", "warm-nodes"])
-def test_vericache_keeps_no_kv_of_a_session_between_its_turns(warm_nodes):
+def test_vericache_keeps_a_sessions_kv_between_its_turns_on_its_verifier_alone(warm_nodes):
     scenario = _turns(warm_nodes=warm_nodes)
     run = Run(scenario)
-    rows, held_own = _recorded(run), []
+    rows, kept = _recorded(run), []
 
     def start(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
-        # What every worker holds beside its cached prefixes when a turn arrives.
-        held_own.extend(w.memory.used_bytes - w.memory.held_prefix_bytes for w in run.workers)
+        kept.append((_turn_keys(run, run.verifiers), _turn_keys(run, run.drafters)))
         VeriCacheRequest.start(run, prefix, turns, arrival_s)
 
     report = run.serve(start)
     assert report.num_output_tokens == TURNS * OUTPUT and len(report.latencies_s) == 1
-    assert held_own == [0] * (TURNS * len(run.workers))
-    assert _prefills(run, rows) == ALL_AFTER_PREFIX
-    # The central verifier hands each turn's prompt after the prefix to the drafter as exact KV.
-    if not warm_nodes:
-        handed = sum(num_tokens + 1 for num_tokens, _ in ALL_AFTER_PREFIX)
-        compressed = scenario.prefix_bytes(compressed=True)
-        assert run.drafters[0].link.bytes_delivered >= compressed + (
-            handed * scenario.kv_bytes_per_token
-        )
+    # Each later turn finds the turn before's KV on the verifier's device, none on a drafter.
+    assert [drafters for _, drafters in kept] == [[]] * TURNS
+    assert [[k.num_tokens for k in verifier] for verifier, _ in kept] == [
+        [], [SUFFIX + OUTPUT], [2 * (SUFFIX + OUTPUT)]
+    ]  # fmt: skip
+    assert report.num_warm_switches == 0 and _prefills(run, rows) == ONLY_SUFFIXES
+    # The verifier still hands each turn's prompt after the prefix to the drafter as exact KV.
+    handed = sum(num_tokens + 1 for num_tokens, _ in ALL_AFTER_PREFIX)
+    compressed = scenario.prefix_bytes(compressed=True)
+    assert run.drafters[0].link.bytes_delivered >= compressed + (
+        handed * scenario.kv_bytes_per_token
+    )
+
+
+def test_a_warm_node_verifying_its_own_sessions_prefills_every_turns_whole_prompt():
+    scenario = _turns(warm_nodes=True, num_drafters=1, num_prefixes=1)
+    run = Run(scenario)
+    rows = _recorded(run)
+    run.drafters[0].host_tier.put(PrefixKey(0, False), scenario.prefix_bytes(compressed=False))
+    report = run.serve(VeriCacheRequest.start)
+    assert report.num_central_verifications == 0
+    assert _prefills(run, rows) == ALL_AFTER_PREFIX and not _turn_keys(run, run.workers)
 
 
 def test_vericache_places_each_turn_when_it_arrives():
@@ -98,7 +127,7 @@ def test_vericache_places_each_turn_when_it_arrives():
     assert placed.count(True) == placed.count(False) == num_requests  # a drafter, a verifier
 
 
-def test_auto_chooses_each_turns_path_when_it_arrives_over_all_its_prompt():
+def test_auto_chooses_each_turns_path_when_it_arrives():
     scenario = _turns(arrivals=(0.0,) * 4, warm_nodes=True)
     run = Run(scenario)
     chosen: dict[int, list[int]] = {}
@@ -112,7 +141,8 @@ def test_auto_chooses_each_turns_path_when_it_arrives_over_all_its_prompt():
     report = run.serve(start)
     assert sorted(chosen.values()) == [list(range(TURNS))] * 4
     assert sum(report.paths.values()) == 4 * TURNS
-    # A later turn's estimate prefills the earlier turns' tokens too, on every path.
+    # Where no worker kept the turn before, a later turn's estimate prefills the earlier turns'
+    # tokens too, on every path.
     first, later = SessionTurns((OUTPUT,) * TURNS), SessionTurns((OUTPUT,) * TURNS)
     for _ in range(TURNS - 1):
         later.advance(SUFFIX, 4096)
@@ -122,6 +152,29 @@ def test_auto_chooses_each_turns_path_when_it_arrives_over_all_its_prompt():
         assert late.setup_s > early.setup_s
 
 
+@pytest.mark.parametrize("warm_nodes", [False, True], ids=["central", "warm-nodes"])
+def test_auto_on_a_verifier_prefills_only_each_turns_new_tokens(warm_nodes):
+    run = Run(_turns(turns_per_session=2, warm_nodes=warm_nodes), weighs_recompute=True)
+    rows = _recorded(run)
+    report = run.serve(start_auto)
+    assert report.paths == {ServingPath.FULL_LOCAL.value: 2}
+    assert _prefills(run, rows) == ONLY_SUFFIXES[:2]
+
+
+def test_auto_estimates_see_the_shorter_prefill_where_a_verifier_keeps_the_turn_before():
+    scenario = _turns(num_drafters=1)
+    turns = SessionTurns((OUTPUT,) * TURNS)
+    turns.advance(SUFFIX, OUTPUT)
+    cold, kept = Run(scenario), Run(scenario)
+    keep(kept.verifiers[0], turns, turns.history_tokens, KeptTurns.DEVICE)
+    estimates = list(zip(path_estimates(cold, 0, turns), path_estimates(kept, 0, turns)))
+    by_path = {far.path: (far.setup_s, near.setup_s) for far, near in estimates}
+    # The verifier's prefill is shorter for FULL_LOCAL and VeriCache's; a drafter keeps none.
+    for path in (ServingPath.FULL_LOCAL, ServingPath.VERICACHE):
+        assert by_path[path][1] < by_path[path][0]
+    assert by_path[ServingPath.FULL_REMOTE][1] == by_path[ServingPath.FULL_REMOTE][0]
+
+
 def test_a_full_kv_deployment_with_prefix_caching_reuses_the_turn_befores_kv():
     cached = _turns()
     for pool in FullPool:
@@ -129,9 +182,7 @@ def test_a_full_kv_deployment_with_prefix_caching_reuses_the_turn_befores_kv():
         rows = _recorded(run)
         run.serve(full_start(pool, {FullPool.LOCAL: 1.0, FullPool.REMOTE: 1.0}))
         # Each later turn prefills only its suffix, after the turns before it.
-        assert _prefills(run, rows) == [
-            (SUFFIX, 0), (SUFFIX, SUFFIX + OUTPUT), (SUFFIX, 2 * (SUFFIX + OUTPUT)),
-        ]  # fmt: skip
+        assert _prefills(run, rows) == ONLY_SUFFIXES
     # The paper's baseline keeps nothing: every turn fetches the prefix again and prefills all.
     paper = paper_baseline_scenario(cached)
     run = Run(paper)
@@ -151,7 +202,7 @@ def test_a_full_kv_turn_placed_elsewhere_prefills_all_its_prompt_again():
         worker = run.verifiers[len(served)]
         worker.num_requests += 1
         served.append(worker)
-        FullRequest.open_on(run, prefix, turns, arrival_s, worker, caches_turns=True)
+        FullRequest.open_on(run, prefix, turns, arrival_s, worker, KeptTurns.TIERED)
 
     run.serve(start)
     assert _prefills(run, rows) == [(SUFFIX, 0), (2 * SUFFIX + OUTPUT, 0)]

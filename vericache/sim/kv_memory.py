@@ -78,6 +78,7 @@ class WorkerMemory:
         self._fetching: dict[Hashable, list[Callable[[], None]]] = {}
         self._waiting: deque[tuple[Session, Callable[[], None]]] = deque()
         self._unshared: Counter[Session] = Counter()  # sessions holding a copy of their own
+        self._device_only: set[Hashable] = set()  # held entries dropped, not spilled, on eviction
 
     @property
     def used_bytes(self) -> int:
@@ -103,16 +104,20 @@ class WorkerMemory:
         evictable = sum(size for prefix, size in self._held.items() if not self._refs.get(prefix))
         return self.used_bytes - evictable + needed <= self.capacity_bytes
 
-    def offer(self, prefix: Hashable, nbytes: int) -> None:
+    def offer(self, prefix: Hashable, nbytes: int, spills: bool = True) -> None:
         """Keeps a prefix that passed through the device (a warm node's full KV, read for a
-        verification) where it fits beside what is held and no session waits for room:
-        unreferenced, evicted least recently used first as any other when room is needed."""
+        verification; a session's KV kept for its next turn) where it fits beside what is held
+        and no session waits for room: unreferenced, evicted least recently used first as any
+        other when room is needed, into `source` unless not `spills` (a cache the worker keeps
+        on its device alone)."""
         if prefix in self._held or self._waiting or self.used_bytes + nbytes > self.capacity_bytes:
             return
         budget = self.prefix_budget_bytes
         if budget is not None and self.held_prefix_bytes + nbytes > budget:
             return
         self._hold(prefix, nbytes)
+        if not spills:
+            self._device_only.add(prefix)
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def touch(self, prefix: Hashable) -> None:
@@ -216,8 +221,9 @@ class WorkerMemory:
             if is_done():
                 return
             if not self._refs.get(prefix) and prefix != keep:
+                spills = prefix not in self._device_only
                 nbytes = self._drop(prefix)
-                if self.source is not None:
+                if self.source is not None and spills:
                     self.source.evicted(prefix, nbytes)
 
     def _hold(self, prefix: Hashable, nbytes: int) -> None:
@@ -225,6 +231,7 @@ class WorkerMemory:
         self._held_bytes += nbytes
 
     def _drop(self, prefix: Hashable) -> int:
+        self._device_only.discard(prefix)
         nbytes = self._held.pop(prefix)
         self._held_bytes -= nbytes
         return nbytes

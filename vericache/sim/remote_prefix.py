@@ -24,10 +24,12 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
   nodes (scheduler/placement.py).
 - Sequential turns (`turns_per_session`): each turn is a request of its own, as served (a
   Generate call whose prompt is the prefix, the conversation so far and the new turn), arriving
-  when the one before it ends: placed anew (its path chosen anew under `mode: auto`), it keeps
-  no KV of its own from the turn before (only the prefix's shared copy is cached), so it
-  prefills every token after the prefix, and a central verifier hands all of their exact KV to
-  the drafter with its first draft call.
+  when the one before it ends and placed anew (its path chosen anew under `mode: auto`). A central
+  verifier keeps a finished session's exact KV after the prefix in its turn cache (turn_kv.py,
+  `KeptTurns.DEVICE`), so a later turn it verifies prefills only its new tokens where the KV is
+  still there; the drafter keeps none, so the verifier still hands the exact KV of every token
+  after the prefix to it with the first draft call, and a warm node verifying on its own
+  prefills every one of them.
 - FULL_LOCAL, FULL_REMOTE, FULL_BOTH: remote_prefix_full.py; `mode: auto`, each request's choice
   of path: remote_prefix_auto.py.
 Scheduled rounds, each verifier's loads and verifications planned by the real scheduler within
@@ -48,7 +50,7 @@ drafter is its own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vericache.sim.batch_loop import SimJob, chunked_job
 from vericache.sim.cost import Row
@@ -58,6 +60,7 @@ from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix_full import FullPool, simulate_full
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Worker
+from vericache.sim.turn_kv import KeptTurns, ReusedTurn, keep, let_go, reuse, served_keeps
 
 __all__ = ["FullPool", "VeriCacheRequest", "compare", "simulate_full", "simulate_vericache"]
 
@@ -76,6 +79,9 @@ class VeriCacheRequest:
     drafter: Worker
     verifier: Worker | None  # the central verifier; None while the drafter's node verifies
     own_bytes: int = 0  # its own tokens' exact KV, as reserved from its open to its end
+    # What its central verifier keeps of a finished turn, and reuses of its session's turn before.
+    keeps: KeptTurns = KeptTurns.NONE
+    reused: ReusedTurn = field(default_factory=ReusedTurn)
 
     @classmethod
     def start(
@@ -101,6 +107,8 @@ class VeriCacheRequest:
         if verifier.residency is not None:  # its own full KV, beside the shared prefix's
             own = run.scenario.reserved_own_full_kv_bytes(request.seq.max_output_tokens)
             verifier.residency.open(request, own)
+        request.keeps = served_keeps(verifier)
+        request.reused = reuse(verifier, turns, request.keeps)
         # Memory in one order, the verifier's first: no two sessions wait on each other. Each
         # admission brings its prefix, unless held: the full KV from the store to the verifier,
         # the compressed KV over the network to the drafter.
@@ -115,8 +123,10 @@ class VeriCacheRequest:
 
     def verifier_session(self) -> Session:
         """Over the prefix's full KV, which verifications attend over, beside the exact KV of
-        its own tokens (which the residency holds instead, where the verifier keeps one)."""
+        its own tokens (which the residency holds instead, where the verifier keeps one), but
+        for those its session's turn before left there."""
         own = 0 if self.verifier.residency is not None else self.own_bytes
+        own -= self.reused.held_bytes
         return Session(self.full_key, self.run.scenario.prefix_bytes(compressed=False), own)
 
     def drafter_session(self) -> Session:
@@ -128,15 +138,18 @@ class VeriCacheRequest:
         verifier = self.verifier
         if verifier is not None:
             self._release_verifier()
+            keep(verifier, self.turns, self._after_prefix(), self.keeps)
         else:
             self.drafter.num_local_sessions -= 1
         self.drafter.memory.release(self.drafter_session())
         self.run.finish(self, *([verifier] if verifier else []), self.drafter)
 
     def _release_verifier(self) -> None:
-        """The central verifier lets go of the session's KV: the prefix's share and its own."""
+        """The central verifier lets go of the session's KV: the prefix's share and its own,
+        and what its session's turn before left there."""
         verifier = self.verifier
         verifier.memory.release(self.verifier_session())
+        let_go(verifier, self.reused)
         if verifier.residency is not None:
             verifier.residency.close(self)
 
@@ -146,17 +159,19 @@ class VeriCacheRequest:
         self._prefill()
 
     def _prefill(self) -> None:
-        """Every token of the prompt after the prefix (its session's earlier turns' too: it holds
-        none of their KV) over the full KV: on the central verifier, or on the node."""
-        rows = self._prefill_rows()
+        """The prompt after the prefix over the full KV: on the central verifier, but for the
+        tokens whose KV its session's turn before left there; on the node, every one of them
+        (its earlier turns' too: a drafter keeps none)."""
         if self.verifier is None:
-            self._on_local(rows, self._first_token)
+            self._on_local(self._prefill_rows(), self._first_token)
         else:
-            self._on_verifier(rows, self._first_token)
+            self._on_verifier(self._prefill_rows(self.reused.num_tokens), self._first_token)
 
-    def _prefill_rows(self) -> list[Row]:
-        """A prefill of every exact token after the prefix, over its full KV."""
-        return self.run.scenario.prefill_rows(self._after_prefix(), 0, self.full_key)
+    def _prefill_rows(self, num_reused: int = 0) -> list[Row]:
+        """A prefill of the exact tokens after the prefix past the first `num_reused`, over its
+        full KV."""
+        num_new = self._after_prefix() - num_reused
+        return self.run.scenario.prefill_rows(num_new, num_reused, self.full_key)
 
     def _on_verifier(self, rows: list[Row], then: Callable[[], None]) -> None:
         """Verifier forwards, one per row, over the session's full KV, brought onto its device

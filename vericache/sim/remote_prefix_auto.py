@@ -2,8 +2,11 @@
 FULL_REMOTE and full decoding on a warm node, by scheduler/path_choice.py (the function a served
 coordinator imports) from this module's estimates. A session's turns are requests of their own,
 as served (the coordinator resolves `auto` per request when it admits it): each turn's path is
-chosen and its worker placed when it arrives, and it keeps no KV of its own from the turn before,
-so every path prefills all of its prompt after the prefix.
+chosen and its worker placed when it arrives. A verifier keeps a finished session's KV after the
+prefix in its turn cache (turn_kv.py, `KeptTurns.DEVICE`), so a turn it serves (FULL_LOCAL, or
+the verifier's prefill of a VeriCache session) prefills only its new tokens while the KV is
+there; a drafter keeps none, so FULL_REMOTE, FULL_WARM and a warm node's own VeriCache sessions
+prefill all of the prompt after the prefix.
 
 Each estimate comes from the cost model (cost.py) and the workers' state now: the rows each
 worker's next forward holds (its load), what its device and host tier hold, and the transfers
@@ -12,11 +15,12 @@ nodes first):
 - full decoding: the seconds until its prefix's full KV is on the device (held: none; in the host
   tier: over PCIe; else the fetch or, where the deployment recomputes, the prefill if sooner
   counted once for each job on the device it would hold up, as its workers choose: host_tier.py)
-  and its prompt's prefill after the prefix; then one decode step at the worker's batch with it
-  added, per token;
+  and its prompt's prefill after the prefix (on a verifier that keeps its session's turn before,
+  of the new tokens alone); then one decode step at the worker's batch with it added, per token;
 - VeriCache: the compressed KV onto the drafter and the full KV onto the verifier (on a warm
-  node: its host tier), the prefill, and from a central verifier the prompt's exact KV after the
-  prefix across to the drafter; then a round per the acceptance's mean accepted drafts at x:
+  node: its host tier), the prefill (on a central verifier that keeps its session's turn before,
+  of the new tokens alone), and from a central verifier the prompt's exact KV after the prefix
+  across to the drafter; then a round per the acceptance's mean accepted drafts at x:
   x draft steps at the drafter's batch, a verification at the verifier's (or the node's), and the
   calls' latency and exact KV (on a warm node: a PCIe load, unless its device holds the KV);
 - and, where a worker's memory has no room for the request now, its turn behind the sessions
@@ -38,6 +42,7 @@ from vericache.sim.remote_prefix import VeriCacheRequest
 from vericache.sim.remote_prefix_full import FullRequest
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Worker
+from vericache.sim.turn_kv import reusable_tokens, served_keeps
 
 
 def simulate_auto(scenario: RemotePrefixScenario) -> SimReport:
@@ -52,7 +57,7 @@ def start_auto(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> 
     if chosen.path is ServingPath.VERICACHE:
         VeriCacheRequest.start(run, prefix, turns, arrival_s, drafter=worker)
     else:
-        FullRequest.open_on(run, prefix, turns, arrival_s, worker)
+        FullRequest.open_on(run, prefix, turns, arrival_s, worker, served_keeps(worker))
 
 
 def path_estimates(run: Run, prefix: int, turns: SessionTurns) -> list[PathEstimate]:
@@ -80,11 +85,12 @@ def _full(
 ) -> PathEstimate:
     scenario = run.scenario
     num_after = scenario.tokens_after_prefix(turns.history_tokens)
+    num_reused = reusable_tokens(worker, turns, served_keeps(worker))
     key = PrefixKey(prefix, False)
     full_bytes = scenario.prefix_bytes(compressed=False)
-    session = Session(key, full_bytes, own_bytes)
+    session = Session(key, full_bytes, own_bytes - num_reused * scenario.kv_bytes_per_token)
     room = _room_in_sessions(worker, session)
-    setup = _ready_s(worker, key, full_bytes) + _prefill_s(scenario, key, num_after)
+    setup = _ready_s(worker, key, full_bytes) + _prefill_s(scenario, key, num_after, num_reused)
     row = scenario.row(1, num_after, False, key)
     per_token = _step_s(run, worker, [row], room)
     wait = _memory_wait_s(worker, session, room, setup + turns.num_tokens * per_token)
@@ -113,9 +119,11 @@ def _vericache(
         return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait)
     central_s = _central_seconds_per_token(run, drafter, verifier, draft_s, full, num_after)
     full_ready = _ready_s(verifier, full, full_bytes)
+    num_reused = reusable_tokens(verifier, turns, served_keeps(verifier))
+    central_prefill_s = _prefill_s(scenario, full, num_after, num_reused)
     # The prompt's exact KV after the prefix crosses to the drafter with the first draft call.
     exact_s = drafter.link.seconds_for(num_after * scenario.kv_bytes_per_token)
-    setup = max(compressed_ready, full_ready) + prefill_s + exact_s
+    setup = max(compressed_ready, full_ready) + central_prefill_s + exact_s
     setup += scenario.network_latency_s
     per_token, warm_s = central_s, float("inf")
     if scenario.warm_nodes:  # central until its node has the full KV, then on its node
@@ -130,7 +138,7 @@ def _vericache(
     # The central verifier admits it first, and holds its full KV while its node is cold:
     # either memory may bind. The sessions ahead of it there may be full-KV ones, which stay for
     # their whole service: it waits as if they were as long as this one.
-    verified = Session(full, full_bytes, drafted.own_bytes)
+    verified = Session(full, full_bytes, own_bytes - num_reused * scenario.kv_bytes_per_token)
     central_room = _room_in_sessions(verifier, verified)
     wait = max(
         _memory_wait_s(drafter, drafted, room, service_s),
@@ -214,6 +222,10 @@ def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
     return run.scenario.forward_s(current + [rows[0].unshared()] * num_placed + rows)
 
 
-def _prefill_s(scenario: RemotePrefixScenario, key: PrefixKey, num_tokens: int) -> float:
-    """The prompt's `num_tokens` after the prefix prefilled alone, chunk by chunk."""
-    return sum(scenario.forward_s([row]) for row in scenario.prefill_rows(num_tokens, 0, key))
+def _prefill_s(
+    scenario: RemotePrefixScenario, key: PrefixKey, num_tokens: int, num_reused: int = 0
+) -> float:
+    """The prompt's `num_tokens` after the prefix prefilled alone, chunk by chunk, but for the
+    first `num_reused`, whose KV the worker keeps."""
+    rows = scenario.prefill_rows(num_tokens - num_reused, num_reused, key)
+    return sum(scenario.forward_s([row]) for row in rows)

@@ -13,20 +13,20 @@ all of its prompt after the prefix (remote_prefix_compare.py).
 
 Assumption, stated: a full-KV deployment with prefix caching (vLLM's automatic prefix caching,
 SGLang's radix cache) keeps a finished turn's KV too, and the session's next turn, whose prompt
-extends that turn's, reuses it. Here that KV stays on the worker that served the turn as a cached
-entry (`TurnKey`), evicted least recently used as an unused prefix is, into the host tier where
-the node has one; the next turn goes to that worker (a cache-aware router's longest match, within
+extends that turn's, reuses it (turn_kv.py, `KeptTurns.TIERED`): it stays on the worker that
+served the turn, evicted least recently used as an unused prefix is, into the host tier where the
+node has one; the next turn goes to that worker (a cache-aware router's longest match, within
 placement's balance) and prefills only its new tokens, reading the rest in place on the device
 or loading it over PCIe from the host tier; a turn placed elsewhere, or whose KV is gone,
-prefills everything after the prefix. `mode: auto`'s FULL_* paths keep none: a served request
-keeps no KV of its own after it ends (remote_prefix_auto.py).
+prefills everything after the prefix. `mode: auto`'s FULL_* paths keep what the served workers
+keep (turn_kv.served_keeps): a verifier's turn cache on its device, a drafter none
+(remote_prefix_auto.py).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vericache.errors import InvalidRequestError
 from vericache.sim.batch_loop import SimJob, chunked_job
@@ -36,6 +36,7 @@ from vericache.sim.kv_memory import Session
 from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Start, Worker
+from vericache.sim.turn_kv import KeptTurns, ReusedTurn, holder, keep, let_go, reuse
 
 
 class FullPool(enum.Enum):
@@ -57,38 +58,18 @@ def full_start(pool: FullPool, rates: dict[FullPool, float] | None = None) -> St
         raise InvalidRequestError("routing over both pools needs each pool's rate")
 
     def start(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
-        caches_turns = run.scenario.prefix_caching
-        holder = _turns_holder(run, turns) if caches_turns else None
+        keeps = KeptTurns.TIERED if run.scenario.prefix_caching else KeptTurns.NONE
+        kept_on = holder(run.workers, turns, keeps)
         if pool is not FullPool.BOTH:
             local = pool is FullPool.LOCAL
-        elif holder is not None:  # the router sends it where its session's KV is
-            local = holder in run.verifiers
+        elif kept_on is not None:  # the router sends it where its session's KV is
+            local = kept_on in run.verifiers
         else:
             local = _route_local(run, rates)
-        worker = run.place(run.verifiers if local else run.drafters, prefix, prefer=holder)
-        FullRequest.open_on(run, prefix, turns, arrival_s, worker, caches_turns)
+        worker = run.place(run.verifiers if local else run.drafters, prefix, prefer=kept_on)
+        FullRequest.open_on(run, prefix, turns, arrival_s, worker, keeps)
 
     return start
-
-
-@dataclass(frozen=True)
-class TurnKey:
-    """What a full-KV worker with prefix caching keeps a finished turn's KV under: its session's
-    tokens after the prefix, the turn's own included."""
-
-    session: int  # the session's SessionTurns, by id
-    num_tokens: int
-
-
-def _turns_holder(run: Run, turns: SessionTurns) -> Worker | None:
-    """The worker that keeps the session's KV from its turn before, on its device or in its
-    host tier; None where none does (its first turn, or evicted)."""
-    key = TurnKey(id(turns), turns.history_tokens)
-    for worker in run.workers:
-        tier = worker.host_tier
-        if worker.memory.holds(key) or (tier is not None and tier.holds(key)):
-            return worker
-    return None
 
 
 @dataclass(eq=False)
@@ -99,10 +80,9 @@ class FullRequest:
     arrival_s: float
     worker: Worker
     prefix: int
-    caches_turns: bool  # its deployment keeps a finished turn's KV for the session's next turn
+    keeps: KeptTurns  # what its worker keeps of a finished turn for the session's next
     own_bytes: int = 0  # its own tokens' KV, as reserved from its open to its end
-    num_reused: int = 0  # tokens after the prefix whose KV its session's turn before left here
-    pinned: TurnKey | None = None  # that KV, read in place on the device until it ends
+    reused: ReusedTurn = field(default_factory=ReusedTurn)  # what its session's turn before left
 
     @classmethod
     def open_on(
@@ -112,35 +92,25 @@ class FullRequest:
         turns: SessionTurns,
         arrival_s: float,
         worker: Worker,
-        caches_turns: bool = False,
+        keeps: KeptTurns = KeptTurns.NONE,
     ) -> None:
-        """Opens the turn on `worker` (placed and counted by the caller)."""
+        """Opens the turn on `worker` (placed and counted by the caller), over what `worker`
+        keeps of its session's turn before."""
         seq = run.sequence(turns)
-        own_bytes = run.own_bytes(turns, seq)
-        request = cls(run, seq, turns, arrival_s, worker, prefix, caches_turns, own_bytes)
-        admitted = request._reuse_turns() if caches_turns else request._prefill
+        reused = reuse(worker, turns, keeps)
+        own_bytes = run.own_bytes(turns, seq) - reused.held_bytes
+        request = cls(run, seq, turns, arrival_s, worker, prefix, keeps, own_bytes, reused)
         # The prefix's full KV, unless held: from the host tier, the store (a verifier) or over
         # the network, or recomputed.
-        worker.memory.admit(request.session, admitted)
+        worker.memory.admit(request.session, request._admitted)
 
-    def _reuse_turns(self) -> Callable[[], None]:
-        """Finds its session's KV from the turn before on its worker: on the device, pinned and
-        read in place (its bytes held there already, not its own); in the host tier, loaded over
-        PCIe once admitted; else none, prefilled again. Returns what runs once admitted."""
-        num_tokens = self.turns.history_tokens
-        key = TurnKey(id(self.turns), num_tokens)
-        nbytes = num_tokens * self.run.scenario.kv_bytes_per_token
-        memory, tier = self.worker.memory, self.worker.host_tier
-        if memory.holds(key):
-            memory.pin(key)
-            self.pinned, self.num_reused = key, num_tokens
-            self.own_bytes -= nbytes
-            return self._prefill
-        if tier is not None and tier.holds(key):
-            tier.touch(key)
-            self.num_reused = num_tokens
-            return lambda: self.worker.host_link.send(nbytes, self._prefill)
-        return self._prefill
+    def _admitted(self) -> None:
+        """The KV its session's turn before left in the host tier, if any, over PCIe; then its
+        prefill."""
+        if self.reused.load_bytes:
+            self.worker.host_link.send(self.reused.load_bytes, self._prefill)
+        else:
+            self._prefill()
 
     @property
     def key(self) -> PrefixKey:
@@ -153,8 +123,9 @@ class FullRequest:
     def _prefill(self) -> None:
         """The prompt after the prefix, but for the tokens whose KV it reuses."""
         scenario = self.run.scenario
-        num_new = scenario.tokens_after_prefix(self.turns.history_tokens) - self.num_reused
-        rows = scenario.prefill_rows(num_new, self.num_reused, self.key)
+        num_reused = self.reused.num_tokens
+        num_new = scenario.tokens_after_prefix(self.turns.history_tokens) - num_reused
+        rows = scenario.prefill_rows(num_new, num_reused, self.key)
         self.worker.loop.submit(chunked_job(rows, self._decode))
 
     def _decode(self) -> None:
@@ -178,23 +149,10 @@ class FullRequest:
         self.run.emit(self.seq.decode_step())
 
     def _turn_ended(self) -> None:
-        memory = self.worker.memory
-        if self.pinned is not None:  # this turn's KV holds its tokens, kept below
-            memory.unpin(self.pinned, drop=True)
-        memory.release(self.session)
-        if self.caches_turns and not self.turns.is_last:
-            self._keep_turns()
+        let_go(self.worker, self.reused)
+        self.worker.memory.release(self.session)
+        keep(self.worker, self.turns, self._after_prefix(), self.keeps)
         self.run.finish(self, self.worker)
-
-    def _keep_turns(self) -> None:
-        """Keeps its session's KV after the prefix for the next turn: on the device where room is
-        free (evicted later into the host tier, as a prefix is), else in the host tier at once."""
-        num_tokens = self._after_prefix()
-        key = TurnKey(id(self.turns), num_tokens)
-        nbytes = num_tokens * self.run.scenario.kv_bytes_per_token
-        self.worker.memory.offer(key, nbytes)
-        if not self.worker.memory.holds(key):
-            self.worker.fetches.evicted(key, nbytes)
 
 
 def _route_local(run: Run, rates: dict[FullPool, float]) -> bool:

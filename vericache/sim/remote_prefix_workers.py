@@ -294,9 +294,9 @@ class Run:
         return SimSequence(prompt_tokens, turns.num_tokens, self.scenario.model.max_positions)
 
     def own_bytes(self, turns: SessionTurns, seq: SimSequence) -> int:
-        """The exact KV a turn comes to hold of its own: every token after the prefix, its
-        session's earlier turns' too (a request keeps none of its own after it ends), and every
-        output token its budget and its context allow."""
+        """The exact KV a turn comes to hold: every token after the prefix, its session's
+        earlier turns' too (less what its worker kept of those: turn_kv.py), and every output
+        token its budget and its context allow."""
         scenario = self.scenario
         num_tokens = scenario.tokens_after_prefix(turns.history_tokens, seq.max_output_tokens)
         return num_tokens * scenario.kv_bytes_per_token

@@ -1,0 +1,135 @@
+"""A session's KV after its prefix, kept on the worker that served a turn for the session's next.
+
+A session's next turn arrives with a prompt that extends the turn before's (its suffix, its
+output, a new suffix), so a worker that kept the turn before's KV prefills only the new tokens.
+Two deployments keep it, under `TurnKey` in the worker's KV memory (kv_memory.WorkerMemory), held
+where room is free beside the sessions and prefixes (within the prefix budget, where set) and
+evicted least recently used as an unused prefix is:
+- `KeptTurns.TIERED`: a full-KV deployment with prefix caching (vLLM's automatic prefix caching,
+  SGLang's radix cache; remote_prefix_full.py), on every worker, evicted into the host tier where
+  the node has one (or put there at once where the device has no room), and loaded back over PCIe;
+- `KeptTurns.DEVICE`: VeriCache as served, a verifier's turn cache (every session it serves:
+  FULL_LOCAL decoding, and its prefill of a VeriCache session's prompt), on its device alone,
+  dropped when evicted. A drafter keeps none (`served_keeps`), so FULL_REMOTE, FULL_WARM and a
+  warm node's own VeriCache sessions prefill every token after the prefix, and a VeriCache
+  session's drafter still receives the exact KV of all of them.
+Assumptions, stated: the served verifier copies the kept run's KV into its new session; here the
+new turn reads it in place (pinned, its bytes not the turn's own) and lets it go when it ends,
+replaced by its own longer run, as the baseline's does: the same bytes (the old entry, which the
+new one subsumes, goes), the device-to-device copy (milliseconds) uncharged. The served verifier's
+budget is its `turn_cache_bytes` (1 GiB by default); here its kept turns get what the baseline's
+get, the room free in its memory, in every scenario. Both keep the last output token's KV too,
+which neither computed: one token a turn, alike.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from vericache.sim.remote_prefix_workers import SessionTurns, Worker
+
+
+class KeptTurns(enum.Enum):
+    """What a worker keeps of a session's finished turn."""
+
+    NONE = "none"  # nothing: the next turn prefills every token after the prefix
+    DEVICE = "device"  # on its device while room allows, dropped when evicted
+    TIERED = "tiered"  # on its device, evicted into its host tier
+
+
+@dataclass(frozen=True)
+class TurnKey:
+    """What a worker keeps a session's finished turn's KV under: the session's tokens after the
+    prefix, the turn's own included."""
+
+    session: int  # the session's SessionTurns, by id
+    num_tokens: int
+
+    @classmethod
+    def of(cls, turns: SessionTurns) -> TurnKey:
+        """What the session's current turn finds: the KV of its tokens from the turns before."""
+        return cls(id(turns), turns.history_tokens)
+
+
+@dataclass(frozen=True)
+class ReusedTurn:
+    """What a turn reuses of the KV its session's turn before left on its worker."""
+
+    num_tokens: int = 0  # tokens after the prefix it does not prefill
+    nbytes: int = 0  # their KV
+    # Read in place on the device until the turn ends; None (with tokens): loaded from the host
+    # tier over PCIe once the turn is admitted.
+    pinned: TurnKey | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """Of its KV, what the device holds already (not the turn's own to reserve)."""
+        return self.nbytes if self.pinned is not None else 0
+
+    @property
+    def load_bytes(self) -> int:
+        return self.nbytes - self.held_bytes
+
+
+def served_keeps(worker: Worker) -> KeptTurns:
+    """What a served worker keeps of a finished turn: a verifier, on its device, where prefixes
+    are cached (not one keeping VeriCache's residency, whose sessions' own full KV residency.py
+    holds apart); a drafter, none."""
+    run = worker.run
+    is_verifier = worker in run.verifiers and worker.residency is None
+    return KeptTurns.DEVICE if is_verifier and run.scenario.prefix_caching else KeptTurns.NONE
+
+
+def holds(worker: Worker, turns: SessionTurns, keeps: KeptTurns) -> bool:
+    """Whether the worker keeps the session's KV from its turn before: on its device, or (where
+    it keeps turns tiered) in its host tier."""
+    key = TurnKey.of(turns)
+    if keeps is KeptTurns.NONE or key.num_tokens == 0:
+        return False
+    tier = worker.host_tier if keeps is KeptTurns.TIERED else None
+    return worker.memory.holds(key) or (tier is not None and tier.holds(key))
+
+
+def holder(workers: list[Worker], turns: SessionTurns, keeps: KeptTurns) -> Worker | None:
+    """The worker that keeps the session's KV from its turn before; None where none does (its
+    first turn, or evicted)."""
+    return next((worker for worker in workers if holds(worker, turns, keeps)), None)
+
+
+def reusable_tokens(worker: Worker, turns: SessionTurns, keeps: KeptTurns) -> int:
+    """The tokens after the prefix a turn opened on the worker now would not prefill."""
+    return turns.history_tokens if holds(worker, turns, keeps) else 0
+
+
+def reuse(worker: Worker, turns: SessionTurns, keeps: KeptTurns) -> ReusedTurn:
+    """Takes the session's KV from its turn before on the worker: on the device, pinned and
+    read in place; in the host tier, to load over PCIe; else none, prefilled again."""
+    if not holds(worker, turns, keeps):
+        return ReusedTurn()
+    key = TurnKey.of(turns)
+    nbytes = key.num_tokens * worker.run.scenario.kv_bytes_per_token
+    if worker.memory.holds(key):
+        worker.memory.pin(key)
+        return ReusedTurn(key.num_tokens, nbytes, key)
+    worker.host_tier.touch(key)
+    return ReusedTurn(key.num_tokens, nbytes)
+
+
+def let_go(worker: Worker, reused: ReusedTurn) -> None:
+    """The turn ended: the KV it read in place goes (its own, kept next, holds those tokens)."""
+    if reused.pinned is not None:
+        worker.memory.unpin(reused.pinned, drop=True)
+
+
+def keep(worker: Worker, turns: SessionTurns, num_tokens: int, keeps: KeptTurns) -> None:
+    """Keeps the session's `num_tokens` after the prefix for its next turn, unless this turn
+    was its last: on the device where room is free, else (tiered) in the host tier at once."""
+    if keeps is KeptTurns.NONE or turns.is_last:
+        return
+    key = TurnKey(id(turns), num_tokens)
+    nbytes = num_tokens * worker.run.scenario.kv_bytes_per_token
+    spills = keeps is KeptTurns.TIERED
+    worker.memory.offer(key, nbytes, spills)
+    if spills and not worker.memory.holds(key):
+        worker.fetches.evicted(key, nbytes)
