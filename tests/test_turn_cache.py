@@ -1,4 +1,4 @@
-"""A verifier's finished turns (serve/turn_cache.py): a later request repeating one reuses its KV,
+"""A worker's finished turns (serve/turn_cache.py): a later request repeating one reuses its KV,
 prefills only what follows, and gets the tokens full-KV decoding gives without it."""
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def test_a_turn_replaces_those_it_extends_and_the_budget_drops_the_least_recent(
     TurnCache(one_turn - 1).keep("owner", (1, 2, 3, 4), _kv(4))  # larger than the budget: not kept
 
 
-@pytest.mark.parametrize("mode", ["full_local", "vericache"])
-def test_a_later_turn_reuses_its_verifier_s_kv_and_decodes_what_full_kv_gives(
+@pytest.mark.parametrize("mode", ["full_local", "vericache", "full_remote"])
+def test_a_later_turn_reuses_its_worker_s_kv_and_decodes_what_full_kv_gives(
     tiny_chat_checkpoint, tmp_path, mode
 ):
     from vericache.client import Client
@@ -60,8 +60,9 @@ def test_a_later_turn_reuses_its_verifier_s_kv_and_decodes_what_full_kv_gives(
     outputs = {}
     for turn_cache_bytes in (1 << 28, 0):
         root = tmp_path / str(turn_cache_bytes)
+        budget = {"turn_cache_bytes": turn_cache_bytes}
         with start_server(
-            tiny_chat_checkpoint, root, num_drafters=1, turn_cache_bytes=turn_cache_bytes
+            tiny_chat_checkpoint, root, num_drafters=1, drafter_options=budget, **budget
         ) as server:
             with Client(server.target, timeout=120) as client:
                 prefix_id = client.put_prefix(CONTEXT, compressor="snapkv", ratio=4)

@@ -75,7 +75,7 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--turn-cache-bytes",
         default="1GiB",
-        help="finished turns' full KV a verifier keeps for the next turn to reuse (0: none)",
+        help="finished turns' full KV a worker keeps for the next turn to reuse (0: none)",
     )
     parser.add_argument(
         "--prefix-cache-bytes",
@@ -245,6 +245,7 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
     )
     drafter = DrafterConfig(
         **common,
+        turn_cache_bytes=parse_size(args.turn_cache_bytes),
         kv_cache_bytes=_size_or_none(args.drafter_cache_bytes),
         host_tier_bytes=parse_size(args.host_tier_bytes),
     )

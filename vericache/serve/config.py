@@ -24,12 +24,18 @@ class WorkerConfig:
     num_threads: int | None = None
     # The server's secret (cluster_secret.py), set by whatever starts the workers; never shown.
     secret: ClusterSecret | None = field(default=None, repr=False)
+    # Finished turns' full KV after their prefix, for a later request that repeats them to reuse
+    # (turn_cache.py: an agent's next call, a chat's next turn): a verifier's sessions', a
+    # drafter's FULL_REMOTE ones'; 0: none.
+    turn_cache_bytes: int = 1 << 30
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidRequestError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.turn_cache_bytes < 0:
+            raise InvalidRequestError(f"turn_cache_bytes must be >= 0, got {self.turn_cache_bytes}")
 
 
 @dataclass(frozen=True)
@@ -37,9 +43,6 @@ class VerifierConfig(WorkerConfig):
     root: Path = Path("vericache-store")  # the store's fs:// tier and the prefix catalog
     store_cpu_bytes: int = 1 << 30  # LMCache's CPU tier
     resident_bytes: int = 4 << 30  # full KV kept between rounds, over all sessions
-    # Finished turns' full KV after their prefix, for a later request that repeats them to reuse
-    # (turn_cache.py: an agent's next call, a chat's next turn); 0: none.
-    turn_cache_bytes: int = 1 << 30
     # One copy per prefix, shared by its sessions; None: what the GPU has left after the weights,
     # `resident_bytes` and `turn_cache_bytes`, a quarter of the RAM on CPU (device_memory.py
     # `prefix_budget_left`).
@@ -65,8 +68,6 @@ class VerifierConfig(WorkerConfig):
             raise InvalidRequestError(f"load_bandwidth must be > 0, got {self.load_bandwidth}")
         if not self.draft_wait_s > 0:
             raise InvalidRequestError(f"draft_wait_s must be > 0, got {self.draft_wait_s}")
-        if self.turn_cache_bytes < 0:
-            raise InvalidRequestError(f"turn_cache_bytes must be >= 0, got {self.turn_cache_bytes}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 1:
             raise InvalidRequestError(
                 f"prefix_cache_bytes must be 1 byte or more, got {self.prefix_cache_bytes}"

@@ -10,7 +10,8 @@ alone (kv/prefixed.py). It decodes greedily over it, in one of three roles
   the in-process engine;
 - LOSSY: decodes alone over the compressed KV, which online compressors update each step;
 - FULL (FULL_REMOTE): decodes alone over the full KV it fetched, with the verifier's kernels (on
-  a node warm for the prefix, over its host tier's copy: nothing crosses the link).
+  a node warm for the prefix, over its host tier's copy: nothing crosses the link); a finished
+  session's KV after the prefix is kept for a later turn to reuse (turn_cache.py).
 With a host tier (`host_tier_bytes`, warm_node.py) it also streams the full KV of the prefixes it
 drafts on, and once warm verifies its own DRAFT sessions' rounds (`open_local`, `local_round`).
 Its forwards go through the engine's forward loop, batched across sessions.
@@ -42,6 +43,7 @@ from vericache.serve.batching import BatchLoop
 from vericache.serve.cluster_secret import required
 from vericache.serve.config import DrafterConfig
 from vericache.serve.kv_transfer import KVFetcher, KVKind, fetch_kind
+from vericache.serve.turn_cache import TurnCache, TurnTokens
 from vericache.serve.warm_node import WarmNode
 from vericache.serve.worker import SessionNotFoundError, first_token, load_worker_model
 from vericache.serve.worker_api import (
@@ -75,6 +77,8 @@ class _Session:
     capacity: int  # cache slots the request reserves
     in_use: bool = False  # a call is drafting or decoding on it
     closed: bool = False  # its request ended while a call used it: release when that ends
+    # FULL: its tokens after the prefix, for a later turn to reuse its KV (turn_cache.py).
+    history: TurnTokens | None = None
 
 
 class Drafter:
@@ -86,8 +90,11 @@ class Drafter:
         self._fetchers: dict[str, KVFetcher] = {}  # by verifier address
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()  # calls run on many threads
-        budget = config.kv_cache_bytes or prefix_budget_left(self.runner.device)
+        budget = config.kv_cache_bytes or prefix_budget_left(
+            self.runner.device, config.turn_cache_bytes
+        )
         log.info("drafter prefix cache: %.2f GiB", budget / 2**30)
+        self._turns = TurnCache(config.turn_cache_bytes)  # FULL sessions' finished turns
         self._buffers = BufferPool(budget)  # of closed sessions
         # One copy of each prefix fetched, whichever verifier it came from (a prefix id names
         # the same KV on every verifier of the server).
@@ -127,25 +134,42 @@ class Drafter:
             # Read in place, as every session on this prefix reads it: the session holds its
             # own tokens alone (kv/prefixed.py).
             cache = shared_clone(held.cache, call.capacity, self._buffers)
-            first = None
+            first, history, reused = None, None, 0
+            after_prefix = call.prompt_ids[call.num_prefix_tokens :]
+            if call.role is DraftRole.FULL:
+                # A finished turn's KV of the prompt's first tokens, where one is kept.
+                reused = self._reuse_turn(call.prefix_id, after_prefix, cache)
+                history = TurnTokens(after_prefix)
             if call.role is not DraftRole.DRAFT:
-                suffix = torch.tensor(call.prompt_ids[call.num_prefix_tokens :], dtype=torch.long)
+                suffix = torch.tensor(after_prefix[reused:], dtype=torch.long)
                 logits = self.runner.prefill(suffix, cache, chunk_size=self.config.prefill_chunk)
                 first = first_token(logits, call.sampler)
                 _update(cache)
         except BaseException:
             copies.release(held)
             raise
+        if history is not None:
+            history.commit([first])
         session = _Session(
-            call.session_id, call.role, cache, held, copies, call.prefix_id, call.capacity
-        )
+            call.session_id, call.role, cache, held, copies, call.prefix_id, call.capacity,
+            history=history,
+        )  # fmt: skip
         with self._lock:
             self._sessions[call.session_id] = session
         if self._warm is not None and call.role is DraftRole.DRAFT and call.host_tier_grant:
             proofs = self._secret.fetch_metadata(call.session_id, call.host_tier_grant)
             fetcher = self._fetcher(call.transfer_address, into_tier=True)
             self._warm.stream(call.prefix_id, nbytes, fetcher, proofs)
-        return DrafterOpened(first, traffic)
+        return DrafterOpened(first, traffic, reused_tokens=reused)
+
+    def _reuse_turn(self, prefix_id: str, after_prefix: tuple[int, ...], cache: KVCache) -> int:
+        """Appends to `cache` (over the prefix) the KV of the longest leading run of
+        `after_prefix` that a finished turn kept; its length."""
+        reused = self._turns.match(prefix_id, after_prefix)
+        if reused is None:
+            return 0
+        cache.append_exact(reused)
+        return reused.num_tokens
 
     def _prefix_copy(
         self, call: OpenDrafter, nbytes: int
@@ -240,6 +264,9 @@ class Drafter:
         with self._using(call.session_id) as session:
             cache = session.cache
             is_full = session.role is DraftRole.FULL
+            history = session.history
+            if history is not None:
+                history.feed(cache.num_tokens - session.prefix.cache.num_tokens, call.pending)
             job = Job(
                 cache,
                 list(call.pending),
@@ -250,6 +277,8 @@ class Drafter:
                 sampler=call.sampler,
             )
             tokens = self._loop.run(job)
+            if history is not None:
+                history.commit(tokens)
         return Decoded(tuple(tokens), Traffic())
 
     def close_session(self, session_id: str) -> None:
@@ -286,6 +315,10 @@ class Drafter:
             session.in_use = True
         try:
             yield session
+        except BaseException:
+            if session.history is not None:
+                session.history.forget()  # what its cache holds now is not known
+            raise
         finally:
             with self._lock:
                 session.in_use = False
@@ -293,7 +326,12 @@ class Drafter:
                     self._release(session)
 
     def _release(self, session: _Session) -> None:
-        """Once no call uses it: its caches, and its pins on the prefix's copies."""
+        """Once no call uses it: its KV after the prefix kept for a later turn (FULL), its
+        caches, and its pins on the prefix's copies."""
+        if session.history is not None:
+            num_prefix = session.prefix.cache.num_tokens
+            kv = ExactKV.of(session.cache, num_prefix, session.cache.num_tokens)
+            session.history.keep(self._turns, session.prefix_id, kv)
         session.cache.release(self._buffers)
         session.copies.release(session.prefix)
         if self._warm is not None:

@@ -22,13 +22,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vericache.errors import WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
 from vericache.kv.shared_prefix import HeldPrefix
+from vericache.serve.turn_cache import TurnTokens
 from vericache.serve.worker import SessionNotFoundError
 from vericache.serve.worker_api import Residency, Traffic
 
@@ -48,10 +49,8 @@ class Session:
     # The worker's shared copy of its prefix's KV (kv/shared_prefix.py), pinned while the session
     # lives: its cache is built from it, and rebuilt from it after an eviction.
     shared: HeldPrefix | None = None
-    # The tokens after the prefix, in order: the prompt's, then each one committed. Its cache
-    # holds the KV of all but the newest. None: not known for certain (a call failed midway), so
-    # no later turn reuses its KV (turn_cache.py).
-    history: list[int] | None = None
+    # Its tokens after the prefix, for a later turn to reuse its KV (turn_cache.py).
+    history: TurnTokens = field(default_factory=lambda: TurnTokens(()))
 
     def kv_after_prefix(self) -> ExactKV:
         """Its full KV after the prefix (a copy, or its evicted tail as it is)."""
@@ -203,7 +202,7 @@ class ResidentSessions:
             try:
                 yield session, loaded
             except BaseException:
-                session.history = None  # what its cache holds now is not known
+                session.history.forget()  # what its cache holds now is not known
                 raise
         finally:
             with self._lock:

@@ -73,7 +73,7 @@ class ServedRequest:
     num_round_calls: int = 0  # worker calls its VERICACHE rounds made (draft and verify)
     num_local_rounds: int = 0  # of its rounds, those its warm drafter node verified itself
     num_migrations: int = 0  # times it went on elsewhere after a worker died
-    reused_tokens: int = 0  # of its prompt after the prefix, those its verifier's turn cache held
+    reused_tokens: int = 0  # of its prompt after the prefix, those a kept turn held (turn_cache.py)
     drafter_is_warm: bool = False  # its drafter said it holds the prefix's full KV
     # Where it was placed: the mean count of requests on its decoding worker over its life, it
     # included (auto_path.py, worker_load.py), and whether that drafter was warm for its prefix
@@ -243,6 +243,7 @@ async def _open_drafter(
     )  # fmt: skip
     opened = await drafter.open(call)
     served.add(opened.traffic)
+    served.reused_tokens = opened.reused_tokens
     return opened
 
 

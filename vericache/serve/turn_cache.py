@@ -29,6 +29,35 @@ from vericache.errors import CacheStateError
 from vericache.kv.exact import ExactKV
 
 
+class TurnTokens:
+    """A session's tokens after its prefix, in order: the prompt's, then each one committed. Its
+    cache holds the KV of all but the newest, which its next call feeds. Forgotten where that is
+    not known for certain (a call failed midway, or fed other tokens): then its KV is kept for no
+    later turn."""
+
+    def __init__(self, prompt_after_prefix):
+        self.ids: list[int] | None = list(prompt_after_prefix)
+
+    def feed(self, num_cached: int, pending) -> None:
+        """A call feeds the session `pending`, its cache holding `num_cached` tokens after the
+        prefix: they must be the history's next ones."""
+        if self.ids is not None and self.ids[num_cached:] != list(pending):
+            self.ids = None
+
+    def commit(self, tokens) -> None:
+        if self.ids is not None:
+            self.ids.extend(tokens)
+
+    def forget(self) -> None:
+        self.ids = None
+
+    def keep(self, turns: TurnCache, owner: Hashable, kv: ExactKV) -> None:
+        """Keeps the session's KV after its prefix (`kv`, a copy of its own) as a finished turn,
+        where its tokens are known."""
+        if self.ids is not None and kv.num_tokens <= len(self.ids):
+            turns.keep(owner, tuple(self.ids[: kv.num_tokens]), kv)
+
+
 @dataclass(frozen=True)
 class KeptTurn:
     token_ids: tuple[int, ...]  # [n] after the prefix

@@ -41,7 +41,7 @@ from vericache.serve.config import VerifierConfig
 from vericache.serve.kv_transfer import KVKind, KVTransferService, TransferServer
 from vericache.serve.prefixes import PrefixRegistry
 from vericache.serve.residency import ResidentSessions, Session
-from vericache.serve.turn_cache import TurnCache
+from vericache.serve.turn_cache import TurnCache, TurnTokens
 from vericache.serve.verification import verify_round
 from vericache.serve.worker import (
     DraftFailedError,
@@ -164,8 +164,9 @@ class Verifier:
         # A finished turn's KV of the prompt's first tokens after the prefix, where one is kept:
         # the session starts from it as from an evicted tail (residency.py).
         reused = self._turns.match((owner, prefix), after_prefix)
-        session = Session(prefix, call.capacity, tail=reused, namespace=owner)
-        session.history = list(after_prefix)
+        session = Session(
+            prefix, call.capacity, tail=reused, namespace=owner, history=TurnTokens(after_prefix)
+        )
         self._sessions.add(call.session_id, session)
         try:
             shared = self._hold_prefix(session) if prefix else Traffic()
@@ -175,7 +176,7 @@ class Verifier:
                 chunk = self.config.prefill_chunk
                 logits = self.runner.prefill(suffix, session.cache, chunk_size=chunk)
                 first = first_token(logits, call.sampler)
-                session.history.append(first)
+                session.history.commit([first])
                 exact, delay = None, 0.0
                 if call.for_drafter:
                     exact = ExactKV.of(session.cache, len(prefix), len(prompt))
@@ -196,9 +197,9 @@ class Verifier:
             self._sessions.load_ahead(call.session_id)
         drafted = self._drafted(call)
         with self._sessions.using(call.session_id) as (session, loaded):
-            _expect_pending(session, call.pending)
+            session.history.feed(_num_cached(session), call.pending)
             done = verify_round(self._loop, session.cache, call.pending, drafted, call.sampler)
-            _committed(session, done.tokens[: done.num_accepted + 1])  # the rest were rejected
+            session.history.commit(done.tokens[: done.num_accepted + 1])  # the rest: rejected
         delay = self._hand_over(done.exact)
         traffic = loaded + self._found() + Traffic(link_bytes=done.exact.nbytes)
         return Verified(done.tokens, done.num_accepted, done.exact, delay, traffic, done.forward_s)
@@ -222,13 +223,13 @@ class Verifier:
     def decode(self, call: DecodeCall) -> Decoded:
         """FULL_LOCAL: up to `max_tokens` greedy tokens over the full KV."""
         with self._sessions.using(call.session_id) as (session, loaded):
-            _expect_pending(session, call.pending)
+            session.history.feed(_num_cached(session), call.pending)
             job = Job(
                 session.cache, list(call.pending), call.max_tokens, 1, call.end_ids, exact=True,
                 sampler=call.sampler,
             )  # fmt: skip
             tokens = self._loop.run(job)
-            _committed(session, tokens)
+            session.history.commit(tokens)
         return Decoded(tuple(tokens), loaded)
 
     def close_session(self, session_id: str) -> None:
@@ -291,16 +292,9 @@ class Verifier:
         return Traffic(corruptions=self.prefixes.take_corruptions())
 
     def _keep_turn(self, session: Session) -> None:
-        """A closed session's KV after its prefix, for a later turn (turn_cache.py); kept
-        where its tokens are known for certain."""
-        history = session.history
-        if history is None:
-            return
-        kv = session.kv_after_prefix()
-        if kv.num_tokens <= len(history):
-            self._turns.keep(
-                (session.namespace, session.prefix_tokens), tuple(history[: kv.num_tokens]), kv
-            )
+        """A closed session's KV after its prefix, for a later turn (turn_cache.py)."""
+        owner = (session.namespace, session.prefix_tokens)
+        session.history.keep(self._turns, owner, session.kv_after_prefix())
 
     def _kv_for_drafter(self, prefix_id: str, kind: int) -> CacheState:
         """KVTransfer's source (the transfer server's thread): a prefix's compressed KV, or its
@@ -320,18 +314,9 @@ class Verifier:
         return self.link.schedule(exact.nbytes, first=False)
 
 
-def _expect_pending(session: Session, pending: tuple[int, ...]) -> None:
-    """A call feeds its session the committed tokens whose KV it lacks: where they are not the
-    ones its history says, its tokens are no longer known for certain."""
-    history = session.history
-    num_cached = session.cache.num_tokens - len(session.prefix_tokens)
-    if history is not None and history[num_cached:] != list(pending):
-        session.history = None
-
-
-def _committed(session: Session, tokens) -> None:
-    if session.history is not None:
-        session.history.extend(tokens)
+def _num_cached(session: Session) -> int:
+    """Tokens after the prefix whose KV the session's cache holds."""
+    return session.cache.num_tokens - len(session.prefix_tokens)
 
 
 def _answered(answer: DraftAnswer) -> Drafted | None:

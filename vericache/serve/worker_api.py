@@ -162,6 +162,8 @@ class OpenDrafter:
 class DrafterOpened:
     first_token: int | None  # decoding alone (LOSSY, FULL); None when drafting
     traffic: Traffic
+    # FULL: prompt tokens after the prefix whose KV a finished turn kept (turn_cache.py).
+    reused_tokens: int = 0
 
 
 @dataclass(frozen=True)
