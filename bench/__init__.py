@@ -2,6 +2,7 @@
 
 BENCHMARKS = {
     "adaptive": "vericache.bench.adaptive",
+    "agent-turns": "vericache.bench.agent_turns",
     "batching": "vericache.bench.batching",
     "acceptance": "vericache.bench.acceptance",
     "codec": "vericache.bench.codec",
