@@ -95,6 +95,19 @@ def test_measurements_correct_the_model_path_by_path():
     assert corrected.seconds_per_token == pytest.approx(1.5 * prior.seconds_per_token, rel=0.01)
 
 
+def test_a_turn_its_worker_keeps_spares_the_prompt_s_prefill_in_the_price():
+    costs_now = costs()
+    long_prompt = RequestShape("p", 3200, 2000, 96, 8, 0.25)
+    fresh, kept = (PathOption(LOCAL, "verifier-0", 0, reused=n) for n in (0, 1900))
+    assert costs_now.setup_s(kept, long_prompt) < costs_now.setup_s(fresh, long_prompt) / 5
+    # The verifier keeps the agent's last turn, the drafter does not: it goes back there.
+    auto = AutoPaths(costs_now)
+    on_drafter = PathOption(WARM, "drafter-0", 0, link=LINK)
+    for reused, path in ((1900, LOCAL), (0, WARM)):
+        on_verifier = PathOption(LOCAL, "verifier-0", 2, reused=reused)
+        assert auto.choose([on_verifier, on_drafter], long_prompt).path is path
+
+
 def test_the_measured_acceptance_replaces_the_prior():
     auto = AutoPaths(costs())
     choice = auto.choose([options()[1]], SHAPE)
@@ -171,10 +184,10 @@ def test_auto_offers_no_drafter_of_other_arithmetic(tiny_chat_checkpoint, tmp_pa
         with Client(server.target, timeout=120) as client:
             prefix_id = client.put_prefix(CONTEXT, compressor="snapkv", ratio=4)
         backend = server.coordinator.backend
-        offered = {option.path for option in backend.path_options(prefix_id)}
+        offered = {option.path for option in backend.path_options(prefix_id, (1, 2))}
         assert offered == {LOCAL, VERICACHE, REMOTE}
         (drafter,) = backend.drafters
         info = drafter.worker.info
         drafter.worker.info = dataclasses.replace(info, numerics=info.numerics + ":elsewhere")
         assert wait_for(lambda: drafter.numerics != backend.verifiers[0].numerics)
-        assert [option.path for option in backend.path_options(prefix_id)] == [LOCAL]
+        assert [option.path for option in backend.path_options(prefix_id, (1, 2))] == [LOCAL]

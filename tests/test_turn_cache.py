@@ -75,3 +75,25 @@ def test_a_later_turn_reuses_its_worker_s_kv_and_decodes_what_full_kv_gives(
     assert kept_tokens == fresh_tokens
     assert fresh_cached == num_prefix  # the prefix's KV alone
     assert kept_cached > num_prefix + 8  # and the first turn's prompt and output after it
+
+
+def test_the_coordinator_prices_a_later_turn_where_its_kv_was_kept(tiny_chat_checkpoint, tmp_path):
+    from vericache.client import Client
+    from vericache.scheduler.path_choice import ServingPath
+
+    first = "Which function multiplies by three?"
+    with start_server(tiny_chat_checkpoint, tmp_path, num_drafters=1) as server:
+        with Client(server.target, timeout=120) as client:
+            prefix_id = client.put_prefix(CONTEXT, compressor="snapkv", ratio=4)
+            turn = client.generate(first, prefix_id=prefix_id, mode="full_remote", max_tokens=8)
+        backend = server.coordinator.backend
+        (kept,) = backend.drafters[0].turns._by_owner[prefix_id].values()
+        # The next turn's prompt after the prefix: the one before, its output, and more.
+        reused = {
+            option.path: option.reused
+            for option in backend.path_options(prefix_id, kept.token_ids + (5, 6, 7))
+        }
+    # Its prompt after the prefix and its output but the newest token, whose KV was not computed.
+    assert len(kept.token_ids) == turn.stats["prompt_tokens"] - turn.stats["cached_tokens"] + 7
+    assert reused[ServingPath.FULL_REMOTE] == len(kept.token_ids)  # the drafter kept it
+    assert reused[ServingPath.FULL_LOCAL] == 0 and reused[ServingPath.VERICACHE] == 0

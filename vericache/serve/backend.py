@@ -35,7 +35,7 @@ class ServingBackend(Protocol):
     def check_can_serve(self, mode: ServeMode) -> None:
         """Raises a typed error when this backend cannot serve `mode` (now, or ever)."""
 
-    def path_options(self, prefix_id: str) -> list[PathOption]:
+    def path_options(self, prefix_id: str, after_prefix: tuple[int, ...]) -> list[PathOption]:
         """The lossless paths a request over the prefix may take now, each on the worker that
         would serve it and that worker's load (`mode: auto`, path_costs.py)."""
 

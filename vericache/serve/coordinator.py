@@ -248,14 +248,15 @@ class Coordinator:
         (None: no prefix, or a mode auto never takes)."""
         if plan.prefix_id is None:
             return plan, None
-        options, shape = self.backend.path_options(plan.prefix_id), _shape(plan)
+        request = plan.request
+        after_prefix = request.prompt_ids[request.num_prefix_tokens :]
+        options, shape = self.backend.path_options(plan.prefix_id, after_prefix), _shape(plan)
         if plan.mode is not ServeMode.AUTO:
             named = [o for o in options if served_as(o.path) is plan.mode]
             return plan, PathChoice(named[0], shape) if named else None
         choice = self._auto.choose(options, shape)
         self.metrics.auto_path_chosen(choice.path.value)
         mode = served_as(choice.path)
-        request = plan.request
         if mode.decode_mode is DecodeMode.FULL:
             request = dataclasses.replace(request, mode=DecodeMode.FULL, compressor=None)
         return dataclasses.replace(plan, mode=mode, request=request), choice

@@ -41,6 +41,7 @@ from vericache.serve.path_costs import PathOption
 from vericache.serve.restarts import Restarts
 from vericache.serve.rounds import ServedRequest, run_request
 from vericache.serve.scheduled import ScheduledRounds, new_scheduled_rounds
+from vericache.serve.turn_cache import TurnCache
 from vericache.serve.worker_api import (
     DrafterAPI,
     DrafterInfo,
@@ -88,6 +89,7 @@ class DistributedBackend:
         self._restarts.metrics = self._metrics = metrics
         for worker, about in zip([*self.verifiers, *self.drafters], [*described, *drafters]):
             worker.numerics = about.model.numerics
+            worker.turns = _turn_index(about)
             self._restarts.started(worker.name, about.startup)
             metrics.prefix_cache_reported(worker.name, about.prefix_cache, _host_tier(about))
         if self.config.scheduling != "per-request" and self.drafters:
@@ -175,6 +177,7 @@ class DistributedBackend:
             self._metrics.prefix_cache_reported(worker.name, about.prefix_cache, _host_tier(about))
         # Found gone while the probe was out: the answer may predate that, so the next one says.
         if worker.mark_back(num_times_gone) and not was_alive:
+            worker.turns = _turn_index(about)  # a restarted worker keeps no turn
             kind = "verifier" if is_verifier else "drafter"
             self._restarts.back(worker.name, kind, about.startup)
 
@@ -209,11 +212,13 @@ class DistributedBackend:
 
     # --- Requests ---------------------------------------------------------------------------------
 
-    def path_options(self, prefix_id: str) -> list[PathOption]:
+    def path_options(self, prefix_id: str, after_prefix: tuple[int, ...]) -> list[PathOption]:
         """The paths a request over `prefix_id` may take now, each on the worker placement would
         give it, at its load (path_costs.py): FULL_LOCAL on a verifier; VERICACHE with a drafter
         beside it; full decoding on that drafter, over its host tier where it is warm
-        (FULL_WARM). A drafter of other arithmetic than the verifier's (`ModelInfo.numerics`) is
+        (FULL_WARM). Each with the tokens of its prompt after the prefix (`after_prefix`) whose
+        KV that path's prefilling worker keeps from a finished turn, as far as the coordinator
+        knows. A drafter of other arithmetic than the verifier's (`ModelInfo.numerics`) is
         offered for nothing: its full decoding would give other bits, and auto's paths all give
         the verifier's."""
         verifier = _placed_or_none(self.verifiers, prefix_id)
@@ -222,17 +227,23 @@ class DistributedBackend:
             drafter = None
         options = []
         if verifier is not None:
-            options.append(PathOption(ServingPath.FULL_LOCAL, verifier.name, _paced(verifier)))
+            at_verifier = verifier.turns.reusable(prefix_id, after_prefix)
+            options.append(PathOption(
+                ServingPath.FULL_LOCAL, verifier.name, _paced(verifier), reused=at_verifier
+            ))  # fmt: skip
         if drafter is not None:
             warm = prefix_id in drafter.warm_prefixes
             link = self._links[verifier.name] if verifier else LinkSpec()
             if verifier is not None:
                 options.append(PathOption(
                     ServingPath.VERICACHE, drafter.name, _paced(drafter), _paced(verifier), warm,
-                    link,
+                    link, 0 if warm else at_verifier,
                 ))  # fmt: skip
             path = ServingPath.FULL_WARM if warm else ServingPath.FULL_REMOTE
-            options.append(PathOption(path, drafter.name, _paced(drafter), link=link))
+            at_drafter = drafter.turns.reusable(prefix_id, after_prefix)
+            options.append(PathOption(
+                path, drafter.name, _paced(drafter), link=link, reused=at_drafter
+            ))  # fmt: skip
         return options
 
     def check_can_serve(self, mode: ServeMode) -> None:
@@ -327,9 +338,27 @@ class DistributedBackend:
             paced.decoding.count -= 1
             for worker in counted:
                 worker.active -= 1
-            # Cancelled or not, the workers drop the request's caches.
+            # Cancelled or not, the workers drop the request's caches (keeping its turn).
             closing = [w.close_session(served.session_id) for w in workers]
             await asyncio.shield(asyncio.gather(*closing, return_exceptions=True))
+            _note_kept_turn(served, verifier, drafter)
+
+
+def _turn_index(about: VerifierInfo | DrafterInfo) -> TurnCache:
+    """The coordinator's index of the turns a worker keeps, within its budget."""
+    return TurnCache(about.turn_cache_bytes, about.model.full_kv_bytes_per_token)
+
+
+def _note_kept_turn(served: ServedRequest, verifier, drafter) -> None:
+    """Notes the turn the worker whose full KV served the request kept as its session closed
+    (turn_cache.py): its tokens after the prefix but the newest. A VERICACHE request whose rounds
+    went on on a warm node left its verifier fewer: none is noted."""
+    mode, prefix_id = served.plan.mode, served.plan.prefix_id
+    keeper = {ServeMode.FULL_LOCAL: verifier, ServeMode.FULL_REMOTE: drafter}.get(mode)
+    if mode is ServeMode.VERICACHE and not served.num_local_rounds:
+        keeper = verifier
+    if keeper is not None and prefix_id:
+        keeper.turns.keep(prefix_id, served.history[served.plan.request.num_prefix_tokens :])
 
 
 def _paced(worker) -> int:

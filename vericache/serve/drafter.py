@@ -111,10 +111,13 @@ class Drafter:
         self.startup = model.startup()
 
     def describe(self) -> DrafterInfo:
-        if self._warm is None:
-            return DrafterInfo(self.info, self.startup, self._prefixes.stats())
-        warm, tier = self._warm.warm_prefixes(), self._warm.tier.stats()
-        return DrafterInfo(self.info, self.startup, self._prefixes.stats(), warm, tier)
+        warm, tier = frozenset(), None
+        if self._warm is not None:
+            warm, tier = self._warm.warm_prefixes(), self._warm.tier.stats()
+        return DrafterInfo(
+            self.info, self.startup, self._prefixes.stats(), warm, tier,
+            self.config.turn_cache_bytes,
+        )  # fmt: skip
 
     def time_draft_step(self) -> float:
         """Seconds of one draft step: a first estimate for a scheduler, which refines it."""

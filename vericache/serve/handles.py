@@ -36,6 +36,7 @@ from vericache.errors import VeriCacheError, WorkerGoneError, WorkerUnavailableE
 from vericache.serve.catalog import PrefixKey, PrefixRecord
 from vericache.serve.cluster_secret import ClusterSecret
 from vericache.serve.kv_transfer import KVKind, fetch_kind
+from vericache.serve.turn_cache import TurnCache
 from vericache.serve.worker_api import (
     BatchingStats,
     DecodeCall,
@@ -205,6 +206,9 @@ class _Handle:
         # Its arithmetic (`ModelInfo.numerics`), as its last probe said: a warm drafter node
         # verifies a request only where it matches the verifier's.
         self.numerics = ""
+        # What it keeps of finished turns, as the coordinator reckons it (turn_cache.py): set
+        # from its budget once described, emptied when it restarts.
+        self.turns = TurnCache(0)
         # False from a call that found the worker gone until a probe finds it answering again (a
         # restarted actor): the coordinator places nothing on a worker that is not alive.
         self._alive = True

@@ -97,7 +97,7 @@ class LongContextBackend:
     def is_serving(self) -> bool:
         return self.engine_loop.is_running  # one engine in this process
 
-    def path_options(self, prefix_id: str) -> list[PathOption]:
+    def path_options(self, prefix_id: str, after_prefix: tuple[int, ...]) -> list[PathOption]:
         """Its one engine runs VeriCache, verifying over the full KV in host memory, or full-KV
         decoding; its load, the requests in it."""
         load = self._num_serving

@@ -7,7 +7,8 @@ and its seconds per output token after it, on the worker placement gives it, at 
 load now:
 - setup: the bytes that must cross the link first (FULL_REMOTE: the prefix's full KV;
   VERICACHE: its compressed KV, and the prompt's exact KV across to the drafter after the
-  verifier's prefill), the link's latency, and the prompt's prefill after the prefix;
+  verifier's prefill), the link's latency, and the prompt's prefill after the prefix, less the
+  tokens whose KV that worker keeps from a finished turn (an agent's call before, a chat's turn);
 - full decoding: one decode step over the full KV, batched with one row like it per request its
   worker paces now (each over a prefix of its own: which prefix they read is not known here);
 - VERICACHE: a round of x draft steps over the compressed KV at the drafter's batch, one
@@ -59,6 +60,9 @@ class PathOption:
     verifier_load: int = 0  # VERICACHE: requests the central verifier decodes now
     is_warm: bool = False  # VERICACHE: its drafter node verifies the prefix's rounds itself
     link: LinkSpec = LinkSpec()  # between the store's verifier and that drafter
+    # Tokens of the prompt after the prefix whose KV the worker that prefills it keeps from a
+    # finished turn (turn_cache.py): they are not prefilled.
+    reused: int = 0
 
 
 class PathCosts:
@@ -84,7 +88,7 @@ class PathCosts:
 
     def setup_s(self, option: PathOption, shape: RequestShape) -> float:
         full_bytes = shape.prefix_tokens * self.kv_bytes_per_token
-        prefill_s = self._prefill_s(shape)
+        prefill_s = self._prefill_s(shape, option.reused)
         link = option.link
         if option.path is ServingPath.FULL_REMOTE:
             return link.transfer_s(full_bytes) + link.latency + prefill_s
@@ -133,10 +137,11 @@ class PathCosts:
         """A step with `others` rows like `row` beside it, each over a prefix of its own."""
         return self._seconds([row] + [row.unshared()] * others)
 
-    def _prefill_s(self, shape: RequestShape) -> float:
-        """The prompt after the prefix prefilled over the prefix's full KV, chunk by chunk."""
+    def _prefill_s(self, shape: RequestShape, reused: int = 0) -> float:
+        """The prompt after the prefix and its first `reused` tokens (a kept turn's) prefilled
+        over their full KV, chunk by chunk."""
         size, seconds = self.kv_bytes_per_token, 0.0
-        for start in range(0, shape.after_prefix, PREFILL_CHUNK):
+        for start in range(reused, shape.after_prefix, PREFILL_CHUNK):
             num_new = min(PREFILL_CHUNK, shape.after_prefix - start)
             seconds += self._seconds([Row(num_new, shape.prefix_tokens + start, size, True)])
         return seconds

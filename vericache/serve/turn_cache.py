@@ -61,12 +61,19 @@ class TurnTokens:
 @dataclass(frozen=True)
 class KeptTurn:
     token_ids: tuple[int, ...]  # [n] after the prefix
-    kv: ExactKV  # their full KV, tokens [len(prefix), len(prefix) + n)
+    # Their full KV, tokens [len(prefix), len(prefix) + n); None in the coordinator's index of
+    # what a worker keeps.
+    kv: ExactKV | None
 
 
 class TurnCache:
-    def __init__(self, budget_bytes: int):
+    """A worker's kept turns; or, given `bytes_per_token` and no KV, the coordinator's index of
+    them, which prices a request's prefill where its worker holds its turn before (path_costs.py)
+    and which no lookup reorders."""
+
+    def __init__(self, budget_bytes: int, bytes_per_token: int = 0):
         self.budget_bytes = budget_bytes
+        self.bytes_per_token = bytes_per_token  # of an index's turns
         # By owner (a prefix's tokens and whose they are: another tenant's turns never match),
         # each owner's turns by id; and every id, least recently used first.
         self._by_owner: dict[Hashable, dict[int, KeptTurn]] = {}
@@ -82,14 +89,15 @@ class TurnCache:
     def __len__(self) -> int:
         return len(self._order)
 
-    def keep(self, owner: Hashable, token_ids: tuple[int, ...], kv: ExactKV) -> None:
+    def keep(self, owner: Hashable, token_ids: tuple[int, ...], kv: ExactKV | None = None) -> None:
         """Keeps a finished session's turn (its KV a copy of its own): turns it extends go, the
         least recently used ones too while the budget is exceeded."""
-        if len(token_ids) != kv.num_tokens:
+        if kv is not None and len(token_ids) != kv.num_tokens:
             raise CacheStateError(
                 f"{len(token_ids)} token ids for exact KV of {kv.num_tokens} tokens"
             )
-        if not token_ids or kv.nbytes > self.budget_bytes:
+        nbytes = self._nbytes(KeptTurn(token_ids, kv))
+        if not token_ids or nbytes > self.budget_bytes:
             return
         with self._lock:
             for turn_id, turn in list(self._by_owner.get(owner, {}).items()):
@@ -98,31 +106,42 @@ class TurnCache:
             self._by_owner.setdefault(owner, {})[self._next_id] = KeptTurn(token_ids, kv)
             self._order[self._next_id] = owner
             self._next_id += 1
-            self._bytes += kv.nbytes
+            self._bytes += nbytes
             while self._bytes > self.budget_bytes:
                 self._drop(next(iter(self._order)))
 
     def match(self, owner: Hashable, token_ids: tuple[int, ...]) -> ExactKV | None:
         """The KV of the longest leading run of `token_ids` (a prompt after its prefix) that a
         kept turn of `owner` holds, short of its last token, whose logits choose the next one;
-        None where no turn shares its first token."""
-        wanted = np.asarray(token_ids[:-1], dtype=np.int64)
-        best_id, best_run = None, 0
+        None where no turn shares its first token. The turn is now the most recently used."""
         with self._lock:
-            turns = self._by_owner.get(owner, {})
-            for turn_id, turn in turns.items():
-                run = _common_run(wanted, turn.token_ids)
-                if run > best_run:
-                    best_id, best_run = turn_id, run
+            best_id, best_run = self._longest(owner, token_ids)
             if best_id is None:
                 return None
             self._order.move_to_end(best_id)
-            return turns[best_id].kv.head(best_run)
+            return self._by_owner[owner][best_id].kv.head(best_run)
+
+    def reusable(self, owner: Hashable, token_ids: tuple[int, ...]) -> int:
+        """How many of `token_ids` `match` would give the KV of (no turn reordered)."""
+        with self._lock:
+            return self._longest(owner, token_ids)[1]
+
+    def _longest(self, owner: Hashable, token_ids: tuple[int, ...]) -> tuple[int | None, int]:
+        wanted = np.asarray(token_ids[:-1], dtype=np.int64)
+        best_id, best_run = None, 0
+        for turn_id, turn in self._by_owner.get(owner, {}).items():
+            run = _common_run(wanted, turn.token_ids)
+            if run > best_run:
+                best_id, best_run = turn_id, run
+        return best_id, best_run
+
+    def _nbytes(self, turn: KeptTurn) -> int:
+        return turn.kv.nbytes if turn.kv is not None else len(turn.token_ids) * self.bytes_per_token
 
     def _drop(self, turn_id: int) -> None:
         owner = self._order.pop(turn_id)
         turns = self._by_owner[owner]
-        self._bytes -= turns.pop(turn_id).kv.nbytes
+        self._bytes -= self._nbytes(turns.pop(turn_id))
         if not turns:
             del self._by_owner[owner]
 

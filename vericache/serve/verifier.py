@@ -114,6 +114,7 @@ class Verifier:
             startup=self.startup,
             prefix_cache=self._prefix_copies.stats(),
             link=self.config.link,
+            turn_cache_bytes=self.config.turn_cache_bytes,
         )
 
     def measure_load_bandwidth(self) -> float:
