@@ -14,6 +14,7 @@ from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
 from vericache.serve.residency import ResidentSessions, Session
+from vericache.serve.turn_cache import TurnTokens
 from vericache.serve.worker import SessionNotFoundError
 from vericache.serve.worker_api import Traffic
 
@@ -174,7 +175,7 @@ def test_a_closed_session_is_seen_once_with_its_kv_unless_a_call_failed_in_it():
     closed = []
     sessions = _sessions(budget_bytes=1 << 30)
     sessions._on_closed = lambda session: closed.append(session.kv_after_prefix().num_tokens)
-    sessions.add("a", Session(PREFIX, CAPACITY, history=[7]))
+    sessions.add("a", Session(PREFIX, CAPACITY, history=TurnTokens([7])))
     with sessions.using("a") as (session, _):
         new = torch.randn(1, HEADS, DIM)
         for layer in session.cache.layers:
@@ -182,8 +183,8 @@ def test_a_closed_session_is_seen_once_with_its_kv_unless_a_call_failed_in_it():
         session.cache.num_tokens += 1
     sessions.remove("a")
     assert closed == [1]
-    sessions.add("b", Session(PREFIX, CAPACITY, history=[7]))
+    sessions.add("b", Session(PREFIX, CAPACITY, history=TurnTokens([7])))
     with pytest.raises(RuntimeError):
         with sessions.using("b") as (failed, _):
             raise RuntimeError("a forward failed midway")
-    assert failed.history is None  # what its cache holds is no longer known
+    assert failed.history.ids is None  # what its cache holds is no longer known
