@@ -1,9 +1,9 @@
 """Sequential turns as served: each turn a request of its own, arriving when the one before it ends.
 VeriCache and `mode: auto` place (and auto chooses) each turn anew; their verifiers keep a
-finished session's KV for its next turn on their devices, their drafters none; a full-KV
-deployment with prefix caching keeps a finished turn's KV for the next on any worker, where
-memory allows (into the host tier after), as vLLM's and SGLang's do; the paper's baseline keeps
-nothing."""
+finished session's KV for its next turn on their devices, their drafters only a full-KV turn's
+(auto's FULL_REMOTE, FULL_WARM), never a VeriCache session's; a full-KV deployment with prefix
+caching keeps a finished turn's KV for the next on any worker, where memory allows (into the host
+tier after), as vLLM's and SGLang's do; the paper's baseline keeps nothing."""
 
 from __future__ import annotations
 
@@ -161,18 +161,49 @@ def test_auto_on_a_verifier_prefills_only_each_turns_new_tokens(warm_nodes):
     assert _prefills(run, rows) == ONLY_SUFFIXES[:2]
 
 
-def test_auto_estimates_see_the_shorter_prefill_where_a_verifier_keeps_the_turn_before():
+@pytest.mark.parametrize("warm_nodes", [False, True], ids=["full-remote", "full-warm"])
+def test_auto_on_a_drafter_prefills_only_each_turns_new_tokens(warm_nodes):
+    # The store is slow: full decoding on the drafter, over the network's copy or its host
+    # tier's, comes first.
+    scenario = _turns(
+        turns_per_session=2, warm_nodes=warm_nodes, store_bytes_per_s=1e8, num_drafters=1,
+        num_prefixes=1,
+    )  # fmt: skip
+    run = Run(scenario, weighs_recompute=True)
+    rows, kept = _recorded(run), []
+    if warm_nodes:
+        run.drafters[0].host_tier.put(PrefixKey(0, False), scenario.prefix_bytes(False))
+
+    def start(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
+        kept.append([key.num_tokens for key in _turn_keys(run, run.drafters)])
+        start_auto(run, prefix, turns, arrival_s)
+
+    report = run.serve(start)
+    path = ServingPath.FULL_WARM if warm_nodes else ServingPath.FULL_REMOTE
+    assert report.paths == {path.value: 2}
+    # The drafter kept the first turn on its device, and the second prefilled its suffix alone.
+    assert kept == [[], [SUFFIX + OUTPUT]]
+    assert _prefills(run, rows) == ONLY_SUFFIXES[:2]
+    assert run.drafters[0].host_link.bytes_delivered <= scenario.prefix_bytes(False)
+
+
+@pytest.mark.parametrize("role", ["verifiers", "drafters"])
+def test_auto_estimates_see_the_shorter_prefill_where_a_worker_keeps_the_turn_before(role):
     scenario = _turns(num_drafters=1)
     turns = SessionTurns((OUTPUT,) * TURNS)
     turns.advance(SUFFIX, OUTPUT)
     cold, kept = Run(scenario), Run(scenario)
-    keep(kept.verifiers[0], turns, turns.history_tokens, KeptTurns.DEVICE)
+    keep(getattr(kept, role)[0], turns, turns.history_tokens, KeptTurns.DEVICE)
     estimates = list(zip(path_estimates(cold, 0, turns), path_estimates(kept, 0, turns)))
     by_path = {far.path: (far.setup_s, near.setup_s) for far, near in estimates}
-    # The verifier's prefill is shorter for FULL_LOCAL and VeriCache's; a drafter keeps none.
-    for path in (ServingPath.FULL_LOCAL, ServingPath.VERICACHE):
-        assert by_path[path][1] < by_path[path][0]
-    assert by_path[ServingPath.FULL_REMOTE][1] == by_path[ServingPath.FULL_REMOTE][0]
+    # The verifier's prefill is shorter for FULL_LOCAL and VeriCache's, the drafter's for
+    # FULL_REMOTE alone: its VeriCache sessions reuse none.
+    shorter = {
+        "verifiers": (ServingPath.FULL_LOCAL, ServingPath.VERICACHE),
+        "drafters": (ServingPath.FULL_REMOTE,),
+    }[role]
+    for path, (far, near) in by_path.items():
+        assert near < far if path in shorter else near == far
 
 
 def test_a_full_kv_deployment_with_prefix_caching_reuses_the_turn_befores_kv():

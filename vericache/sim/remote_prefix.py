@@ -27,9 +27,9 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
   when the one before it ends and placed anew (its path chosen anew under `mode: auto`). A central
   verifier keeps a finished session's exact KV after the prefix in its turn cache (turn_kv.py,
   `KeptTurns.DEVICE`), so a later turn it verifies prefills only its new tokens where the KV is
-  still there; the drafter keeps none, so the verifier still hands the exact KV of every token
-  after the prefix to it with the first draft call, and a warm node verifying on its own
-  prefills every one of them.
+  still there; the drafter keeps none of its VeriCache sessions' (only of full-KV turns under
+  `mode: auto`), so the verifier still hands the exact KV of every token after the prefix to it
+  with the first draft call, and a warm node verifying on its own prefills every one of them.
 - FULL_LOCAL, FULL_REMOTE, FULL_BOTH: remote_prefix_full.py; `mode: auto`, each request's choice
   of path: remote_prefix_auto.py.
 Scheduled rounds, each verifier's loads and verifications planned by the real scheduler within
@@ -161,7 +161,7 @@ class VeriCacheRequest:
     def _prefill(self) -> None:
         """The prompt after the prefix over the full KV: on the central verifier, but for the
         tokens whose KV its session's turn before left there; on the node, every one of them
-        (its earlier turns' too: a drafter keeps none)."""
+        (its earlier turns' too: a drafter's VeriCache sessions reuse none)."""
         if self.verifier is None:
             self._on_local(self._prefill_rows(), self._first_token)
         else:

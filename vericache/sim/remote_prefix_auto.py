@@ -2,11 +2,12 @@
 FULL_REMOTE and full decoding on a warm node, by scheduler/path_choice.py (the function a served
 coordinator imports) from this module's estimates. A session's turns are requests of their own,
 as served (the coordinator resolves `auto` per request when it admits it): each turn's path is
-chosen and its worker placed when it arrives. A verifier keeps a finished session's KV after the
-prefix in its turn cache (turn_kv.py, `KeptTurns.DEVICE`), so a turn it serves (FULL_LOCAL, or
-the verifier's prefill of a VeriCache session) prefills only its new tokens while the KV is
-there; a drafter keeps none, so FULL_REMOTE, FULL_WARM and a warm node's own VeriCache sessions
-prefill all of the prompt after the prefix.
+chosen and its worker placed when it arrives. A worker keeps a finished session's KV after the
+prefix in its turn cache (turn_kv.py, `KeptTurns.DEVICE`): a verifier, of each turn it serves
+(FULL_LOCAL, or its prefill of a VeriCache session's prompt); a drafter, of its full-KV turns
+(FULL_REMOTE, FULL_WARM). A turn on the worker that keeps its session's turn before prefills only
+its new tokens while the KV is there; a drafter's VeriCache sessions keep and reuse none, so a
+warm node's own prefill all of the prompt after the prefix.
 
 Each estimate comes from the cost model (cost.py) and the workers' state now: the rows each
 worker's next forward holds (its load), what its device and host tier hold, and the transfers
@@ -15,7 +16,7 @@ nodes first):
 - full decoding: the seconds until its prefix's full KV is on the device (held: none; in the host
   tier: over PCIe; else the fetch or, where the deployment recomputes, the prefill if sooner
   counted once for each job on the device it would hold up, as its workers choose: host_tier.py)
-  and its prompt's prefill after the prefix (on a verifier that keeps its session's turn before,
+  and its prompt's prefill after the prefix (on a worker that keeps its session's turn before,
   of the new tokens alone); then one decode step at the worker's batch with it added, per token;
 - VeriCache: the compressed KV onto the drafter and the full KV onto the verifier (on a warm
   node: its host tier), the prefill (on a central verifier that keeps its session's turn before,

@@ -12,9 +12,9 @@
   device with, which the rule does not weigh, and the better of the two stands.
 Against them, with the same grants: VeriCache as served (per-request rounds, warm drafter nodes),
 VeriCache without warm nodes (every verification central), and `mode: auto` (each request's path
-chosen), whose verifiers keep a finished session's KV for its next turn on their devices and
-whose drafters keep none, as served (turn_kv.py). Each run says what binds it
-(remote_prefix_workers.binding).
+chosen), whose verifiers keep a finished session's KV for its next turn on their devices, as
+its drafters do of their full-KV turns (not their VeriCache sessions'), as served (turn_kv.py).
+Each run says what binds it (remote_prefix_workers.binding).
 """
 
 from __future__ import annotations

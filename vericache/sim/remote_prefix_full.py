@@ -19,8 +19,8 @@ node has one; the next turn goes to that worker (a cache-aware router's longest 
 placement's balance) and prefills only its new tokens, reading the rest in place on the device
 or loading it over PCIe from the host tier; a turn placed elsewhere, or whose KV is gone,
 prefills everything after the prefix. `mode: auto`'s FULL_* paths keep what the served workers
-keep (turn_kv.served_keeps): a verifier's turn cache on its device, a drafter none
-(remote_prefix_auto.py).
+keep (turn_kv.served_keeps): a turn cache on the device of a verifier or drafter, never spilled
+to the host tier (remote_prefix_auto.py).
 """
 
 from __future__ import annotations

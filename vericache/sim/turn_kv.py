@@ -8,18 +8,21 @@ evicted least recently used as an unused prefix is:
 - `KeptTurns.TIERED`: a full-KV deployment with prefix caching (vLLM's automatic prefix caching,
   SGLang's radix cache; remote_prefix_full.py), on every worker, evicted into the host tier where
   the node has one (or put there at once where the device has no room), and loaded back over PCIe;
-- `KeptTurns.DEVICE`: VeriCache as served, a verifier's turn cache (every session it serves:
-  FULL_LOCAL decoding, and its prefill of a VeriCache session's prompt), on its device alone,
-  dropped when evicted. A drafter keeps none (`served_keeps`), so FULL_REMOTE, FULL_WARM and a
-  warm node's own VeriCache sessions prefill every token after the prefix, and a VeriCache
-  session's drafter still receives the exact KV of all of them.
-Assumptions, stated: the served verifier copies the kept run's KV into its new session; here the
-new turn reads it in place (pinned, its bytes not the turn's own) and lets it go when it ends,
+- `KeptTurns.DEVICE`: VeriCache as served, a worker's turn cache on its device alone, dropped
+  when evicted (`served_keeps`): a verifier's, of every session it serves (FULL_LOCAL decoding,
+  and its prefill of a VeriCache session's prompt); a drafter's, of its full-KV sessions alone
+  (FULL_REMOTE, and FULL_WARM over its host tier's copy of the prefix). A drafter's VeriCache
+  sessions keep and reuse none: a warm node's own prefill every token after the prefix, and a
+  VeriCache session's drafter still receives the exact KV of all of them.
+Assumptions, stated: a served worker copies the kept run's KV into its new session; here the new
+turn reads it in place (pinned, its bytes not the turn's own) and lets it go when it ends,
 replaced by its own longer run, as the baseline's does: the same bytes (the old entry, which the
-new one subsumes, goes), the device-to-device copy (milliseconds) uncharged. The served verifier's
+new one subsumes, goes), the device-to-device copy (milliseconds) uncharged. A served worker's
 budget is its `turn_cache_bytes` (1 GiB by default); here its kept turns get what the baseline's
-get, the room free in its memory, in every scenario. Both keep the last output token's KV too,
-which neither computed: one token a turn, alike.
+get, the room free in its memory, in every scenario. A turn finds only its session's turn
+before: a served worker also reuses the leading run of an older turn it kept (the session's turn
+before served elsewhere). Both keep the last output token's KV too, which neither computed: one
+token a turn, alike.
 """
 
 from __future__ import annotations
@@ -73,12 +76,12 @@ class ReusedTurn:
 
 
 def served_keeps(worker: Worker) -> KeptTurns:
-    """What a served worker keeps of a finished turn: a verifier, on its device, where prefixes
-    are cached (not one keeping VeriCache's residency, whose sessions' own full KV residency.py
-    holds apart); a drafter, none."""
-    run = worker.run
-    is_verifier = worker in run.verifiers and worker.residency is None
-    return KeptTurns.DEVICE if is_verifier and run.scenario.prefix_caching else KeptTurns.NONE
+    """What a served worker keeps of a finished turn it decoded or verified over the full KV (a
+    drafter's VeriCache sessions, which draft, keep none): on its device, where prefixes are
+    cached; none on a verifier keeping VeriCache's residency, whose sessions' own full KV
+    residency.py holds apart."""
+    is_kept = worker.residency is None and worker.run.scenario.prefix_caching
+    return KeptTurns.DEVICE if is_kept else KeptTurns.NONE
 
 
 def holds(worker: Worker, turns: SessionTurns, keeps: KeptTurns) -> bool:
