@@ -50,6 +50,18 @@ def test_a_turn_replaces_those_it_extends_and_the_budget_drops_the_least_recent(
     TurnCache(one_turn - 1).keep("owner", (1, 2, 3, 4), _kv(4))  # larger than the budget: not kept
 
 
+def test_turns_the_device_budget_pushes_out_wait_in_host_memory_until_its_budget_is_spent():
+    one_turn = _kv(4).nbytes
+    turns = TurnCache(one_turn, host_bytes=2 * one_turn)
+    for first in (1, 2, 3, 4):  # four sessions' turns: one on the device, two in host memory
+        turns.keep("owner", (first, 0, 0, 0), _kv(4))
+    assert len(turns) == 3 and turns.nbytes == 3 * one_turn
+    assert turns.match("owner", (1, 0, 0, 9)) is None  # the oldest went
+    spilled = turns.match("owner", (2, 0, 0, 9))
+    assert spilled.num_tokens == 3 and spilled.keys[0].device.type == "cpu"
+    assert turns.reusable("owner", (4, 0, 0, 9)) == 3
+
+
 @pytest.mark.parametrize("mode", ["full_local", "vericache", "full_remote"])
 def test_a_later_turn_reuses_its_worker_s_kv_and_decodes_what_full_kv_gives(
     tiny_chat_checkpoint, tmp_path, mode

@@ -78,6 +78,11 @@ def add_parser(commands) -> None:
         help="finished turns' full KV a worker keeps for the next turn to reuse (0: none)",
     )
     parser.add_argument(
+        "--turn-host-bytes",
+        default="0",
+        help="host memory for the kept turns the device's budget pushes out (0: none)",
+    )
+    parser.add_argument(
         "--prefix-cache-bytes",
         help="a verifier's copies of prefixes' full KV, one per prefix, shared by its sessions "
         "(default: the GPU memory left after the weights, --resident-bytes and "
@@ -238,6 +243,7 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
         root=args.root or cache_root() / "store",
         resident_bytes=parse_size(args.resident_bytes),
         turn_cache_bytes=parse_size(args.turn_cache_bytes),
+        turn_host_bytes=parse_size(args.turn_host_bytes),
         prefix_cache_bytes=_size_or_none(args.prefix_cache_bytes),
         link=LinkSpec.parse(args.link_bandwidth, args.link_latency),
         load_bandwidth=parse_bandwidth(args.pcie_bandwidth) if args.pcie_bandwidth else None,
@@ -246,6 +252,7 @@ def worker_configs(args) -> tuple[VerifierConfig, DrafterConfig]:
     drafter = DrafterConfig(
         **common,
         turn_cache_bytes=parse_size(args.turn_cache_bytes),
+        turn_host_bytes=parse_size(args.turn_host_bytes),
         kv_cache_bytes=_size_or_none(args.drafter_cache_bytes),
         host_tier_bytes=parse_size(args.host_tier_bytes),
     )

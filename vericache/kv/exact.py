@@ -57,6 +57,17 @@ class ExactKV:
     def num_tokens(self) -> int:
         return self.keys[0].shape[0] if self.keys else 0
 
+    def to_host(self) -> ExactKV:
+        """These tokens in host memory: themselves on a CPU, a pinned copy from a GPU (read back
+        at the host link's full speed)."""
+        if self.keys and self.keys[0].device.type == "cpu":
+            return self
+        packed = self.packed
+        if packed is None:
+            packed = torch.stack([torch.stack(self.keys), torch.stack(self.values)])
+        host = packed.to("cpu").pin_memory() if packed.is_cuda else packed.to("cpu")
+        return ExactKV(self.start, tuple(host[0].unbind(0)), tuple(host[1].unbind(0)), host)
+
     def head(self, num_tokens: int) -> ExactKV:
         """Its first `num_tokens` tokens, as views of it."""
         if not 0 <= num_tokens <= self.num_tokens:

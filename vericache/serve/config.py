@@ -28,14 +28,19 @@ class WorkerConfig:
     # (turn_cache.py: an agent's next call, a chat's next turn): a verifier's sessions', a
     # drafter's FULL_REMOTE ones'; 0: none.
     turn_cache_bytes: int = 1 << 30
+    # Host memory for the kept turns the device's budget pushes out (pinned on CUDA); 0: none.
+    turn_host_bytes: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise InvalidRequestError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.turn_cache_bytes < 0:
-            raise InvalidRequestError(f"turn_cache_bytes must be >= 0, got {self.turn_cache_bytes}")
+        if min(self.turn_cache_bytes, self.turn_host_bytes) < 0:
+            raise InvalidRequestError(
+                f"turn_cache_bytes and turn_host_bytes must be >= 0, got {self.turn_cache_bytes} "
+                f"and {self.turn_host_bytes}"
+            )
 
 
 @dataclass(frozen=True)

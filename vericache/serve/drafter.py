@@ -94,7 +94,8 @@ class Drafter:
             self.runner.device, config.turn_cache_bytes
         )
         log.info("drafter prefix cache: %.2f GiB", budget / 2**30)
-        self._turns = TurnCache(config.turn_cache_bytes)  # FULL sessions' finished turns
+        # Its FULL sessions' finished turns.
+        self._turns = TurnCache(config.turn_cache_bytes, host_bytes=config.turn_host_bytes)
         self._buffers = BufferPool(budget)  # of closed sessions
         # One copy of each prefix fetched, whichever verifier it came from (a prefix id names
         # the same KV on every verifier of the server).
@@ -116,7 +117,7 @@ class Drafter:
             warm, tier = self._warm.warm_prefixes(), self._warm.tier.stats()
         return DrafterInfo(
             self.info, self.startup, self._prefixes.stats(), warm, tier,
-            self.config.turn_cache_bytes,
+            self.config.turn_cache_bytes + self.config.turn_host_bytes,
         )  # fmt: skip
 
     def time_draft_step(self) -> float:

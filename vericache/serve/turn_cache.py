@@ -1,19 +1,21 @@
-"""A verifier's finished turns: the exact KV after their prefix, for the next request to reuse.
+"""A worker's finished turns: the exact KV after their prefix, for the next request to reuse.
 
 An agent's next call, or a chat's next turn, repeats the one before: its prompt is that turn's
-prompt and output and a few tokens more. Without this the verifier prefills the whole of it after
+prompt and output and a few tokens more. Without this the worker prefills the whole of it after
 the prefix again, every turn. vLLM's automatic prefix caching and SGLang's radix cache keep a
-finished request's KV for this; so does a verifier here. When a session closes, its full KV after
-the prefix (the tokens it committed, less the newest, whose KV no forward computed) is kept with
-their token ids, under its prefix and the prefix's owner, within `budget_bytes` on the worker's
-device; the least recently used turn goes first. A later session over the same prefix takes the
-longest leading run of its prompt after the prefix that a kept turn holds, copies that run's KV
-into its cache and prefills only the rest.
+finished request's KV for this; so do the workers here: a verifier's sessions, a drafter's
+FULL_REMOTE ones. When a session closes, its full KV after the prefix (the tokens it committed,
+less the newest, whose KV no forward computed) is kept with their token ids, under its prefix and
+the prefix's owner, within a budget on the worker's device; the least recently used turn goes
+first, to host memory where the worker has a budget there. A later session over the same prefix
+takes the longest leading run of its prompt after the prefix that a kept turn holds, copies that
+run's KV into its cache and prefills only the rest. The coordinator keeps an index of the same
+(no KV) to price and place a request where its turn before lies (path_costs.py).
 
 Exact: full-KV prefills use the batch-invariant kernels, as decode steps and verifications do
 (model/runner.py `prefill`), so a token's full KV is the same bits whichever forward computed it:
 a reused run holds what the prefill it spares would have computed. A session whose tokens are not
-known for certain (a call failed midway, residency.py) keeps nothing.
+known for certain (a call failed midway, or fed other tokens than its history's) keeps nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -66,49 +68,61 @@ class KeptTurn:
     kv: ExactKV | None
 
 
-class TurnCache:
-    """A worker's kept turns; or, given `bytes_per_token` and no KV, the coordinator's index of
-    them, which prices a request's prefill where its worker holds its turn before (path_costs.py)
-    and which no lookup reorders."""
+@dataclass
+class _Tier:
+    """Where kept turns lie: the worker's device, or its host memory."""
 
-    def __init__(self, budget_bytes: int, bytes_per_token: int = 0):
-        self.budget_bytes = budget_bytes
+    budget_bytes: int
+    nbytes: int = 0
+    order: OrderedDict[int, Hashable] = field(default_factory=OrderedDict)  # ids, LRU first
+
+
+class TurnCache:
+    """A worker's kept turns on its device (`budget_bytes`), and where `host_bytes` allows, those
+    the device's budget pushed out in host memory (pinned on CUDA), each read back over the host
+    link into the session that reuses it: as LMCache offloads a full-KV server's finished KV.
+    Given `bytes_per_token` and no KV, the coordinator's index of what a worker keeps, which
+    prices a request's prefill where its worker holds the turn before (path_costs.py)."""
+
+    def __init__(self, budget_bytes: int, bytes_per_token: int = 0, host_bytes: int = 0):
         self.bytes_per_token = bytes_per_token  # of an index's turns
+        self._device, self._host = _Tier(budget_bytes), _Tier(host_bytes)
         # By owner (a prefix's tokens and whose they are: another tenant's turns never match),
-        # each owner's turns by id; and every id, least recently used first.
+        # each owner's turns by id.
         self._by_owner: dict[Hashable, dict[int, KeptTurn]] = {}
-        self._order: OrderedDict[int, Hashable] = OrderedDict()
         self._next_id = 0
-        self._bytes = 0
         self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._device.nbytes + self._host.nbytes
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._device.order) + len(self._host.order)
 
     def keep(self, owner: Hashable, token_ids: tuple[int, ...], kv: ExactKV | None = None) -> None:
-        """Keeps a finished session's turn (its KV a copy of its own): turns it extends go, the
-        least recently used ones too while the budget is exceeded."""
+        """Keeps a finished session's turn (its KV a copy of its own): turns it extends go; the
+        least recently used ones move to host memory while the device's budget is exceeded, and
+        go while the host's is."""
         if kv is not None and len(token_ids) != kv.num_tokens:
             raise CacheStateError(
                 f"{len(token_ids)} token ids for exact KV of {kv.num_tokens} tokens"
             )
-        nbytes = self._nbytes(KeptTurn(token_ids, kv))
-        if not token_ids or nbytes > self.budget_bytes:
+        turn = KeptTurn(token_ids, kv)
+        if not token_ids or self._nbytes(turn) > self._device.budget_bytes:
             return
         with self._lock:
-            for turn_id, turn in list(self._by_owner.get(owner, {}).items()):
-                if token_ids[: len(turn.token_ids)] == turn.token_ids:
+            for turn_id, kept in list(self._by_owner.get(owner, {}).items()):
+                if token_ids[: len(kept.token_ids)] == kept.token_ids:
                     self._drop(turn_id)
-            self._by_owner.setdefault(owner, {})[self._next_id] = KeptTurn(token_ids, kv)
-            self._order[self._next_id] = owner
+            self._by_owner.setdefault(owner, {})[self._next_id] = turn
+            self._device.order[self._next_id] = owner
+            self._device.nbytes += self._nbytes(turn)
             self._next_id += 1
-            self._bytes += nbytes
-            while self._bytes > self.budget_bytes:
-                self._drop(next(iter(self._order)))
+            while self._device.nbytes > self._device.budget_bytes:
+                self._spill(next(iter(self._device.order)))
+            while self._host.nbytes > self._host.budget_bytes:
+                self._drop(next(iter(self._host.order)))
 
     def match(self, owner: Hashable, token_ids: tuple[int, ...]) -> ExactKV | None:
         """The KV of the longest leading run of `token_ids` (a prompt after its prefix) that a
@@ -118,7 +132,7 @@ class TurnCache:
             best_id, best_run = self._longest(owner, token_ids)
             if best_id is None:
                 return None
-            self._order.move_to_end(best_id)
+            self._tier_of(best_id).order.move_to_end(best_id)
             return self._by_owner[owner][best_id].kv.head(best_run)
 
     def reusable(self, owner: Hashable, token_ids: tuple[int, ...]) -> int:
@@ -138,10 +152,29 @@ class TurnCache:
     def _nbytes(self, turn: KeptTurn) -> int:
         return turn.kv.nbytes if turn.kv is not None else len(turn.token_ids) * self.bytes_per_token
 
+    def _tier_of(self, turn_id: int) -> _Tier:
+        return self._device if turn_id in self._device.order else self._host
+
+    def _spill(self, turn_id: int) -> None:
+        """The turn from the device to host memory, where that has room for it; else gone."""
+        owner = self._device.order[turn_id]
+        turn = self._by_owner[owner][turn_id]
+        nbytes = self._nbytes(turn)
+        if nbytes > self._host.budget_bytes:
+            self._drop(turn_id)
+            return
+        del self._device.order[turn_id]
+        self._device.nbytes -= nbytes
+        kv = turn.kv.to_host() if turn.kv is not None else None
+        self._by_owner[owner][turn_id] = KeptTurn(turn.token_ids, kv)
+        self._host.order[turn_id] = owner
+        self._host.nbytes += nbytes
+
     def _drop(self, turn_id: int) -> None:
-        owner = self._order.pop(turn_id)
+        tier = self._tier_of(turn_id)
+        owner = tier.order.pop(turn_id)
         turns = self._by_owner[owner]
-        self._bytes -= self._nbytes(turns.pop(turn_id))
+        tier.nbytes -= self._nbytes(turns.pop(turn_id))
         if not turns:
             del self._by_owner[owner]
 

@@ -85,7 +85,7 @@ class Verifier:
             self.runner.device, config.resident_bytes + config.turn_cache_bytes
         )
         self._prefix_copies: SharedPrefixes[KVCache] = SharedPrefixes(budget)
-        self._turns = TurnCache(config.turn_cache_bytes)
+        self._turns = TurnCache(config.turn_cache_bytes, host_bytes=config.turn_host_bytes)
         self._sessions = ResidentSessions(
             config.resident_bytes, self._slot_bytes, self._load, self._buffers,
             release_prefix=self._prefix_copies.release, on_closed=self._keep_turn,
@@ -114,7 +114,7 @@ class Verifier:
             startup=self.startup,
             prefix_cache=self._prefix_copies.stats(),
             link=self.config.link,
-            turn_cache_bytes=self.config.turn_cache_bytes,
+            turn_cache_bytes=self.config.turn_cache_bytes + self.config.turn_host_bytes,
         )
 
     def measure_load_bandwidth(self) -> float:

@@ -76,7 +76,7 @@ class VerifierInfo:
     startup: WorkerStartup
     prefix_cache: PrefixCacheStats  # its shared copies of prefixes' full KV, now
     link: LinkSpec = LinkSpec()  # toward its drafters
-    turn_cache_bytes: int = 0  # its finished turns' KV budget (turn_cache.py)
+    turn_cache_bytes: int = 0  # its finished turns' KV budget, device and host (turn_cache.py)
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class DrafterInfo:
     # The prefixes whose full KV its host tier holds: it verifies their sessions itself.
     warm_prefixes: frozenset[str] = frozenset()
     host_tier: PrefixCacheStats | None = None  # its host tier, where it has one (warm_node.py)
-    turn_cache_bytes: int = 0  # its FULL sessions' finished turns' KV budget (turn_cache.py)
+    turn_cache_bytes: int = 0  # its FULL sessions' kept turns' budget, device and host
 
 
 @dataclass(frozen=True)
