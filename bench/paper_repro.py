@@ -18,8 +18,9 @@ Every configuration starts from the committed scenario files, so no constant is 
   GPUs, every request's full KV over the slow network, no prefix caching or host tier) and the
   strongest full-KV one (the best pool, with prefix caching, which keeps a finished turn's KV
   for its session's next turn too, placement, a host tier, recomputing and shared-prefix
-  attention), against VeriCache as served (warm nodes) and `mode: auto`, whose requests (each
-  turn of a session one) keep no KV of their own, each run with what binds it. Targets (issue
+  attention), against VeriCache as served (warm nodes) and `mode: auto`, whose workers keep a
+  finished turn's KV for the session's next request as the served ones do (serve/turn_cache.py),
+  each run with what binds it. Targets (issue
   40): >= 2.11x the paper's baseline in the paper's scenario; `auto` >= 1.0x the strongest
   everywhere and >= 1.5x in agentic coding.
 Beside each paper configuration stands the best the planners find on the same hardware and
