@@ -1,9 +1,9 @@
 """Sequential turns as served: each turn a request of its own, arriving when the one before it ends.
 VeriCache and `mode: auto` place (and auto chooses) each turn anew; their verifiers keep a
-finished session's KV for its next turn on their devices, their drafters only a full-KV turn's
-(auto's FULL_REMOTE, FULL_WARM), never a VeriCache session's; a full-KV deployment with prefix
-caching keeps a finished turn's KV for the next on any worker, where memory allows (into the host
-tier after), as vLLM's and SGLang's do; the paper's baseline keeps nothing."""
+finished session's KV for its next turn, their drafters only a full-KV turn's (auto's FULL_REMOTE,
+FULL_WARM), never a VeriCache session's; a full-KV deployment with prefix caching keeps a finished
+turn's KV for the next on any worker, as vLLM's and SGLang's do; both on the device where memory
+allows, into the host tier after; the paper's baseline keeps nothing."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from vericache.sim.remote_prefix_auto import path_estimates, start_auto
 from vericache.sim.remote_prefix_compare import paper_baseline_scenario
 from vericache.sim.remote_prefix_full import FullPool, FullRequest, full_start
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns
-from vericache.sim.turn_kv import KeptTurns, TurnKey, keep
+from vericache.sim.turn_kv import KeptTurns, TurnKey, keep, served_keeps
 from vericache.sim.workload import OutputLengths
 
 SUFFIX, OUTPUT, TURNS = 256, 32, 3
@@ -206,6 +206,31 @@ def test_auto_estimates_see_the_shorter_prefill_where_a_worker_keeps_the_turn_be
         assert near < far if path in shorter else near == far
 
 
+@pytest.mark.parametrize("role", ["verifiers", "drafters"])
+def test_auto_estimates_price_the_pcie_load_of_a_turn_in_the_host_tier(role):
+    scenario = _turns(num_drafters=1)
+    turns = SessionTurns((OUTPUT,) * TURNS)
+    turns.advance(SUFFIX, OUTPUT)
+    nbytes = turns.history_tokens * scenario.kv_bytes_per_token
+    cold, on_device, in_host = Run(scenario), Run(scenario), Run(scenario)
+    keep(getattr(on_device, role)[0], turns, turns.history_tokens, KeptTurns.TIERED)
+    spilled = getattr(in_host, role)[0]
+    spilled.host_tier.put(TurnKey.of(turns), nbytes)
+    assert served_keeps(spilled) is KeptTurns.TIERED
+    load_s = spilled.host_link.seconds_for(nbytes)
+    shorter = {
+        "verifiers": (ServingPath.FULL_LOCAL, ServingPath.VERICACHE),
+        "drafters": (ServingPath.FULL_REMOTE,),
+    }[role]
+    runs = (cold, on_device, in_host)
+    for far, near, loaded in zip(*(path_estimates(run, 0, turns) for run in runs)):
+        if far.path in shorter:  # the prefill it spares, less the load it costs
+            assert near.setup_s < loaded.setup_s < far.setup_s
+            assert loaded.setup_s - near.setup_s == pytest.approx(load_s)
+        else:
+            assert far.setup_s == near.setup_s == loaded.setup_s
+
+
 def test_a_full_kv_deployment_with_prefix_caching_reuses_the_turn_befores_kv():
     cached = _turns()
     for pool in FullPool:
@@ -240,18 +265,22 @@ def test_a_full_kv_turn_placed_elsewhere_prefills_all_its_prompt_again():
 
 
 @pytest.mark.parametrize("host_tier_bytes", [None, 10**12], ids=["no-tier", "host-tier"])
-def test_a_full_kv_turns_kv_stays_while_memory_allows_then_comes_back_from_the_host_tier(
-    host_tier_bytes,
+@pytest.mark.parametrize(
+    "start", [full_start(FullPool.LOCAL), VeriCacheRequest.start], ids=["full-kv", "vericache"]
+)
+def test_a_kept_turns_kv_stays_while_memory_allows_then_comes_back_from_the_host_tier(
+    start, host_tier_bytes
 ):
     # 32 sessions over prefixes of their own on one verifier that holds about 14 of them: the
-    # sessions waiting for room take it from a finished turn's KV.
+    # sessions waiting for room take it from a finished turn's KV. The baseline's and the served
+    # verifier's (`--turn-host-bytes`) alike spill it into the host tier.
     scenario = _turns(
         arrivals=(0.0,) * 32, num_prefixes=32, prefixes_in_turn=True,
         host_tier_bytes=host_tier_bytes,
     )  # fmt: skip
     run = Run(scenario)
     rows = _recorded(run)
-    run.serve(full_start(FullPool.LOCAL))
+    run.serve(start)
     prefilled = sum(num_tokens for num_tokens, _ in _prefills(run, rows))
     only_suffixes = 32 * TURNS * SUFFIX
     host_bytes = run.verifiers[0].host_link.bytes_delivered

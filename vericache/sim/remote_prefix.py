@@ -25,11 +25,13 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
 - Sequential turns (`turns_per_session`): each turn is a request of its own, as served (a
   Generate call whose prompt is the prefix, the conversation so far and the new turn), arriving
   when the one before it ends and placed anew (its path chosen anew under `mode: auto`). A central
-  verifier keeps a finished session's exact KV after the prefix in its turn cache (turn_kv.py,
-  `KeptTurns.DEVICE`), so a later turn it verifies prefills only its new tokens where the KV is
-  still there; the drafter keeps none of its VeriCache sessions' (only of full-KV turns under
-  `mode: auto`), so the verifier still hands the exact KV of every token after the prefix to it
-  with the first draft call, and a warm node verifying on its own prefills every one of them.
+  verifier keeps a finished session's exact KV after the prefix in its turn cache (turn_kv.py),
+  on its device and, where the node has a host tier (the served `--turn-host-bytes`), spilled
+  there and loaded back over PCIe, so a later turn it verifies prefills only its new tokens where
+  the KV is still there; the drafter keeps none of its VeriCache sessions' (only of full-KV
+  turns under `mode: auto`), so the verifier still hands the exact KV of every token after the
+  prefix to it with the first draft call, and a warm node verifying on its own prefills every one
+  of them.
 - FULL_LOCAL, FULL_REMOTE, FULL_BOTH: remote_prefix_full.py; `mode: auto`, each request's choice
   of path: remote_prefix_auto.py.
 Scheduled rounds, each verifier's loads and verifications planned by the real scheduler within
@@ -60,7 +62,7 @@ from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix_full import FullPool, simulate_full
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Worker
-from vericache.sim.turn_kv import KeptTurns, ReusedTurn, keep, let_go, reuse, served_keeps
+from vericache.sim.turn_kv import KeptTurns, ReusedTurn, keep, let_go, load, reuse, served_keeps
 
 __all__ = ["FullPool", "VeriCacheRequest", "compare", "simulate_full", "simulate_vericache"]
 
@@ -155,8 +157,12 @@ class VeriCacheRequest:
 
     def _open(self) -> None:
         """Both prefixes in place (or the compressed one, on a warm node): the turn's prompt
-        after its prefix is prefilled."""
-        self._prefill()
+        after its prefix is prefilled, once what the central verifier reuses from its host tier
+        has come over PCIe."""
+        if self.verifier is None:
+            self._prefill()
+        else:
+            load(self.verifier, self.reused, self._prefill)
 
     def _prefill(self) -> None:
         """The prompt after the prefix over the full KV: on the central verifier, but for the

@@ -3,11 +3,13 @@ FULL_REMOTE and full decoding on a warm node, by scheduler/path_choice.py (the f
 coordinator imports) from this module's estimates. A session's turns are requests of their own,
 as served (the coordinator resolves `auto` per request when it admits it): each turn's path is
 chosen and its worker placed when it arrives. A worker keeps a finished session's KV after the
-prefix in its turn cache (turn_kv.py, `KeptTurns.DEVICE`): a verifier, of each turn it serves
-(FULL_LOCAL, or its prefill of a VeriCache session's prompt); a drafter, of its full-KV turns
-(FULL_REMOTE, FULL_WARM). A turn on the worker that keeps its session's turn before prefills only
-its new tokens while the KV is there; a drafter's VeriCache sessions keep and reuse none, so a
-warm node's own prefill all of the prompt after the prefix.
+prefix in its turn cache (turn_kv.py): a verifier, of each turn it serves (FULL_LOCAL, or its
+prefill of a VeriCache session's prompt); a drafter, of its full-KV turns (FULL_REMOTE,
+FULL_WARM); on its device, spilled into its host tier where the node has one (the served
+`--turn-host-bytes`). A turn on the worker that keeps its session's turn before prefills only
+its new tokens while the KV is there (from the host tier, once loaded over PCIe); a drafter's
+VeriCache sessions keep and reuse none, so a warm node's own prefill all of the prompt after the
+prefix.
 
 Each estimate comes from the cost model (cost.py) and the workers' state now: the rows each
 worker's next forward holds (its load), what its device and host tier hold, and the transfers
@@ -17,13 +19,15 @@ nodes first):
   tier: over PCIe; else the fetch or, where the deployment recomputes, the prefill if sooner
   counted once for each job on the device it would hold up, as its workers choose: host_tier.py)
   and its prompt's prefill after the prefix (on a worker that keeps its session's turn before,
-  of the new tokens alone); then one decode step at the worker's batch with it added, per token;
+  of the new tokens alone, after that turn's PCIe load where it lies in the host tier); then one
+  decode step at the worker's batch with it added, per token;
 - VeriCache: the compressed KV onto the drafter and the full KV onto the verifier (on a warm
   node: its host tier), the prefill (on a central verifier that keeps its session's turn before,
-  of the new tokens alone), and from a central verifier the prompt's exact KV after the prefix
-  across to the drafter; then a round per the acceptance's mean accepted drafts at x:
-  x draft steps at the drafter's batch, a verification at the verifier's (or the node's), and the
-  calls' latency and exact KV (on a warm node: a PCIe load, unless its device holds the KV);
+  of the new tokens alone, after its PCIe load as for full decoding), and from a central
+  verifier the prompt's exact KV after the prefix across to the drafter; then a round per the
+  acceptance's mean accepted drafts at x: x draft steps at the drafter's batch, a verification at
+  the verifier's (or the node's), and the calls' latency and exact KV (on a warm node: a PCIe
+  load, unless its device holds the KV);
 - and, where a worker's memory has no room for the request now, its turn behind the sessions
   waiting there, as sessions leave (each taken to last as long as this request).
 """
@@ -43,7 +47,7 @@ from vericache.sim.remote_prefix import VeriCacheRequest
 from vericache.sim.remote_prefix_full import FullRequest
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Worker
-from vericache.sim.turn_kv import reusable_tokens, served_keeps
+from vericache.sim.turn_kv import reusable, reuse_load_s, served_keeps
 
 
 def simulate_auto(scenario: RemotePrefixScenario) -> SimReport:
@@ -86,12 +90,13 @@ def _full(
 ) -> PathEstimate:
     scenario = run.scenario
     num_after = scenario.tokens_after_prefix(turns.history_tokens)
-    num_reused = reusable_tokens(worker, turns, served_keeps(worker))
+    reused = reusable(worker, turns, served_keeps(worker))
     key = PrefixKey(prefix, False)
     full_bytes = scenario.prefix_bytes(compressed=False)
-    session = Session(key, full_bytes, own_bytes - num_reused * scenario.kv_bytes_per_token)
+    session = Session(key, full_bytes, own_bytes - reused.held_bytes)
     room = _room_in_sessions(worker, session)
-    setup = _ready_s(worker, key, full_bytes) + _prefill_s(scenario, key, num_after, num_reused)
+    setup = _ready_s(worker, key, full_bytes) + reuse_load_s(worker, reused)
+    setup += _prefill_s(scenario, key, num_after, reused.num_tokens)
     row = scenario.row(1, num_after, False, key)
     per_token = _step_s(run, worker, [row], room)
     wait = _memory_wait_s(worker, session, room, setup + turns.num_tokens * per_token)
@@ -120,8 +125,9 @@ def _vericache(
         return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait)
     central_s = _central_seconds_per_token(run, drafter, verifier, draft_s, full, num_after)
     full_ready = _ready_s(verifier, full, full_bytes)
-    num_reused = reusable_tokens(verifier, turns, served_keeps(verifier))
-    central_prefill_s = _prefill_s(scenario, full, num_after, num_reused)
+    reused = reusable(verifier, turns, served_keeps(verifier))
+    central_prefill_s = reuse_load_s(verifier, reused)
+    central_prefill_s += _prefill_s(scenario, full, num_after, reused.num_tokens)
     # The prompt's exact KV after the prefix crosses to the drafter with the first draft call.
     exact_s = drafter.link.seconds_for(num_after * scenario.kv_bytes_per_token)
     setup = max(compressed_ready, full_ready) + central_prefill_s + exact_s
@@ -139,7 +145,7 @@ def _vericache(
     # The central verifier admits it first, and holds its full KV while its node is cold:
     # either memory may bind. The sessions ahead of it there may be full-KV ones, which stay for
     # their whole service: it waits as if they were as long as this one.
-    verified = Session(full, full_bytes, own_bytes - num_reused * scenario.kv_bytes_per_token)
+    verified = Session(full, full_bytes, own_bytes - reused.held_bytes)
     central_room = _room_in_sessions(verifier, verified)
     wait = max(
         _memory_wait_s(drafter, drafted, room, service_s),

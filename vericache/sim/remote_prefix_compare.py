@@ -12,8 +12,10 @@
   device with, which the rule does not weigh, and the better of the two stands.
 Against them, with the same grants: VeriCache as served (per-request rounds, warm drafter nodes),
 VeriCache without warm nodes (every verification central), and `mode: auto` (each request's path
-chosen), whose verifiers keep a finished session's KV for its next turn on their devices, as
-its drafters do of their full-KV turns (not their VeriCache sessions'), as served (turn_kv.py).
+chosen), whose verifiers keep a finished session's KV for its next turn, as its drafters do of
+their full-KV turns (not their VeriCache sessions'), on their devices and spilled into the host
+tier, loaded back over PCIe, as the baseline's are and as served with `--turn-host-bytes`
+(turn_kv.py).
 Each run says what binds it (remote_prefix_workers.binding).
 """
 

@@ -19,8 +19,8 @@ node has one; the next turn goes to that worker (a cache-aware router's longest 
 placement's balance) and prefills only its new tokens, reading the rest in place on the device
 or loading it over PCIe from the host tier; a turn placed elsewhere, or whose KV is gone,
 prefills everything after the prefix. `mode: auto`'s FULL_* paths keep what the served workers
-keep (turn_kv.served_keeps): a turn cache on the device of a verifier or drafter, never spilled
-to the host tier (remote_prefix_auto.py).
+keep (turn_kv.served_keeps): a verifier's or drafter's turn cache, on its device and spilled into
+its host tier as these are (remote_prefix_auto.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from vericache.sim.kv_memory import Session
 from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Start, Worker
-from vericache.sim.turn_kv import KeptTurns, ReusedTurn, holder, keep, let_go, reuse
+from vericache.sim.turn_kv import KeptTurns, ReusedTurn, holder, keep, let_go, load, reuse
 
 
 class FullPool(enum.Enum):
@@ -105,12 +105,7 @@ class FullRequest:
         worker.memory.admit(request.session, request._admitted)
 
     def _admitted(self) -> None:
-        """The KV its session's turn before left in the host tier, if any, over PCIe; then its
-        prefill."""
-        if self.reused.load_bytes:
-            self.worker.host_link.send(self.reused.load_bytes, self._prefill)
-        else:
-            self._prefill()
+        load(self.worker, self.reused, self._prefill)
 
     @property
     def key(self) -> PrefixKey:

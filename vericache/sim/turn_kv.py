@@ -2,15 +2,19 @@
 
 A session's next turn arrives with a prompt that extends the turn before's (its suffix, its
 output, a new suffix), so a worker that kept the turn before's KV prefills only the new tokens.
-Two deployments keep it, under `TurnKey` in the worker's KV memory (kv_memory.WorkerMemory), held
-where room is free beside the sessions and prefixes (within the prefix budget, where set) and
-evicted least recently used as an unused prefix is:
-- `KeptTurns.TIERED`: a full-KV deployment with prefix caching (vLLM's automatic prefix caching,
-  SGLang's radix cache; remote_prefix_full.py), on every worker, evicted into the host tier where
-  the node has one (or put there at once where the device has no room), and loaded back over PCIe;
-- `KeptTurns.DEVICE`: VeriCache as served, a worker's turn cache on its device alone, dropped
-  when evicted (`served_keeps`): a verifier's, of every session it serves (FULL_LOCAL decoding,
-  and its prefill of a VeriCache session's prompt); a drafter's, of its full-KV sessions alone
+Kept under `TurnKey` in the worker's KV memory (kv_memory.WorkerMemory), held where room is free
+beside the sessions and prefixes (within the prefix budget, where set) and evicted least
+recently used as an unused prefix is: `KeptTurns.TIERED` into the worker's host tier where the
+node has one (or put there at once where the device has no room), and loaded back over PCIe (its
+host link) into the turn that reuses it; `KeptTurns.DEVICE` dropped. Two deployments keep turns:
+- a full-KV deployment with prefix caching (vLLM's automatic prefix caching, SGLang's radix
+  cache, with a host tier as SGLang's hierarchical cache or LMCache's CPU backend;
+  remote_prefix_full.py), on every worker;
+- VeriCache as served (`served_keeps`): a worker's turn cache (serve/turn_cache.py), on its
+  device within `--turn-cache-bytes` and spilled to pinned host memory within
+  `--turn-host-bytes`, which the scenario's host tier stands for (TIERED where the scenario gives
+  workers one, else DEVICE): a verifier's, of every session it serves (FULL_LOCAL decoding, and
+  its prefill of a VeriCache session's prompt); a drafter's, of its full-KV sessions alone
   (FULL_REMOTE, and FULL_WARM over its host tier's copy of the prefix). A drafter's VeriCache
   sessions keep and reuse none: a warm node's own prefill every token after the prefix, and a
   VeriCache session's drafter still receives the exact KV of all of them.
@@ -18,16 +22,18 @@ Assumptions, stated: a served worker copies the kept run's KV into its new sessi
 turn reads it in place (pinned, its bytes not the turn's own) and lets it go when it ends,
 replaced by its own longer run, as the baseline's does: the same bytes (the old entry, which the
 new one subsumes, goes), the device-to-device copy (milliseconds) uncharged. A served worker's
-budget is its `turn_cache_bytes` (1 GiB by default); here its kept turns get what the baseline's
-get, the room free in its memory, in every scenario. A turn finds only its session's turn
-before: a served worker also reuses the leading run of an older turn it kept (the session's turn
-before served elsewhere). Both keep the last output token's KV too, which neither computed: one
-token a turn, alike.
+budgets are its `turn_cache_bytes` (1 GiB by default) and `turn_host_bytes`; here its kept turns
+get what the baseline's get, the room free in its memory and its host tier (shared with the
+prefixes there), in every scenario. A turn finds only its session's turn before: a served worker
+also reuses the leading run of an older turn it kept (the session's turn before served
+elsewhere). Both keep the last output token's KV too, which neither computed: one token a turn,
+alike.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vericache.sim.remote_prefix_workers import SessionTurns, Worker
@@ -77,11 +83,13 @@ class ReusedTurn:
 
 def served_keeps(worker: Worker) -> KeptTurns:
     """What a served worker keeps of a finished turn it decoded or verified over the full KV (a
-    drafter's VeriCache sessions, which draft, keep none): on its device, where prefixes are
-    cached; none on a verifier keeping VeriCache's residency, whose sessions' own full KV
-    residency.py holds apart."""
-    is_kept = worker.residency is None and worker.run.scenario.prefix_caching
-    return KeptTurns.DEVICE if is_kept else KeptTurns.NONE
+    drafter's VeriCache sessions, which draft, keep none), where prefixes are cached: on its
+    device, spilled into its host tier where the node has one (the served workers'
+    `--turn-host-bytes`); none on a verifier keeping VeriCache's residency, whose sessions' own
+    full KV residency.py holds apart."""
+    if worker.residency is not None or not worker.run.scenario.prefix_caching:
+        return KeptTurns.NONE
+    return KeptTurns.TIERED if worker.host_tier is not None else KeptTurns.DEVICE
 
 
 def holds(worker: Worker, turns: SessionTurns, keeps: KeptTurns) -> bool:
@@ -100,23 +108,41 @@ def holder(workers: list[Worker], turns: SessionTurns, keeps: KeptTurns) -> Work
     return next((worker for worker in workers if holds(worker, turns, keeps)), None)
 
 
-def reusable_tokens(worker: Worker, turns: SessionTurns, keeps: KeptTurns) -> int:
-    """The tokens after the prefix a turn opened on the worker now would not prefill."""
-    return turns.history_tokens if holds(worker, turns, keeps) else 0
-
-
-def reuse(worker: Worker, turns: SessionTurns, keeps: KeptTurns) -> ReusedTurn:
-    """Takes the session's KV from its turn before on the worker: on the device, pinned and
-    read in place; in the host tier, to load over PCIe; else none, prefilled again."""
+def reusable(worker: Worker, turns: SessionTurns, keeps: KeptTurns) -> ReusedTurn:
+    """What a turn opened on the worker now would reuse of its session's turn before (`reuse`,
+    without taking it): on the device, read in place; in the host tier, loaded over PCIe."""
     if not holds(worker, turns, keeps):
         return ReusedTurn()
     key = TurnKey.of(turns)
     nbytes = key.num_tokens * worker.run.scenario.kv_bytes_per_token
-    if worker.memory.holds(key):
-        worker.memory.pin(key)
-        return ReusedTurn(key.num_tokens, nbytes, key)
-    worker.host_tier.touch(key)
-    return ReusedTurn(key.num_tokens, nbytes)
+    return ReusedTurn(key.num_tokens, nbytes, key if worker.memory.holds(key) else None)
+
+
+def reuse(worker: Worker, turns: SessionTurns, keeps: KeptTurns) -> ReusedTurn:
+    """Takes the session's KV from its turn before on the worker: on the device, pinned and
+    read in place; in the host tier, to load over PCIe (`load`); else none, prefilled again."""
+    reused = reusable(worker, turns, keeps)
+    if reused.pinned is not None:
+        worker.memory.pin(reused.pinned)
+    elif reused.num_tokens:
+        worker.host_tier.touch(TurnKey.of(turns))
+    return reused
+
+
+def load(worker: Worker, reused: ReusedTurn, then: Callable[[], None]) -> None:
+    """The turn admitted: what it reuses from the host tier, if any, over PCIe; then `then`."""
+    if reused.load_bytes:
+        worker.host_link.send(reused.load_bytes, then)
+    else:
+        then()
+
+
+def reuse_load_s(worker: Worker, reused: ReusedTurn) -> float:
+    """Until `load` sent now would land: the host link's transfers ahead and its own bytes."""
+    if not reused.load_bytes:
+        return 0.0
+    link = worker.host_link
+    return link.foreground_wait_s() + link.seconds_for(reused.load_bytes)
 
 
 def let_go(worker: Worker, reused: ReusedTurn) -> None:
