@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.serve_fixtures import CONTEXT, start_server
+from tests.serve_fixtures import CONTEXT, start_server, wait_for
 from vericache.errors import CacheStateError
 from vericache.kv.exact import ExactKV
 from vericache.serve.turn_cache import TurnCache
@@ -80,6 +80,8 @@ def test_a_later_turn_reuses_its_worker_s_kv_and_decodes_what_full_kv_gives(
                 prefix_id = client.put_prefix(CONTEXT, compressor="snapkv", ratio=4)
                 num_prefix = client.get_prefix(prefix_id).num_tokens
                 turn = client.generate(first, prefix_id=prefix_id, mode=mode, max_tokens=16)
+                if turn_cache_bytes:  # its worker keeps it as its session closes
+                    assert wait_for(lambda: _kept_turns(server, mode) == 1), "no turn kept"
                 second = first + turn.text + " And which one adds two?"
                 later = client.generate(second, prefix_id=prefix_id, mode=mode, max_tokens=16)
                 outputs[turn_cache_bytes] = (later.token_ids, later.stats["cached_tokens"])
@@ -87,6 +89,13 @@ def test_a_later_turn_reuses_its_worker_s_kv_and_decodes_what_full_kv_gives(
     assert kept_tokens == fresh_tokens
     assert fresh_cached == num_prefix  # the prefix's KV alone
     assert kept_cached > num_prefix + 8  # and the first turn's prompt and output after it
+
+
+def _kept_turns(server, mode: str) -> int:
+    """The turns the worker that decodes `mode`'s full KV keeps (in-process workers)."""
+    backend = server.coordinator.backend
+    handle = backend.drafters[0] if mode == "full_remote" else backend.verifiers[0]
+    return len(handle.worker._turns)
 
 
 def test_the_coordinator_prices_a_later_turn_where_its_kv_was_kept(tiny_chat_checkpoint, tmp_path):
