@@ -11,12 +11,11 @@ from vericache.cli.bench import parse_benchmark_args
 
 
 def _setup(*argv: str) -> agent_turns.Setup:
-    module, args = parse_benchmark_args("agent-turns", list(argv))
-    assert module is agent_turns
-    return agent_turns.setup(args)
+    return agent_turns.setup(parse_benchmark_args("agent-turns", list(argv))[1])
 
 
 def test_quick_shrinks_the_sessions_and_explicit_values_win():
+    assert parse_benchmark_args("agent-turns", [])[0] is agent_turns
     quick, full = _setup("--quick"), _setup()
     assert quick.turns < full.turns and quick.tool_tokens < full.tool_tokens
     assert full.modes == agent_turns.MODES
