@@ -31,6 +31,11 @@ class WorkerConfig:
     # Host memory for the kept turns the device's budget pushes out (pinned on CUDA); 0: none.
     turn_host_bytes: int = 0
 
+    @property
+    def kept_turn_bytes(self) -> int:
+        """All it may keep of finished turns, on its device and in host memory."""
+        return self.turn_cache_bytes + self.turn_host_bytes
+
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

@@ -20,6 +20,7 @@ Its forwards go through the engine's forward loop, batched across sessions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -117,7 +118,7 @@ class Drafter:
             warm, tier = self._warm.warm_prefixes(), self._warm.tier.stats()
         return DrafterInfo(
             self.info, self.startup, self._prefixes.stats(), warm, tier,
-            self.config.turn_cache_bytes + self.config.turn_host_bytes,
+            self.config.kept_turn_bytes,
         )  # fmt: skip
 
     def time_draft_step(self) -> float:
@@ -333,9 +334,9 @@ class Drafter:
         """Once no call uses it: its KV after the prefix kept for a later turn (FULL), its
         caches, and its pins on the prefix's copies."""
         if session.history is not None:
-            num_prefix = session.prefix.cache.num_tokens
-            kv = ExactKV.of(session.cache, num_prefix, session.cache.num_tokens)
-            session.history.keep(self._turns, session.prefix_id, kv)
+            cache, num_prefix = session.cache, session.prefix.cache.num_tokens
+            kv_of = functools.partial(ExactKV.of, cache, num_prefix, cache.num_tokens)
+            session.history.keep(self._turns, session.prefix_id, kv_of)
         session.cache.release(self._buffers)
         session.copies.release(session.prefix)
         if self._warm is not None:

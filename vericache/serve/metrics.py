@@ -138,7 +138,7 @@ class ServeMetrics:
         )
         self._turn_hits = self._counter(
             "turn_cache_hits",
-            "Prompt tokens after a prefix whose KV a verifier kept from a finished turn.",
+            "Prompt tokens after a prefix whose KV a worker kept from a finished turn.",
         )
         self._link_bytes = self._counter("link_bytes", "Bytes sent over the slow link.")
         self._link_seconds = self._counter("link_seconds", "Seconds requests waited on the link.")

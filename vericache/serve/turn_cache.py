@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,10 +53,13 @@ class TurnTokens:
     def forget(self) -> None:
         self.ids = None
 
-    def keep(self, turns: TurnCache, owner: Hashable, kv: ExactKV) -> None:
-        """Keeps the session's KV after its prefix (`kv`, a copy of its own) as a finished turn,
-        where its tokens are known."""
-        if self.ids is not None and kv.num_tokens <= len(self.ids):
+    def keep(self, turns: TurnCache, owner: Hashable, kv_of: Callable[[], ExactKV]) -> None:
+        """Keeps the session's KV after its prefix (`kv_of()`, a copy of its own) as a finished
+        turn, where its tokens are known; copied only then, and where `turns` keeps any."""
+        if self.ids is None or not turns.keeps_any:
+            return
+        kv = kv_of()
+        if kv.num_tokens <= len(self.ids):
             turns.keep(owner, tuple(self.ids[: kv.num_tokens]), kv)
 
 
@@ -96,6 +99,11 @@ class TurnCache:
     @property
     def nbytes(self) -> int:
         return self._device.nbytes + self._host.nbytes
+
+    @property
+    def keeps_any(self) -> bool:
+        """Whether it has a budget at all (every turn passes through the device's)."""
+        return self._device.budget_bytes > 0
 
     def __len__(self) -> int:
         return len(self._device.order) + len(self._host.order)

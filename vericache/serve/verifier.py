@@ -114,7 +114,7 @@ class Verifier:
             startup=self.startup,
             prefix_cache=self._prefix_copies.stats(),
             link=self.config.link,
-            turn_cache_bytes=self.config.turn_cache_bytes + self.config.turn_host_bytes,
+            turn_cache_bytes=self.config.kept_turn_bytes,
         )
 
     def measure_load_bandwidth(self) -> float:
@@ -172,7 +172,7 @@ class Verifier:
         try:
             shared = self._hold_prefix(session) if prefix else Traffic()
             with self._sessions.using(call.session_id) as (session, loaded):
-                start = session.cache.num_tokens - len(prefix)
+                start = _num_cached(session)  # the tokens a kept turn gave it
                 suffix = torch.tensor(after_prefix[start:], dtype=torch.long)
                 chunk = self.config.prefill_chunk
                 logits = self.runner.prefill(suffix, session.cache, chunk_size=chunk)
@@ -295,7 +295,7 @@ class Verifier:
     def _keep_turn(self, session: Session) -> None:
         """A closed session's KV after its prefix, for a later turn (turn_cache.py)."""
         owner = (session.namespace, session.prefix_tokens)
-        session.history.keep(self._turns, owner, session.kv_after_prefix())
+        session.history.keep(self._turns, owner, session.kv_after_prefix)
 
     def _kv_for_drafter(self, prefix_id: str, kind: int) -> CacheState:
         """KVTransfer's source (the transfer server's thread): a prefix's compressed KV, or its
