@@ -63,7 +63,8 @@ def held_table(result: dict) -> list[str]:
             f"| {name} | {_cell(runs['paper_baseline'])} | {strongest}: {_cell(runs[strongest])} | "
             f"{_cell(runs['vericache'])}; {cell['vericache_vs_paper_baseline']:.2f}x paper's, "
             f"{cell['vericache_vs_strongest']:.2f}x strongest | {_cell(runs['auto'])}; "
-            f"{cell['auto_vs_strongest']:.2f}x strongest; paths {runs['auto']['paths']} |"
+            f"{cell['auto_vs_strongest']:.2f}x strongest, {cell['auto_vs_full_routed']:.2f}x "
+            f"full_routed; paths {runs['auto']['paths']} |"
         )
     lines += [
         "",

@@ -42,6 +42,7 @@ def test_each_scenario_file_says_its_sources_and_runs_against_both_baselines(nam
         "full_local",
         "full_remote",
         "full_both",
+        "full_routed",
     )
     for report in runs.values():
         assert report.binds and set(report.utilization) == {"verifiers", "drafters"}

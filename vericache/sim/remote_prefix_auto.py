@@ -21,13 +21,14 @@ nodes first):
   and its prompt's prefill after the prefix (on a worker that keeps its session's turn before,
   of the new tokens alone, after that turn's PCIe load where it lies in the host tier); then one
   decode step at the worker's batch with it added, per token;
-- VeriCache: the compressed KV onto the drafter and the full KV onto the verifier (on a warm
-  node: its host tier), the prefill (on a central verifier that keeps its session's turn before,
-  of the new tokens alone, after its PCIe load as for full decoding), and from a central
-  verifier the prompt's exact KV after the prefix across to the drafter; then a round per the
-  acceptance's mean accepted drafts at x: x draft steps at the drafter's batch, a verification at
-  the verifier's (or the node's), and the calls' latency and exact KV (on a warm node: a PCIe
-  load, unless its device holds the KV);
+- VeriCache: the full KV onto the verifier and then the compressed KV onto the drafter (on a
+  warm node: the compressed KV, and its host tier's full KV), the prefill (on a central
+  verifier that keeps its session's turn before, of the new tokens alone, after its PCIe load
+  as for full decoding), and from a central verifier the prompt's exact KV after the prefix
+  across to the drafter; then a round per the acceptance's mean accepted drafts at x: x draft
+  steps at the drafter's batch, a verification at the verifier's (or the node's), and the
+  calls' latency and exact KV (behind the drafter's link's queue; on a warm node: a PCIe load,
+  unless its device holds the KV);
 - and, where a worker's memory has no room for the request now, its turn behind the sessions
   waiting there, as sessions leave (each taken to last as long as this request).
 """
@@ -50,12 +51,27 @@ from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Wo
 from vericache.sim.turn_kv import reusable, reuse_load_s, served_keeps
 
 
-def simulate_auto(scenario: RemotePrefixScenario) -> SimReport:
-    return Run(scenario, weighs_recompute=True).serve(start_auto)
+def simulate_auto(scenario: RemotePrefixScenario, full_kv_only: bool = False) -> SimReport:
+    """`mode: auto`; with `full_kv_only`, its choice among the full-KV paths alone: a full-KV
+    deployment whose router prices each request by the same cost model and load (as KV-aware
+    routers do), the baseline that shows what VeriCache's path adds."""
+    start = start_full_routed if full_kv_only else start_auto
+    return Run(scenario, weighs_recompute=True).serve(start)
 
 
 def start_auto(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
-    chosen = choose_path(path_estimates(run, prefix, turns), turns.num_tokens)
+    _start(run, prefix, turns, arrival_s, path_estimates(run, prefix, turns))
+
+
+def start_full_routed(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> None:
+    estimates = path_estimates(run, prefix, turns, with_vericache=False)
+    _start(run, prefix, turns, arrival_s, estimates)
+
+
+def _start(
+    run: Run, prefix: int, turns: SessionTurns, arrival_s: float, estimates: list[PathEstimate]
+) -> None:
+    chosen = choose_path(estimates, turns.num_tokens)
     run.report.paths[chosen.path.value] = run.report.paths.get(chosen.path.value, 0) + 1
     worker = next(w for w in run.workers if w.name == chosen.worker)
     worker.num_requests += 1
@@ -65,9 +81,12 @@ def start_auto(run: Run, prefix: int, turns: SessionTurns, arrival_s: float) -> 
         FullRequest.open_on(run, prefix, turns, arrival_s, worker, served_keeps(worker))
 
 
-def path_estimates(run: Run, prefix: int, turns: SessionTurns) -> list[PathEstimate]:
-    """Every path on the worker placement gives it, and on the least loaded worker of its kind
-    where that is another (where the placed one holds nothing of the prefix, nothing is lost)."""
+def path_estimates(
+    run: Run, prefix: int, turns: SessionTurns, with_vericache: bool = True
+) -> list[PathEstimate]:
+    """Every path (the full-KV ones alone, without `with_vericache`) on the worker placement
+    gives it, and on the least loaded worker of its kind where that is another (where the placed
+    one holds nothing of the prefix, nothing is lost)."""
     estimates = []
     own_bytes = run.own_bytes(turns, run.sequence(turns))  # the same on every path
     placed_verifier = run.choose(run.verifiers, prefix)
@@ -76,7 +95,8 @@ def path_estimates(run: Run, prefix: int, turns: SessionTurns) -> list[PathEstim
     for drafter in _candidates(run.drafters, run.choose(run.drafters, prefix)):
         remote = ServingPath.FULL_WARM if drafter.is_warm(prefix) else ServingPath.FULL_REMOTE
         estimates.append(_full(run, drafter, remote, prefix, turns, own_bytes))
-        estimates.append(_vericache(run, drafter, placed_verifier, prefix, turns, own_bytes))
+        if with_vericache:
+            estimates.append(_vericache(run, drafter, placed_verifier, prefix, turns, own_bytes))
     return estimates
 
 
@@ -130,7 +150,9 @@ def _vericache(
     central_prefill_s += _prefill_s(scenario, full, num_after, reused.num_tokens)
     # The prompt's exact KV after the prefix crosses to the drafter with the first draft call.
     exact_s = drafter.link.seconds_for(num_after * scenario.kv_bytes_per_token)
-    setup = max(compressed_ready, full_ready) + central_prefill_s + exact_s
+    # The drafter admits the session (and fetches its compressed KV) once the verifier's full KV
+    # is in: memory in one order (VeriCacheRequest.start).
+    setup = full_ready + compressed_ready + central_prefill_s + exact_s
     setup += scenario.network_latency_s
     per_token, warm_s = central_s, float("inf")
     if scenario.warm_nodes:  # central until its node has the full KV, then on its node
@@ -159,12 +181,15 @@ def _central_seconds_per_token(
 ) -> float:
     """A round drafted on `drafter` (a step: `draft_s`) and verified on the central verifier
     over `num_after` tokens past the prefix (`full`): the draft steps, the verification, the two
-    calls' latency and the committed tokens' exact KV across."""
+    calls' latency and the committed tokens' exact KV across, behind the transfers queued on the
+    drafter's link (it moves one at a time: a round's few MB wait out a prefix fetched ahead, and
+    the fetches that keep a link busy now are taken to keep it so)."""
     scenario, mean = run.scenario, run.mean_accepted
     x = scenario.draft_len
     verify_row = scenario.row(x + 1, num_after, False, full)
     verify_s = _step_s(run, verifier, [verify_row], 0)
-    exact_s = (mean + 1) * scenario.kv_bytes_per_token / drafter.link.bytes_per_s
+    link = drafter.link
+    exact_s = link.foreground_wait_s() + (mean + 1) * scenario.kv_bytes_per_token / link.bytes_per_s
     overhead_s = 2 * scenario.network_latency_s + exact_s
     return round_seconds_per_token(x, draft_s, verify_s, overhead_s, mean)
 

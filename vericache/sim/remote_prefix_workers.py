@@ -214,15 +214,8 @@ class Run:
         configuration of a scenario): at its arrival, or with a concurrency, the first that many
         at once and each of the others when one finishes (a closed loop, as a load generator
         with that many clients runs). `start` starts each of its turns."""
-        draws = random.Random(self.scenario.seed)
         self._start = start
-        jobs = []
-        num_prefixes, in_turn = self.scenario.num_prefixes, self.scenario.prefixes_in_turn
-        for index, arrival in enumerate(sorted(self.scenario.arrivals)):
-            turns = self.scenario.turns_per_session
-            lengths = tuple(self.scenario.output_lengths.draw(draws) for _ in range(turns))
-            drawn = draws.randrange(num_prefixes)  # drawn either way: the same lengths follow
-            jobs.append((arrival, index % num_prefixes if in_turn else drawn, lengths))
+        jobs = sessions(self.scenario)
         if self.scenario.concurrency is None:
             for arrival, prefix, lengths in jobs:
                 turns = SessionTurns(lengths)
@@ -359,6 +352,20 @@ class Run:
             prefix, turns = self._pending.pop()
             now = self.sim.now
             self.sim.at(now, lambda: self._start(self, prefix, turns, now))
+
+
+def sessions(scenario: RemotePrefixScenario) -> list[tuple[float, int, tuple[int, ...]]]:
+    """Each session's arrival, prefix and turns' output lengths: the same draws in every
+    configuration of a scenario."""
+    draws = random.Random(scenario.seed)
+    drawn = []
+    num_prefixes, in_turn = scenario.num_prefixes, scenario.prefixes_in_turn
+    for index, arrival in enumerate(sorted(scenario.arrivals)):
+        turns = scenario.turns_per_session
+        lengths = tuple(scenario.output_lengths.draw(draws) for _ in range(turns))
+        prefix = draws.randrange(num_prefixes)  # drawn either way: the same lengths follow
+        drawn.append((arrival, index % num_prefixes if in_turn else prefix, lengths))
+    return drawn
 
 
 def binding(utilization: dict[str, dict[str, float]]) -> str:
