@@ -4,6 +4,8 @@ corrects the model, and the output is full-KV decoding's whichever path it takes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.serve_fixtures import CONTEXT, start_server
@@ -106,6 +108,27 @@ def test_a_turn_its_worker_keeps_spares_the_prompt_s_prefill_in_the_price():
     for reused, path in ((1900, LOCAL), (0, WARM)):
         on_verifier = PathOption(LOCAL, "verifier-0", 2, reused=reused)
         assert auto.choose([on_verifier, on_drafter], long_prompt).path is path
+
+
+def test_workers_busy_beside_a_path_s_worker_slow_it_by_the_measured_slowdown():
+    shared = dataclasses.replace(default_device_profile("cpu:avx512:float32"), co_runner_slowdown=2)
+    auto = AutoPaths(PathCosts(MODEL, shared, KV_BYTES_PER_TOKEN, 4))
+    alone, beside = (PathOption(LOCAL, "verifier-0", 2, co_runners=n) for n in (0, 1))
+    prior = auto.estimate(alone, SHAPE)
+    assert auto.estimate(beside, SHAPE).seconds_per_token == pytest.approx(
+        2 * prior.seconds_per_token
+    )
+    # Two requests on the verifier, none on the warm drafter beside it on one machine: that
+    # drafter decodes at half speed while the verifier runs, so the request joins the verifier.
+    verifier = PathOption(LOCAL, "verifier-0", 2)
+    for co_runners, path in ((0, WARM), (1, LOCAL)):
+        drafter = PathOption(WARM, "drafter-0", 0, link=LINK, co_runners=co_runners)
+        assert auto.choose([verifier, drafter], SHAPE).path is path
+    # A request measured at the slowdown its co-runners predict corrects nothing.
+    measured = summary(2 * prior.setup_s, 1 / (2 * prior.seconds_per_token))
+    auto.observe(auto.choose([alone], SHAPE), measured, load=3, co_runners=1)
+    assert auto.estimate(alone, SHAPE).seconds_per_token == pytest.approx(prior.seconds_per_token)
+    assert auto.estimate(alone, SHAPE).setup_s == pytest.approx(prior.setup_s)
 
 
 def test_the_measured_acceptance_replaces_the_prior():

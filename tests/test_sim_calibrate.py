@@ -48,6 +48,10 @@ def test_a_calibration_measures_fits_and_predicts_every_forward(tmp_path):
         assert {(layers, 5, 64, 1), (layers, 9, 64, 1)} <= shapes
     assert all(f["predicted_s"] > 0 and f["seconds"] > 0 for f in result["forwards"])
     assert result["copies"]["alone_bytes_per_s"] > 0
+    # A decode step beside a second process running the same: the profile's co-runner slowdown.
+    co_runner = result["co_runner"]
+    assert co_runner["beside_s"] > 0 and co_runner["alone_s"] > 0
+    assert profile.co_runner_slowdown == co_runner["slowdown"] >= 1
 
 
 def test_the_overhead_fit_recovers_a_known_fixed_and_per_layer_cost():

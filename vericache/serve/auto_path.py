@@ -111,13 +111,17 @@ class AutoPaths:
         per_token = prior.seconds_per_token * self._per_token[option.path].ratio
         return PathEstimate(option.path, option.worker, setup_s, per_token)
 
-    def observe(self, choice: PathChoice, summary: GenerateSummary, load: float) -> None:
+    def observe(
+        self, choice: PathChoice, summary: GenerateSummary, load: float, co_runners: float = 0.0
+    ) -> None:
         """A request served as `choice` ended, its decoding worker holding `load` requests (it
-        among them) on average while it ran (worker_load.py). Requests cut short before their
-        second token say nothing of the seconds per token."""
+        among them) and `co_runners` busy workers beside it on average while it ran
+        (worker_load.py, co_runners.py). Requests cut short before their second token say
+        nothing of the seconds per token."""
         option, shape, costs = choice.option, choice.shape, self.costs
         with self._lock:
-            self._setup[option.path].observe(summary.ttft_s, costs.setup_s(option, shape))
+            predicted_setup_s = costs.setup_s(option, shape, co_runners)
+            self._setup[option.path].observe(summary.ttft_s, predicted_setup_s)
             if summary.num_tokens < 2 or summary.tokens_per_s <= 0:
                 return
             accepted_share = self.accepted_share
@@ -125,7 +129,7 @@ class AutoPaths:
                 accepted_share = min(1.0, summary.mean_accepted_per_round / shape.draft_len)
                 self._accepted_share.observe(accepted_share)
             others = max(0.0, load - 1)
-            predicted = costs.seconds_per_token(option, shape, accepted_share, others)
+            predicted = costs.seconds_per_token(option, shape, accepted_share, others, co_runners)
             self._per_token[option.path].observe(1.0 / summary.tokens_per_s, predicted)
 
 

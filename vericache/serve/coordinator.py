@@ -237,7 +237,8 @@ class Coordinator:
                     async for event in events:
                         yield event
                 if placed is not None and served.seq.finish_reason is not None:
-                    self._auto.observe(placed, served.summary(), served.worker_load)
+                    summary = served.summary()
+                    self._auto.observe(placed, summary, served.worker_load, served.co_runners)
             finally:
                 self._admission.release(plan.prefix_id)
                 self._meter_queue()

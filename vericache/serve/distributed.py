@@ -34,6 +34,7 @@ from vericache.scheduler.path_choice import ServingPath
 from vericache.scheduler.placement import Candidate, place
 from vericache.serve.api_types import ServeMode
 from vericache.serve.catalog import PrefixKey, PrefixRecord
+from vericache.serve.co_runners import CoRunnerMeter, busy_co_runners
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.local_rounds import same_arithmetic
 from vericache.serve.metrics import ServeMetrics
@@ -87,8 +88,9 @@ class DistributedBackend:
         if len({model.fingerprint for model in models}) != 1:
             raise UnsupportedModelError(f"workers serve different models: {sorted(models)}")
         self._restarts.metrics = self._metrics = metrics
-        for worker, about in zip([*self.verifiers, *self.drafters], [*described, *drafters]):
+        for worker, about in zip(self._workers, [*described, *drafters]):
             worker.numerics = about.model.numerics
+            worker.memory_system = about.model.memory_system
             worker.turns = _turn_index(about)
             self._restarts.started(worker.name, about.startup)
             metrics.prefix_cache_reported(worker.name, about.prefix_cache, _host_tier(about))
@@ -138,7 +140,7 @@ class DistributedBackend:
 
     def watch_serving(self, on_change: Callable[[], None]) -> None:
         """Calls `on_change` at once whenever a worker is marked alive or not alive."""
-        for worker in [*self.verifiers, *self.drafters]:
+        for worker in self._workers:
             worker.watch(on_change)
 
     async def _probe_workers(self) -> None:
@@ -148,7 +150,7 @@ class DistributedBackend:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
             # All at once: a worker slow to answer delays no other's probe.
-            await asyncio.gather(*(self._ask(w) for w in [*self.verifiers, *self.drafters]))
+            await asyncio.gather(*(self._ask(w) for w in self._workers))
 
     async def _ask(self, worker) -> None:
         """One probe of a worker: alive (and, for a verifier, where its KV transfer service
@@ -169,6 +171,7 @@ class DistributedBackend:
             return
         is_verifier = isinstance(about, VerifierInfo)
         worker.numerics = about.model.numerics
+        worker.memory_system = about.model.memory_system
         if is_verifier:
             self._addresses[worker.name] = about.transfer_address
         else:
@@ -225,26 +228,33 @@ class DistributedBackend:
         drafter = _placed_or_none(self.drafters, prefix_id)
         if drafter is not None and verifier is not None and not same_arithmetic(drafter, verifier):
             drafter = None
-        options = []
+        options, workers = [], self._workers
         if verifier is not None:
             at_verifier = verifier.turns.reusable(prefix_id, after_prefix)
             options.append(PathOption(
-                ServingPath.FULL_LOCAL, verifier.name, _paced(verifier), reused=at_verifier
+                ServingPath.FULL_LOCAL, verifier.name, _paced(verifier), reused=at_verifier,
+                co_runners=busy_co_runners(verifier, workers),
             ))  # fmt: skip
         if drafter is not None:
             warm = prefix_id in drafter.warm_prefixes
             link = self._links[verifier.name] if verifier else LinkSpec()
             if verifier is not None:
+                beside = [w for w in workers if w is not verifier]  # its own verifier alternates
                 options.append(PathOption(
                     ServingPath.VERICACHE, drafter.name, _paced(drafter), _paced(verifier), warm,
-                    link, 0 if warm else at_verifier,
+                    link, 0 if warm else at_verifier, busy_co_runners(drafter, beside),
                 ))  # fmt: skip
             path = ServingPath.FULL_WARM if warm else ServingPath.FULL_REMOTE
             at_drafter = drafter.turns.reusable(prefix_id, after_prefix)
             options.append(PathOption(
-                path, drafter.name, _paced(drafter), link=link, reused=at_drafter
+                path, drafter.name, _paced(drafter), link=link, reused=at_drafter,
+                co_runners=busy_co_runners(drafter, workers),
             ))  # fmt: skip
         return options
+
+    @property
+    def _workers(self) -> list:
+        return [*self.verifiers, *self.drafters]
 
     def check_can_serve(self, mode: ServeMode) -> None:
         if mode.needs_drafter and not any(d.alive for d in self.drafters):
@@ -320,6 +330,10 @@ class DistributedBackend:
         paced = drafter or verifier  # whose forwards set its pace: the worker auto names
         paced.decoding.count += 1
         mark = paced.decoding.mark()
+        # Its co-runners over its life (a VERICACHE request's verifier alternates with its
+        # drafter: not beside it, as auto prices it).
+        beside = [w for w in self._workers if not (drafts and w in workers)]
+        co_runners = CoRunnerMeter(paced, beside)
         served.on_warm_node = drafter is not None and prefix_id in drafter.warm_prefixes
 
         def release_verifier() -> None:  # its rounds moved to a warm drafter node
@@ -335,6 +349,7 @@ class DistributedBackend:
                 yield tokens
         finally:
             served.worker_load = paced.decoding.mean_since(mark)  # it included
+            served.co_runners = co_runners.mean()
             paced.decoding.count -= 1
             for worker in counted:
                 worker.active -= 1

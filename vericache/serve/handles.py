@@ -196,7 +196,10 @@ class _Handle:
         self.worker = worker
         self.transport = transport
         self.name = name
-        self.active = 0  # requests the coordinator has placed on it that compute there
+        # 1 while a request computes on it, else 0, over time: the share of a request's life a
+        # worker beside it on its memory system slowed it (auto_path.py).
+        self.busy = WorkerLoad()
+        self._active = 0  # requests the coordinator has placed on it that compute there
         # Requests whose tokens come at its pace (it decodes them, or drafts them), and their
         # mean over time: what `mode: auto` weighs its paths by (auto_path.py).
         self.decoding = WorkerLoad()
@@ -206,6 +209,7 @@ class _Handle:
         # Its arithmetic (`ModelInfo.numerics`), as its last probe said: a warm drafter node
         # verifies a request only where it matches the verifier's.
         self.numerics = ""
+        self.memory_system = ""  # `ModelInfo.memory_system`, as its last probe said
         # What it keeps of finished turns, as the coordinator reckons it (turn_cache.py): set
         # from its budget once described, emptied when it restarts.
         self.turns = TurnCache(0)
@@ -219,6 +223,15 @@ class _Handle:
         # worker as it was then, and is no sign that the worker that came back is gone.
         self.num_times_back = 0
         self._watchers: list[Callable[[], None]] = []
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @active.setter
+    def active(self, value: int) -> None:
+        self._active = value
+        self.busy.count = 1 if value else 0
 
     @property
     def alive(self) -> bool:

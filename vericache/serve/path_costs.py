@@ -15,6 +15,8 @@ load now:
   verification of x + 1 tokens (on the central verifier beside its full-KV decodes, or on a warm
   node beside its drafts), the two calls' latency and, from a central verifier, the committed
   tokens' exact KV across the link, over the accepted drafts and the verifier's token.
+Every forward of a path's worker is slowed by the workers busy beside it on its memory system (a
+CPU machine's workers share its DRAM: the profile's measured co-runner slowdown, co_runners.py).
 A request is priced at the middle of its output: its context is the prompt and half the tokens it
 asks for. Which device the profile describes is the deployment's to say (`vericache calibrate`
 writes one); by default the datasheet of the workers' GPU, or on a CPU a profile calibrated on a
@@ -63,6 +65,9 @@ class PathOption:
     # Tokens of the prompt after the prefix whose KV the worker that prefills it keeps from a
     # finished turn (turn_cache.py): they are not prefilled.
     reused: int = 0
+    # Workers busy now beside that worker on its memory system (co_runners.py): each slows its
+    # forwards by the device profile's co-runner slowdown.
+    co_runners: int = 0
 
 
 class PathCosts:
@@ -83,12 +88,16 @@ class PathCosts:
     ) -> PathEstimate:
         """The path's prior at its workers' loads now; VERICACHE accepting `accepted_share` of
         its drafts."""
-        per_token = self.seconds_per_token(option, shape, accepted_share, option.load)
+        per_token = self.seconds_per_token(
+            option, shape, accepted_share, option.load, option.co_runners
+        )
         return PathEstimate(option.path, option.worker, self.setup_s(option, shape), per_token)
 
-    def setup_s(self, option: PathOption, shape: RequestShape) -> float:
+    def setup_s(self, option: PathOption, shape: RequestShape, co_runners: float = -1) -> float:
+        """Until its first token, beside `co_runners` busy workers (-1: the option's now)."""
+        co_runners = option.co_runners if co_runners < 0 else co_runners
         full_bytes = shape.prefix_tokens * self.kv_bytes_per_token
-        prefill_s = self._prefill_s(shape, option.reused)
+        prefill_s = self._prefill_s(shape, option.reused) * self.slowdown(co_runners)
         link = option.link
         if option.path is ServingPath.FULL_REMOTE:
             return link.transfer_s(full_bytes) + link.latency + prefill_s
@@ -101,12 +110,19 @@ class PathCosts:
         return compressed_s + prefill_s + exact_s
 
     def seconds_per_token(
-        self, option: PathOption, shape: RequestShape, accepted_share: float, load: float
+        self,
+        option: PathOption,
+        shape: RequestShape,
+        accepted_share: float,
+        load: float,
+        co_runners: float = 0.0,
     ) -> float:
-        """After the first token, at `load` requests paced by its worker besides it."""
+        """After the first token, at `load` requests paced by its worker besides it and
+        `co_runners` workers busy beside that worker on its memory system."""
+        slowdown = self.slowdown(co_runners)
         others = max(0, round(load))
         if option.path is not ServingPath.VERICACHE:
-            return self._forward_s(self._row(shape, 1, compressed=False), others)
+            return self._forward_s(self._row(shape, 1, compressed=False), others) * slowdown
         x = shape.draft_len
         draft = self._row(shape, 1, compressed=True)
         draft_s = self._forward_s(draft, others)
@@ -115,11 +131,21 @@ class PathCosts:
         link = option.link
         if option.is_warm:  # verified beside its drafts, over the node's host tier
             verify_s = self._seconds([verify] + [draft.unshared()] * others)
-            return round_seconds_per_token(x, draft_s, verify_s, 0.0, mean_accepted)
+            return round_seconds_per_token(
+                x, draft_s * slowdown, verify_s * slowdown, 0.0, mean_accepted
+            )
         decodes = [self._row(shape, 1, compressed=False).unshared()] * option.verifier_load
         verify_s = self._seconds([verify] + decodes)
         calls_s = 2 * link.latency + link.transfer_s((mean_accepted + 1) * self.kv_bytes_per_token)
-        return round_seconds_per_token(x, draft_s, verify_s, calls_s, mean_accepted)
+        return round_seconds_per_token(
+            x, draft_s * slowdown, verify_s * slowdown, calls_s, mean_accepted
+        )
+
+    def slowdown(self, co_runners: float) -> float:
+        """A forward's time beside `co_runners` busy workers on its memory system over alone:
+        each adds the profile's measured slowdown beyond 1 (co_runner.py measures one; more are
+        taken to add alike, as they share one memory bus)."""
+        return 1 + (self.device.co_runner_slowdown - 1) * max(0.0, co_runners)
 
     def _row(self, shape: RequestShape, num_new: int, compressed: bool) -> Row:
         """The request's row at the middle of its output: over the prefix (the share of it the

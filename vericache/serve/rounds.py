@@ -79,6 +79,7 @@ class ServedRequest:
     # included (auto_path.py, worker_load.py), and whether that drafter was warm for its prefix
     # (a FULL_REMOTE request then reads its tier).
     worker_load: float = 1.0
+    co_runners: float = 0.0  # and the mean count of workers busy beside it (co_runners.py)
     on_warm_node: bool = False
     # The arithmetic of the worker whose forwards choose its tokens (`ModelInfo.numerics`), from
     # its first placement on: where it goes on after a worker died, it stays on such a worker.

@@ -9,10 +9,12 @@ in worker_api.py.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -76,6 +78,7 @@ def load_worker_model(config: WorkerConfig) -> WorkerModel:
         numerics=_numerics(runner.device, runner.dtype),
         shape=_shape(loaded, config.model, runner.weights.nbytes // runner.dtype.itemsize),
         weight_element_size=runner.dtype.itemsize,
+        memory_system=_memory_system(runner.device),
     )
     return WorkerModel(loaded, runner, info, started_at, model_s, kernels_s)
 
@@ -99,6 +102,18 @@ def _shape(loaded: LoadedModel, name: str, num_params: int) -> ModelProfile:
         vocab_size=config.vocab_size, num_params=num_params,
         max_positions=config.max_position_embeddings,
     )  # fmt: skip
+
+
+def _memory_system(device: torch.device) -> str:
+    """`ModelInfo.memory_system`: a GPU's UUID; a CPU worker's machine (its boot's id, which two
+    containers of one host share, else its host name), digested: the coordinator only compares
+    them."""
+    if device.type == "cuda":
+        identity = str(torch.cuda.get_device_properties(device).uuid)
+    else:
+        boot_id = Path("/proc/sys/kernel/random/boot_id")
+        identity = boot_id.read_text().strip() if boot_id.exists() else socket.gethostname()
+    return f"{device.type}:" + hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def _numerics(device: torch.device, dtype: torch.dtype) -> str:

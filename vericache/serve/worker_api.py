@@ -49,6 +49,10 @@ class ModelInfo:
     # element size on the device.
     shape: ModelProfile | None = None
     weight_element_size: int = 2
+    # The memory its forwards stream weights and KV from: its CPU machine's, or its GPU's. Workers
+    # of one memory system slow each other down (a profile's `co_runner_slowdown`): auto prices
+    # that. "": not known, shared with none.
+    memory_system: str = ""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ layers where the whole does not fit) and times:
 - a layer's products through the engine's linear kernel at 1 to 512 rows;
 - host-to-device copies (pinned on CUDA; a copy between buffers on CPU), alone and beside compute;
 - whole forwards through the engine's forward loop, in two slices of different depth: decode
-  steps at several contexts and batches, on both kernel sets, and verifications of x+1 tokens.
+  steps at several contexts and batches, on both kernel sets, and verifications of x+1 tokens;
+- on a CPU, a decode step beside a second process running the same (co_runner.py).
 calibration_fit.py fits the profile to them. Every forward is then predicted with the fitted
 profile beside its measurement, so the JSON shows how well the cost model fits the device it was
 measured on.
@@ -28,10 +29,10 @@ import torch
 
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.errors import InvalidRequestError
-from vericache.model.runner import ModelRunner
 from vericache.sim.calibration_fit import refit
+from vericache.sim.co_runner import co_runner_slowdown
 from vericache.sim.profiles import DeviceProfile, ModelProfile
-from vericache.sim.random_weights import random_layer, random_runner
+from vericache.sim.random_weights import filled_cache, random_layer, random_runner
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,11 @@ def calibrate(
     forwards = _forwards(model, deep, device, dtype, plan)
     _release(device)  # the deeper slice's weights, before the shallower one's are built
     forwards += _forwards(model, shallow, device, dtype, plan)
+    _release(device)
+    co_runner = None
+    if device.type == "cpu":  # each GPU has its memory of its own: nothing to share
+        co_runner = co_runner_slowdown(model, deep, plan.contexts[0], plan.repeats, dtype)
+        log.info("beside a co-runner: %.2fx slower", co_runner["slowdown"])
     unmeasured = f"from {base.source}" if base else "taken as fast as a host copy"
     start = DeviceProfile(
         name=f"{base.name}-measured" if base else device.type,
@@ -110,6 +116,7 @@ def calibrate(
         forward_overhead_s=0.0,
         layer_overhead_s=0.0,
         allreduce_latency_s=base.allreduce_latency_s if base else 0.0,
+        co_runner_slowdown=co_runner["slowdown"] if co_runner else 1.0,
     )
     measured = {
         "profile": dataclasses.asdict(start),
@@ -119,6 +126,7 @@ def calibrate(
         "products": products,
         "copies": copies,
         "forwards": forwards,
+        "co_runner": co_runner,
     }
     return refit(measured, model)  # every rate and overhead fitted, every forward predicted
 
@@ -208,7 +216,7 @@ def _forwards(model: ModelProfile, num_layers: int, device, dtype, plan) -> list
     for new_tokens, context, batch, exact in shapes:
         if batch * (context + new_tokens) * kv_per_token > _free_bytes(device) * 0.8:
             continue
-        caches = [_filled_cache(runner, context, new_tokens) for _ in range(batch)]
+        caches = [filled_cache(runner, context, new_tokens) for _ in range(batch)]
 
         def step(caches=caches, new_tokens=new_tokens, context=context, exact=exact):
             jobs = [Job(c, [1] * new_tokens, num_logits=new_tokens, exact=exact) for c in caches]
@@ -227,20 +235,6 @@ def _forwards(model: ModelProfile, num_layers: int, device, dtype, plan) -> list
         )  # fmt: skip
         del caches
     return out
-
-
-def _filled_cache(runner: ModelRunner, context: int, room: int):
-    """A cache holding `context` tokens of random KV (attention costs the same whatever they
-    hold)."""
-    cache = runner.new_cache(capacity=context + room)
-    config = runner.config
-    shape = (context, config.num_kv_heads, config.head_dim)  # [T, H, D]
-    positions = torch.arange(context, dtype=torch.int32, device=runner.device)
-    for layer in cache.layers:
-        keys = torch.randn(shape, device=runner.device).to(runner.dtype)
-        layer.append(keys, keys.clone(), positions)
-    cache.advance(context)
-    return cache
 
 
 def _layers_that_fit(model: ModelProfile, free_bytes: float, bytes_per_param: int) -> int:

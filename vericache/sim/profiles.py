@@ -91,6 +91,10 @@ class DeviceProfile:
     # ends (a CPU's products at 8 to 24 rows take 20-30% longer than max(bytes / bandwidth,
     # flops / peak)). Empty: the roofline.
     product_curve: tuple[tuple[int, float], ...] = ()
+    # A forward's time while another worker's forwards run on the same machine, over its time
+    # alone (co_runner.py): CPU workers of one machine share its memory system; each GPU has its
+    # own (1). Measured by `vericache calibrate` on a CPU.
+    co_runner_slowdown: float = 1.0
 
     def __post_init__(self):
         # JSON gives lists; a frozen record keeps tuples.
@@ -108,6 +112,8 @@ class DeviceProfile:
         for name in overheads:
             if getattr(self, name) < 0:
                 raise InvalidRequestError(f"{self.name}: {name} must be >= 0")
+        if not self.co_runner_slowdown >= 1:
+            raise InvalidRequestError(f"{self.name}: co_runner_slowdown must be >= 1")
         for name in ("attention_bytes_per_s", "attention_flops"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -50,3 +50,17 @@ def random_layer(model: ModelProfile, device, dtype) -> LayerWeights:
 def _linear(out_features: int, in_features: int, device, dtype) -> Linear:
     weight = torch.randn(out_features, in_features, device=device) * in_features**-0.5
     return Linear(weight.to(dtype))
+
+
+def filled_cache(runner: ModelRunner, context: int, room: int):
+    """A cache holding `context` tokens of random KV (attention costs the same whatever they
+    hold)."""
+    cache = runner.new_cache(capacity=context + room)
+    config = runner.config
+    shape = (context, config.num_kv_heads, config.head_dim)  # [T, H, D]
+    positions = torch.arange(context, dtype=torch.int32, device=runner.device)
+    for layer in cache.layers:
+        keys = torch.randn(shape, device=runner.device).to(runner.dtype)
+        layer.append(keys, keys.clone(), positions)
+    cache.advance(context)
+    return cache

@@ -1,0 +1,34 @@
+"""The workers that run beside a worker on its memory system (`ModelInfo.memory_system`: the CPU
+machine's, or one GPU's), busy now and over a request's life.
+
+Such workers slow each other down: every forward streams its weights and KV from the same memory
+(a CPU machine's DRAM bandwidth; vericache/sim/co_runner.py measures how much). `mode: auto`
+prices a path on a worker at the co-runners busy now (path_costs.py), and corrects its prices by
+what a request took against the co-runners that were busy, on average, while it ran.
+"""
+
+from __future__ import annotations
+
+
+def busy_co_runners(worker, workers: list) -> int:
+    """The alive workers other than `worker` on its memory system with a request computing on
+    them now (none where its memory system is not known)."""
+    return sum(1 for other in _beside(worker, workers) if other.active)
+
+
+class CoRunnerMeter:
+    """The mean count of busy co-runners of a worker from its making on: the time integral of
+    each one's busy indicator (`_Handle.busy`) over the time since."""
+
+    def __init__(self, worker, workers: list):
+        self._marks = [(other, other.busy.mark()) for other in _beside(worker, workers)]
+
+    def mean(self) -> float:
+        return sum(other.busy.mean_since(mark) for other, mark in self._marks)
+
+
+def _beside(worker, workers: list) -> list:
+    system = worker.memory_system
+    if not system:
+        return []
+    return [w for w in workers if w is not worker and w.alive and w.memory_system == system]
