@@ -15,6 +15,7 @@ from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.errors import DataLossError
 from vericache.kv.pool import BufferPool
 from vericache.serve.config import CoordinatorConfig
+from vericache.serve.turn_cache import TurnCache
 from vericache.serve.warm_node import WarmNode
 
 TIER = {"host_tier_bytes": 1 << 30}
@@ -96,6 +97,34 @@ def test_a_request_moves_to_its_node_once_warm_and_the_stream_is_unchanged(
     assert verifier.worker.num_sessions == 0
 
 
+def test_a_later_turn_on_a_warm_node_reuses_the_turn_the_node_kept(warm_server):
+    server, client, prefix_id = warm_server()
+    client.generate(PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=4)
+    assert wait_for(lambda: _warm(server, prefix_id), timeout_s=30)
+    (drafter,) = server.coordinator.backend.drafters
+    turn = client.generate(PROMPT, prefix_id=prefix_id, **VERICACHE)
+    assert turn.stats["local_rounds"] == turn.stats["rounds"]
+    # The node keeps the session's full KV after the prefix as it closes: its prompt and output
+    # (in place of the shorter turn before it, of the same prompt).
+    longest = len(turn.token_ids)
+    assert wait_for(lambda: _longest_kept(drafter.worker._turns) >= longest), "no turn kept"
+    second = PROMPT + turn.text + " And which one adds two?"
+    reference = client.generate(second, prefix_id=prefix_id, mode="full_local", max_tokens=48)
+    later = client.generate(second, prefix_id=prefix_id, **VERICACHE)
+    assert later.token_ids == reference.token_ids
+    assert later.stats["local_rounds"] == later.stats["rounds"]
+    # Without a kept turn, the prefix's KV alone; with it, the first turn's prompt too (as
+    # test_turn_cache.py: the reply's text in a new prompt is not its token ids again).
+    num_prefix = client.get_prefix(prefix_id).num_tokens
+    assert later.stats["cached_tokens"] > num_prefix + 8
+
+
+def _longest_kept(turns) -> int:
+    """The most tokens a turn kept in `turns` (turn_cache.py) holds."""
+    kept = [turn for by_id in turns._by_owner.values() for turn in by_id.values()]
+    return max((len(turn.token_ids) for turn in kept), default=0)
+
+
 def test_full_decoding_on_a_warm_node_reads_its_host_tier_and_fetches_nothing(warm_server):
     server, client, prefix_id = warm_server()
     reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=24)
@@ -175,7 +204,8 @@ def test_a_damaged_stream_leaves_the_node_cold(tiny_checkpoint):
     runner = ModelRunner(loaded.config, loaded.weights)
     loop = BatchLoop(runner, "test")
     try:
-        node = WarmNode(runner, loop, 1 << 20, BufferPool(1 << 20), 64, timeout_s=60)
+        pool = BufferPool(1 << 20)
+        node = WarmNode(runner, loop, 1 << 20, pool, 64, timeout_s=60, turns=TurnCache(1 << 20))
         fetcher = _FailingFetcher()
         node.stream("big", 2 << 20, fetcher, ())  # larger than the tier: never streamed
         node.stream("pfx", 1 << 10, fetcher, ())

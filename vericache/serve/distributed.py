@@ -238,14 +238,14 @@ class DistributedBackend:
         if drafter is not None:
             warm = prefix_id in drafter.warm_prefixes
             link = self._links[verifier.name] if verifier else LinkSpec()
+            at_drafter = drafter.turns.reusable(prefix_id, after_prefix)
             if verifier is not None:
                 beside = [w for w in workers if w is not verifier]  # its own verifier alternates
                 options.append(PathOption(
                     ServingPath.VERICACHE, drafter.name, _paced(drafter), _paced(verifier), warm,
-                    link, 0 if warm else at_verifier, busy_co_runners(drafter, beside),
+                    link, at_drafter if warm else at_verifier, busy_co_runners(drafter, beside),
                 ))  # fmt: skip
             path = ServingPath.FULL_WARM if warm else ServingPath.FULL_REMOTE
-            at_drafter = drafter.turns.reusable(prefix_id, after_prefix)
             options.append(PathOption(
                 path, drafter.name, _paced(drafter), link=link, reused=at_drafter,
                 co_runners=busy_co_runners(drafter, workers),
@@ -366,12 +366,12 @@ def _turn_index(about: VerifierInfo | DrafterInfo) -> TurnCache:
 
 def _note_kept_turn(served: ServedRequest, verifier, drafter) -> None:
     """Notes the turn the worker whose full KV served the request kept as its session closed
-    (turn_cache.py): its tokens after the prefix but the newest. A VERICACHE request whose rounds
-    went on on a warm node left its verifier fewer: none is noted."""
+    (turn_cache.py): its tokens after the prefix but the newest. A VERICACHE request's is its
+    verifier's, or its warm drafter node's once its rounds went on there (warm_node.py)."""
     mode, prefix_id = served.plan.mode, served.plan.prefix_id
     keeper = {ServeMode.FULL_LOCAL: verifier, ServeMode.FULL_REMOTE: drafter}.get(mode)
-    if mode is ServeMode.VERICACHE and not served.num_local_rounds:
-        keeper = verifier
+    if mode is ServeMode.VERICACHE:
+        keeper = drafter if served.num_local_rounds else verifier
     if keeper is not None and prefix_id:
         keeper.turns.keep(prefix_id, served.history[served.plan.request.num_prefix_tokens :])
 

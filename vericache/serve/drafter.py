@@ -95,7 +95,7 @@ class Drafter:
             self.runner.device, config.turn_cache_bytes
         )
         log.info("drafter prefix cache: %.2f GiB", budget / 2**30)
-        # Its FULL sessions' finished turns.
+        # Its FULL sessions' finished turns, and its warm node's VERICACHE sessions'.
         self._turns = TurnCache(config.turn_cache_bytes, host_bytes=config.turn_host_bytes)
         self._buffers = BufferPool(budget)  # of closed sessions
         # One copy of each prefix fetched, whichever verifier it came from (a prefix id names
@@ -108,7 +108,7 @@ class Drafter:
             log.info("drafter host tier: %.2f GiB", config.host_tier_bytes / 2**30)
             self._warm = WarmNode(
                 self.runner, self._loop, config.host_tier_bytes, self._buffers,
-                config.prefill_chunk, config.host_tier_timeout_s,
+                config.prefill_chunk, config.host_tier_timeout_s, self._turns,
             )  # fmt: skip
         self.startup = model.startup()
 
@@ -252,7 +252,7 @@ class Drafter:
             if session.cache.num_tokens < len(call.history):
                 exact = ExactKV.of(opened.cache, session.cache.num_tokens, len(call.history))
                 _take_exact(session.cache, exact)
-        return LocalOpened(is_local=True, first_token=opened.first_token)
+        return LocalOpened(True, opened.first_token, opened.reused_tokens)
 
     def local_round(self, call: LocalRoundCall) -> LocalRound:
         """A whole round on this node: the drafts over the compressed KV, their verification over

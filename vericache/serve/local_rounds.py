@@ -48,6 +48,8 @@ async def go_local(
     local = await drafter.open_local(call)
     if not local.is_local:
         return None
+    if needs_first_token:  # it starts here: its prompt's prefill is the node's
+        served.reused_tokens = local.reused_tokens
     await verifier.close_session(served.session_id)
     served.release_verifier()
     return local

@@ -42,8 +42,13 @@ class TurnTokens:
 
     def feed(self, num_cached: int, pending) -> None:
         """A call feeds the session `pending`, its cache holding `num_cached` tokens after the
-        prefix: they must be the history's next ones."""
-        if self.ids is not None and self.ids[num_cached:] != list(pending):
+        prefix: they must be the history's next ones, or its first told (a session opened over
+        the tokens before them: a warm node's, warm_node.py)."""
+        if self.ids is None:
+            return
+        if len(self.ids) == num_cached:
+            self.ids.extend(pending)
+        elif self.ids[num_cached:] != list(pending):
             self.ids = None
 
     def commit(self, tokens) -> None:

@@ -22,6 +22,7 @@ Verifications read the full KV where the tier holds it (host memory; on CPU, the
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -30,12 +31,14 @@ import torch
 
 from vericache.engine.sampling import SequenceSampler
 from vericache.kv.cache import KVCache
+from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
 from vericache.kv.prefixed import shared_clone
 from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
 from vericache.model.runner import ModelRunner
 from vericache.serve.batching import BatchLoop
 from vericache.serve.kv_transfer import KVFetcher, KVKind
+from vericache.serve.turn_cache import TurnCache, TurnTokens
 from vericache.serve.verification import Verification, verify_round
 from vericache.serve.worker import SessionNotFoundError, first_token
 from vericache.serve.worker_api import Drafted
@@ -47,7 +50,10 @@ log = logging.getLogger(__name__)
 class _LocalSession:
     cache: KVCache  # over `prefix`, read in place
     prefix: HeldPrefix[KVCache]  # the tier's copy, pinned until the session closes
+    prefix_id: str
+    history: TurnTokens  # its tokens after the prefix, kept with its KV as it closes
     first_token: int | None = None  # the prefill's choice after the prompt, where asked for
+    reused_tokens: int = 0  # of its history after the prefix, those a kept turn held
 
 
 class WarmNode:
@@ -59,8 +65,12 @@ class WarmNode:
         buffers: BufferPool,
         prefill_chunk: int,
         timeout_s: float,
+        turns: TurnCache,
     ):
         self.tier: SharedPrefixes[KVCache] = SharedPrefixes(budget_bytes)
+        # The node's finished turns (its FULL sessions' too): a session that verified here keeps
+        # its full KV after the prefix as it closes, and one that opens here reuses a kept turn.
+        self._turns = turns
         self._runner = runner
         self._loop = loop  # the drafter's: its drafts and these verifications share forwards
         self._buffers = buffers
@@ -120,22 +130,33 @@ class WarmNode:
         sampler: SequenceSampler | None = None,
     ) -> _LocalSession | None:
         """The session's full KV over the tier's copy of its prefix: the history after the
-        prefix prefilled (the central verifier's bits, by batch invariance), and, where wanted,
-        the prefill's choice after it (by `sampler`; None: greedy). None where the tier no
-        longer holds the prefix (evicted since it said it was warm)."""
+        prefix (the longest leading run a kept turn holds copied, the rest prefilled: the central
+        verifier's bits, by batch invariance), and, where wanted, the prefill's choice after it
+        (by `sampler`; None: greedy). None where the tier no longer holds the prefix (evicted
+        since it said it was warm)."""
         held = self.tier.acquire_held((prefix_id, KVKind.FULL))
         if held is None:
             return None
         try:
             cache = shared_clone(held.cache, capacity, self._buffers)
-            after_prefix = torch.tensor(history[held.cache.num_tokens :], dtype=torch.long)
-            logits = self._runner.prefill(
-                after_prefix, cache, num_logits=int(wants_first_token),
-                chunk_size=self._prefill_chunk,
-            )  # fmt: skip
-            session = _LocalSession(cache, held)
-            if wants_first_token:
-                session.first_token = first_token(logits, sampler)
+            after_prefix = history[held.cache.num_tokens :]
+            kept = self._turns.match(prefix_id, after_prefix)
+            if kept is not None:
+                cache.append_exact(kept)
+            reused = cache.num_tokens - held.cache.num_tokens
+            # A prefill of one token at least: the first token's logits, where it is asked for.
+            start = min(reused, len(after_prefix) - 1) if wants_first_token else reused
+            cache.truncate(held.cache.num_tokens + start)
+            session = _LocalSession(cache, held, prefix_id, TurnTokens(after_prefix))
+            session.reused_tokens = start
+            if start < len(after_prefix):
+                logits = self._runner.prefill(
+                    torch.tensor(after_prefix[start:], dtype=torch.long), cache,
+                    num_logits=int(wants_first_token), chunk_size=self._prefill_chunk,
+                )  # fmt: skip
+                if wants_first_token:
+                    session.first_token = first_token(logits, sampler)
+                    session.history.commit([session.first_token])
         except BaseException:
             self.tier.release(held)
             raise
@@ -155,12 +176,24 @@ class WarmNode:
             session = self._sessions.get(session_id)
         if session is None:
             raise SessionNotFoundError(f"the drafter verifies no session {session_id!r}")
-        return verify_round(self._loop, session.cache, pending, drafted, sampler)
+        num_prefix = session.prefix.cache.num_tokens
+        session.history.feed(session.cache.num_tokens - num_prefix, pending)
+        try:
+            done = verify_round(self._loop, session.cache, pending, drafted, sampler)
+        except BaseException:
+            session.history.forget()  # what its cache holds now is not known
+            raise
+        session.history.commit(done.tokens[: done.num_accepted + 1])  # the rest: rejected
+        return done
 
     def close(self, session_id: str) -> None:
-        """Drops the session's full KV and unpins its prefix (kept in the tier)."""
+        """Keeps the session's full KV after its prefix as a finished turn, then drops it and
+        unpins its prefix (kept in the tier)."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
         if session is not None:
-            session.cache.release(self._buffers)
+            cache, num_prefix = session.cache, session.prefix.cache.num_tokens
+            kv_of = functools.partial(ExactKV.of, cache, num_prefix, cache.num_tokens)
+            session.history.keep(self._turns, session.prefix_id, kv_of)
+            cache.release(self._buffers)
             self.tier.release(session.prefix)

@@ -217,6 +217,7 @@ class OpenLocal:
 class LocalOpened:
     is_local: bool  # False: the node's host tier no longer holds the prefix; nothing changed
     first_token: int | None = None  # the choice after the prompt, where asked for
+    reused_tokens: int = 0  # of the history after the prefix, those a kept turn held
 
 
 @dataclass(frozen=True)
