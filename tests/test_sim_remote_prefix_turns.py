@@ -1,9 +1,11 @@
 """Sequential turns as served: each turn a request of its own, arriving when the one before it ends.
 VeriCache and `mode: auto` place (and auto chooses) each turn anew; their verifiers keep a
-finished session's KV for its next turn, their drafters only a full-KV turn's (auto's FULL_REMOTE,
-FULL_WARM), never a VeriCache session's; a full-KV deployment with prefix caching keeps a finished
-turn's KV for the next on any worker, as vLLM's and SGLang's do; both on the device where memory
-allows, into the host tier after; the paper's baseline keeps nothing."""
+finished session's KV for its next turn, their drafters a full-KV turn's (auto's FULL_REMOTE,
+FULL_WARM) and a VeriCache session's that their warm node verified
+(test_sim_remote_prefix_warm_turns.py), never one a central verifier verified; a full-KV
+deployment with prefix caching keeps a finished turn's KV for the next on any worker, as vLLM's
+and SGLang's do; both on the device where memory allows, into the host tier after; the paper's
+baseline keeps nothing."""
 
 from __future__ import annotations
 
@@ -102,16 +104,6 @@ def test_vericache_keeps_a_sessions_kv_between_its_turns_on_its_verifier_alone(w
     )
 
 
-def test_a_warm_node_verifying_its_own_sessions_prefills_every_turns_whole_prompt():
-    scenario = _turns(warm_nodes=True, num_drafters=1, num_prefixes=1)
-    run = Run(scenario)
-    rows = _recorded(run)
-    run.drafters[0].host_tier.put(PrefixKey(0, False), scenario.prefix_bytes(compressed=False))
-    report = run.serve(VeriCacheRequest.start)
-    assert report.num_central_verifications == 0
-    assert _prefills(run, rows) == ALL_AFTER_PREFIX and not _turn_keys(run, run.workers)
-
-
 def test_vericache_places_each_turn_when_it_arrives():
     run = Run(_turns(arrivals=(0.0,) * 4, num_prefixes=2))
     placed = []  # whether each placement was a drafter's
@@ -197,7 +189,7 @@ def test_auto_estimates_see_the_shorter_prefill_where_a_worker_keeps_the_turn_be
     estimates = list(zip(path_estimates(cold, 0, turns), path_estimates(kept, 0, turns)))
     by_path = {far.path: (far.setup_s, near.setup_s) for far, near in estimates}
     # The verifier's prefill is shorter for FULL_LOCAL and VeriCache's, the drafter's for
-    # FULL_REMOTE alone: its VeriCache sessions reuse none.
+    # FULL_REMOTE alone: its node is cold, and a central verifier prefills VeriCache's.
     shorter = {
         "verifiers": (ServingPath.FULL_LOCAL, ServingPath.VERICACHE),
         "drafters": (ServingPath.FULL_REMOTE,),

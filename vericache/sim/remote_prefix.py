@@ -16,22 +16,24 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
   tier, in the background (compressed fetches and the rounds' exact KV go first). Once the copy
   is complete, its sessions' next round boundary moves their verification onto the node: the
   central verifier lets go of the session, the node prefills the session's tokens after the
-  prefix once over its full KV, and each round then drafts and verifies there, with no link
-  traffic: a verification reads the prefix's full KV from the host tier over PCIe (streamed
-  through the forward, a layer's worth on the device at a time), unless the device holds a copy,
-  which it keeps after a read where room is free (least recently used out first). A session
-  whose drafter is warm when it arrives never visits the central verifier. Placement prefers warm
-  nodes (scheduler/placement.py).
+  prefix once over its full KV (but for those a turn it kept holds), and each round then drafts
+  and verifies there, with no link traffic: a verification reads the prefix's full KV from the
+  host tier over PCIe (streamed through the forward, a layer's worth on the device at a time),
+  unless the device holds a copy, which it keeps after a read where room is free (least
+  recently used out first). A session whose drafter is warm when it arrives never visits the
+  central verifier. Placement prefers warm nodes (scheduler/placement.py).
 - Sequential turns (`turns_per_session`): each turn is a request of its own, as served (a
   Generate call whose prompt is the prefix, the conversation so far and the new turn), arriving
   when the one before it ends and placed anew (its path chosen anew under `mode: auto`). A central
   verifier keeps a finished session's exact KV after the prefix in its turn cache (turn_kv.py),
   on its device and, where the node has a host tier (the served `--turn-host-bytes`), spilled
   there and loaded back over PCIe, so a later turn it verifies prefills only its new tokens where
-  the KV is still there; the drafter keeps none of its VeriCache sessions' (only of full-KV
-  turns under `mode: auto`), so the verifier still hands the exact KV of every token after the
-  prefix to it with the first draft call, and a warm node verifying on its own prefills every one
-  of them.
+  the KV is still there. A drafter keeps the turns its node verified (and under `mode: auto` its
+  full-KV turns) in its own turn cache, as served: a session that opens its verification on a
+  warm node (arriving there, or moving there) prefills only what a kept turn there lacks; a
+  drafter keeps none of the sessions a central verifier verifies (as served: its draft cache
+  holds their compressed prefix), so the verifier still hands the exact KV of every token after
+  the prefix to it with the first draft call.
 - FULL_LOCAL, FULL_REMOTE, FULL_BOTH: remote_prefix_full.py; `mode: auto`, each request's choice
   of path: remote_prefix_auto.py.
 Scheduled rounds, each verifier's loads and verifications planned by the real scheduler within
@@ -81,7 +83,8 @@ class VeriCacheRequest:
     drafter: Worker
     verifier: Worker | None  # the central verifier; None while the drafter's node verifies
     own_bytes: int = 0  # its own tokens' exact KV, as reserved from its open to its end
-    # What its central verifier keeps of a finished turn, and reuses of its session's turn before.
+    # What the worker that verifies it (its central verifier, or its node) keeps of a finished
+    # turn, and what the one that prefilled its prompt reuses of its session's turn before.
     keeps: KeptTurns = KeptTurns.NONE
     reused: ReusedTurn = field(default_factory=ReusedTurn)
 
@@ -100,7 +103,13 @@ class VeriCacheRequest:
         seq = run.sequence(turns)
         own_bytes = run.own_bytes(turns, seq)
         if drafter.is_warm(prefix):
-            request = cls(run, prefix, turns, seq, arrival_s, drafter, None, own_bytes)
+            # Its node's full KV of the turn before, read in place, is not its own to reserve.
+            keeps = served_keeps(drafter)
+            reused = reuse(drafter, turns, keeps)
+            own_bytes -= reused.held_bytes
+            request = cls(
+                run, prefix, turns, seq, arrival_s, drafter, None, own_bytes, keeps, reused
+            )
             drafter.num_local_sessions += 1
             drafter.memory.admit(request.drafter_session(), request._open)
             return
@@ -137,13 +146,17 @@ class VeriCacheRequest:
         return Session(key, self.run.scenario.prefix_bytes(compressed=True), self.own_bytes)
 
     def finished(self) -> None:
+        """The worker that verified its last round keeps its full KV after the prefix for its
+        session's next turn: its central verifier, or its node (once its session has let go of
+        the drafter's memory, which the kept turn takes)."""
         verifier = self.verifier
         if verifier is not None:
             self._release_verifier()
-            keep(verifier, self.turns, self._after_prefix(), self.keeps)
         else:
             self.drafter.num_local_sessions -= 1
+            let_go(self.drafter, self.reused)
         self.drafter.memory.release(self.drafter_session())
+        keep(verifier or self.drafter, self.turns, self._after_prefix(), self.keeps)
         self.run.finish(self, *([verifier] if verifier else []), self.drafter)
 
     def _release_verifier(self) -> None:
@@ -157,21 +170,18 @@ class VeriCacheRequest:
 
     def _open(self) -> None:
         """Both prefixes in place (or the compressed one, on a warm node): the turn's prompt
-        after its prefix is prefilled, once what the central verifier reuses from its host tier
+        after its prefix is prefilled, once what its verifying worker reuses from its host tier
         has come over PCIe."""
-        if self.verifier is None:
-            self._prefill()
-        else:
-            load(self.verifier, self.reused, self._prefill)
+        load(self.verifier or self.drafter, self.reused, self._prefill)
 
     def _prefill(self) -> None:
-        """The prompt after the prefix over the full KV: on the central verifier, but for the
-        tokens whose KV its session's turn before left there; on the node, every one of them
-        (its earlier turns' too: a drafter's VeriCache sessions reuse none)."""
+        """The prompt after the prefix over the full KV, on the central verifier or the node,
+        but for the tokens whose KV its session's turn before left there."""
+        rows = self._prefill_rows(self.reused.num_tokens)
         if self.verifier is None:
-            self._on_local(self._prefill_rows(), self._first_token)
+            self._on_local(rows, self._first_token)
         else:
-            self._on_verifier(self._prefill_rows(self.reused.num_tokens), self._first_token)
+            self._on_verifier(rows, self._first_token)
 
     def _prefill_rows(self, num_reused: int = 0) -> list[Row]:
         """A prefill of the exact tokens after the prefix past the first `num_reused`, over its
@@ -235,13 +245,18 @@ class VeriCacheRequest:
 
     def _go_local(self, then: Callable[[], None]) -> None:
         """Between two rounds: the node prefills the session's tokens after the prefix over its
-        full KV, and verifies its rounds from now on."""
+        full KV, but for those a turn it kept holds (copied into the session, whose memory is
+        reserved already: the kept turn stays, as served), and verifies its rounds from now on."""
         self._release_verifier()
         self.verifier.num_requests -= 1
         self.verifier = None
-        self.drafter.num_local_sessions += 1
+        drafter = self.drafter
+        drafter.num_local_sessions += 1
         self.run.report.num_warm_switches += 1
-        self._on_local(self._prefill_rows(), then)
+        self.keeps = served_keeps(drafter)
+        self.reused = reuse(drafter, self.turns, self.keeps)
+        rows = self._prefill_rows(self.reused.num_tokens)
+        load(drafter, self.reused, lambda: self._on_local(rows, then))
 
     def _begin_round(self, exact_tokens: int) -> None:
         num_drafts = self.seq.begin_round(self.run.scenario.draft_len)

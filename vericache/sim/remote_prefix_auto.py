@@ -4,12 +4,12 @@ coordinator imports) from this module's estimates. A session's turns are request
 as served (the coordinator resolves `auto` per request when it admits it): each turn's path is
 chosen and its worker placed when it arrives. A worker keeps a finished session's KV after the
 prefix in its turn cache (turn_kv.py): a verifier, of each turn it serves (FULL_LOCAL, or its
-prefill of a VeriCache session's prompt); a drafter, of its full-KV turns (FULL_REMOTE,
-FULL_WARM); on its device, spilled into its host tier where the node has one (the served
-`--turn-host-bytes`). A turn on the worker that keeps its session's turn before prefills only
-its new tokens while the KV is there (from the host tier, once loaded over PCIe); a drafter's
-VeriCache sessions keep and reuse none, so a warm node's own prefill all of the prompt after the
-prefix.
+prefill of a VeriCache session's prompt); a drafter, one cache for its full-KV turns
+(FULL_REMOTE, FULL_WARM) and the VeriCache sessions its warm node verifies; on its device,
+spilled into its host tier where the node has one (the served `--turn-host-bytes`). A turn on
+the worker that keeps its session's turn before prefills only its new tokens while the KV is
+there (from the host tier, once loaded over PCIe), a VeriCache turn verified on its node too; a
+drafter keeps none of the VeriCache sessions a central verifier verifies.
 
 Each estimate comes from the cost model (cost.py) and the workers' state now: the rows each
 worker's next forward holds (its load), what its device and host tier hold, and the transfers
@@ -22,13 +22,13 @@ nodes first):
   of the new tokens alone, after that turn's PCIe load where it lies in the host tier); then one
   decode step at the worker's batch with it added, per token;
 - VeriCache: the full KV onto the verifier and then the compressed KV onto the drafter (on a
-  warm node: the compressed KV, and its host tier's full KV), the prefill (on a central
-  verifier that keeps its session's turn before, of the new tokens alone, after its PCIe load
-  as for full decoding), and from a central verifier the prompt's exact KV after the prefix
-  across to the drafter; then a round per the acceptance's mean accepted drafts at x: x draft
-  steps at the drafter's batch, a verification at the verifier's (or the node's), and the
-  calls' latency and exact KV (behind the drafter's link's queue; on a warm node: a PCIe load,
-  unless its device holds the KV);
+  warm node: the compressed KV, and its host tier's full KV), the prefill (on the central
+  verifier or the warm node, whichever prefills it, where that keeps its session's turn before,
+  of the new tokens alone, after its PCIe load as for full decoding), and from a central
+  verifier the prompt's exact KV after the prefix across to the drafter; then a round per the
+  acceptance's mean accepted drafts at x: x draft steps at the drafter's batch, a verification
+  at the verifier's (or the node's), and the calls' latency and exact KV (behind the drafter's
+  link's queue; on a warm node: a PCIe load, unless its device holds the KV);
 - and, where a worker's memory has no room for the request now, its turn behind the sessions
   waiting there, as sessions leave (each taken to last as long as this request).
 """
@@ -48,7 +48,7 @@ from vericache.sim.remote_prefix import VeriCacheRequest
 from vericache.sim.remote_prefix_full import FullRequest
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Worker
-from vericache.sim.turn_kv import reusable, reuse_load_s, served_keeps
+from vericache.sim.turn_kv import ReusedTurn, reusable, reuse_load_s, served_keeps
 
 
 def simulate_auto(scenario: RemotePrefixScenario, full_kv_only: bool = False) -> SimReport:
@@ -115,8 +115,7 @@ def _full(
     full_bytes = scenario.prefix_bytes(compressed=False)
     session = Session(key, full_bytes, own_bytes - reused.held_bytes)
     room = _room_in_sessions(worker, session)
-    setup = _ready_s(worker, key, full_bytes) + reuse_load_s(worker, reused)
-    setup += _prefill_s(scenario, key, num_after, reused.num_tokens)
+    setup = _ready_s(worker, key, full_bytes) + _reused_prefill_s(worker, reused, key, num_after)
     row = scenario.row(1, num_after, False, key)
     per_token = _step_s(run, worker, [row], room)
     wait = _memory_wait_s(worker, session, room, setup + turns.num_tokens * per_token)
@@ -130,7 +129,10 @@ def _vericache(
     num_after = scenario.tokens_after_prefix(turns.history_tokens)
     full, compressed = PrefixKey(prefix, False), PrefixKey(prefix, True)
     compressed_bytes, full_bytes = (scenario.prefix_bytes(c) for c in (True, False))
-    drafted = Session(compressed, compressed_bytes, own_bytes)
+    is_warm = drafter.is_warm(prefix)
+    # A warm node verifies it and prefills its prompt but for what its own turn cache keeps.
+    at_node = reusable(drafter, turns, served_keeps(drafter)) if is_warm else ReusedTurn()
+    drafted = Session(compressed, compressed_bytes, own_bytes - at_node.held_bytes)
     room = _room_in_sessions(drafter, drafted)
     compressed_ready = _ready_s(drafter, compressed, compressed_bytes)
     draft_row = scenario.row(1, num_after, True, compressed)
@@ -139,21 +141,13 @@ def _vericache(
     if scenario.warm_nodes:
         draft = (draft_row, draft_s)
         local_s, load_s = _local_seconds_per_token(run, drafter, full, num_after, draft, room)
-    if drafter.is_warm(prefix):
-        setup = compressed_ready + load_s + prefill_s
+    if is_warm:
+        setup = compressed_ready + load_s + _reused_prefill_s(drafter, at_node, full, num_after)
         wait = _memory_wait_s(drafter, drafted, room, setup + num_tokens * local_s)
         return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait)
     central_s = _central_seconds_per_token(run, drafter, verifier, draft_s, full, num_after)
-    full_ready = _ready_s(verifier, full, full_bytes)
     reused = reusable(verifier, turns, served_keeps(verifier))
-    central_prefill_s = reuse_load_s(verifier, reused)
-    central_prefill_s += _prefill_s(scenario, full, num_after, reused.num_tokens)
-    # The prompt's exact KV after the prefix crosses to the drafter with the first draft call.
-    exact_s = drafter.link.seconds_for(num_after * scenario.kv_bytes_per_token)
-    # The drafter admits the session (and fetches its compressed KV) once the verifier's full KV
-    # is in: memory in one order (VeriCacheRequest.start).
-    setup = full_ready + compressed_ready + central_prefill_s + exact_s
-    setup += scenario.network_latency_s
+    setup = compressed_ready + _central_setup_s(run, drafter, verifier, reused, full, num_after)
     per_token, warm_s = central_s, float("inf")
     if scenario.warm_nodes:  # central until its node has the full KV, then on its node
         link = drafter.link
@@ -174,6 +168,21 @@ def _vericache(
         _memory_wait_s(verifier, verified, central_room, service_s),
     )
     return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, per_token, wait)
+
+
+def _central_setup_s(
+    run: Run, drafter: Worker, verifier: Worker, reused: ReusedTurn, full: PrefixKey, num_after: int
+) -> float:
+    """Of a central session's setup, all but its compressed KV's fetch: the full KV onto the
+    verifier, its prefill there (but for what `reused` spares), and the prompt's exact KV after
+    the prefix across to the drafter with the first draft call. The drafter admits the session
+    (and fetches its compressed KV) once the verifier's full KV is in: memory in one order
+    (VeriCacheRequest.start)."""
+    scenario = run.scenario
+    full_ready = _ready_s(verifier, full, scenario.prefix_bytes(compressed=False))
+    prefill_s = _reused_prefill_s(verifier, reused, full, num_after)
+    exact_s = drafter.link.seconds_for(num_after * scenario.kv_bytes_per_token)
+    return full_ready + prefill_s + exact_s + scenario.network_latency_s
 
 
 def _central_seconds_per_token(
@@ -252,6 +261,13 @@ def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
     current = [row for row in worker.loop.current_rows() if row.num_new_tokens <= limit]
     num_placed = max(0, min(worker.num_requests, room) - len(current))
     return run.scenario.forward_s(current + [rows[0].unshared()] * num_placed + rows)
+
+
+def _reused_prefill_s(worker: Worker, reused: ReusedTurn, key: PrefixKey, num_after: int) -> float:
+    """The worker's prefill of the prompt's `num_after` tokens after the prefix but for those
+    `reused` spares, after their PCIe load where they lie in its host tier."""
+    scenario = worker.run.scenario
+    return reuse_load_s(worker, reused) + _prefill_s(scenario, key, num_after, reused.num_tokens)
 
 
 def _prefill_s(

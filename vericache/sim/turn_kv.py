@@ -14,10 +14,12 @@ host link) into the turn that reuses it; `KeptTurns.DEVICE` dropped. Two deploym
   device within `--turn-cache-bytes` and spilled to pinned host memory within
   `--turn-host-bytes`, which the scenario's host tier stands for (TIERED where the scenario gives
   workers one, else DEVICE): a verifier's, of every session it serves (FULL_LOCAL decoding, and
-  its prefill of a VeriCache session's prompt); a drafter's, of its full-KV sessions alone
-  (FULL_REMOTE, and FULL_WARM over its host tier's copy of the prefix). A drafter's VeriCache
-  sessions keep and reuse none: a warm node's own prefill every token after the prefix, and a
-  VeriCache session's drafter still receives the exact KV of all of them.
+  its prefill of a VeriCache session's prompt); a drafter's, one cache for its full-KV sessions
+  (FULL_REMOTE, and FULL_WARM over its host tier's copy of the prefix) and the VeriCache sessions
+  its warm node verifies, each of which reuses what a kept turn there holds of its prompt when it
+  opens its verification on the node (serve/warm_node.py). A drafter keeps none of the VeriCache
+  sessions a central verifier verifies, whose drafter still receives the exact KV of every token
+  after the prefix.
 Assumptions, stated: a served worker copies the kept run's KV into its new session; here the new
 turn reads it in place (pinned, its bytes not the turn's own) and lets it go when it ends,
 replaced by its own longer run, as the baseline's does: the same bytes (the old entry, which the
@@ -83,7 +85,8 @@ class ReusedTurn:
 
 def served_keeps(worker: Worker) -> KeptTurns:
     """What a served worker keeps of a finished turn it decoded or verified over the full KV (a
-    drafter's VeriCache sessions, which draft, keep none), where prefixes are cached: on its
+    drafter, of the VeriCache sessions its warm node verifies, not of those it drafts for a
+    central verifier), where prefixes are cached: on its
     device, spilled into its host tier where the node has one (the served workers'
     `--turn-host-bytes`); none on a verifier keeping VeriCache's residency, whose sessions' own
     full KV residency.py holds apart."""
