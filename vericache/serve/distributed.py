@@ -240,10 +240,9 @@ class DistributedBackend:
             link = self._links[verifier.name] if verifier else LinkSpec()
             at_drafter = drafter.turns.reusable(prefix_id, after_prefix)
             if verifier is not None:
-                beside = [w for w in workers if w is not verifier]  # its own verifier alternates
                 options.append(PathOption(
                     ServingPath.VERICACHE, drafter.name, _paced(drafter), _paced(verifier), warm,
-                    link, at_drafter if warm else at_verifier, busy_co_runners(drafter, beside),
+                    link, at_drafter if warm else at_verifier, busy_co_runners(drafter, workers),
                 ))  # fmt: skip
             path = ServingPath.FULL_WARM if warm else ServingPath.FULL_REMOTE
             options.append(PathOption(
@@ -330,10 +329,10 @@ class DistributedBackend:
         paced = drafter or verifier  # whose forwards set its pace: the worker auto names
         paced.decoding.count += 1
         mark = paced.decoding.mark()
-        # Its co-runners over its life (a VERICACHE request's verifier alternates with its
-        # drafter: not beside it, as auto prices it).
-        beside = [w for w in self._workers if not (drafts and w in workers)]
-        co_runners = CoRunnerMeter(paced, beside)
+        # Its co-runners over its life. A VERICACHE request's verifier counts whenever busy, its
+        # own verifications too (which alternate with its drafts rather than run beside them):
+        # the path's correction takes that in, as its price counts the verifier busy with others.
+        co_runners = CoRunnerMeter(paced, self._workers)
         served.on_warm_node = drafter is not None and prefix_id in drafter.warm_prefixes
 
         def release_verifier() -> None:  # its rounds moved to a warm drafter node
