@@ -14,14 +14,17 @@ In one run, on one torch thread per worker (the Ray workers' setting, and the ca
    staggered, on Ray workers whose verifier holds two full KVs.
 5. Each configuration simulated (bench/sim_validate_scenarios.py, and bench/sim_validate_serve.py
    for serve-stagger, its scheduled rounds planned by the scheduler the coordinator ran): the
-   stream, the link, the memory and the accepted drafts per round from the benchmark's own result,
-   the device from the profile. Nothing is fitted to the throughput.
+   stream (timed as served, after its untimed first wave), the link (with the sender's encoding),
+   the memory and each request's accepted drafts per round from the benchmark's own result, the
+   device from the profile, its workers sharing this CPU's memory system (the profile's
+   co-runner slowdown). Nothing is fitted to the throughput.
 
 `--from-json` simulates an earlier run's measurements again with the simulator as it is now, its
 profile fitted again to its stored calibration timings (a change to the simulator or the fit
 checked in seconds, nothing run for real); the result keeps the machine
 the measurements came from (`measured_environment`). Serve-stagger is predicted where the earlier
-run measured it.
+run measured it; a CPU calibration from before the co-runner slowdown was measured takes the
+bundled CPU profile's (`calibration.co_runner` says so).
 
 Headline `cpu_prediction_error`: the largest |predicted / measured - 1| over the configurations
 (target <= 0.20). The committed H200 runs (long-context and stagger) are predicted too, from the
@@ -48,7 +51,7 @@ from vericache.bench.sim_validate_scenarios import (
 from vericache.bench.sim_validate_serve import serve_stagger_predictions
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_tokenizer_dir
 from vericache.sim.calibration_fit import averaged, refit
-from vericache.sim.profiles import model_profile
+from vericache.sim.profiles import device_profile, model_profile
 
 TARGET = 0.20
 RESULTS = Path(__file__).parent / "results"
@@ -71,7 +74,9 @@ def add_arguments(parser) -> None:
 def run(args) -> dict:
     if args.from_json is not None:
         earlier = json.loads(args.from_json.read_text())
-        calibration = {**earlier.get("calibration", {}), "profile": earlier["profile"]}
+        calibration = _with_co_runner(
+            {**earlier.get("calibration", {}), "profile": earlier["profile"]}
+        )
         if "forwards" in calibration:  # its measurements stored: fitted by today's fit
             calibration = refit(calibration, model_profile(ARCH))
         measured = earlier["measured"]
@@ -88,6 +93,18 @@ def run(args) -> dict:
         )
     record = result(predictions, gpu, calibration, dataclasses.asdict(gpu_device), measured)
     return record | {"measured_environment": measured_on}
+
+
+def _with_co_runner(calibration: dict) -> dict:
+    """A CPU calibration from before `vericache calibrate` measured the co-runner slowdown, with
+    the bundled CPU profile's: measured on the machine these benchmarks run on (a 2-core AMD EPYC,
+    its source says), as the calibration's own would have been."""
+    if calibration.get("co_runner") or calibration["profile"]["name"] != "cpu":
+        return calibration
+    bundled = device_profile("cpu")
+    co_runner = {"slowdown": bundled.co_runner_slowdown, "source": bundled.source}
+    profile = calibration["profile"] | {"co_runner_slowdown": bundled.co_runner_slowdown}
+    return calibration | {"profile": profile, "co_runner": co_runner}
 
 
 def _keep_measurements(args, calibration: dict, measured: dict) -> None:
@@ -125,7 +142,7 @@ def _measure(args) -> tuple[dict, dict]:
 
 
 def _predict(calibration: dict, measured: dict, model_name: str):
-    from vericache.sim.profiles import DeviceProfile, device_profile
+    from vericache.sim.profiles import DeviceProfile
 
     model, profile = model_profile(ARCH), DeviceProfile(**calibration["profile"])
     tokenizer = load_tokenizer(resolve_tokenizer_dir(model_name))  # no weights needed

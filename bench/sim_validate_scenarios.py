@@ -91,7 +91,7 @@ def remote_prefix_predictions(
     if result.get("many_prefixes"):
         bases[MANY] = _remote_prefix_base(result, model, device, tokenizer, MANY)
     by_name = {cell["name"]: cell for cell in result["cells"]}
-    max_tokens = result["config"]["max_tokens"]
+    config = result["config"]
     rates = {}
     predictions = []
     for cell in result["cells"]:  # FULL_LOCAL and FULL_REMOTE come before FULL_BOTH
@@ -101,10 +101,11 @@ def remote_prefix_predictions(
             num_drafters=cell["num_drafters"],
             draft_len=cell["draft_len"] or 30,
             network_latency_s=cell["latency_s"],
-            acceptance=_cell_acceptance(cell, by_name, max_tokens),
+            acceptance=_cell_acceptance(cell, by_name, config["max_tokens"]),
+            accepted_by_session=_rounds_by_session(cell, by_name, config["concurrency"]),
         )
         simulate = _simulation(cell, rates)
-        predicted = mean_over_seeds(scenario, partial(_steady_tokens_per_s, simulate=simulate))
+        predicted = mean_over_seeds(scenario, partial(_timed_tokens_per_s, simulate=simulate))
         if cell["mode"] in ("full_local", "full_remote"):
             rates[(workload, cell["mode"], cell["num_drafters"])] = predicted
         predictions.append(
@@ -127,10 +128,8 @@ def _remote_prefix_base(
     """The stream `workload` as served. The many-prefix one had a host tier on every drafter,
     whose nodes turned warm; on a CPU the tier is the device's own memory, read in place, so its
     loads to the device cost nothing."""
-    config, cells = result["config"], result["cells"]
-    full_local = next(
-        c for c in cells if c["mode"] == "full_local" and c.get("workload", FEW) == workload
-    )
+    config = result["config"]
+    full_local = next(c for c in _stream(result, workload)[0] if c["mode"] == "full_local")
     samples = full_local["samples"]
     params = compressor_from_label(config["compressor"]).spec()["params"]
     # The drafter's prefix cache as served (DrafterConfig.kv_cache_bytes); the verifier's was the
@@ -159,7 +158,7 @@ def _remote_prefix_base(
         suffix_tokens=prompt_suffix_tokens(tokenizer),
         compressed_ratio=ratio,
         store_bytes_per_s=store_bytes_per_s(samples, device.host_to_device_bytes_per_s),
-        network_bytes_per_s=result["bandwidth_bytes_per_s"],
+        network_bytes_per_s=network_bytes_per_s(result, workload),
         network_latency_s=0.0,
         draft_len=30,
         arrivals=(0.0,) * num_requests,
@@ -169,7 +168,8 @@ def _remote_prefix_base(
         element_size=ELEMENT_SIZE,
         compressed_token_share=1 / params["ratio"] if params.get("ratio") else 1.0,
         prefixes_in_turn=True,
-        network_receive_bytes_per_s=_receive_bytes_per_s(cells),
+        network_receive_bytes_per_s=receive_bytes_per_s(result),
+        workers_share_memory=True,  # every worker on this CPU
         **tier,
     )
 
@@ -181,18 +181,52 @@ def store_bytes_per_s(records: list[dict], default: float) -> float:
     return sum(r["store_bytes"] for r in records) / store_s if store_s > 0 else default
 
 
-def _receive_bytes_per_s(cells: list[dict]) -> float | None:
-    """What taking in fetched KV costs a drafter, from the run: the drafters' CPU in FULL_REMOTE
-    beyond the verifier's in FULL_LOCAL for the same stream (the same decoding), per byte the
-    link delivered. None where the run fetched nothing or shows no cost."""
-    by_mode = {(c["mode"], c["num_drafters"]): c["samples"] for c in cells}
-    local, remote = by_mode.get(("full_local", 1)), by_mode.get(("full_remote", 1))
-    if not local or not remote:
-        return None
-    decoding_s = statistics.mean(s["cpu_s"]["verifiers"] for s in local)
-    extra_s = statistics.mean(s["cpu_s"]["drafters"] for s in remote) - decoding_s
-    fetched = statistics.mean(s["link_bytes"] for s in remote)
-    return fetched / extra_s if extra_s > 0 and fetched > 0 else None
+def network_bytes_per_s(result: dict, workload: str) -> float:
+    """The slow link as a fetch of full KV crosses it, in the simulator's bytes (the KV's): the
+    wire carries the codec's bytes, and the sender encodes each piece before the link paces it
+    (ThrottledLink books a piece once it is encoded), so a wire byte takes 1 / bandwidth + 1 / the
+    sender's encoding rate: its CPU in FULL_REMOTE, where serving KV is all it does, per byte."""
+    serves, kv_per_wire = _full_remote(result, workload)
+    wire_s = 1 / result["bandwidth_bytes_per_s"]
+    sent = sum(s["link_bytes"] for s in serves)
+    if sent > 0:
+        wire_s += sum(s["cpu_s"]["verifiers"] for s in serves) / sent
+    return kv_per_wire / wire_s
+
+
+def receive_bytes_per_s(result: dict) -> float | None:
+    """How fast a drafter takes in a prefix whose last piece has arrived (the codec's last pieces
+    decoded and checked, its cache built), in KV bytes/s: its FULL_REMOTE requests' waits for
+    their fetches beyond the link's time for the bytes (`network_bytes_per_s`), per KV byte. A
+    wait behind another fetch on the link only lengthens them, so each stream bounds the rate
+    from below: the highest bound. None where no stream shows such a wait."""
+    bounds = []
+    for workload in (FEW, MANY):
+        serves, kv_per_wire = _full_remote(result, workload)
+        fetched = kv_per_wire * sum(s["link_bytes"] for s in serves)
+        if fetched == 0:
+            continue
+        on_link_s = fetched / network_bytes_per_s(result, workload)
+        tail_s = sum(s.get("link_wait_s", 0.0) for s in serves) - on_link_s
+        if tail_s > 0:
+            bounds.append(fetched / tail_s)
+    return max(bounds, default=None)
+
+
+def _stream(result: dict, workload: str) -> tuple[list[dict], list[dict]]:
+    """A stream's cells and prefixes."""
+    cells = [c for c in result["cells"] if c.get("workload", FEW) == workload]
+    return cells, result["prefixes"] if workload == FEW else result.get("many_prefixes", [])
+
+
+def _full_remote(result: dict, workload: str) -> tuple[list[dict], float]:
+    """A stream's FULL_REMOTE serves, and its prefixes' full KV bytes per byte on the wire (1
+    where the run did not record their KV's bytes)."""
+    cells, prefixes = _stream(result, workload)
+    serves = [s for c in cells if c["mode"] == "full_remote" for s in c["samples"]]
+    if not prefixes or any("full_kv_bytes" not in p for p in prefixes):
+        return serves, 1.0
+    return serves, statistics.mean(p["full_kv_bytes"] / p["full_wire_bytes"] for p in prefixes)
 
 
 def prompt_suffix_tokens(tokenizer) -> int:
@@ -205,14 +239,33 @@ def prompt_suffix_tokens(tokenizer) -> int:
 
 
 def _cell_acceptance(cell: dict, by_name: dict[str, dict], max_tokens: int) -> AcceptanceTrace:
-    """A VERICACHE cell's own rounds; an AUTO cell's VERICACHE twin's (same stream, draft length
-    and drafters), the acceptance of the requests it sends that way."""
-    if cell["mode"] == "auto":
-        twin = Cell("vericache", cell["num_drafters"], cell["draft_len"], workload=cell["workload"])
-        cell = by_name[twin.name]
+    """A VERICACHE cell's own rounds; an AUTO cell's VERICACHE twin's."""
+    cell = _vericache_twin(cell, by_name)
     if cell["mode"] != "vericache":
         return AcceptanceTrace("full-KV decoding drafts nothing", (0,))
     return served_acceptance(cell["samples"], cell["draft_len"], max_tokens, cell["name"])
+
+
+def _rounds_by_session(cell: dict, by_name: dict[str, dict], wave: int) -> tuple:
+    """The accepted drafts of each round of each request as a VERICACHE cell (an AUTO cell's
+    twin) served them, most of its serves alike (greedy requests accept the same in each), the
+    untimed first wave's (the stream's first `wave` requests, once more) before the stream's;
+    none where it recorded none."""
+    cell = _vericache_twin(cell, by_name)
+    served = [s.get("accepted_per_round_by_request") for s in cell["samples"]]
+    if cell["mode"] != "vericache" or not all(served):
+        return ()
+    by_request = max(served, key=served.count)
+    return tuple(tuple(rounds) for rounds in by_request[:wave] + by_request)
+
+
+def _vericache_twin(cell: dict, by_name: dict[str, dict]) -> dict:
+    """An AUTO cell's VERICACHE twin (same stream, draft length and drafters), whose acceptance
+    the requests it sends that way have; any other cell itself."""
+    if cell["mode"] != "auto":
+        return cell
+    twin = Cell("vericache", cell["num_drafters"], cell["draft_len"], workload=cell["workload"])
+    return by_name[twin.name]
 
 
 def served_acceptance(
@@ -254,15 +307,14 @@ def mean_over_seeds(scenario, tokens_per_s: Callable[[object], float]) -> float:
     return statistics.mean(tokens_per_s(replace(scenario, seed=seed)) for seed in range(NUM_SEEDS))
 
 
-def _steady_tokens_per_s(scenario: RemotePrefixScenario, simulate) -> float:
-    """Tokens/s of the stream after a first wave of `concurrency` requests, as the benchmark
-    serves that wave untimed first: the stream behind the wave less the wave alone."""
+def _timed_tokens_per_s(scenario: RemotePrefixScenario, simulate) -> float:
+    """Tokens/s of the stream as the benchmark times it: after a first wave of `concurrency`
+    requests served to its end untimed (the workers' caches warm, their pipeline empty), the
+    whole stream from its start to its last token."""
     wave = scenario.concurrency or 1
     stream = len(scenario.arrivals)
-    with_wave = simulate(replace(scenario, arrivals=(0.0,) * (wave + stream)))
-    alone = simulate(replace(scenario, arrivals=(0.0,) * wave))
-    tokens = with_wave.num_output_tokens - alone.num_output_tokens
-    return tokens / (with_wave.elapsed_s - alone.elapsed_s)
+    arrivals = (0.0,) * (wave + stream)
+    return simulate(replace(scenario, arrivals=arrivals, warmup_sessions=wave)).timed_tokens_per_s
 
 
 # --- Long context ----------------------------------------------------------------------------

@@ -95,6 +95,7 @@ def serve_stagger_scenario(
         # what the device has left). Results without the key were served with 4 GiB.
         drafter_prefix_cache_bytes=result.get("drafter_kv_cache_bytes", 4 << 30),
         prefixes_in_turn=True,
+        workers_share_memory=True,  # every worker on this CPU
     )
 
 

@@ -13,13 +13,15 @@ import statistics
 import pytest
 
 from vericache.bench import sim_validate, sim_validate_serve
-from vericache.bench.remote_prefix_cells import MANY, Cell
+from vericache.bench.remote_prefix_cells import FEW, MANY, Cell
 from vericache.bench.serve_stagger import POLICIES
 from vericache.bench.sim_validate_scenarios import (
     NUM_SEEDS,
     gpu_predictions,
     long_context_predictions,
     measured_acceptance,
+    network_bytes_per_s,
+    receive_bytes_per_s,
     remote_prefix_predictions,
     served_rounds,
     stagger_predictions,
@@ -41,13 +43,15 @@ CPU = DeviceProfile(
 
 
 def _sample(mode: str, tokens_per_s: float, accepted: float | None = None) -> dict:
-    # The drafter's CPU in FULL_REMOTE beyond the verifier's in FULL_LOCAL: taking in 120 MB.
+    # FULL_REMOTE fetches 120 MB over the 30 MB/s link, which the verifier encodes at 240 MB/s:
+    # 4.5 s on the wire, and its requests waited 0.5 s more for the drafter to take it in.
     cpu = {"full_local": (0.0, 3.0), "full_remote": (5.0, 0.5)}.get(mode, (3.0, 2.0))
     return {
         "tokens_per_s": tokens_per_s, "num_tokens": 4 * 32, "mean_accepted_per_round": accepted,
         "store_bytes": 40_000_000 if mode == "full_local" else 0,
         "store_wait_s": 0.04 if mode == "full_local" else 0.0,
         "link_bytes": 120_000_000 if mode == "full_remote" else 0,
+        "link_wait_s": 5.0 if mode == "full_remote" else 0.0,
         "cpu_s": {"drafters": cpu[0], "verifiers": cpu[1]},
     }  # fmt: skip
 
@@ -65,8 +69,10 @@ REMOTE_PREFIX = {
     "config": {"compressor": "snapkv-4x-bf16", "num_prefixes": 2, "num_requests": 4,
                "max_tokens": 32, "concurrency": 2},
     "prefixes": [
-        {"num_tokens": 1200, "compressed_wire_bytes": 7_000_000, "full_wire_bytes": 55_000_000},
-        {"num_tokens": 1400, "compressed_wire_bytes": 8_000_000, "full_wire_bytes": 64_000_000},
+        {"num_tokens": 1200, "compressed_wire_bytes": 7_000_000, "full_wire_bytes": 55_000_000,
+         "full_kv_bytes": 55_296_000},
+        {"num_tokens": 1400, "compressed_wire_bytes": 8_000_000, "full_wire_bytes": 64_000_000,
+         "full_kv_bytes": 64_512_000},
     ],
     "bandwidth_bytes_per_s": 30e6,
     "drafter_kv_cache_bytes": 90_000_000,
@@ -240,14 +246,67 @@ def test_both_schedulings_are_simulated_by_their_own_scheduler():
     assert staggered.predicted_tokens_per_s > lockstep.predicted_tokens_per_s
 
 
-def test_taking_fetched_kv_in_costs_the_drafter_what_the_run_measured(tokenizer):
-    """The drafters' CPU beyond the verifier's for the same stream, per byte fetched, slows the
-    simulated FULL_REMOTE; none measured, none charged."""
+def test_a_fetch_crosses_the_wire_in_codec_bytes_behind_the_senders_encoding():
+    """The simulator's link moves KV bytes: the run's bandwidth in wire bytes, each also waiting
+    for the verifier to encode it (its CPU in FULL_REMOTE per byte sent)."""
+    kv_per_wire = statistics.mean((55_296_000 / 55_000_000, 64_512_000 / 64_000_000))
+    wire_s = 1 / 30e6 + 0.5 / 120e6
+    assert network_bytes_per_s(REMOTE_PREFIX, FEW) == pytest.approx(kv_per_wire / wire_s)
+
+
+def test_taking_fetched_kv_in_costs_the_drafter_what_its_requests_waited(tokenizer):
+    """What FULL_REMOTE's requests waited for their fetches beyond the link's time for the bytes
+    is the drafter's take-in (0.5 s for 120 MB here), and slows the simulated FULL_REMOTE; none
+    waited, none charged."""
+    fetched = 120e6 * statistics.mean((55_296_000 / 55_000_000, 64_512_000 / 64_000_000))
+    assert receive_bytes_per_s(REMOTE_PREFIX) == pytest.approx(fetched / 0.5)
     charged = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)[1]
     free = copy.deepcopy(REMOTE_PREFIX)
-    free["cells"][1]["samples"][0]["cpu_s"]["drafters"] = 1.0  # less than decoding alone
+    free["cells"][1]["samples"][0]["link_wait_s"] = 4.5  # the link's time alone
+    assert receive_bytes_per_s(free) is None
     uncharged = remote_prefix_predictions(free, MODEL, CPU, tokenizer)[1]
     assert charged.predicted_tokens_per_s < uncharged.predicted_tokens_per_s
+
+
+def test_vericache_requests_accept_what_each_accepted_when_served(tokenizer):
+    """The same rounds in another order of the requests: a draw from the pooled rounds sees no
+    difference, the run's own order does. A request whose rounds keep 2 drafts takes 11 rounds
+    for its 32 tokens, one that keeps 8 four: served last, it decodes alone at the stream's end."""
+    long, short = [8, 8, 8, 3], [2] * 10 + [0]
+    early = copy.deepcopy(REMOTE_PREFIX)
+    early["cells"][3]["samples"][0]["accepted_per_round_by_request"] = [long, short, long, long]
+    last = copy.deepcopy(early)
+    last["cells"][3]["samples"][0]["accepted_per_round_by_request"] = [long, long, long, short]
+    by_early = remote_prefix_predictions(early, MODEL, CPU, tokenizer)[3]
+    by_last = remote_prefix_predictions(last, MODEL, CPU, tokenizer)[3]
+    assert by_last.predicted_tokens_per_s < 0.95 * by_early.predicted_tokens_per_s
+
+
+def test_an_earlier_cpu_calibration_without_a_co_runner_takes_the_bundled_cpus():
+    earlier = {"profile": dataclasses.asdict(CPU), "dtype": "float32"}
+    calibration = sim_validate._with_co_runner(earlier)
+    bundled = device_profile("cpu").co_runner_slowdown
+    assert calibration["profile"]["co_runner_slowdown"] == bundled > 1
+    assert calibration["co_runner"]["source"] == device_profile("cpu").source
+    measured = earlier | {"co_runner": {"slowdown": 1.1}}
+    assert sim_validate._with_co_runner(measured) is measured
+
+
+def test_the_committed_runs_full_kv_cells_on_the_drafter_are_predicted_within_a_quarter(
+    tmp_path,
+):
+    """The committed CPU run simulated again: the cells where the drafter decodes full KV it
+    fetched, or where both workers decode at once, which a simulator that timed the stream
+    without its first wave's end, priced no co-runner and fetched at the bare link's rate
+    predicted 36-48% fast."""
+    from vericache.cli.bench import parse_benchmark_args
+
+    committed = sim_validate.RESULTS / "sim_validate.json"
+    module, args = parse_benchmark_args("sim-validate", ["--from-json", str(committed)])
+    errors = module.run(args)["summary"]["relative_error_by_configuration"]
+    for name in ("full_remote d=1", "full_both d=1", "vericache x=8 d=1 per-request"):
+        assert abs(errors[f"remote-prefix: {name}"]) < 0.25, name
+    assert abs(errors["remote-prefix: many-prefixes: full_remote d=1"]) < 0.25
 
 
 def test_served_rounds_are_rebuilt_from_the_budget():

@@ -22,12 +22,15 @@ class SimJob:
     done: Callable[[], None]
     on_step: Callable[[], None] | None = None  # after each of its forwards (a token committed)
     steps_taken: int = 0
+    is_prefill: bool = False  # passes in a few forwards: not part of the worker's steady batch
 
 
 def chunked_job(rows: list[Row], done: Callable[[], None]) -> SimJob:
     """A prefill in chunks (`rows`, in order): one chunk a forward, each batched with the device's
     other rows, as chunked prefill runs it."""
-    job = SimJob(lambda: rows[min(job.steps_taken, len(rows) - 1)], len(rows), done)
+    job = SimJob(
+        lambda: rows[min(job.steps_taken, len(rows) - 1)], len(rows), done, is_prefill=True
+    )
     return job
 
 
@@ -57,6 +60,11 @@ class SimBatchLoop:
     def current_rows(self) -> list[Row]:
         """The rows its next forward would hold, were no job to join or leave: its load now."""
         return [job.row() for job in self._active + self._arrived]
+
+    def steady_rows(self) -> list[Row]:
+        """`current_rows` but the prefills': the decodes, drafts and verifications that set
+        the worker's pace from one forward to the next."""
+        return [job.row() for job in self._active + self._arrived if not job.is_prefill]
 
     def _step(self) -> None:
         self._active += self._arrived

@@ -141,6 +141,10 @@ class SimReport:
 
     num_output_tokens: int = 0
     elapsed_s: float = 0.0
+    # Where an untimed first wave ran (RemotePrefixScenario.warmup_sessions): when the rest began,
+    # and the tokens the wave emitted.
+    timed_from_s: float = 0.0
+    untimed_tokens: int = 0
     num_forwards: int = 0
     device_busy_s: float = 0.0
     link_bytes: int = 0
@@ -170,6 +174,12 @@ class SimReport:
     @property
     def tokens_per_s(self) -> float:
         return self.num_output_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def timed_tokens_per_s(self) -> float:
+        """Tokens/s after an untimed first wave (all of them where none ran)."""
+        elapsed = self.elapsed_s - self.timed_from_s
+        return (self.num_output_tokens - self.untimed_tokens) / elapsed if elapsed else 0.0
 
     def latency_percentile(self, share: float) -> float:
         ordered = sorted(self.latencies_s)

@@ -310,7 +310,7 @@ class VeriCacheRequest:
 
     def _verified(self) -> None:
         num_drafts = self.seq.num_drafts
-        outcome = self.seq.verify(self.run.scenario.acceptance.accepted(num_drafts, self.run.rng))
+        outcome = self.seq.verify(self.run.accepted(self.turns, num_drafts))
         self.run.report.accepted_per_round.append(self.seq.seq.stats.accepted_per_round[-1])
         self.run.report.draft_lens.append(num_drafts)
         self._committed(len(outcome.committed), exact_tokens=len(outcome.committed))

@@ -255,10 +255,9 @@ def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
     """The worker's next forward with `rows` added to what it holds now, and to one more like
     the first for each session placed there and within its room that has not reached its batch
     yet (its KV on the way), taken to share its prefix with none (its prefix is not known here)."""
-    # A prefill's chunks pass in a few forwards: the steady batch is its decodes, drafts and
-    # verifications.
-    limit = run.scenario.draft_len + 1
-    current = [row for row in worker.loop.current_rows() if row.num_new_tokens <= limit]
+    # A prefill's chunks pass in a few forwards (a short one is no verification, whatever its
+    # size): the steady batch is the decodes, drafts and verifications.
+    current = worker.loop.steady_rows()
     num_placed = max(0, min(worker.num_requests, room) - len(current))
     return run.scenario.forward_s(current + [rows[0].unshared()] * num_placed + rows)
 

@@ -45,11 +45,18 @@ class RemotePrefixScenario:
     output_lengths: OutputLengths
     acceptance: AcceptanceTrace
     seed: int = 0
+    # Where set, session i's rounds accept these drafts in turn (no more than each drafts), as a
+    # benchmark's greedy requests accept the same in every serve; past them, `acceptance` draws.
+    accepted_by_session: tuple[tuple[int, ...], ...] = ()
     tensor_parallel: int = 1  # devices per worker
     # True: a worker keeps a prefix's KV for every session over it, and after them (a paged
     # server's prefix caching); False: every session fetches its own copy (the paper's accounting)
     prefix_caching: bool = True
     concurrency: int | None = None  # a closed loop of this many requests in flight
+    # A closed loop's first this many sessions, served to their end before the others start: a
+    # benchmark's untimed first wave, which leaves the workers' caches warm and its pipeline
+    # empty (the report's `timed_from_s` and `untimed_tokens` say where the rest began).
+    warmup_sessions: int = 0
     element_size: int = 2  # bytes per weight, activation and KV element (bf16; float32: 4)
     # The prefix's tokens the compressed KV keeps: all (1.0) where it quantizes, 1/ratio where it
     # drops tokens; drafts attend over these, at compressed_ratio of the full bytes in all.
@@ -88,6 +95,11 @@ class RemotePrefixScenario:
     # it ends, its prompt the one before with that turn's output and a new suffix appended.
     turns_per_session: int = 1
     prefill_chunk_tokens: int = 2048  # a prefill's tokens per forward (chunked prefill)
+    # Every worker on one machine's memory system (a CPU's workers, as the benchmarks serve them):
+    # a forward runs the device's measured co-runner slowdown beyond 1 slower for each other
+    # worker computing as it starts, as `mode: auto` prices it (serve/path_costs.py). False:
+    # each worker has its device's memory to itself (a GPU's).
+    workers_share_memory: bool = False
 
     def __post_init__(self):
         counts = (self.num_verifiers, self.num_drafters, self.prefix_tokens, self.num_prefixes)
@@ -99,6 +111,12 @@ class RemotePrefixScenario:
             raise InvalidRequestError("compressed_token_share lies in (0, 1]")
         if self.concurrency is not None and self.concurrency < 1:
             raise InvalidRequestError("concurrency must be >= 1")
+        if self.warmup_sessions and (
+            self.concurrency is None or not 0 < self.warmup_sessions < len(self.arrivals)
+        ):
+            raise InvalidRequestError(
+                "warmup_sessions needs a concurrency and leaves some of the arrivals after it"
+            )
         receive = self.network_receive_bytes_per_s
         if receive is not None and not receive > 0:
             raise InvalidRequestError("network_receive_bytes_per_s must be > 0")

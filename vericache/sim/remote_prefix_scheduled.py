@@ -169,7 +169,7 @@ class _ScheduledRequest(VeriCacheRequest):
     def report(self) -> tuple[int, bool]:
         """Commits the verified round; returns the accepted drafts and whether it finished."""
         num_drafts = self.seq.num_drafts
-        outcome = self.seq.verify(self.run.scenario.acceptance.accepted(num_drafts, self.run.rng))
+        outcome = self.seq.verify(self.run.accepted(self.turns, num_drafts))
         accepted = self.seq.seq.stats.accepted_per_round[-1]
         self.run.report.accepted_per_round.append(accepted)
         self.run.report.draft_lens.append(num_drafts)

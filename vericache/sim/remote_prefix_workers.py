@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING, Protocol
 
 from vericache.errors import InvalidRequestError
 from vericache.scheduler.placement import Candidate, place
-from vericache.sim.batch_loop import SimBatchLoop, chunked_job
+from vericache.sim.batch_loop import SimBatchLoop
+from vericache.sim.closed_loop import ClosedLoop
 from vericache.sim.cost import Row
 from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
 from vericache.sim.host_tier import HostTier, Source, TieredFetch
 from vericache.sim.kv_memory import WorkerMemory
 from vericache.sim.long_context import SimReport
+from vericache.sim.prefix_arrival import PrefixPrefill, ReceivedLink
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.residency import SimResidency
 
@@ -44,6 +46,8 @@ class SessionTurns:
     output_lengths: tuple[int, ...]
     index: int = 0
     history_tokens: int = 0
+    number: int = 0  # the session's place in the scenario's order of arrivals
+    num_rounds: int = 0  # VeriCache rounds its turns have verified
 
     @property
     def is_last(self) -> bool:
@@ -91,14 +95,16 @@ class Worker:
         # A verifier's residency keeps its budget apart from the prefixes, as the served one.
         room = scenario.kv_room_bytes - (resident_bytes or 0)
         inbound = (
-            self.link if receive_bytes_per_s is None else _Received(self, name, receive_bytes_per_s)
+            self.link
+            if receive_bytes_per_s is None
+            else ReceivedLink(self, name, receive_bytes_per_s)
         )
         # Where its device gets a prefix it lacks, and when one would land. With neither a host
         # tier nor recomputing, the link is the only way: its memory sends over it itself, and
         # the report counts no source.
         holds_up = (lambda: self.loop.num_jobs) if run.weighs_recompute else None
         self.fetches = TieredFetch(
-            self.link, self.host_link, self.host_tier, _Prefill(self), inbound.send, holds_up
+            self.link, self.host_link, self.host_tier, PrefixPrefill(self), inbound.send, holds_up
         )
         has_choice = self.host_tier is not None or scenario.recompute_prefixes
         self.memory = WorkerMemory(
@@ -111,11 +117,17 @@ class Worker:
 
     def _forward_s(self, rows: list[Row]) -> float:
         cost = self.run.scenario.forward_cost(rows)
+        seconds = cost.seconds * self.run.co_runner_slowdown(self)
         if cost.is_compute_bound:
-            self.compute_bound_s += cost.seconds
+            self.compute_bound_s += seconds
         else:
-            self.memory_bound_s += cost.seconds
-        return cost.seconds
+            self.memory_bound_s += seconds
+        return seconds
+
+    @property
+    def is_computing(self) -> bool:
+        """Whether its device has forwards to run: running one, or jobs between two."""
+        return self.loop.num_jobs > 0 or self.loop.device.is_busy
 
     def tier_holds_full(self, prefix: int) -> bool:
         """Whether its host tier holds the prefix's full KV."""
@@ -202,7 +214,7 @@ class Run:
             for i in range(scenario.num_drafters)
         ]  # fmt: skip
         self.report = SimReport(sources=(scenario.device.source, scenario.acceptance.source))
-        self._pending: list[tuple[int, SessionTurns]] = []  # a closed loop's next
+        self._loop: ClosedLoop[tuple[int, SessionTurns]] | None = None  # with a concurrency
         self._start: Start | None = None
 
     @property
@@ -217,14 +229,18 @@ class Run:
         self._start = start
         jobs = sessions(self.scenario)
         if self.scenario.concurrency is None:
-            for arrival, prefix, lengths in jobs:
-                turns = SessionTurns(lengths)
+            for number, (arrival, prefix, lengths) in enumerate(jobs):
+                turns = SessionTurns(lengths, number=number)
                 self.sim.at(arrival, lambda p=prefix, u=turns, t=arrival: start(self, p, u, t))
         else:
-            pending = reversed(jobs)
-            self._pending = [(prefix, SessionTurns(lengths)) for _, prefix, lengths in pending]
-            for _ in range(self.scenario.concurrency):
-                self._start_next()
+            pending = [
+                (prefix, SessionTurns(lengths, number=number))
+                for number, (_, prefix, lengths) in enumerate(jobs)
+            ]
+            self._loop = ClosedLoop(
+                pending, self.scenario.concurrency, self._start_now, self.scenario.warmup_sessions
+            )
+            self._loop.begin()
         self.sim.run()
         if len(self.report.latencies_s) != len(jobs):
             raise InvalidRequestError(
@@ -269,6 +285,24 @@ class Run:
             "verifiers": shares(self.verifiers, "store_link"),
             "drafters": shares(self.drafters, "network_link"),
         }
+
+    def accepted(self, turns: SessionTurns, num_drafts: int) -> int:
+        """The drafts a round of `num_drafts` on the session accepts: its next recorded round
+        where the scenario has one (no more than it drafts), else one drawn from its acceptance."""
+        recorded = self.scenario.accepted_by_session
+        rounds = recorded[turns.number] if turns.number < len(recorded) else ()
+        turns.num_rounds += 1
+        if turns.num_rounds <= len(rounds):
+            return min(rounds[turns.num_rounds - 1], num_drafts)
+        return self.scenario.acceptance.accepted(num_drafts, self.rng)
+
+    def co_runner_slowdown(self, worker: Worker) -> float:
+        """A forward's time on `worker` over its time alone: where the workers share one memory
+        system, the device's measured slowdown beyond 1 for each other worker computing now."""
+        if not self.scenario.workers_share_memory:
+            return 1.0
+        busy = sum(1 for other in self.workers if other is not worker and other.is_computing)
+        return 1 + (self.scenario.device.co_runner_slowdown - 1) * busy
 
     @functools.cached_property
     def prefix_prefill_s(self) -> float:
@@ -344,27 +378,30 @@ class Run:
             self.sim.at(self.sim.now, lambda: self._start(self, prefix, turns, arrival_s))
             return
         self.report.latencies_s.append(self.sim.now - request.arrival_s)
-        if self.scenario.concurrency is not None:
-            self._start_next()
+        if self._loop is not None and self._loop.ended():  # the untimed wave's last
+            self.report.timed_from_s = self.sim.now
+            self.report.untimed_tokens = self.report.num_output_tokens
 
-    def _start_next(self) -> None:
-        if self._pending:
-            prefix, turns = self._pending.pop()
-            now = self.sim.now
-            self.sim.at(now, lambda: self._start(self, prefix, turns, now))
+    def _start_now(self, session: tuple[int, SessionTurns]) -> None:
+        prefix, turns = session
+        now = self.sim.now
+        self.sim.at(now, lambda: self._start(self, prefix, turns, now))
 
 
 def sessions(scenario: RemotePrefixScenario) -> list[tuple[float, int, tuple[int, ...]]]:
     """Each session's arrival, prefix and turns' output lengths: the same draws in every
-    configuration of a scenario."""
+    configuration of a scenario. With prefixes in turn, an untimed first wave asks the prefixes
+    the sessions after it start with, as a benchmark's wave serves its stream's first requests."""
     draws = random.Random(scenario.seed)
     drawn = []
-    num_prefixes, in_turn = scenario.num_prefixes, scenario.prefixes_in_turn
+    num_prefixes, wave = scenario.num_prefixes, scenario.warmup_sessions
     for index, arrival in enumerate(sorted(scenario.arrivals)):
         turns = scenario.turns_per_session
         lengths = tuple(scenario.output_lengths.draw(draws) for _ in range(turns))
         prefix = draws.randrange(num_prefixes)  # drawn either way: the same lengths follow
-        drawn.append((arrival, index % num_prefixes if in_turn else prefix, lengths))
+        if scenario.prefixes_in_turn:
+            prefix = (index if index < wave else index - wave) % num_prefixes
+        drawn.append((arrival, prefix, lengths))
     return drawn
 
 
@@ -382,40 +419,3 @@ def binding(utilization: dict[str, dict[str, float]]) -> str:
     (share, role, name), (next_share, next_role, next_name) = ranked[0], ranked[1]
     busiest = f"{role}' {name} ({share:.0%}), then {next_role}' {next_name} ({next_share:.0%})"
     return busiest if share >= BINDING_SHARE else f"arrivals (busiest: {busiest})"
-
-
-class _Prefill:
-    """A worker's prefill of a full prefix it lacks (host_tier.Recompute), where the scenario lets
-    it recompute: chunks of the prompt, batched with its device's other rows."""
-
-    def __init__(self, worker: Worker):
-        self.worker = worker
-
-    def seconds(self, prefix: PrefixKey) -> float | None:
-        if not self.worker.run.scenario.recompute_prefixes or prefix.is_compressed:
-            return None
-        return self.worker.run.prefix_prefill_s
-
-    def run(self, prefix: PrefixKey, done: Callable[[], None]) -> None:
-        self.worker.loop.submit(chunked_job(self.worker.run.scenario.prefix_prefill_rows(), done))
-
-
-class _Received:
-    """A worker's inbound link for prefixes whose every arrival is then taken in (decoded and
-    checked) before its session can use it: by the worker's host, one prefix at a time, beside
-    its device's forwards. The drafter takes a prefix in on the thread of the call that opened
-    its session while its batch loop runs other sessions' forwards: on a GPU worker the host CPU
-    does it, on the CPU benchmarks' worker the machine's second core. Charging it to the device
-    between forwards instead predicted bench remote-prefix's FULL_REMOTE 16-19% slow; beside
-    them, within 7%."""
-
-    def __init__(self, worker: Worker, name: str, bytes_per_s: float):
-        self.worker = worker
-        self.host = Device(worker.loop.device.sim, f"{name}-host")
-        self.bytes_per_s = bytes_per_s
-
-    def send(self, nbytes: int, delivered: Callable[[], None]) -> None:
-        def take_in() -> None:
-            self.host.submit(nbytes / self.bytes_per_s, delivered)
-
-        self.worker.link.send(nbytes, take_in)
