@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.compressor_table import TABLE, pick, row_id
+from tests.timing import SLACK, slept_s
 from vericache.compress import KIVI, StreamingLLM
 from vericache.engine.device_memory import (
     DeviceMemory,
@@ -349,10 +350,10 @@ def test_cpu_loader_honours_its_bandwidth(tiny_engine):
     finally:
         loader.close()
     expected = host.nbytes / bandwidth  # 0.2 s each
-    # Never faster than the link; slower only by how late a busy 2-core machine wakes the loader
-    # (loosely bounded: the bound that matters is the lower one).
-    assert 0.98 * expected <= first.load_s <= 10 * expected
-    assert 1.96 * expected <= elapsed <= 20 * expected
+    # Never faster than the link; slower only by how late a busy machine wakes the loader, as it
+    # wakes a plain sleep of as long.
+    assert 0.98 * expected <= first.load_s <= SLACK * slept_s(expected)
+    assert 1.96 * expected <= elapsed <= SLACK * slept_s(2 * expected)
     for layer, loaded in zip(cache.layers, second.cache.layers):
         assert torch.equal(layer.keys_values()[0][:2000], loaded.keys_values()[0][:2000])
         assert torch.equal(layer.positions(), loaded.positions())
