@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from vericache.calibration.calibrate import CalibrationPlan, calibrate
 from vericache.cli.main import main
 from vericache.errors import InvalidRequestError
 from vericache.sim import calibration_fit as calibration
-from vericache.sim.calibrate import CalibrationPlan, calibrate
 from vericache.sim.profiles import DeviceProfile, ModelProfile, device_profile
 
 TINY = ModelProfile(

@@ -1,5 +1,5 @@
-"""`vericache calibrate`: measures a device for the simulator (vericache/sim/calibrate.py) and
-writes its profile, with the measurements behind it, as one small JSON."""
+"""`vericache calibrate`: measures a device for the simulator (vericache/calibration/calibrate.py)
+and writes its profile, with the measurements behind it, as one small JSON."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def run(args) -> int:
         raise InvalidRequestError(f"no directory {args.out.parent} to write the profile in")
     import torch  # here: the simulator's other commands run without it
 
-    from vericache.sim.calibrate import CalibrationPlan, calibrate
+    from vericache.calibration.calibrate import CalibrationPlan, calibrate
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise InvalidRequestError("--device cuda: CUDA is not available here")

@@ -2,7 +2,7 @@
 machine's, or one GPU's), busy now and over a request's life.
 
 Such workers slow each other down: every forward streams its weights and KV from the same memory
-(a CPU machine's DRAM bandwidth; vericache/sim/co_runner.py measures how much). `mode: auto`
+(a CPU machine's DRAM bandwidth; vericache/calibration/co_runner.py measures how much). `mode: auto`
 prices a path on a worker at the co-runners busy now (path_costs.py), and corrects its prices by
 what a request took against the co-runners that were busy, on average, while it ran.
 """

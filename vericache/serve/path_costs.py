@@ -143,8 +143,8 @@ class PathCosts:
 
     def slowdown(self, co_runners: float) -> float:
         """A forward's time beside `co_runners` busy workers on its memory system over alone:
-        each adds the profile's measured slowdown beyond 1 (co_runner.py measures one; more are
-        taken to add alike, as they share one memory bus)."""
+        each adds the profile's measured slowdown beyond 1 (vericache/calibration/co_runner.py
+        measures one; more are taken to add alike, as they share one memory bus)."""
         return 1 + (self.device.co_runner_slowdown - 1) * max(0.0, co_runners)
 
     def _row(self, shape: RequestShape, num_new: int, compressed: bool) -> Row:

@@ -92,8 +92,8 @@ class DeviceProfile:
     # flops / peak)). Empty: the roofline.
     product_curve: tuple[tuple[int, float], ...] = ()
     # A forward's time while another worker's forwards run on the same machine, over its time
-    # alone (co_runner.py): CPU workers of one machine share its memory system; each GPU has its
-    # own (1). Measured by `vericache calibrate` on a CPU.
+    # alone (vericache/calibration/co_runner.py): CPU workers of one machine share its memory
+    # system; each GPU has its own (1). Measured by `vericache calibrate` on a CPU.
     co_runner_slowdown: float = 1.0
 
     def __post_init__(self):

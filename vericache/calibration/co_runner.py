@@ -20,9 +20,9 @@ import time
 
 import torch
 
+from vericache.calibration.random_weights import filled_cache, random_runner
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.sim.profiles import ModelProfile
-from vericache.sim.random_weights import filled_cache, random_runner
 
 READY_TIMEOUT_S = 600.0  # the co-runner builds a model's slice of random weights first
 

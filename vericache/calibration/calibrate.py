@@ -1,6 +1,6 @@
 """`vericache calibrate`: a device profile measured on the device, for the simulator.
 
-The one part of vericache/sim that needs torch (the simulator reads only the JSON it writes). It
+It needs torch, which the simulator does not: vericache/sim reads only the JSON it writes. It
 builds random weights of the named architecture on the device (the whole model, or a slice of its
 layers where the whole does not fit) and times:
 - a layer's products through the engine's linear kernel at 1 to 512 rows;
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.calibration.co_runner import co_runner_slowdown
+from vericache.calibration.random_weights import filled_cache, random_layer, random_runner
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.errors import InvalidRequestError
 from vericache.sim.calibration_fit import refit
-from vericache.sim.co_runner import co_runner_slowdown
 from vericache.sim.profiles import DeviceProfile, ModelProfile
-from vericache.sim.random_weights import filled_cache, random_layer, random_runner
 
 log = logging.getLogger(__name__)
 
