@@ -121,7 +121,7 @@ def _measure(args) -> tuple[dict, dict]:
     quick benchmarks run, so that a drift of the machine's speed over the run averages out."""
     import torch
 
-    from vericache.sim.calibrate import CalibrationPlan, calibrate
+    from vericache.calibration.calibrate import CalibrationPlan, calibrate
 
     torch.set_num_threads(1)
     model = model_profile(ARCH)
