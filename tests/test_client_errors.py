@@ -158,3 +158,12 @@ def test_timeouts_raise_deadline_exceeded(fake):
         fake.connect(timeout=30).generate(FOREVER, timeout=0.2)  # the call's own overrides
     # It ends as the client's own 0.2 s deadline did, not after the client's 30 s.
     assert time.monotonic() - start <= SLACK * by_client
+
+
+def test_a_keyword_generate_does_not_take_is_refused_before_any_rpc(fake):
+    client = fake.connect()
+    with pytest.raises(InvalidRequestError, match="promt_id"):
+        client.generate("Hello", promt_id="p")  # a typo of prefix_id, not dropped silently
+    with pytest.raises(InvalidRequestError, match="promt_id"):
+        client.stream("Hello", promt_id="p")
+    assert sum(fake.state.calls.values()) == 0

@@ -35,7 +35,15 @@ from vericache.client.errors import (
     ServerUnavailableError,
 )
 from vericache.client.sync import Client, Stream
-from vericache.client.types import Compressor, ModeName, PrefixInfo, Progress, Result, Sampling
+from vericache.client.types import (
+    Compressor,
+    GenerateOptions,
+    ModeName,
+    PrefixInfo,
+    Progress,
+    Result,
+    Sampling,
+)
 
 __all__ = [
     "AsyncClient",
@@ -45,6 +53,7 @@ __all__ = [
     "Compressor",
     "DataLossError",
     "DeadlineExceededError",
+    "GenerateOptions",
     "InvalidRequestError",
     "ModeName",
     "PrefixInfo",

@@ -18,13 +18,12 @@ from vericache.client.errors import RequestCancelledError, VeriCacheError, error
 from vericache.client.protocol import (
     GenerateAccumulator,
     check_prefix_id,
-    generate_request,
-    prefix_compressor,
+    generate_call,
     prefix_id_from_progress,
     put_prefix_request,
 )
 from vericache.client.retry import Deadline, RetryPolicy, check_timeout
-from vericache.client.types import ModeName, PrefixInfo, Progress, Result, Sampling
+from vericache.client.types import GenerateOptions, PrefixInfo, Progress, Result
 from vericache.v1 import vericache_pb2, vericache_pb2_grpc
 
 
@@ -197,51 +196,14 @@ class AsyncClient:
         request = vericache_pb2.DeletePrefixRequest(prefix_id=check_prefix_id(prefix_id))
         return (await self._unary(self._stub.DeletePrefix, request, timeout)).deleted
 
-    async def generate(
-        self,
-        prompt: str,
-        *,
-        prefix_id: str | None = None,
-        mode: ModeName | None = None,
-        max_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        draft_len: int | None = None,
-        compressor: str | None = None,
-        ratio: float | None = None,
-        bits: int | None = None,
-        timeout: float | None = None,
-        **sampling: Unpack[Sampling],
-    ) -> Result:
+    async def generate(self, prompt: str, **options: Unpack[GenerateOptions]) -> Result:
         """Generates a reply to `prompt`; see `Client.generate`."""
-        async with self.stream(
-            prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
-            stop_token_ids=stop_token_ids, draft_len=draft_len, compressor=compressor,
-            ratio=ratio, bits=bits, timeout=timeout, **sampling,
-        ) as stream:  # fmt: skip
+        async with self.stream(prompt, **options) as stream:
             return await stream.result()
 
-    def stream(
-        self,
-        prompt: str,
-        *,
-        prefix_id: str | None = None,
-        mode: ModeName | None = None,
-        max_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        draft_len: int | None = None,
-        compressor: str | None = None,
-        ratio: float | None = None,
-        bits: int | None = None,
-        timeout: float | None = None,
-        **sampling: Unpack[Sampling],
-    ) -> AsyncStream:
+    def stream(self, prompt: str, **options: Unpack[GenerateOptions]) -> AsyncStream:
         """As `generate`, but an `AsyncStream` of text deltas (not a coroutine: `async for` it)."""
-        request = generate_request(
-            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids, sampling,
-            prefix_compressor(compressor, ratio, bits),
-        )  # fmt: skip
+        request, timeout = generate_call(prompt, options)
         return AsyncStream(self._messages(self._stub.Generate, request, timeout))
 
     async def close(self) -> None:

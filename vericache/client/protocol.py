@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from vericache.client.errors import InvalidRequestError, ServerError
-from vericache.client.types import Result, stats_to_dict
+from vericache.client.types import GenerateOptions, Result, Sampling, stats_to_dict
 from vericache.v1 import vericache_pb2
 
 MODES: dict[str, int] = {
@@ -67,6 +67,23 @@ def prefix_compressor(
             raise InvalidRequestError("ratio and bits are a compressor's strength: give compressor")
         return None
     return compressor_spec(compressor, ratio, bits)
+
+
+def generate_call(
+    prompt: str, options: GenerateOptions
+) -> tuple[vericache_pb2.GenerateRequest, float | None]:
+    """The Generate request `options` ask for, and the call's timeout. A keyword that is none of
+    `GenerateOptions`' is refused with the sampling keywords' check (a misspelt one), before any
+    RPC."""
+    get = options.get
+    named = GenerateOptions.__optional_keys__ - Sampling.__optional_keys__
+    sampling = {key: value for key, value in options.items() if key not in named}
+    request = generate_request(
+        prompt, get("prefix_id"), get("mode"), get("max_tokens"), get("stop", ()),
+        get("draft_len"), get("stop_token_ids", ()), sampling,
+        prefix_compressor(get("compressor"), get("ratio"), get("bits")),
+    )  # fmt: skip
+    return request, get("timeout")
 
 
 def generate_request(

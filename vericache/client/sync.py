@@ -14,13 +14,12 @@ from vericache.client.errors import RequestCancelledError, VeriCacheError, error
 from vericache.client.protocol import (
     GenerateAccumulator,
     check_prefix_id,
-    generate_request,
-    prefix_compressor,
+    generate_call,
     prefix_id_from_progress,
     put_prefix_request,
 )
 from vericache.client.retry import Deadline, RetryPolicy, check_timeout
-from vericache.client.types import ModeName, PrefixInfo, Progress, Result, Sampling
+from vericache.client.types import GenerateOptions, PrefixInfo, Progress, Result
 from vericache.v1 import vericache_pb2, vericache_pb2_grpc
 
 
@@ -216,64 +215,15 @@ class Client:
         request = vericache_pb2.DeletePrefixRequest(prefix_id=check_prefix_id(prefix_id))
         return self._unary(self._stub.DeletePrefix, request, timeout).deleted
 
-    def generate(
-        self,
-        prompt: str,
-        *,
-        prefix_id: str | None = None,
-        mode: ModeName | None = None,
-        max_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        draft_len: int | None = None,
-        compressor: str | None = None,
-        ratio: float | None = None,
-        bits: int | None = None,
-        timeout: float | None = None,
-        **sampling: Unpack[Sampling],
-    ) -> Result:
-        """Generates a reply to `prompt` after the registered prefix `prefix_id` (None: none).
-
-        `mode` is "auto" (the server chooses the fastest lossless path), "vericache" (lossless
-        speculative decoding), "full_local", "full_remote" or "lossy" (None: the server's
-        default, auto where a prefix is found); `draft_len` is the number of tokens drafted per
-        round (None: the server's), and `max_tokens` the most tokens generated (None: the
-        server's default, within the API key's limit).
-        Decoding stops at the first of `stop` (the text ends before it) or of `stop_token_ids`
-        (end tokens besides the model's EOS, kept in the output). `compressor` (with `ratio` or
-        `bits`) asks for the prefix's compressor: a named prefix must have been registered with
-        it, and without `prefix_id` only the prefixes registered with it are looked up (None:
-        any). `sampling`: temperature, top_p, top_k, min_p, seed, repetition_penalty,
-        presence_penalty, coupling (`Sampling`); none given: greedy decoding.
-        """
-        with self.stream(
-            prompt, prefix_id=prefix_id, mode=mode, max_tokens=max_tokens, stop=stop,
-            stop_token_ids=stop_token_ids, draft_len=draft_len, compressor=compressor,
-            ratio=ratio, bits=bits, timeout=timeout, **sampling,
-        ) as stream:  # fmt: skip
+    def generate(self, prompt: str, **options: Unpack[GenerateOptions]) -> Result:
+        """Generates a reply to `prompt`; `options` (`GenerateOptions`): the prefix, the mode,
+        the budget, stops, the prefix's compressor, the timeout and the sampling keywords."""
+        with self.stream(prompt, **options) as stream:
             return stream.result()
 
-    def stream(
-        self,
-        prompt: str,
-        *,
-        prefix_id: str | None = None,
-        mode: ModeName | None = None,
-        max_tokens: int | None = None,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        draft_len: int | None = None,
-        compressor: str | None = None,
-        ratio: float | None = None,
-        bits: int | None = None,
-        timeout: float | None = None,
-        **sampling: Unpack[Sampling],
-    ) -> Stream:
+    def stream(self, prompt: str, **options: Unpack[GenerateOptions]) -> Stream:
         """As `generate`, but returns a `Stream` of text deltas; its `result()` has the stats."""
-        request = generate_request(
-            prompt, prefix_id, mode, max_tokens, stop, draft_len, stop_token_ids, sampling,
-            prefix_compressor(compressor, ratio, bits),
-        )  # fmt: skip
+        request, timeout = generate_call(prompt, options)
         return Stream(self._messages(self._stub.Generate, request, timeout))
 
     def close(self) -> None:

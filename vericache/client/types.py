@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
@@ -28,6 +29,34 @@ class Sampling(TypedDict, total=False):
     repetition_penalty: float  # > 0, over prompt and output tokens
     presence_penalty: float  # [-2, 2], once per token in the output
     coupling: Literal["seeded", "rejection"]
+
+
+class GenerateOptions(Sampling, total=False):
+    """`generate`'s and `stream`'s keywords after the prompt, every one optional: written once here
+    for the sync and asyncio clients both.
+
+    `prefix_id`: the registered prefix the prompt follows (None: none, or the one the server
+    finds). `mode` is "auto" (the server chooses the fastest lossless path), "vericache" (lossless
+    speculative decoding), "full_local", "full_remote" or "lossy" (None: the server's default, auto
+    where a prefix is found); `draft_len` is the number of tokens drafted per round (None: the
+    server's), and `max_tokens` the most tokens generated (None: the server's default, within the
+    API key's limit). Decoding stops at the first of `stop` (the text ends before it) or of
+    `stop_token_ids` (end tokens besides the model's EOS, kept in the output). `compressor` (with
+    `ratio` or `bits`) asks for the prefix's compressor: a named prefix must have been registered
+    with it, and without `prefix_id` only the prefixes registered with it are looked up (None:
+    any). `timeout`: seconds for the call (None: the client's). The sampling keywords
+    (`Sampling`); none given: greedy decoding."""
+
+    prefix_id: str | None
+    mode: ModeName | None
+    max_tokens: int | None
+    stop: Sequence[str]
+    stop_token_ids: Sequence[int]
+    draft_len: int | None
+    compressor: str | None
+    ratio: float | None
+    bits: int | None
+    timeout: float | None
 
 
 @dataclass(frozen=True)
