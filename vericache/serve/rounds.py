@@ -244,7 +244,8 @@ async def _open_drafter(
     )  # fmt: skip
     opened = await drafter.open(call)
     served.add(opened.traffic)
-    served.reused_tokens = opened.reused_tokens
+    if role is not DraftRole.DRAFT:  # a DRAFT session prefills nothing: its verifier's counts
+        served.reused_tokens = opened.reused_tokens
     return opened
 
 
