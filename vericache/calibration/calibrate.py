@@ -20,15 +20,13 @@ import dataclasses
 import gc
 import logging
 import os
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from vericache.calibration.co_runner import co_runner_slowdown
 from vericache.calibration.random_weights import filled_cache, random_layer, random_runner
+from vericache.calibration.timing import median_seconds
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.errors import InvalidRequestError
 from vericache.sim.calibration_fit import refit
@@ -134,19 +132,6 @@ def calibrate(
 # --- Measurements ---------------------------------------------------------------------------------
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The median seconds of `fn` over `repeats` runs, after one untimed run."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
-
-
 def _products(model: ModelProfile, device, dtype, plan: CalibrationPlan) -> list[dict]:
     """A layer's products (QKV, output, gate-up and down projections, as the engine runs them) at
     each row count, over enough distinct copies of the layer that they stream from memory, not
@@ -166,7 +151,7 @@ def _products(model: ModelProfile, device, dtype, plan: CalibrationPlan) -> list
                 for linear, x in zip(layer, inputs):
                     linear(x)
 
-        seconds = _timed(run, device, plan.repeats)
+        seconds = median_seconds(run, device, plan.repeats)
         out.append(
             {
                 "rows": rows,
@@ -190,10 +175,10 @@ def _copies(device: torch.device, plan: CalibrationPlan) -> dict:
         with torch.cuda.stream(stream) if is_cuda else contextlib.nullcontext():
             target.copy_(host, non_blocking=True)
 
-    alone = _timed(copy, device, plan.repeats)
+    alone = median_seconds(copy, device, plan.repeats)
     square = torch.randn(2048, 2048, device=device)
-    beside = _timed(lambda: (copy(), square @ square), device, plan.repeats)
-    product = _timed(lambda: square @ square, device, plan.repeats)
+    beside = median_seconds(lambda: (copy(), square @ square), device, plan.repeats)
+    product = median_seconds(lambda: square @ square, device, plan.repeats)
     return {
         "bytes": plan.copy_bytes,
         "alone_bytes_per_s": plan.copy_bytes / alone,
@@ -224,7 +209,7 @@ def _forwards(model: ModelProfile, num_layers: int, device, dtype, plan) -> list
             for cache in caches:
                 cache.truncate(context)
 
-        seconds = _timed(step, device, plan.repeats)
+        seconds = median_seconds(step, device, plan.repeats)
         log.info(
             "%d layers, %d new tokens x %d at %d context%s: %.2f ms",
             num_layers, new_tokens, batch, context, " (exact)" if exact else "", seconds * 1e3,
@@ -248,11 +233,6 @@ def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _device_name(device: torch.device) -> str:

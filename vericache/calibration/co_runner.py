@@ -16,14 +16,15 @@ as many torch threads) runs the same steps without pause; the ratio of the two m
 from __future__ import annotations
 
 import multiprocessing
-import time
 
 import torch
 
 from vericache.calibration.random_weights import filled_cache, random_runner
+from vericache.calibration.timing import median_seconds
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.sim.profiles import ModelProfile
 
+CPU = torch.device("cpu")
 READY_TIMEOUT_S = 600.0  # the co-runner builds a model's slice of random weights first
 
 
@@ -33,7 +34,7 @@ def co_runner_slowdown(
     """A CPU decode step's median seconds alone and beside a co-runner, and their ratio (at
     least 1: a co-runner that costs nothing measures as 1)."""
     step = _decode_step(model, num_layers, context, dtype)
-    alone = _median_seconds(step, repeats)
+    alone = median_seconds(step, CPU, repeats)
     spawn = multiprocessing.get_context("spawn")
     ready, stop = spawn.Event(), spawn.Event()
     args = (model, num_layers, context, dtype, torch.get_num_threads(), ready, stop)
@@ -42,7 +43,7 @@ def co_runner_slowdown(
     try:
         if not ready.wait(READY_TIMEOUT_S):
             raise TimeoutError("the co-runner process did not start its forwards")
-        beside = _median_seconds(step, repeats)
+        beside = median_seconds(step, CPU, repeats)
     finally:
         stop.set()
         co_runner.join(timeout=60)
@@ -59,7 +60,7 @@ def co_runner_slowdown(
 
 def _decode_step(model: ModelProfile, num_layers: int, context: int, dtype):
     """One decode step over a filled cache, on the fast kernels (as a draft or a plain decode)."""
-    runner = random_runner(model, num_layers, torch.device("cpu"), dtype)
+    runner = random_runner(model, num_layers, CPU, dtype)
     loop, cache = ForwardLoop(runner), filled_cache(runner, context, room=1)
 
     def step() -> None:
@@ -67,17 +68,6 @@ def _decode_step(model: ModelProfile, num_layers: int, context: int, dtype):
         cache.truncate(context)
 
     return step
-
-
-def _median_seconds(step, repeats: int) -> float:
-    step()  # untimed: first-touch of the buffers
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        step()
-        samples.append(time.perf_counter() - started)
-    samples.sort()
-    return samples[len(samples) // 2]
 
 
 def _run_until_stopped(model, num_layers, context, dtype, num_threads, ready, stop) -> None:

@@ -20,7 +20,6 @@ Its forwards go through the engine's forward loop, batched across sessions.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -143,7 +142,7 @@ class Drafter:
             after_prefix = call.prompt_ids[call.num_prefix_tokens :]
             if call.role is DraftRole.FULL:
                 # A finished turn's KV of the prompt's first tokens, where one is kept.
-                reused = self._reuse_turn(call.prefix_id, after_prefix, cache)
+                reused = self._turns.reuse_into(call.prefix_id, after_prefix, cache)
                 history = TurnTokens(after_prefix)
             if call.role is not DraftRole.DRAFT:
                 suffix = torch.tensor(after_prefix[reused:], dtype=torch.long)
@@ -166,15 +165,6 @@ class Drafter:
             fetcher = self._fetcher(call.transfer_address, into_tier=True)
             self._warm.stream(call.prefix_id, nbytes, fetcher, proofs)
         return DrafterOpened(first, traffic, reused_tokens=reused)
-
-    def _reuse_turn(self, prefix_id: str, after_prefix: tuple[int, ...], cache: KVCache) -> int:
-        """Appends to `cache` (over the prefix) the KV of the longest leading run of
-        `after_prefix` that a finished turn kept; its length."""
-        reused = self._turns.match(prefix_id, after_prefix)
-        if reused is None:
-            return 0
-        cache.append_exact(reused)
-        return reused.num_tokens
 
     def _prefix_copy(
         self, call: OpenDrafter, nbytes: int
@@ -334,9 +324,8 @@ class Drafter:
         """Once no call uses it: its KV after the prefix kept for a later turn (FULL), its
         caches, and its pins on the prefix's copies."""
         if session.history is not None:
-            cache, num_prefix = session.cache, session.prefix.cache.num_tokens
-            kv_of = functools.partial(ExactKV.of, cache, num_prefix, cache.num_tokens)
-            session.history.keep(self._turns, session.prefix_id, kv_of)
+            num_prefix = session.prefix.cache.num_tokens
+            session.history.keep_cache(self._turns, session.prefix_id, session.cache, num_prefix)
         session.cache.release(self._buffers)
         session.copies.release(session.prefix)
         if self._warm is not None:

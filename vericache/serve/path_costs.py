@@ -93,11 +93,13 @@ class PathCosts:
         )
         return PathEstimate(option.path, option.worker, self.setup_s(option, shape), per_token)
 
-    def setup_s(self, option: PathOption, shape: RequestShape, co_runners: float = -1) -> float:
-        """Until its first token, beside `co_runners` busy workers (-1: the option's now)."""
-        co_runners = option.co_runners if co_runners < 0 else co_runners
+    def setup_s(
+        self, option: PathOption, shape: RequestShape, co_runners: float | None = None
+    ) -> float:
+        """Until its first token, beside `co_runners` busy workers (None: the option's now)."""
+        co_runners = option.co_runners if co_runners is None else co_runners
         full_bytes = shape.prefix_tokens * self.kv_bytes_per_token
-        prefill_s = self._prefill_s(shape, option.reused) * self.slowdown(co_runners)
+        prefill_s = self._prefill_s(shape, option.reused) * self.device.slowdown_beside(co_runners)
         link = option.link
         if option.path is ServingPath.FULL_REMOTE:
             return link.transfer_s(full_bytes) + link.latency + prefill_s
@@ -119,7 +121,7 @@ class PathCosts:
     ) -> float:
         """After the first token, at `load` requests paced by its worker besides it and
         `co_runners` workers busy beside that worker on its memory system."""
-        slowdown = self.slowdown(co_runners)
+        slowdown = self.device.slowdown_beside(co_runners)
         others = max(0, round(load))
         if option.path is not ServingPath.VERICACHE:
             return self._forward_s(self._row(shape, 1, compressed=False), others) * slowdown
@@ -140,12 +142,6 @@ class PathCosts:
         return round_seconds_per_token(
             x, draft_s * slowdown, verify_s * slowdown, calls_s, mean_accepted
         )
-
-    def slowdown(self, co_runners: float) -> float:
-        """A forward's time beside `co_runners` busy workers on its memory system over alone:
-        each adds the profile's measured slowdown beyond 1 (vericache/calibration/co_runner.py
-        measures one; more are taken to add alike, as they share one memory bus)."""
-        return 1 + (self.device.co_runner_slowdown - 1) * max(0.0, co_runners)
 
     def _row(self, shape: RequestShape, num_new: int, compressed: bool) -> Row:
         """The request's row at the middle of its output: over the prefix (the share of it the

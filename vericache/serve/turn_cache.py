@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vericache.errors import CacheStateError
+from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 
 
@@ -57,6 +58,12 @@ class TurnTokens:
 
     def forget(self) -> None:
         self.ids = None
+
+    def keep_cache(
+        self, turns: TurnCache, owner: Hashable, cache: KVCache, num_prefix: int
+    ) -> None:
+        """`keep` of the session's `cache`, which holds its prefix's `num_prefix` tokens first."""
+        self.keep(turns, owner, lambda: ExactKV.of(cache, num_prefix, cache.num_tokens))
 
     def keep(self, turns: TurnCache, owner: Hashable, kv_of: Callable[[], ExactKV]) -> None:
         """Keeps the session's KV after its prefix (`kv_of()`, a copy of its own) as a finished
@@ -147,6 +154,15 @@ class TurnCache:
                 return None
             self._tier_of(best_id).order.move_to_end(best_id)
             return self._by_owner[owner][best_id].kv.head(best_run)
+
+    def reuse_into(self, owner: Hashable, token_ids: tuple[int, ...], cache: KVCache) -> int:
+        """Appends to `cache` (over the prefix) the KV `match` gives for `token_ids`; how many
+        tokens that is (0: none kept). Never all of them: the last is left to prefill."""
+        kept = self.match(owner, token_ids)
+        if kept is None:
+            return 0
+        cache.append_exact(kept)
+        return kept.num_tokens
 
     def reusable(self, owner: Hashable, token_ids: tuple[int, ...]) -> int:
         """How many of `token_ids` `match` would give the KV of (no turn reordered)."""

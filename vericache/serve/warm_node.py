@@ -22,7 +22,6 @@ Verifications read the full KV where the tier holds it (host memory; on CPU, the
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ import torch
 
 from vericache.engine.sampling import SequenceSampler
 from vericache.kv.cache import KVCache
-from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
 from vericache.kv.prefixed import shared_clone
 from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
@@ -140,23 +138,17 @@ class WarmNode:
         try:
             cache = shared_clone(held.cache, capacity, self._buffers)
             after_prefix = history[held.cache.num_tokens :]
-            kept = self._turns.match(prefix_id, after_prefix)
-            if kept is not None:
-                cache.append_exact(kept)
-            reused = cache.num_tokens - held.cache.num_tokens
-            # A prefill of one token at least: the first token's logits, where it is asked for.
-            start = min(reused, len(after_prefix) - 1) if wants_first_token else reused
-            cache.truncate(held.cache.num_tokens + start)
+            # A kept turn never holds the last token: its prefill gives the first token's logits.
+            reused = self._turns.reuse_into(prefix_id, after_prefix, cache)
             session = _LocalSession(cache, held, prefix_id, TurnTokens(after_prefix))
-            session.reused_tokens = start
-            if start < len(after_prefix):
-                logits = self._runner.prefill(
-                    torch.tensor(after_prefix[start:], dtype=torch.long), cache,
-                    num_logits=int(wants_first_token), chunk_size=self._prefill_chunk,
-                )  # fmt: skip
-                if wants_first_token:
-                    session.first_token = first_token(logits, sampler)
-                    session.history.commit([session.first_token])
+            session.reused_tokens = reused
+            logits = self._runner.prefill(
+                torch.tensor(after_prefix[reused:], dtype=torch.long), cache,
+                num_logits=int(wants_first_token), chunk_size=self._prefill_chunk,
+            )  # fmt: skip
+            if wants_first_token:
+                session.first_token = first_token(logits, sampler)
+                session.history.commit([session.first_token])
         except BaseException:
             self.tier.release(held)
             raise
@@ -193,7 +185,6 @@ class WarmNode:
             session = self._sessions.pop(session_id, None)
         if session is not None:
             cache, num_prefix = session.cache, session.prefix.cache.num_tokens
-            kv_of = functools.partial(ExactKV.of, cache, num_prefix, cache.num_tokens)
-            session.history.keep(self._turns, session.prefix_id, kv_of)
+            session.history.keep_cache(self._turns, session.prefix_id, cache, num_prefix)
             cache.release(self._buffers)
             self.tier.release(session.prefix)

@@ -137,6 +137,12 @@ class DeviceProfile:
     def attention_flops_per_s(self) -> float:
         return self.attention_flops or self.flops
 
+    def slowdown_beside(self, num_busy: float) -> float:
+        """A forward's time beside `num_busy` busy workers on its memory system over alone: each
+        adds the measured co-runner slowdown beyond 1 (vericache/calibration/co_runner.py measures
+        one; more are taken to add alike, as they share one memory bus)."""
+        return 1 + (self.co_runner_slowdown - 1) * max(0.0, num_busy)
+
     @property
     def is_measured(self) -> bool:
         return self.source.startswith("measured")

@@ -302,7 +302,7 @@ class Run:
         if not self.scenario.workers_share_memory:
             return 1.0
         busy = sum(1 for other in self.workers if other is not worker and other.is_computing)
-        return 1 + (self.scenario.device.co_runner_slowdown - 1) * busy
+        return self.scenario.device.slowdown_beside(busy)
 
     @functools.cached_property
     def prefix_prefill_s(self) -> float:
