@@ -34,6 +34,7 @@ WORKDIR /opt/vericache/src
 COPY pyproject.toml README.md ./
 COPY vericache ./vericache
 COPY bench ./bench
+COPY kernels ./kernels
 # The links: a login shell (KubeRay's `bash -lc`) finds them whatever PATH its profile sets.
 RUN python -m pip install ".[${EXTRAS}]" \
     && python -m pip install --no-deps ${NO_DEPS_PACKAGES} \

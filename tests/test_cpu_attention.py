@@ -1,4 +1,4 @@
-"""The CPU attention kernel (vericache/kernels/cpu_attention.cpp) against library attention, its
+"""The CPU attention kernel (kernels/cpu_attention.cpp) against library attention, its
 batch invariance by construction, and the runner's use of it for draft steps and exact forwards."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Building the CPU attention kernels once per machine (kernels/cpu_build.py): processes started
-with other environments (a Ray worker, the CLI with another ninja first on PATH) load the library
-already built and compile nothing; concurrent first uses build it once, past the `lock` file a
-killed build left; a damaged library is never loaded."""
+"""Building the CPU attention kernels once per machine (vericache/kernels/cpu_build.py): processes
+started with other environments (a Ray worker, the CLI with another ninja first on PATH) load the
+library already built and compile nothing; concurrent first uses build it once, past the `lock`
+file a killed build left; a damaged library is never loaded."""
 
 from __future__ import annotations
 

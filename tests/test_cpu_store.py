@@ -1,4 +1,4 @@
-"""The batched KV store (vericache/kernels/cpu_store.cpp): the same cache bits as appending
+"""The batched KV store (kernels/cpu_store.cpp): the same cache bits as appending
 sequence by sequence, and the runner's use of it in a forward."""
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Causal attention on CPU for every sequence of a forward, each over its own KV cache, in one call
-per layer (cpu_attention.cpp), and the store of their new tokens' KV into those caches
-(cpu_store.cpp). Each query row is computed on its own, in a fixed order over the slots it
-sees, so its result does not depend on what else shares the call: the runner uses it for draft
-steps (one token each) and, being batch-invariant by construction, for every exact forward on CPU
-(full decode steps and verifications alike). A third op attends over the packed codes of a KIVI
-layer (cpu_packed_attention.cpp), for draft steps over a quantized cache.
+per layer (kernels/cpu_attention.cpp at the repository root), and the store of their new tokens'
+KV into those caches (kernels/cpu_store.cpp). Each query row is computed on its own, in a fixed
+order over the slots it sees, so its result does not depend on what else shares the call: the
+runner uses it for draft steps (one token each) and, being batch-invariant by construction, for
+every exact forward on CPU (full decode steps and verifications alike). A third op attends over
+the packed codes of a KIVI layer (kernels/cpu_packed_attention.cpp), for draft steps over a
+quantized cache.
 
 The C++ ops are compiled once per machine for its vector width (cpu_build.py: at install, or by
 the first process that needs them; every later process loads the built library) and registered
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 
 import torch
 
@@ -26,10 +26,7 @@ from vericache.kernels import cpu_build
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("cpu_attention.cpp", "cpu_store.cpp", "cpu_packed_attention.cpp")
-]
+_SOURCES = ("cpu_attention.cpp", "cpu_store.cpp", "cpu_packed_attention.cpp")  # in kernels/
 # Vector flags per capability torch reports (x86). The capability is part of the extension's name,
 # so a build cached for one CPU is never loaded on a machine with narrower vectors.
 _ISA_FLAGS = {
@@ -50,7 +47,8 @@ def extension() -> cpu_build.Extension:
     flags = [*flags, f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
     cflags = ("-O3", "-std=c++20", "-fopenmp", *flags)
     name = f"vericache_cpu_attention_{capability.lower()}"
-    return cpu_build.Extension(name, tuple(_SOURCES), cflags, ldflags=("-fopenmp",))
+    sources = tuple(map(cpu_build.kernel_source, _SOURCES))
+    return cpu_build.Extension(name, sources, cflags, ldflags=("-fopenmp",))
 
 
 @functools.cache

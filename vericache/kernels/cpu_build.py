@@ -50,6 +50,17 @@ class Extension:
     ldflags: tuple[str, ...] = ()
 
 
+def kernel_source(name: str) -> Path:
+    """A C++ source of the kernels: in an installed package, vericache/_kernels/ (the wheel ships
+    the repository's kernels/*.cpp there as package data); in a source checkout, kernels/ at the
+    repository root."""
+    package = Path(__file__).resolve().parents[1]
+    for folder in (package / "_kernels", package.parent / "kernels"):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"{name}: not in {package / '_kernels'}, nor in a checkout's kernels/")
+
+
 class NoCompilerError(RuntimeError):
     """No whole build of these sources, and no compiler to make one."""
 

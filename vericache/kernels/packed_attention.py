@@ -9,7 +9,7 @@ vericache.model.kernels.attention.
 slots at a time and folds each block into a running softmax (running max, running sum, weighted
 value sum, as in FlashAttention), all in float32. `packed_attention` is the one public entry: it
 runs the fused Triton kernel (triton_ops.py) on CUDA when Triton is installed; on CPU the
-C++ kernel (cpu_packed_attention.cpp) attends over the packed codes and the residual
+C++ kernel (kernels/cpu_packed_attention.cpp) attends over the packed codes and the residual
 where every packed slot is older than every new token and no window hides any; the reference
 serves everything else.
 """

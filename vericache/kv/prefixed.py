@@ -11,9 +11,10 @@ layers are not shared (their packed groups take the session's tokens as they fil
 layers an online compressor rewrites (H2O, TOVA, StreamingLLM replace a layer by the slots they
 keep, a private copy). The attention kernels run a row's online softmax over the shared slots and
 carry it on into the own ones in the blocks of one buffer, the block that straddles the two read
-from both (cpu_attention.cpp, triton_invariant_attention.py): output with a shared prefix is bit
-for bit output without one, whatever shares it and whatever its length. Attention elsewhere
-(sliding windows, library paths) reads `keys_values`, the two parts copied into one buffer.
+from both (kernels/cpu_attention.cpp, vericache/kernels/triton_invariant_attention.py): output
+with a shared prefix is bit for bit output without one, whatever shares it and whatever its
+length. Attention elsewhere (sliding windows, library paths) reads `keys_values`, the two parts
+copied into one buffer.
 """
 
 from __future__ import annotations

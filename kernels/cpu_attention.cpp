@@ -1,7 +1,8 @@
 // Causal attention on CPU for a batch of sequences, each over its own KV cache (no copy into a
 // padded batch): the new tokens of sequence b are the last num_new[b] slots of its cache, which
-// may follow a prefix shared read-only with other sequences. Loaded by cpu_attention.py, which
-// compiles it with CPU_CAPABILITY set to the vector width torch uses on this machine.
+// may follow a prefix shared read-only with other sequences. Loaded by
+// vericache/kernels/cpu_attention.py, which compiles it with CPU_CAPABILITY set to the vector width
+// torch uses on this machine (kernels/README.md).
 //
 // Every query row is computed on its own, in a fixed order over the slots it sees: its result
 // depends on its query and those slots alone, never on how many other rows, tokens or sequences

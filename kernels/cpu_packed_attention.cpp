@@ -1,7 +1,7 @@
 // Attention of new tokens over the quantized part of a KIVI layer on CPU, reading the packed codes
 // directly: each slot is dequantized into a small buffer as it is used, never into a whole layer.
-// Loaded with cpu_attention.cpp by cpu_attention.py; packed_attention.py folds the
-// state it returns into its running softmax and goes on with the full-precision residual.
+// Loaded with cpu_attention.cpp by vericache/kernels/cpu_attention.py; packed_attention.py there
+// folds the state it returns into its running softmax and goes on with the full-precision residual.
 //
 // Dequantizing the whole quantized prefix in every layer at every step (the pure-torch path) wrote
 // and read 8 times the bytes of the codes it came from: a 4-bit draft step then cost more than a
