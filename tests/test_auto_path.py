@@ -14,6 +14,7 @@ from vericache.errors import InvalidRequestError
 from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.api_types import GenerateSummary
 from vericache.serve.auto_path import PRIOR_ACCEPTED_SHARE, AutoPaths
+from vericache.serve.co_runners import StartedBeside
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.path_costs import (
     PathCosts,
@@ -122,13 +123,53 @@ def test_workers_busy_beside_a_path_s_worker_slow_it_by_the_measured_slowdown():
     # drafter decodes at half speed while the verifier runs, so the request joins the verifier.
     verifier = PathOption(LOCAL, "verifier-0", 2)
     for co_runners, path in ((0, WARM), (1, LOCAL)):
-        drafter = PathOption(WARM, "drafter-0", 0, link=LINK, co_runners=co_runners)
+        slowed = (StartedBeside(2, 1, 1),) if co_runners else ()
+        drafter = PathOption(WARM, "drafter-0", 0, link=LINK, co_runners=co_runners,
+                             started_beside=slowed)  # fmt: skip
         assert auto.choose([verifier, drafter], SHAPE).path is path
     # A request measured at the slowdown its co-runners predict corrects nothing.
     measured = summary(2 * prior.setup_s, 1 / (2 * prior.seconds_per_token))
     auto.observe(auto.choose([alone], SHAPE), measured, load=3, co_runners=1)
     assert auto.estimate(alone, SHAPE).seconds_per_token == pytest.approx(prior.seconds_per_token)
     assert auto.estimate(alone, SHAPE).setup_s == pytest.approx(prior.setup_s)
+
+
+def test_a_path_is_charged_with_the_requests_it_slows():
+    shared = dataclasses.replace(
+        default_device_profile("cpu:avx512:float32"), co_runner_slowdown=1.3
+    )
+    costs_now = PathCosts(MODEL, shared, KV_BYTES_PER_TOKEN, 4)
+    # Joining a batch of four slows each of them by its row.
+    (batch,) = costs_now.slowed(PathOption(LOCAL, "verifier-0", 4), SHAPE, 0.6)
+    assert batch.num_requests == 4 and 1 < batch.factor < 1.5
+    # Starting the idle drafter beside the busy verifier slows its five requests 1.3x; a
+    # VeriCache request also adds its verifications to the verifier's batch.
+    beside = (StartedBeside(5, 1, 1),)
+    remote = PathOption(REMOTE, "drafter-0", 0, link=LINK, co_runners=1, started_beside=beside)
+    assert [s.factor for s in costs_now.slowed(remote, SHAPE, 0.6)] == pytest.approx([1.0, 1.3])
+    vericache = PathOption(VERICACHE, "drafter-0", 0, 5, False, LINK, co_runners=1,
+                           started_beside=beside)  # fmt: skip
+    _, verifications, co_runner = costs_now.slowed(vericache, SHAPE, 0.6)
+    assert verifications.num_requests == 5 and verifications.factor > 1
+
+
+def test_a_request_joins_the_rows_over_its_prefix_for_little():
+    costs_now, auto = costs(), AutoPaths(costs())
+    # Four requests on the verifier: over four other prefixes, over two, or over its own.
+    apart, two, own = (
+        PathOption(LOCAL, "verifier-0", 4, same_prefix=same, other_prefixes=others)
+        for same, others in ((0, 4), (0, 2), (4, 0))
+    )
+    per_token = [costs_now.seconds_per_token(o, SHAPE, 0.6, 4) for o in (apart, two, own)]
+    assert per_token[0] > per_token[1] > per_token[2]
+    factors = [costs_now.slowed(o, SHAPE, 0.6)[0].factor for o in (apart, own)]
+    assert factors[0] > factors[1] > 1
+    # The idle drafter beside the verifier, which must fetch the prefix first: it wins over a
+    # verifier whose rows read other prefixes, not over one whose rows read the request's own.
+    beside = (StartedBeside(4, 1, 1),)
+    cold = PathOption(REMOTE, "drafter-0", 0, link=LINK, co_runners=1, started_beside=beside)
+    assert auto.choose([apart, cold], SHAPE).path is REMOTE
+    assert auto.choose([own, cold], SHAPE).path is LOCAL
 
 
 def test_the_measured_acceptance_replaces_the_prior():

@@ -12,6 +12,7 @@ from tests.sim_scenarios import remote_prefix_scenario
 from vericache.scheduler.path_choice import (
     PathEstimate,
     ServingPath,
+    Slowed,
     choose_path,
     round_seconds_per_token,
 )
@@ -22,8 +23,9 @@ from vericache.sim.kv_memory import Session, WorkerMemory
 from vericache.sim.remote_prefix import VeriCacheRequest, simulate_vericache
 from vericache.sim.remote_prefix_auto import path_estimates, simulate_auto, start_auto
 from vericache.sim.remote_prefix_compare import paper_baseline_scenario
-from vericache.sim.remote_prefix_full import FullPool, simulate_full
+from vericache.sim.remote_prefix_full import FullPool, FullRequest, simulate_full
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, binding
+from vericache.sim.turn_kv import served_keeps
 from vericache.sim.workload import OutputLengths
 
 HOST_TIER = 256 * 10**9
@@ -188,6 +190,28 @@ def test_auto_chooses_the_path_that_finishes_first():
     assert estimates[ServingPath.FULL_REMOTE].setup_s > estimates[ServingPath.FULL_LOCAL].setup_s
     run.serve(start_auto)
     assert sum(run.report.paths.values()) == 8
+
+
+def test_auto_weighs_the_delay_a_path_adds_to_the_requests_running_now():
+    # Four requests slowed 1.25x while a 100-token request decodes beside them: over half its
+    # decoding (1 s) each makes 0.8 of its progress, so each finishes 0.2 s later.
+    assert Slowed(4, 1.25).delay_s(1.0) == pytest.approx(0.8)
+    joins = PathEstimate(ServingPath.FULL_LOCAL, "v", 0.0, 0.021, slowed=(Slowed(4, 1.1),))
+    idle = PathEstimate(ServingPath.FULL_REMOTE, "d", 0.0, 0.02, slowed=(Slowed(4, 1.25),))
+    assert idle.finish_s(100) < joins.finish_s(100)  # by its own finish alone: the idle worker
+    assert joins.delay_to_others_s(100) == pytest.approx(4 * 1.05 * (1 - 1 / 1.1))
+    assert choose_path([idle, joins], 100) is joins  # by what it costs everyone: not
+    # The simulator's estimates carry what they slow: on a busy verifier, its batch-mates.
+    run = Run(_warm())
+    verifier = run.verifiers[0]
+    for _ in range(3):
+        FullRequest.open_on(run, 0, SessionTurns((256,)), 0.0, verifier, served_keeps(verifier))
+        verifier.num_requests += 1
+    run.sim.run(until=1.0)  # their prefix loaded, their decoding under way
+    assert len(verifier.loop.steady_rows()) == 3
+    estimates = {e.path: e for e in path_estimates(run, 0, SessionTurns((256,)))}
+    (batch,) = estimates[ServingPath.FULL_LOCAL].slowed
+    assert batch.num_requests >= 1 and batch.factor > 1
 
 
 def test_auto_spreads_to_the_drafters_once_the_verifier_is_loaded():

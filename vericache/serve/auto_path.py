@@ -109,7 +109,7 @@ class AutoPaths:
         prior = self.costs.estimate(option, shape, self.accepted_share)
         setup_s = prior.setup_s * self._setup[option.path].ratio
         per_token = prior.seconds_per_token * self._per_token[option.path].ratio
-        return PathEstimate(option.path, option.worker, setup_s, per_token)
+        return PathEstimate(option.path, option.worker, setup_s, per_token, slowed=prior.slowed)
 
     def observe(
         self, choice: PathChoice, summary: GenerateSummary, load: float, co_runners: float = 0.0

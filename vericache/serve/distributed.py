@@ -25,20 +25,21 @@ import contextlib
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from vericache.engine.link import LinkSpec
 from vericache.errors import UnsupportedModelError, WorkerUnavailableError
 from vericache.kv.shared_prefix import PrefixCacheStats
-from vericache.scheduler.path_choice import ServingPath
 from vericache.scheduler.placement import Candidate, place
 from vericache.serve.api_types import ServeMode
 from vericache.serve.catalog import PrefixKey, PrefixRecord
-from vericache.serve.co_runners import CoRunnerMeter, busy_co_runners
+from vericache.serve.co_runners import CoRunnerMeter
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.local_rounds import same_arithmetic
 from vericache.serve.metrics import ServeMetrics
 from vericache.serve.path_costs import PathOption
+from vericache.serve.path_options import path_options
 from vericache.serve.restarts import Restarts
 from vericache.serve.rounds import ServedRequest, run_request
 from vericache.serve.scheduled import ScheduledRounds, new_scheduled_rounds
@@ -216,40 +217,16 @@ class DistributedBackend:
     # --- Requests ---------------------------------------------------------------------------------
 
     def path_options(self, prefix_id: str, after_prefix: tuple[int, ...]) -> list[PathOption]:
-        """The paths a request over `prefix_id` may take now, each on the worker placement would
-        give it, at its load (path_costs.py): FULL_LOCAL on a verifier; VERICACHE with a drafter
-        beside it; full decoding on that drafter, over its host tier where it is warm
-        (FULL_WARM). Each with the tokens of its prompt after the prefix (`after_prefix`) whose
-        KV that path's prefilling worker keeps from a finished turn, as far as the coordinator
-        knows. A drafter of other arithmetic than the verifier's (`ModelInfo.numerics`) is
-        offered for nothing: its full decoding would give other bits, and auto's paths all give
-        the verifier's."""
+        """The paths a request over `prefix_id` may take now (path_options.py), each on the
+        worker placement would give it. A drafter of other arithmetic than the verifier's
+        (`ModelInfo.numerics`) is offered for nothing: its full decoding would give other bits,
+        and auto's paths all give the verifier's."""
         verifier = _placed_or_none(self.verifiers, prefix_id)
         drafter = _placed_or_none(self.drafters, prefix_id)
         if drafter is not None and verifier is not None and not same_arithmetic(drafter, verifier):
             drafter = None
-        options, workers = [], self._workers
-        if verifier is not None:
-            at_verifier = verifier.turns.reusable(prefix_id, after_prefix)
-            options.append(PathOption(
-                ServingPath.FULL_LOCAL, verifier.name, _paced(verifier), reused=at_verifier,
-                co_runners=busy_co_runners(verifier, workers),
-            ))  # fmt: skip
-        if drafter is not None:
-            warm = prefix_id in drafter.warm_prefixes
-            link = self._links[verifier.name] if verifier else LinkSpec()
-            at_drafter = drafter.turns.reusable(prefix_id, after_prefix)
-            if verifier is not None:
-                options.append(PathOption(
-                    ServingPath.VERICACHE, drafter.name, _paced(drafter), _paced(verifier), warm,
-                    link, at_drafter if warm else at_verifier, busy_co_runners(drafter, workers),
-                ))  # fmt: skip
-            path = ServingPath.FULL_WARM if warm else ServingPath.FULL_REMOTE
-            options.append(PathOption(
-                path, drafter.name, _paced(drafter), link=link, reused=at_drafter,
-                co_runners=busy_co_runners(drafter, workers),
-            ))  # fmt: skip
-        return options
+        link = self._links[verifier.name] if verifier else LinkSpec()
+        return path_options(verifier, drafter, self._workers, link, prefix_id, after_prefix)
 
     @property
     def _workers(self) -> list:
@@ -328,6 +305,7 @@ class DistributedBackend:
             worker.active += 1
         paced = drafter or verifier  # whose forwards set its pace: the worker auto names
         paced.decoding.count += 1
+        paced.paced_prefixes[prefix_id] += 1
         mark = paced.decoding.mark()
         # Its co-runners over its life. A VERICACHE request's verifier counts whenever busy, its
         # own verifications too (which alternate with its drafts rather than run beside them):
@@ -350,6 +328,8 @@ class DistributedBackend:
             served.worker_load = paced.decoding.mean_since(mark)  # it included
             served.co_runners = co_runners.mean()
             paced.decoding.count -= 1
+            paced.paced_prefixes[prefix_id] -= 1
+            paced.paced_prefixes += Counter()  # drops the prefixes none decodes now
             for worker in counted:
                 worker.active -= 1
             # Cancelled or not, the workers drop the request's caches (keeping its turn).
@@ -373,11 +353,6 @@ def _note_kept_turn(served: ServedRequest, verifier, drafter) -> None:
         keeper = drafter if served.num_local_rounds else verifier
     if keeper is not None and prefix_id:
         keeper.turns.keep(prefix_id, served.history[served.plan.request.num_prefix_tokens :])
-
-
-def _paced(worker) -> int:
-    """Requests whose tokens come at the worker's pace now (VERICACHE's: its drafter's)."""
-    return worker.decoding.count
 
 
 def _decodes_on_drafter(mode: ServeMode) -> bool:

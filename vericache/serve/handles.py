@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -203,6 +204,9 @@ class _Handle:
         # Requests whose tokens come at its pace (it decodes them, or drafts them), and their
         # mean over time: what `mode: auto` weighs its paths by (auto_path.py).
         self.decoding = WorkerLoad()
+        # The prefixes those requests decode over, and how many over each: rows over one prefix
+        # read it once per forward, so a request joins its prefix's rows for little.
+        self.paced_prefixes: Counter[str] = Counter()
         # The prefixes whose full KV it holds for its own sessions as its last probe said: a warm
         # drafter node's host tier (warm_node.py); none on a verifier, which holds them all.
         self.warm_prefixes: frozenset[str] = frozenset()

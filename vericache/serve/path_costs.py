@@ -10,13 +10,17 @@ load now:
   verifier's prefill), the link's latency, and the prompt's prefill after the prefix, less the
   tokens whose KV that worker keeps from a finished turn (an agent's call before, a chat's turn);
 - full decoding: one decode step over the full KV, batched with one row like it per request its
-  worker paces now (each over a prefix of its own: which prefix they read is not known here);
+  worker paces now: those over its prefix read that prefix with it once per forward (shared-prefix
+  attention, kv/shared_prefix.py), the rest read the other prefixes the worker decodes, each once;
 - VERICACHE: a round of x draft steps over the compressed KV at the drafter's batch, one
   verification of x + 1 tokens (on the central verifier beside its full-KV decodes, or on a warm
   node beside its drafts), the two calls' latency and, from a central verifier, the committed
   tokens' exact KV across the link, over the accepted drafts and the verifier's token.
 Every forward of a path's worker is slowed by the workers busy beside it on its memory system (a
 CPU machine's workers share its DRAM: the profile's measured co-runner slowdown, co_runners.py).
+A path slows the requests running now (scheduler/path_choice.py `Slowed`): its worker's
+batch-mates by its row (a verifier's by its verification, once a round), and, where it sets an
+idle worker computing, those of the busy workers beside it.
 A request is priced at the middle of its output: its context is the prompt and half the tokens it
 asks for. Which device the profile describes is the deployment's to say (`vericache calibrate`
 writes one); by default the datasheet of the workers' GPU, or on a CPU a profile calibrated on a
@@ -26,11 +30,17 @@ writes one); by default the datasheet of the workers' GPU, or on a CPU a profile
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vericache.engine.link import LinkSpec
 from vericache.errors import UnsupportedModelError
-from vericache.scheduler.path_choice import PathEstimate, ServingPath, round_seconds_per_token
+from vericache.scheduler.path_choice import (
+    PathEstimate,
+    ServingPath,
+    Slowed,
+    round_seconds_per_token,
+)
+from vericache.serve.co_runners import StartedBeside
 from vericache.serve.worker_api import ModelInfo
 from vericache.sim.cost import Row, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile, datasheet_for, device_profile
@@ -68,6 +78,12 @@ class PathOption:
     # Workers busy now beside that worker on its memory system (co_runners.py): each slows its
     # forwards by the device profile's co-runner slowdown.
     co_runners: int = 0
+    # The busy workers it would set an idle worker computing beside (co_runners.py).
+    started_beside: tuple[StartedBeside, ...] = ()
+    # Of the `load` requests: those over the request's prefix, and the other prefixes the rest
+    # read (None: each its own). A forward reads each prefix once for all its rows over it.
+    same_prefix: int = 0
+    other_prefixes: int | None = None
 
 
 class PathCosts:
@@ -91,7 +107,41 @@ class PathCosts:
         per_token = self.seconds_per_token(
             option, shape, accepted_share, option.load, option.co_runners
         )
-        return PathEstimate(option.path, option.worker, self.setup_s(option, shape), per_token)
+        setup_s, slowed = self.setup_s(option, shape), self.slowed(option, shape, accepted_share)
+        return PathEstimate(option.path, option.worker, setup_s, per_token, slowed=slowed)
+
+    def slowed(
+        self, option: PathOption, shape: RequestShape, accepted_share: float
+    ) -> tuple[Slowed, ...]:
+        """The requests running now that the path slows: its worker's batch-mates, whose steps
+        grow by its row; with a verification (VERICACHE), those of its verifier's batch, once a
+        round; and those of the busy workers it starts an idle one beside."""
+        is_vericache = option.path is ServingPath.VERICACHE
+        row = self._row(shape, 1, compressed=is_vericache)
+        slowed = [self._batch_slowed(row, option)]
+        if is_vericache:
+            round_s = shape.draft_len * self._forward_s(row, option.load, option)
+            verify = self._row(shape, shape.draft_len + 1, compressed=False)
+            decode = row if option.is_warm else self._row(shape, 1, compressed=False)
+            load = option.load if option.is_warm else option.verifier_load
+            added_s = self._seconds([verify] + [decode.unshared()] * load)
+            added_s -= self._seconds([decode.unshared()] * load) if load else 0.0
+            slowed.append(Slowed(load, 1 + added_s / (round_s + added_s)))
+        device = self.device
+        for group in option.started_beside:
+            before = device.slowdown_beside(group.num_busy - 1)
+            after = device.slowdown_beside(group.num_busy - 1 + group.num_starting)
+            slowed.append(Slowed(group.num_requests, after / before))
+        return tuple(slowed)
+
+    def _batch_slowed(self, row: Row, option: PathOption) -> Slowed:
+        """The requests of the option's worker's batch (rows like `row`), whose steps grow by
+        it."""
+        load = option.load
+        if load < 1:
+            return Slowed(0, 1.0)
+        with_it = self._forward_s(row, load, option)
+        return Slowed(load, with_it / self._seconds(self._beside(row, load, option)))
 
     def setup_s(
         self, option: PathOption, shape: RequestShape, co_runners: float | None = None
@@ -124,10 +174,10 @@ class PathCosts:
         slowdown = self.device.slowdown_beside(co_runners)
         others = max(0, round(load))
         if option.path is not ServingPath.VERICACHE:
-            return self._forward_s(self._row(shape, 1, compressed=False), others) * slowdown
+            return self._forward_s(self._row(shape, 1, compressed=False), others, option) * slowdown
         x = shape.draft_len
         draft = self._row(shape, 1, compressed=True)
-        draft_s = self._forward_s(draft, others)
+        draft_s = self._forward_s(draft, others, option)
         verify = self._row(shape, x + 1, compressed=False)
         mean_accepted = accepted_share * x
         link = option.link
@@ -155,9 +205,20 @@ class PathCosts:
             shared_prefix=(shape.prefix_id, compressed), shared_kv_bytes=kept * size,
         )  # fmt: skip
 
-    def _forward_s(self, row: Row, others: int) -> float:
-        """A step with `others` rows like `row` beside it, each over a prefix of its own."""
-        return self._seconds([row] + [row.unshared()] * others)
+    def _forward_s(self, row: Row, others: int, option: PathOption) -> float:
+        """A step of `row` with `others` rows like it beside it, over the option's prefixes: the
+        share of them its load has over `row`'s prefix read it with `row`; the rest, the other
+        prefixes in turn (each its own where those are not known)."""
+        return self._seconds([row] + self._beside(row, others, option))
+
+    @staticmethod
+    def _beside(row: Row, others: int, option: PathOption) -> list[Row]:
+        """`others` rows like `row`, over the option's prefixes (`_forward_s`)."""
+        same = round(others * option.same_prefix / option.load) if option.load else 0
+        rest = others - same
+        groups = rest if option.other_prefixes is None else max(1, option.other_prefixes)
+        beside = [row] * same
+        return beside + [replace(row, shared_prefix=("other", i % groups)) for i in range(rest)]
 
     def _prefill_s(self, shape: RequestShape, reused: int = 0) -> float:
         """The prompt after the prefix and its first `reused` tokens (a kept turn's) prefilled

@@ -29,8 +29,11 @@ nodes first):
   acceptance's mean accepted drafts at x: x draft steps at the drafter's batch, a verification
   at the verifier's (or the node's), and the calls' latency and exact KV (behind the drafter's
   link's queue; on a warm node: a PCIe load, unless its device holds the KV);
-- and, where a worker's memory has no room for the request now, its turn behind the sessions
-  waiting there, as sessions leave (each taken to last as long as this request).
+- where a worker's memory has no room for the request now, its turn behind the sessions
+  waiting there, as sessions leave (each taken to last as long as this request);
+- and the requests running now that it slows (path_choice.py `Slowed`): its worker's batch-mates
+  by its rows (a central verifier's by its verifications), and, where the workers share one
+  memory system, those of the workers already computing beside a worker it sets computing.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 from vericache.scheduler.path_choice import (
     PathEstimate,
     ServingPath,
+    Slowed,
     choose_path,
     round_seconds_per_token,
 )
@@ -119,7 +123,8 @@ def _full(
     row = scenario.row(1, num_after, False, key)
     per_token = _step_s(run, worker, [row], room)
     wait = _memory_wait_s(worker, session, room, setup + turns.num_tokens * per_token)
-    return PathEstimate(path, worker.name, setup, per_token, wait)
+    slowed = (_batch_slowed(run, worker, [row], room), *_co_runners_slowed(run, [worker]))
+    return PathEstimate(path, worker.name, setup, per_token, wait, slowed)
 
 
 def _vericache(
@@ -141,10 +146,13 @@ def _vericache(
     if scenario.warm_nodes:
         draft = (draft_row, draft_s)
         local_s, load_s = _local_seconds_per_token(run, drafter, full, num_after, draft, room)
+    drafts_slowed = (_batch_slowed(run, drafter, [draft_row], room),)
     if is_warm:
         setup = compressed_ready + load_s + _reused_prefill_s(drafter, at_node, full, num_after)
         wait = _memory_wait_s(drafter, drafted, room, setup + num_tokens * local_s)
-        return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait)
+        verify = (_verify_slowed(run, drafter, full, num_after, local_s, [draft_row]),)
+        slowed = drafts_slowed + verify + _co_runners_slowed(run, [drafter])
+        return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait, slowed)
     central_s = _central_seconds_per_token(run, drafter, verifier, draft_s, full, num_after)
     reused = reusable(verifier, turns, served_keeps(verifier))
     setup = compressed_ready + _central_setup_s(run, drafter, verifier, reused, full, num_after)
@@ -167,7 +175,9 @@ def _vericache(
         _memory_wait_s(drafter, drafted, room, service_s),
         _memory_wait_s(verifier, verified, central_room, service_s),
     )
-    return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, per_token, wait)
+    verify = _verify_slowed(run, verifier, full, num_after, central_s)
+    slowed = (*drafts_slowed, verify, *_co_runners_slowed(run, [drafter, verifier]))
+    return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, per_token, wait, slowed)
 
 
 def _central_setup_s(
@@ -252,14 +262,59 @@ def _ready_s(worker: Worker, key: PrefixKey, nbytes: int) -> float:
 
 
 def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
-    """The worker's next forward with `rows` added to what it holds now, and to one more like
-    the first for each session placed there and within its room that has not reached its batch
-    yet (its KV on the way), taken to share its prefix with none (its prefix is not known here)."""
+    """The worker's next forward with `rows` added to its batch (`_batch`)."""
+    return run.scenario.forward_s(_batch(worker, rows[0], room) + rows)
+
+
+def _batch(worker: Worker, like: Row, room: int) -> list[Row]:
+    """The rows of the worker's next forward now, and one more like `like` for each session
+    placed there and within its room that has not reached its batch yet (its KV on the way),
+    taken to share its prefix with none (its prefix is not known here)."""
     # A prefill's chunks pass in a few forwards (a short one is no verification, whatever its
     # size): the steady batch is the decodes, drafts and verifications.
     current = worker.loop.steady_rows()
     num_placed = max(0, min(worker.num_requests, room) - len(current))
-    return run.scenario.forward_s(current + [rows[0].unshared()] * num_placed + rows)
+    return current + [like.unshared()] * num_placed
+
+
+def _batch_slowed(run: Run, worker: Worker, rows: list[Row], room: int) -> Slowed:
+    """The requests of the worker's batch, whose steps grow by `rows`."""
+    batch = _batch(worker, rows[0], room)
+    if not batch:
+        return Slowed(0, 1.0)
+    forward_s = run.scenario.forward_s
+    return Slowed(len(batch), forward_s(batch + rows) / forward_s(batch))
+
+
+def _verify_slowed(
+    run: Run, worker: Worker, full: PrefixKey, num_after: int, per_token_s: float, beside=()
+) -> Slowed:
+    """The requests of the worker's batch now, slowed by a verification of a round (x + 1 rows
+    over `num_after` tokens past the prefix, beside the rows `beside`) once per round of its own:
+    a round commits `mean_accepted + 1` tokens at `per_token_s`."""
+    scenario = run.scenario
+    verify = scenario.row(scenario.draft_len + 1, num_after, False, full)
+    batch = worker.loop.steady_rows() + list(beside)
+    if not batch:
+        return Slowed(0, 1.0)
+    added_s = scenario.forward_s(batch + [verify]) - scenario.forward_s(batch)
+    round_s = per_token_s * (run.mean_accepted + 1)
+    return Slowed(len(batch) - len(beside), 1 + added_s / round_s)
+
+
+def _co_runners_slowed(run: Run, starting: list[Worker]) -> tuple[Slowed, ...]:
+    """Where the workers share one memory system: the requests of each worker computing now,
+    slowed by those of `starting` that are idle now and start computing beside it."""
+    if not run.scenario.workers_share_memory:
+        return ()
+    device, computing = run.scenario.device, [w for w in run.workers if w.is_computing]
+    idle = [worker for worker in starting if not worker.is_computing]
+    slowed = []
+    busy_beside = len(computing) - 1  # of each computing worker
+    factor = device.slowdown_beside(busy_beside + len(idle)) / device.slowdown_beside(busy_beside)
+    for worker in computing:
+        slowed.append(Slowed(len(worker.loop.steady_rows()), factor))
+    return tuple(slowed)
 
 
 def _reused_prefill_s(worker: Worker, reused: ReusedTurn, key: PrefixKey, num_after: int) -> float:
