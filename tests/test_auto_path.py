@@ -61,20 +61,24 @@ def test_the_cost_model_prices_every_path_from_the_first_request():
     estimates = {o.path: auto.estimate(o, SHAPE) for o in options()}
     # A cold drafter's full KV crosses the link first: seconds before its first token.
     assert estimates[REMOTE].setup_s > 2.5 > estimates[LOCAL].setup_s
+    # Unless its device holds the prefix's full KV from an earlier request.
+    holding = dataclasses.replace(options()[2], holds_prefix=True)
+    assert auto.estimate(holding, SHAPE).setup_s == pytest.approx(estimates[LOCAL].setup_s)
     # Alone, a full-KV step beats a round's steps per token on a CPU, where weights bind.
     assert estimates[LOCAL].seconds_per_token < estimates[VERICACHE].seconds_per_token
     assert auto.choose(options(), SHAPE).path is LOCAL
 
 
 def test_the_loads_of_now_send_a_request_where_it_finishes_first():
-    auto = AutoPaths(costs())
+    def chosen(offered: list[PathOption]) -> ServingPath:  # by a fresh server: no probe runs
+        return AutoPaths(costs()).choose(offered, SHAPE).path
+
     # Two requests on the verifier, none on the warm drafter: full decoding there.
-    assert auto.choose(options(local_load=2, warm=True), SHAPE).path is WARM
+    assert chosen(options(local_load=2, warm=True)) is WARM
     # The drafter cold for the prefix: moving the full KV costs more than VeriCache's start.
-    assert auto.choose(options(local_load=2), SHAPE).path is VERICACHE
+    assert chosen(options(local_load=2)) is VERICACHE
     # Both busy: the compressed KV's cheaper steps batch better than full ones.
-    busy = options(local_load=4, drafter_load=4, warm=True)
-    assert auto.choose(busy, SHAPE).path is VERICACHE
+    assert chosen(options(local_load=4, drafter_load=4, warm=True)) is VERICACHE
 
 
 def test_measurements_correct_the_model_path_by_path():
@@ -170,6 +174,26 @@ def test_a_request_joins_the_rows_over_its_prefix_for_little():
     cold = PathOption(REMOTE, "drafter-0", 0, link=LINK, co_runners=1, started_beside=beside)
     assert auto.choose([apart, cold], SHAPE).path is REMOTE
     assert auto.choose([own, cold], SHAPE).path is LOCAL
+
+
+def test_a_path_not_yet_measured_takes_one_request_at_a_time():
+    auto = AutoPaths(costs())
+    both = options(local_load=2, warm=True)[::2]  # FULL_LOCAL, FULL_WARM: the drafter wins
+    probe = auto.choose(both, SHAPE)
+    assert probe.path is WARM and probe.is_probe
+    # While its probe runs, the next request goes elsewhere, unless nothing else is offered.
+    assert auto.choose(both, SHAPE).path is LOCAL
+    assert auto.choose(both[1:], SHAPE).path is WARM
+    # Its probe ended unmeasured (cut short): the next one probes it again.
+    auto.finished(probe)
+    probe = auto.choose(both, SHAPE)
+    assert probe.is_probe
+    # Measured as the model predicts: open to every request, none a probe.
+    estimate = auto.estimate(probe.option, SHAPE)
+    auto.observe(probe, summary(estimate.setup_s, 1 / estimate.seconds_per_token), load=1)
+    auto.finished(probe)
+    again = [auto.choose(both, SHAPE) for _ in range(2)]
+    assert [c.path for c in again] == [WARM, WARM] and not any(c.is_probe for c in again)
 
 
 def test_the_measured_acceptance_replaces_the_prior():

@@ -59,7 +59,7 @@ def test_vericache_and_full_remote_equal_full_local(client, server, choice):
     assert wait_for(lambda: open_sessions(server) == 0)
 
 
-def test_the_full_kv_crosses_the_link_only_for_full_remote(client):
+def test_the_full_kv_crosses_the_link_only_for_full_remote(client, server):
     # A compressor no other test registers: the drafters' LRUs have not seen this prefix.
     prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=6)
     info = client.get_prefix(prefix_id)
@@ -67,6 +67,11 @@ def test_the_full_kv_crosses_the_link_only_for_full_remote(client):
     # The drafters' LRUs are cold for this prefix: the first request of a kind pays the transfer.
     remote = client.generate(PROMPT, prefix_id=prefix_id, mode="full_remote", max_tokens=4)
     assert remote.stats["link_bytes"] > info.full_kv_bytes / 2
+    # Its drafter now holds the full KV and says so: auto prices its next FULL_REMOTE request
+    # over the prefix with no fetch once a probe has told the coordinator.
+    drafters = server.coordinator.backend.drafters
+    assert any(prefix_id in d.worker.describe().full_prefixes for d in drafters)
+    assert wait_for(lambda: any(prefix_id in d.full_prefixes for d in drafters))
     lossy = client.generate(PROMPT, prefix_id=prefix_id, mode="lossy", max_tokens=4)
     assert 0 < lossy.stats["link_bytes"] < info.full_kv_bytes / 3
 

@@ -13,6 +13,12 @@ its worker had on average over the request's life (worker_load.py). VERICACHE's 
 the one the server measured (the share of its drafts accepted), from a prior of what the
 compressors accept on code and tool calls. A path none of whose workers is alive is never
 offered.
+
+A prior can be far off on a machine the profile does not describe (VeriCache's rounds on a
+2-core CPU run at half the prior's speed), and every request that takes a path before its first
+measurement comes back is priced by it alone. So a path not yet measured takes one request at a
+time, its probe: while the probe runs, the others choose among the rest. One request pays for a
+wrong prior, not a whole wave.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class PathChoice:
 
     option: PathOption
     shape: RequestShape
+    is_probe: bool = False  # the first of its path, priced before any of it was measured
 
     @property
     def path(self) -> ServingPath:
@@ -75,6 +82,11 @@ class _Correction:
         self._log_ratio = _MovingMean(0.0)
 
     @property
+    def count(self) -> int:
+        """The measurements taken."""
+        return self._log_ratio.count
+
+    @property
     def ratio(self) -> float:
         return math.exp(self._log_ratio.value)
 
@@ -91,6 +103,7 @@ class AutoPaths:
         self._setup = {path: _Correction() for path in ServingPath}
         self._per_token = {path: _Correction() for path in ServingPath}
         self._accepted_share = _MovingMean(PRIOR_ACCEPTED_SHARE)
+        self._probes = dict.fromkeys(ServingPath, 0)  # in flight, per path not yet measured
         self._lock = threading.Lock()
 
     @property
@@ -99,11 +112,25 @@ class AutoPaths:
         return self._accepted_share.value
 
     def choose(self, options: list[PathOption], shape: RequestShape) -> PathChoice:
-        """The option that finishes `shape.num_tokens` first, by the corrected cost model."""
+        """The option of least cost (path_choice.py) by the corrected cost model, but for the
+        paths whose probe is running (any, where that leaves none). Call `finished` when the
+        request ends."""
         with self._lock:
-            estimates = [self.estimate(option, shape) for option in options]
-        chosen = choose_path(estimates, shape.num_tokens)
-        return PathChoice(options[estimates.index(chosen)], shape)
+            open_now = [o for o in options if not self._probes[o.path]] or options
+            estimates = [self.estimate(option, shape) for option in open_now]
+            chosen = open_now[estimates.index(choose_path(estimates, shape.num_tokens))]
+            is_probe = not self._is_measured(chosen.path)
+            self._probes[chosen.path] += is_probe
+        return PathChoice(chosen, shape, is_probe)
+
+    def finished(self, choice: PathChoice) -> None:
+        """The request ended (observed or not): a probe lets its path take requests again."""
+        if choice.is_probe:
+            with self._lock:
+                self._probes[choice.path] -= 1
+
+    def _is_measured(self, path: ServingPath) -> bool:
+        return self._per_token[path].count > 0
 
     def estimate(self, option: PathOption, shape: RequestShape) -> PathEstimate:
         prior = self.costs.estimate(option, shape, self.accepted_share)

@@ -228,6 +228,7 @@ class Coordinator:
         with self._active(tenant):
             await self._admission.admit(plan.prefix_id)
             self._meter_queue()
+            placed = None
             try:
                 plan, placed = self._resolved(plan)  # auto chooses at the loads of now
                 served = self._served(plan)
@@ -240,6 +241,8 @@ class Coordinator:
                     summary = served.summary()
                     self._auto.observe(placed, summary, served.worker_load, served.co_runners)
             finally:
+                if placed is not None:
+                    self._auto.finished(placed)
                 self._admission.release(plan.prefix_id)
                 self._meter_queue()
 

@@ -177,6 +177,7 @@ class DistributedBackend:
             self._addresses[worker.name] = about.transfer_address
         else:
             worker.warm_prefixes = about.warm_prefixes
+            worker.full_prefixes = about.full_prefixes
         if self._metrics is not None:
             self._metrics.prefix_cache_reported(worker.name, about.prefix_cache, _host_tier(about))
         # Found gone while the probe was out: the answer may predate that, so the next one says.

@@ -115,9 +115,10 @@ class Drafter:
         warm, tier = frozenset(), None
         if self._warm is not None:
             warm, tier = self._warm.warm_prefixes(), self._warm.tier.stats()
+        full = frozenset(pid for pid, kind in self._prefixes.keys() if kind == KVKind.FULL)
         return DrafterInfo(
             self.info, self.startup, self._prefixes.stats(), warm, tier,
-            self.config.kept_turn_bytes,
+            self.config.kept_turn_bytes, full,
         )  # fmt: skip
 
     def time_draft_step(self) -> float:

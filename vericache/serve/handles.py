@@ -210,6 +210,9 @@ class _Handle:
         # The prefixes whose full KV it holds for its own sessions as its last probe said: a warm
         # drafter node's host tier (warm_node.py); none on a verifier, which holds them all.
         self.warm_prefixes: frozenset[str] = frozenset()
+        # The prefixes whose full KV a drafter's device holds, as its last probe said: its FULL
+        # sessions over them fetch nothing.
+        self.full_prefixes: frozenset[str] = frozenset()
         # Its arithmetic (`ModelInfo.numerics`), as its last probe said: a warm drafter node
         # verifies a request only where it matches the verifier's.
         self.numerics = ""

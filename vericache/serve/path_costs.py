@@ -5,7 +5,8 @@ auto_path.py's measurements correct.
 A path's estimate (scheduler/path_choice.py `PathEstimate`) is its setup (until the first token)
 and its seconds per output token after it, on the worker placement gives it, at that worker's
 load now:
-- setup: the bytes that must cross the link first (FULL_REMOTE: the prefix's full KV;
+- setup: the bytes that must cross the link first (FULL_REMOTE: the prefix's full KV, unless
+  its drafter's device holds it;
   VERICACHE: its compressed KV, and the prompt's exact KV across to the drafter after the
   verifier's prefill), the link's latency, and the prompt's prefill after the prefix, less the
   tokens whose KV that worker keeps from a finished turn (an agent's call before, a chat's turn);
@@ -84,6 +85,8 @@ class PathOption:
     # read (None: each its own). A forward reads each prefix once for all its rows over it.
     same_prefix: int = 0
     other_prefixes: int | None = None
+    # FULL_REMOTE: its worker's device holds the prefix's full KV already (fetches nothing).
+    holds_prefix: bool = False
 
 
 class PathCosts:
@@ -152,7 +155,8 @@ class PathCosts:
         prefill_s = self._prefill_s(shape, option.reused) * self.device.slowdown_beside(co_runners)
         link = option.link
         if option.path is ServingPath.FULL_REMOTE:
-            return link.transfer_s(full_bytes) + link.latency + prefill_s
+            fetch_s = 0.0 if option.holds_prefix else link.transfer_s(full_bytes)
+            return fetch_s + link.latency + prefill_s
         if option.path is not ServingPath.VERICACHE:  # the KV is beside the worker
             return prefill_s
         compressed_s = link.transfer_s(full_bytes * shape.compressed_share) + link.latency

@@ -45,7 +45,8 @@ def path_options(
     options.append(PathOption(
         ServingPath.FULL_WARM if warm else ServingPath.FULL_REMOTE, drafter.name,
         _paced(drafter), link=link, reused=at_drafter,
-        started_beside=started_beside([drafter], workers), **beside_drafter,
+        started_beside=started_beside([drafter], workers),
+        holds_prefix=prefix_id in drafter.full_prefixes, **beside_drafter,
     ))  # fmt: skip
     return options
 

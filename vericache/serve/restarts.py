@@ -1,14 +1,14 @@
 """How long workers take to come back after they die, and so how long a request whose worker died
 waits for one.
 
-A killed Ray actor restarts: a new process, its imports, the model, the kernels (loaded, never
-built again: vericache/kernels/cpu_build.py) and the worker's store. `Restarts` times each
-restart from the moment a call or probe found the worker gone to its first answer from a new
-process (`vericache:worker_restart_seconds{kind}`), and logs it with the stages that process
-reports (`WorkerStartup`); a worker that answers again from the same process was only slow, and
-is logged as back. A migrating request waits `CoordinatorConfig.worker_wait_s`, or RESTART_MARGIN times the
-longest start a worker reported, whichever is longer: a model that takes minutes to load still
-comes back within the wait, while a node away for long does not lengthen every later wait.
+A killed Ray actor restarts: a new process, its imports, the model, the kernels (loaded, never built
+again: vericache/kernels/cpu_build.py) and the worker's store. `Restarts` times each restart from
+the moment a call or probe found the worker gone to its first answer from a new process
+(`vericache:worker_restart_seconds{kind}`), and logs it with the stages that process reports
+(`WorkerStartup`); a worker that answers again from the same process was only slow, and is logged as
+back. A migrating request waits `CoordinatorConfig.worker_wait_s`, or RESTART_MARGIN times the
+longest start a worker reported, whichever is longer: a model that takes minutes to load still comes
+back within the wait, while a node away for long does not lengthen every later wait.
 """
 
 from __future__ import annotations

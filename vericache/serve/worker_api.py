@@ -92,6 +92,9 @@ class DrafterInfo:
     warm_prefixes: frozenset[str] = frozenset()
     host_tier: PrefixCacheStats | None = None  # its host tier, where it has one (warm_node.py)
     turn_cache_bytes: int = 0  # its FULL sessions' kept turns' budget, device and host
+    # The prefixes whose full KV its device holds (fetched for FULL sessions): a FULL_REMOTE
+    # request over one of them fetches nothing.
+    full_prefixes: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
