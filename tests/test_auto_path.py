@@ -13,7 +13,7 @@ from vericache.engine.link import LinkSpec
 from vericache.errors import InvalidRequestError
 from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.api_types import GenerateSummary
-from vericache.serve.auto_path import PRIOR_ACCEPTED_SHARE, AutoPaths
+from vericache.serve.auto_path import PRIOR_ACCEPTED_SHARE, PROBES, AutoPaths
 from vericache.serve.co_runners import StartedBeside
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.path_costs import (
@@ -188,24 +188,36 @@ def test_a_path_not_yet_measured_takes_one_request_at_a_time():
     auto.finished(probe)
     probe = auto.choose(both, SHAPE)
     assert probe.is_probe
-    # Measured as the model predicts: open to every request, none a probe.
-    estimate = auto.estimate(probe.option, SHAPE)
-    auto.observe(probe, summary(estimate.setup_s, 1 / estimate.seconds_per_token), load=1)
+    # Measured as the model predicts, PROBES times: open to every request, none a probe.
+    for _ in range(PROBES):
+        estimate = auto.estimate(probe.option, SHAPE)
+        auto.observe(probe, summary(estimate.setup_s, 1 / estimate.seconds_per_token), load=1)
+        auto.finished(probe)
+        probe = auto.choose(both, SHAPE)
+        assert probe.path is WARM
     auto.finished(probe)
     again = [auto.choose(both, SHAPE) for _ in range(2)]
     assert [c.path for c in again] == [WARM, WARM] and not any(c.is_probe for c in again)
 
 
-def test_the_measured_acceptance_replaces_the_prior():
+def test_the_measured_acceptance_replaces_the_prior_pooled_over_drafts():
     auto = AutoPaths(costs())
     choice = auto.choose([options()[1]], SHAPE)
     before = auto.estimate(choice.option, SHAPE).seconds_per_token
     predicted = auto.costs.seconds_per_token(choice.option, SHAPE, 1 / 8, 0)
+    # One lucky request (every draft of its 3 rounds accepted) moves it, but not all the way.
+    auto.observe(choice, summary(1.0, 1 / predicted, accepted=[8] * 3), load=1)
+    assert PRIOR_ACCEPTED_SHARE < auto.accepted_share < 0.75
     for _ in range(30):  # one draft in eight accepted, at the speed that predicts
         auto.observe(choice, summary(1.0, 1 / predicted, accepted=[1] * 12), load=1)
     assert auto.accepted_share == pytest.approx(1 / 8, abs=0.01)
-    assert auto.accepted_share < PRIOR_ACCEPTED_SHARE
     assert auto.estimate(choice.option, SHAPE).seconds_per_token > 1.5 * before
+    # A request of many rounds weighs more than one of few.
+    auto.observe(choice, summary(1.0, 1 / predicted, accepted=[8]), load=1)
+    after_one_round = auto.accepted_share
+    auto.observe(choice, summary(1.0, 1 / predicted, accepted=[1] * 40), load=1)
+    assert auto.accepted_share < after_one_round
+    assert auto.accepted_share == pytest.approx(1 / 8, abs=0.05)
 
 
 def test_a_request_cut_short_teaches_nothing_of_its_speed():

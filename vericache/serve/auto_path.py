@@ -15,10 +15,11 @@ compressors accept on code and tool calls. A path none of whose workers is alive
 offered.
 
 A prior can be far off on a machine the profile does not describe (VeriCache's rounds on a
-2-core CPU run at half the prior's speed), and every request that takes a path before its first
-measurement comes back is priced by it alone. So a path not yet measured takes one request at a
-time, its probe: while the probe runs, the others choose among the rest. One request pays for a
-wrong prior, not a whole wave.
+2-core CPU run at half the prior's speed), and every request that takes a path before its
+measurements come back is priced by it alone. So a path takes one request at a time, its probe,
+until PROBES of its requests were measured: while a probe runs, the others choose among the rest.
+A few requests pay for a wrong prior, or for one lucky measurement, not a whole wave. The
+acceptance is pooled over drafts, not requests (`_AcceptedShare`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ ALPHA = 0.2
 PRIOR_ACCEPTED_SHARE = 0.6
 # A correction is a ratio within these: one request far off (a stall) cannot swing a path away.
 MAX_CORRECTION = 8.0
+# Drafts the prior acceptance weighs as, and the share of the drafts so far that each request's
+# rounds keep: a request's acceptance varies (one over code it has seen accepts nearly all, the
+# next a tenth), and a path priced from one request's would swing with it.
+PRIOR_DRAFTS = 100
+DRAFTS_KEPT = 0.8
+# A path takes one request at a time until this many of its requests were measured.
+PROBES = 3
 
 _SERVED_AS = {
     ServingPath.VERICACHE: ServeMode.VERICACHE,
@@ -75,6 +83,23 @@ class _MovingMean:
         self.value += max(ALPHA, 1 / self.count) * (value - self.value)
 
 
+class _AcceptedShare:
+    """The share of drafts VeriCache's rounds accept: accepted over drafted, each summed with
+    the older sums decayed by DRAFTS_KEPT per request, from PRIOR_DRAFTS at the prior share."""
+
+    def __init__(self, prior: float):
+        self._accepted = prior * PRIOR_DRAFTS
+        self._drafted = float(PRIOR_DRAFTS)
+
+    @property
+    def value(self) -> float:
+        return self._accepted / self._drafted
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        self._accepted = DRAFTS_KEPT * self._accepted + accepted
+        self._drafted = DRAFTS_KEPT * self._drafted + drafted
+
+
 class _Correction:
     """A ratio the prior is multiplied by: the moving mean of log(measured / predicted)."""
 
@@ -102,7 +127,7 @@ class AutoPaths:
         self.costs = costs
         self._setup = {path: _Correction() for path in ServingPath}
         self._per_token = {path: _Correction() for path in ServingPath}
-        self._accepted_share = _MovingMean(PRIOR_ACCEPTED_SHARE)
+        self._accepted_share = _AcceptedShare(PRIOR_ACCEPTED_SHARE)
         self._probes = dict.fromkeys(ServingPath, 0)  # in flight, per path not yet measured
         self._lock = threading.Lock()
 
@@ -130,7 +155,7 @@ class AutoPaths:
                 self._probes[choice.path] -= 1
 
     def _is_measured(self, path: ServingPath) -> bool:
-        return self._per_token[path].count > 0
+        return self._per_token[path].count >= PROBES
 
     def estimate(self, option: PathOption, shape: RequestShape) -> PathEstimate:
         prior = self.costs.estimate(option, shape, self.accepted_share)
@@ -154,7 +179,8 @@ class AutoPaths:
             accepted_share = self.accepted_share
             if option.path is ServingPath.VERICACHE and summary.accepted_per_round:
                 accepted_share = min(1.0, summary.mean_accepted_per_round / shape.draft_len)
-                self._accepted_share.observe(accepted_share)
+                drafted = len(summary.accepted_per_round) * shape.draft_len
+                self._accepted_share.observe(sum(summary.accepted_per_round), drafted)
             others = max(0.0, load - 1)
             predicted = costs.seconds_per_token(option, shape, accepted_share, others, co_runners)
             self._per_token[option.path].observe(1.0 / summary.tokens_per_s, predicted)
