@@ -34,7 +34,8 @@ from vericache.bench.common import (
     progress,
     pyplot,
 )
-from vericache.engine.engine import Engine, EngineConfig, id_tensor
+from vericache.engine.engine import Engine, EngineConfig
+from vericache.engine.prefill import id_tensor
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.engine.sampling import processed_logits
 from vericache.kv.exact import ExactKV

@@ -85,13 +85,13 @@ class EngineReference:
         torch.set_num_threads(1)  # as each served worker runs
         try:
             prefill_cpu_s = sum(self._suffix_prefill_cpu_s(self.requests[i]) for i in indices)
-            before = self.engine.loop.exact_cpu_s
+            before = self.engine.forward.loop.exact_cpu_s
             outputs = []
             for index in indices:
                 one = dataclasses.replace(self.requests[index], draft_len=draft_len)
                 (finished,) = self.engine.generate([one])
                 outputs.append((index, tuple(finished.token_ids)))
-            verify_cpu_s = self.engine.loop.exact_cpu_s - before
+            verify_cpu_s = self.engine.forward.loop.exact_cpu_s - before
         finally:
             torch.set_num_threads(threads)
         num_tokens = sum(len(tokens) for _, tokens in outputs)

@@ -176,7 +176,7 @@ def test_empty_prefix(engine, compressor):
 def test_online_eviction_holds_the_budget(engine, compressor):
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     request = Request(_prompt(), PREFIX, params, DecodeMode.LOSSY, compressor)
-    seq = engine._start(request)
+    seq = engine.starter.start(request)
     while not seq.is_finished:
         engine.step([seq])
         if not seq.is_finished:

@@ -169,7 +169,17 @@ class CheckedEngine(LongContextEngine):
 
     num_shared_forwards = 0
 
-    def _run_forward(self, compressed_batch, full_batch):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        run = self.forward.run
+
+        def checked_run(compressed_batch, full_batch):
+            self._check_forward(compressed_batch, full_batch)
+            run(compressed_batch, full_batch)
+
+        self.forward.run = checked_run
+
+    def _check_forward(self, compressed_batch, full_batch):
         self.num_shared_forwards += bool(compressed_batch and full_batch)
         for seq in full_batch:
             assert seq.full_cache.num_tokens == len(seq.token_ids) - 1
@@ -183,7 +193,6 @@ class CheckedEngine(LongContextEngine):
                 n = host.num_tokens
                 assert torch.equal(keys[: full.num_tokens], host_keys[:, :n].transpose(0, 1))
                 assert torch.equal(values[: full.num_tokens], host_values[:, :n].transpose(0, 1))
-        super()._run_forward(compressed_batch, full_batch)
 
 
 def test_late_loads_are_waited_for(make_engine, sizes, full_outputs):
@@ -294,7 +303,7 @@ def test_prefill_compressed_kv_within_its_bound(make_engine, compressor):
     for request in make_requests(DecodeMode.VERICACHE, compressor, num=4):
         if not request.num_prefix_tokens:
             continue  # nothing to compress
-        seq = engine._start(request)  # the prefill alone, as the engine runs it
+        seq = engine.starter.start(request)  # the prefill alone, as the engine runs it
         element_size = engine.runner.dtype.itemsize
         bound = compressed_prefill_bound(request, engine.model_config, element_size)
         assert seq.compressed_cache.resident_bytes <= bound
@@ -306,7 +315,7 @@ def test_compressed_kv_in_16_bits_is_bounded_at_2_bytes_an_element(make_engine):
     for request in make_requests(DecodeMode.VERICACHE, StreamingLLM(ratio=3, dtype="bfloat16")):
         if not request.num_prefix_tokens:
             continue
-        seq = engine._start(request)
+        seq = engine.starter.start(request)
         bound = compressed_prefill_bound(request, engine.model_config, element_size)
         as_float32 = dataclasses.replace(request, compressor=StreamingLLM(ratio=3))
         assert seq.compressed_cache.resident_bytes <= bound

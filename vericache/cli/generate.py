@@ -278,7 +278,7 @@ def run(args) -> int:
     return 0
 
 
-def build_engine(args, long_context: LongContextConfig | None) -> Engine:
+def build_engine(args, long_context: LongContextConfig | None) -> Engine | LongContextEngine:
     config = EngineConfig(draft_kv_source=DraftKVSource(args.draft_kv))
     if long_context is None:
         return Engine.from_pretrained(args.model, args.dtype, args.device, config)

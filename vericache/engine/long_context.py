@@ -14,13 +14,13 @@ One iteration of VeriCache requests:
     start plan.loads (host -> device, in the background)
     one forward: a draft step over plan.draft_ids (compressed KV, fast attention) and the
         verification of plan.verifies over their full KV with the batch-invariant kernels,
-        exactly as Engine verifies: greedy output equals full decoding (where a load of
+        through the engine's `SequenceForward`: greedy output equals full decoding (where a load of
         plan.verifies is late, the draft step runs alone first, then the verification waits)
     append the committed tokens' exact KV to the host copy (and, by default, the compressed KV);
         free the loaded full KV; report each verification; end the iteration with its time, less
         any wait for a late load
 
-Rounds follow the scheduler's convention, as Engine's do: a round of d draft tokens takes d + 1
+Rounds follow the scheduler's convention, as the engine's do: a round of d draft tokens takes d + 1
 iterations, the verification in its own iteration. The scheduler picks d: the request's draft_len
 first, never under S. A round drafts fewer when the token budget, the context or an end token says
 so (`Sequence.begin_round`), and verifies when planned.
@@ -42,13 +42,12 @@ from vericache.engine.device_memory import (
     DeviceMemory,
     compressed_element_size,
     compressed_kv_bound,
-    compressed_prefill_bound,
     compressed_token_bytes,
     device_memory_bytes,
     full_kv_bytes,
     full_kv_capacity,
 )
-from vericache.engine.engine import Engine, EngineConfig, id_tensor
+from vericache.engine.engine_config import EngineConfig
 from vericache.engine.host_kv import (
     HostKV,
     KVLoader,
@@ -57,10 +56,13 @@ from vericache.engine.host_kv import (
     move_compressed,
 )
 from vericache.engine.long_context_config import LongContextConfig, LongContextStats
+from vericache.engine.long_context_fit import check_fits, prefill_bytes
+from vericache.engine.prefill import Prefiller, SequenceStarter
+from vericache.engine.prefix_caches import OwnPrefixes
 from vericache.engine.request import DecodeMode, Request, RequestOutput
 from vericache.engine.sequence import Sequence
+from vericache.engine.sequence_forward import SequenceForward
 from vericache.errors import InvalidRequestError
-from vericache.kv.cache import KVCache
 from vericache.kv.compressed import CompressedKV
 from vericache.kv.exact import ExactKV
 from vericache.model.loader import DEFAULT_MODEL, load_model
@@ -79,13 +81,16 @@ from vericache.scheduler import (
 from vericache.scheduler.adaptive import bounded_adaptive_draft_len
 
 
-class LongContextEngine(Engine):
+class LongContextEngine:
     """Decodes many long-context requests within a device-memory budget.
 
     `generate(requests)` runs them all; `add_request` and `run_iteration` drive the engine one
     iteration at a time (for a server). One mode at a time: VERICACHE requests (long-context
     mode) or FULL requests (the full-KV baseline under the same budget). `close()` stops the
     loader thread.
+
+    It starts and steps its sequences with the engine's parts (`SequenceStarter`,
+    `SequenceForward`); what it adds is where their KV lives and when each round begins.
     """
 
     def __init__(
@@ -95,7 +100,14 @@ class LongContextEngine(Engine):
         config: EngineConfig = EngineConfig(),
         long_context: LongContextConfig | None = None,
     ):
-        super().__init__(runner, tokenizer, config)
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_config = runner.config
+        prefiller = Prefiller(runner, tokenizer, config)
+        # Not the prefix store: its shared KV would sit on the device outside the budget.
+        self.starter = SequenceStarter(prefiller, OwnPrefixes(prefiller))
+        self.forward = SequenceForward(runner, config)
         long_context = long_context or LongContextConfig()
         self.long_context = long_context
         budget = long_context.memory_budget_bytes or device_memory_bytes(runner.device)
@@ -159,24 +171,8 @@ class LongContextEngine(Engine):
         modes = {r.mode for _, r in self._pending} | {s.mode for s in self._running.values()}
         if modes - {request.mode}:
             raise InvalidRequestError("long-context decoding runs one mode at a time")
-        needed = self._prefill_bytes(request)
-        if self.memory.weights_bytes + needed > self.memory.budget_bytes:
-            raise InvalidRequestError(
-                f"a request of {len(request.prompt_ids)} prompt tokens needs {needed} bytes of "
-                f"device memory besides the weights to run; the budget of "
-                f"{self.memory.budget_bytes} bytes leaves "
-                f"{self.memory.budget_bytes - self.memory.weights_bytes}"
-            )
-        full_bytes = full_kv_bytes(request, self.model_config, self.runner.dtype.itemsize)
-        num_load_iterations = self.scheduler.costs.num_load_iterations(full_bytes)
-        is_vericache = request.mode is DecodeMode.VERICACHE
-        if is_vericache:
-            self._check_fits_scheduler(request, full_bytes)
-        if is_vericache and num_load_iterations > self.scheduler.config.window - 1:
-            raise InvalidRequestError(
-                f"loading {full_bytes} bytes of full KV spans more iterations than the scheduler's "
-                f"window of {self.scheduler.config.window}: raise the window or the bandwidth"
-            )
+        element_size = self.runner.dtype.itemsize
+        check_fits(request, self.memory, self.scheduler, self.model_config, element_size)
         key = f"lc{self._num_added}"
         self._num_added += 1
         self._pending.append((key, request))
@@ -229,29 +225,6 @@ class LongContextEngine(Engine):
 
     # -- admission and prefill ------------------------------------------------------------------
 
-    def _check_fits_scheduler(self, request: Request, full_bytes: int) -> None:
-        """The scheduler's own check, run before the prefill with the compressed KV at its
-        bound: a request it would refuse after the prefill is refused here, alone."""
-        element_size = self.runner.dtype.itemsize
-        resident = compressed_prefill_bound(request, self.model_config, element_size)
-        bound = compressed_kv_bound(resident, request, self.model_config, element_size)
-        needed = self.memory.weights_bytes + bound + full_bytes
-        if needed > self.memory.budget_bytes:
-            raise InvalidRequestError(
-                f"a request of {len(request.prompt_ids)} prompt tokens needs up to {needed} bytes "
-                f"of device memory with the weights to decode (its compressed KV grown by every "
-                f"output token, and its full KV for a verification); the budget is "
-                f"{self.memory.budget_bytes}"
-            )
-
-    def _prefill_bytes(self, request: Request) -> int:
-        element_size = self.runner.dtype.itemsize
-        full_bytes = full_kv_bytes(request, self.model_config, element_size)
-        if request.mode is DecodeMode.FULL:
-            return full_bytes
-        # VeriCache: the compressed KV is made while the full KV is still there.
-        return full_bytes + compressed_prefill_bound(request, self.model_config, element_size)
-
     def _admit_pending(self) -> dict[str, RequestOutput]:
         finished = {}
         while self._pending:
@@ -259,7 +232,8 @@ class LongContextEngine(Engine):
             is_vericache = request.mode is DecodeMode.VERICACHE
             if is_vericache and len(self._parked) >= self.long_context.max_parked:
                 break
-            if not self.memory.fits(self._prefill_bytes(request)):
+            needed = prefill_bytes(request, self.model_config, self.runner.dtype.itemsize)
+            if not self.memory.fits(needed):
                 break  # FIFO: later requests wait too
             self._pending.popleft()
             seq = self._start_request(key, request)
@@ -273,7 +247,7 @@ class LongContextEngine(Engine):
         full_bytes = full_kv_bytes(request, self.model_config, self.runner.dtype.itemsize)
         self.memory.hold(("full", key), full_bytes)
         try:
-            seq = self._start(request)
+            seq = self.starter.start(request)
         except Exception:
             self.memory.release(("full", key))
             raise
@@ -282,7 +256,7 @@ class LongContextEngine(Engine):
             return seq
         resident_bytes = seq.compressed_cache.resident_bytes
         self.memory.hold(("compressed", key), resident_bytes)
-        # Its host copy holds the prefix too (prefilled into its own full KV, `_prefix_caches`).
+        # Its host copy holds the prefix too (prefilled into its own full KV, `OwnPrefixes`).
         max_positions = self.model_config.max_position_embeddings
         capacity = full_kv_capacity(request, max_positions, shares_prefix=False)
         self._host[key] = HostKV.from_cache(seq.full_cache, capacity, pin=self._is_cuda)
@@ -302,19 +276,6 @@ class LongContextEngine(Engine):
             self._forget(key)
             raise
         return seq
-
-    def _prefix_caches(
-        self, prefix_ids: tuple[int, ...], mode: DecodeMode, compressor, capacity: int
-    ) -> tuple[KVCache, CompressedKV | None]:
-        """Without the prefix store, whose shared KV would sit on the device outside the budget:
-        the prefix prefilled into the request's own full KV (the same chunks through the same
-        kernels, so bit-identical to Engine's), and its compressed KV compressed from that."""
-        full = self.runner.new_cache(capacity)
-        if prefix_ids:
-            self._prefill_tokens(id_tensor(prefix_ids), full, num_logits=0)
-        if mode is DecodeMode.FULL:
-            return full, None
-        return full, compressor.compress(full, self.model_context(prefix_ids))
 
     def _unpark(self, key: str) -> None:
         if key not in self._parked:
@@ -353,7 +314,7 @@ class LongContextEngine(Engine):
 
     def _full_iteration(self) -> dict[str, RequestOutput]:
         self.stats.max_running = max(self.stats.max_running, len(self._running))
-        self.step(list(self._running.values()))  # Engine: one batched full decode step
+        self.forward.run([], list(self._running.values()))  # one batched full decode step
         done = [(key, seq) for key, seq in self._running.items() if seq.is_finished]
         return {key: self._finish(key, seq) for key, seq in done}
 
@@ -373,7 +334,7 @@ class LongContextEngine(Engine):
             self._loads[verify.request_id].done() for verify in plan.verifies
         )
         if drafts and not shares_forward:
-            self._run_forward(drafts, [])  # Engine: appends one draft token to each
+            self.forward.run(drafts, [])  # appends one draft token to each
         stall_s, finished = self._verify(plan.verifies, drafts if shares_forward else [])
         has_drafted = bool(drafts)
         # A wait for a late load is link time, not compute, and an iteration whose requests all
@@ -416,8 +377,8 @@ class LongContextEngine(Engine):
             stall_s += loaded.stall_s
             seq.full_cache = loaded.cache
             batch.append((key, seq, loaded.cache.num_tokens))
-        # Engine: drafts get one token each; verifications finish their rounds.
-        self._run_forward(drafts, [seq for _, seq, _ in batch])
+        # Drafts get one token each; verifications finish their rounds.
+        self.forward.run(drafts, [seq for _, seq, _ in batch])
         finished = {}
         for key, seq, num_verified_before in batch:
             num_accepted = seq.stats.accepted_per_round[-1]
@@ -451,7 +412,7 @@ class LongContextEngine(Engine):
 
     def _finish(self, key: str, seq: Sequence) -> RequestOutput:
         self._forget(key)
-        out = self._output(seq)
+        out = seq.output()
         self.stats.num_finished += 1
         self.stats.num_output_tokens += len(out.token_ids)
         return out

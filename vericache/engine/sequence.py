@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vericache.engine.request import DecodeMode, Request, RequestStats
+from vericache.engine.request import DecodeMode, Request, RequestOutput, RequestStats
 from vericache.engine.stops import StopChecker
 
 if TYPE_CHECKING:  # rounds stay torch-free: the simulator runs them too (vericache.sim)
@@ -199,6 +199,17 @@ class Sequence:
         self.finish_reason = reason
         self.stats.total_s = time.perf_counter() - self.started_at
         self.full_cache = self.compressed_cache = None  # release memory now
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request.request_id,
+            prompt_ids=list(self.request.prompt_ids),
+            token_ids=self.output_ids,
+            text=self.stop_checker.output_text(self.output_ids),
+            finish_reason=self.finish_reason,
+            stats=self.stats,
+            seed=self.seed,
+        )
 
     # -- what the caches are fed ----------------------------------------------------------------
 

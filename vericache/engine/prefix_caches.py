@@ -1,0 +1,73 @@
+"""Where a request's caches over its prompt prefix come from (`PrefixCaches`, prefill.py).
+
+`SharedPrefixes` (the engine's): the prefix store's KV, prefilled once and compressed once per
+compressor, which every request on the prefix reads in place while holding its own tokens alone
+(kv/prefixed.py). `OwnPrefixes` (the long-context engine's): the prefix prefilled into the
+request's own full KV, and its compressed KV compressed from that, since shared KV would sit on
+the device outside the long-context engine's budget. Both prefill through the same `Prefiller`:
+the same chunks through the same kernels, so the two give the same bits.
+"""
+
+from __future__ import annotations
+
+from vericache.compress.base import Compressor
+from vericache.engine.prefill import Prefiller, id_tensor
+from vericache.engine.prefix_store import PrefixStore
+from vericache.engine.request import DecodeMode
+from vericache.kv.cache import KVCache
+from vericache.kv.compressed import CompressedKV
+from vericache.kv.prefixed import shared_clone
+
+
+class SharedPrefixes:
+    def __init__(self, prefiller: Prefiller, store: PrefixStore):
+        self.prefiller = prefiller
+        self.store = store
+
+    def caches(
+        self, prefix_ids: tuple[int, ...], mode: DecodeMode, compressor: Compressor, capacity: int
+    ) -> tuple[KVCache | None, CompressedKV | None]:
+        full = None
+        if mode is not DecodeMode.LOSSY:
+            full = shared_clone(self.prefix_kv(prefix_ids), capacity)
+        compressed = None
+        if mode is not DecodeMode.FULL:
+            compressed = shared_clone(self.compressed_prefix_kv(prefix_ids, compressor), 0)
+        return full, compressed
+
+    def compressed_prefix_kv(
+        self, prefix_ids: tuple[int, ...], compressor: Compressor
+    ) -> CompressedKV:
+        """A prefix's KV compressed once per compressor, then reused. Shared: clone it to edit."""
+        return self.store.lookup(
+            (prefix_ids, compressor),
+            lambda: compressor.compress(
+                self.prefix_kv(prefix_ids), self.prefiller.model_context(prefix_ids)
+            ),
+        )
+
+    def prefix_kv(self, prefix_ids: tuple[int, ...]) -> KVCache:
+        """The full KV of a prefix, prefilled once and then reused. Shared: clone it to edit."""
+
+        def prefill() -> KVCache:
+            cache = self.prefiller.runner.new_cache(capacity=len(prefix_ids))
+            if prefix_ids:
+                self.prefiller.prefill(id_tensor(prefix_ids), cache, num_logits=0)
+            return cache
+
+        return self.store.lookup(prefix_ids, prefill)
+
+
+class OwnPrefixes:
+    def __init__(self, prefiller: Prefiller):
+        self.prefiller = prefiller
+
+    def caches(
+        self, prefix_ids: tuple[int, ...], mode: DecodeMode, compressor: Compressor, capacity: int
+    ) -> tuple[KVCache, CompressedKV | None]:
+        full = self.prefiller.runner.new_cache(capacity)
+        if prefix_ids:
+            self.prefiller.prefill(id_tensor(prefix_ids), full, num_logits=0)
+        if mode is DecodeMode.FULL:
+            return full, None
+        return full, compressor.compress(full, self.prefiller.model_context(prefix_ids))
