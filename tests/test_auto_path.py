@@ -144,16 +144,16 @@ def test_a_path_is_charged_with_the_requests_it_slows():
     )
     costs_now = PathCosts(MODEL, shared, KV_BYTES_PER_TOKEN, 4)
     # Joining a batch of four slows each of them by its row.
-    (batch,) = costs_now.slowed(PathOption(LOCAL, "verifier-0", 4), SHAPE, 0.6)
+    (batch,) = costs_now.slowed(PathOption(LOCAL, "verifier-0", 4), SHAPE)
     assert batch.num_requests == 4 and 1 < batch.factor < 1.5
     # Starting the idle drafter beside the busy verifier slows its five requests 1.3x; a
     # VeriCache request also adds its verifications to the verifier's batch.
     beside = (StartedBeside(5, 1, 1),)
     remote = PathOption(REMOTE, "drafter-0", 0, link=LINK, co_runners=1, started_beside=beside)
-    assert [s.factor for s in costs_now.slowed(remote, SHAPE, 0.6)] == pytest.approx([1.0, 1.3])
+    assert [s.factor for s in costs_now.slowed(remote, SHAPE)] == pytest.approx([1.0, 1.3])
     vericache = PathOption(VERICACHE, "drafter-0", 0, 5, False, LINK, co_runners=1,
                            started_beside=beside)  # fmt: skip
-    _, verifications, co_runner = costs_now.slowed(vericache, SHAPE, 0.6)
+    _, verifications, co_runner = costs_now.slowed(vericache, SHAPE)
     assert verifications.num_requests == 5 and verifications.factor > 1
 
 
@@ -166,7 +166,7 @@ def test_a_request_joins_the_rows_over_its_prefix_for_little():
     )
     per_token = [costs_now.seconds_per_token(o, SHAPE, 0.6, 4) for o in (apart, two, own)]
     assert per_token[0] > per_token[1] > per_token[2]
-    factors = [costs_now.slowed(o, SHAPE, 0.6)[0].factor for o in (apart, own)]
+    factors = [costs_now.slowed(o, SHAPE)[0].factor for o in (apart, own)]
     assert factors[0] > factors[1] > 1
     # The idle drafter beside the verifier, which must fetch the prefix first: it wins over a
     # verifier whose rows read other prefixes, not over one whose rows read the request's own.

@@ -110,12 +110,10 @@ class PathCosts:
         per_token = self.seconds_per_token(
             option, shape, accepted_share, option.load, option.co_runners
         )
-        setup_s, slowed = self.setup_s(option, shape), self.slowed(option, shape, accepted_share)
+        setup_s, slowed = self.setup_s(option, shape), self.slowed(option, shape)
         return PathEstimate(option.path, option.worker, setup_s, per_token, slowed=slowed)
 
-    def slowed(
-        self, option: PathOption, shape: RequestShape, accepted_share: float
-    ) -> tuple[Slowed, ...]:
+    def slowed(self, option: PathOption, shape: RequestShape) -> tuple[Slowed, ...]:
         """The requests running now that the path slows: its worker's batch-mates, whose steps
         grow by its row; with a verification (VERICACHE), those of its verifier's batch, once a
         round; and those of the busy workers it starts an idle one beside."""
