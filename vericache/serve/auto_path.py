@@ -18,8 +18,8 @@ A prior can be far off on a machine the profile does not describe (VeriCache's r
 2-core CPU run at half the prior's speed), and every request that takes a path before its
 measurements come back is priced by it alone. So a path takes one request at a time, its probe,
 until PROBES of its requests were measured: while a probe runs, the others choose among the rest.
-A few requests pay for a wrong prior, or for one lucky measurement, not a whole wave. The
-acceptance is pooled over drafts, not requests (`_AcceptedShare`).
+One request pays for a wrong prior, not a whole wave. The acceptance is pooled over drafts, not
+requests (`_AcceptedShare`), so one lucky measurement does not swing it.
 """
 
 from __future__ import annotations
@@ -45,8 +45,10 @@ MAX_CORRECTION = 8.0
 # next a tenth), and a path priced from one request's would swing with it.
 PRIOR_DRAFTS = 100
 DRAFTS_KEPT = 0.8
-# A path takes one request at a time until this many of its requests were measured.
-PROBES = 3
+# A path takes one request at a time until this many of its requests were measured. One: on a
+# 2-core CPU three probes of VeriCache at x=30, which runs there at half full decoding's speed,
+# cost a 24-request stream a third of its throughput (bench/README.md, remote-prefix).
+PROBES = 1
 
 _SERVED_AS = {
     ServingPath.VERICACHE: ServeMode.VERICACHE,
