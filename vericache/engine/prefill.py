@@ -44,6 +44,13 @@ class Prefiller:
             token_ids, cache, num_logits, self.config.prefill_chunk, invariant=invariant
         )
 
+    def prefill_prefix(self, prefix_ids: tuple[int, ...], capacity: int) -> KVCache:
+        """A new full cache with room for `capacity` tokens, holding the prefix's KV."""
+        cache = self.runner.new_cache(capacity=capacity)
+        if prefix_ids:
+            self.prefill(id_tensor(prefix_ids), cache, num_logits=0)
+        return cache
+
     def model_context(self, prefix_ids: tuple[int, ...]) -> ModelContext:
         """What a compressor may run on the model while compressing this prefix."""
         return ModelContext(self.runner, prefix_ids, self.tokenizer)

@@ -11,7 +11,7 @@ the same chunks through the same kernels, so the two give the same bits.
 from __future__ import annotations
 
 from vericache.compress.base import Compressor
-from vericache.engine.prefill import Prefiller, id_tensor
+from vericache.engine.prefill import Prefiller
 from vericache.engine.prefix_store import PrefixStore
 from vericache.engine.request import DecodeMode
 from vericache.kv.cache import KVCache
@@ -49,13 +49,9 @@ class SharedPrefixes:
     def prefix_kv(self, prefix_ids: tuple[int, ...]) -> KVCache:
         """The full KV of a prefix, prefilled once and then reused. Shared: clone it to edit."""
 
-        def prefill() -> KVCache:
-            cache = self.prefiller.runner.new_cache(capacity=len(prefix_ids))
-            if prefix_ids:
-                self.prefiller.prefill(id_tensor(prefix_ids), cache, num_logits=0)
-            return cache
-
-        return self.store.lookup(prefix_ids, prefill)
+        return self.store.lookup(
+            prefix_ids, lambda: self.prefiller.prefill_prefix(prefix_ids, len(prefix_ids))
+        )
 
 
 class OwnPrefixes:
@@ -65,9 +61,7 @@ class OwnPrefixes:
     def caches(
         self, prefix_ids: tuple[int, ...], mode: DecodeMode, compressor: Compressor, capacity: int
     ) -> tuple[KVCache, CompressedKV | None]:
-        full = self.prefiller.runner.new_cache(capacity)
-        if prefix_ids:
-            self.prefiller.prefill(id_tensor(prefix_ids), full, num_logits=0)
+        full = self.prefiller.prefill_prefix(prefix_ids, capacity)
         if mode is DecodeMode.FULL:
             return full, None
         return full, compressor.compress(full, self.prefiller.model_context(prefix_ids))

@@ -180,9 +180,10 @@ class AutoPaths:
                 return
             accepted_share = self.accepted_share
             if option.path is ServingPath.VERICACHE and summary.accepted_per_round:
-                accepted_share = min(1.0, summary.mean_accepted_per_round / shape.draft_len)
+                accepted = sum(summary.accepted_per_round)
                 drafted = len(summary.accepted_per_round) * shape.draft_len
-                self._accepted_share.observe(sum(summary.accepted_per_round), drafted)
+                accepted_share = min(1.0, accepted / drafted)
+                self._accepted_share.observe(accepted, drafted)
             others = max(0.0, load - 1)
             predicted = costs.seconds_per_token(option, shape, accepted_share, others, co_runners)
             self._per_token[option.path].observe(1.0 / summary.tokens_per_s, predicted)

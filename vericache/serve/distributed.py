@@ -25,7 +25,6 @@ import contextlib
 import functools
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
 from vericache.engine.link import LinkSpec
@@ -305,8 +304,7 @@ class DistributedBackend:
         for worker in counted:
             worker.active += 1
         paced = drafter or verifier  # whose forwards set its pace: the worker auto names
-        paced.decoding.count += 1
-        paced.paced_prefixes[prefix_id] += 1
+        paced.start_pacing(prefix_id)
         mark = paced.decoding.mark()
         # Its co-runners over its life. A VERICACHE request's verifier counts whenever busy, its
         # own verifications too (which alternate with its drafts rather than run beside them):
@@ -328,9 +326,7 @@ class DistributedBackend:
         finally:
             served.worker_load = paced.decoding.mean_since(mark)  # it included
             served.co_runners = co_runners.mean()
-            paced.decoding.count -= 1
-            paced.paced_prefixes[prefix_id] -= 1
-            paced.paced_prefixes += Counter()  # drops the prefixes none decodes now
+            paced.stop_pacing(prefix_id)
             for worker in counted:
                 worker.active -= 1
             # Cancelled or not, the workers drop the request's caches (keeping its turn).

@@ -205,8 +205,9 @@ class _Handle:
         # mean over time: what `mode: auto` weighs its paths by (auto_path.py).
         self.decoding = WorkerLoad()
         # The prefixes those requests decode over, and how many over each: rows over one prefix
-        # read it once per forward, so a request joins its prefix's rows for little.
-        self.paced_prefixes: Counter[str] = Counter()
+        # read it once per forward, so a request joins its prefix's rows for little. Both change
+        # together (`start_pacing`, `stop_pacing`).
+        self.paced_prefixes: Counter[str | None] = Counter()
         # The prefixes whose full KV it holds for its own sessions as its last probe said: a warm
         # drafter node's host tier (warm_node.py); none on a verifier, which holds them all.
         self.warm_prefixes: frozenset[str] = frozenset()
@@ -239,6 +240,17 @@ class _Handle:
     def active(self, value: int) -> None:
         self._active = value
         self.busy.count = 1 if value else 0
+
+    def start_pacing(self, prefix_id: str | None) -> None:
+        """A request over `prefix_id` now comes at its pace (`decoding`, `paced_prefixes`)."""
+        self.decoding.count += 1
+        self.paced_prefixes[prefix_id] += 1
+
+    def stop_pacing(self, prefix_id: str | None) -> None:
+        self.decoding.count -= 1
+        self.paced_prefixes[prefix_id] -= 1
+        if not self.paced_prefixes[prefix_id]:
+            del self.paced_prefixes[prefix_id]
 
     @property
     def alive(self) -> bool:

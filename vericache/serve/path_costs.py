@@ -128,11 +128,9 @@ class PathCosts:
             added_s = self._seconds([verify] + [decode.unshared()] * load)
             added_s -= self._seconds([decode.unshared()] * load) if load else 0.0
             slowed.append(Slowed(load, 1 + added_s / (round_s + added_s)))
-        device = self.device
-        for group in option.started_beside:
-            before = device.slowdown_beside(group.num_busy - 1)
-            after = device.slowdown_beside(group.num_busy - 1 + group.num_starting)
-            slowed.append(Slowed(group.num_requests, after / before))
+        for group in option.started_beside:  # each busy worker has the others busy beside it
+            factor = self.device.slowdown_added(group.num_busy - 1, group.num_starting)
+            slowed.append(Slowed(group.num_requests, factor))
         return tuple(slowed)
 
     def _batch_slowed(self, row: Row, option: PathOption) -> Slowed:

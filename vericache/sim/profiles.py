@@ -143,6 +143,11 @@ class DeviceProfile:
         one; more are taken to add alike, as they share one memory bus)."""
         return 1 + (self.co_runner_slowdown - 1) * max(0.0, num_busy)
 
+    def slowdown_added(self, num_busy: float, num_starting: int) -> float:
+        """A forward's time once `num_starting` more workers compute beside it on its memory
+        system, over its time beside `num_busy`: what starting them costs it."""
+        return self.slowdown_beside(num_busy + num_starting) / self.slowdown_beside(num_busy)
+
     @property
     def is_measured(self) -> bool:
         return self.source.startswith("measured")

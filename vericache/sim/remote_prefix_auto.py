@@ -307,14 +307,11 @@ def _co_runners_slowed(run: Run, starting: list[Worker]) -> tuple[Slowed, ...]:
     slowed by those of `starting` that are idle now and start computing beside it."""
     if not run.scenario.workers_share_memory:
         return ()
-    device, computing = run.scenario.device, [w for w in run.workers if w.is_computing]
-    idle = [worker for worker in starting if not worker.is_computing]
-    slowed = []
-    busy_beside = len(computing) - 1  # of each computing worker
-    factor = device.slowdown_beside(busy_beside + len(idle)) / device.slowdown_beside(busy_beside)
-    for worker in computing:
-        slowed.append(Slowed(len(worker.loop.steady_rows()), factor))
-    return tuple(slowed)
+    computing = [w for w in run.workers if w.is_computing]
+    num_idle = sum(1 for worker in starting if not worker.is_computing)
+    # Each computing worker has the others computing beside it.
+    factor = run.scenario.device.slowdown_added(len(computing) - 1, num_idle)
+    return tuple(Slowed(len(worker.loop.steady_rows()), factor) for worker in computing)
 
 
 def _reused_prefill_s(worker: Worker, reused: ReusedTurn, key: PrefixKey, num_after: int) -> float:
