@@ -176,7 +176,7 @@ def _traces(engine, compressor, source, prompts, references, params, args) -> li
     records = []
     for (kind, name, prompt), reference, out, p in zip(prompts, references, outputs, params):
         record = trace_record(kind, name, compressor, out.stats, source.value)
-        record["identical"] = None if p.rejects else tuple(out.token_ids) == reference
+        record["identical"] = None if p.is_rejection_coupled else tuple(out.token_ids) == reference
         record["context_tokens"] = prompt.num_prefix_tokens
         records.append(record)
     return records
@@ -231,7 +231,7 @@ def _request(compressor, item, reference, params: SamplingParams) -> Request:
     commits the same tokens and tells the same first mismatch as one that drafts all 64. Not
     under rejection coupling, whose output is not the reference's."""
     *_, prompt = item
-    expected = None if params.rejects else reference
+    expected = None if params.is_rejection_coupled else reference
     return Request(
         prompt.token_ids, prompt.num_prefix_tokens, params, DecodeMode.VERICACHE, compressor,
         MAX_DRAFT_LEN, expected_ids=expected,

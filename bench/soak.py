@@ -167,10 +167,10 @@ def _kill_and_time(server, kind: str, at: float) -> dict:
     pid = ray.get(handle.worker.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    found_gone_s = _seconds_until(lambda: not handle.alive, killed_at, timeout_s=30)
+    found_gone_s = _seconds_until(lambda: not handle.is_alive, killed_at, timeout_s=30)
     back_s = None  # never found gone: it did not come back either
     if found_gone_s is not None:
-        back_s = _seconds_until(lambda: handle.alive, killed_at, timeout_s=300)
+        back_s = _seconds_until(lambda: handle.is_alive, killed_at, timeout_s=300)
     return {"kind": kind, "found_gone_s": found_gone_s, "back_after_kill_s": back_s}
 
 

@@ -122,7 +122,7 @@ def test_sampled_settings_are_labelled_and_compared_by_coupling():
     assert [s.label("kivi-4bit") for s in settings] == [
         "kivi-4bit", "kivi-4bit T=0.7 seeded", "kivi-4bit T=0.7 rejection"
     ]  # fmt: skip
-    assert not settings[0].params(8, 0).samples and settings[2].params(8, 3).rejects
+    assert not settings[0].params(8, 0).is_sampled and settings[2].params(8, 3).is_rejection_coupled
     records = [
         _record("code", "kivi-4bit T=0.7 seeded", [20, 20]),
         _record("code", "kivi-4bit T=0.7 rejection", [25, 25]),

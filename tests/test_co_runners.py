@@ -15,7 +15,7 @@ from vericache.serve.worker_load import WorkerLoad
 def worker(clock: FakeClock, memory_system: str, active: int = 0, alive: bool = True):
     busy = WorkerLoad(clock)
     busy.count = 1 if active else 0
-    return SimpleNamespace(memory_system=memory_system, active=active, alive=alive, busy=busy)
+    return SimpleNamespace(memory_system=memory_system, active=active, is_alive=alive, busy=busy)
 
 
 def test_only_busy_alive_workers_of_the_same_memory_system_count():

@@ -52,7 +52,7 @@ def test_a_transfer_takes_latency_plus_bytes_over_bandwidth_whatever_the_chunkin
 
 def test_unthrottled_link_never_waits():
     link = ThrottledLink(LinkSpec())
-    assert not link.spec.throttled
+    assert not link.spec.is_throttled
     assert link.send_blocking(10**9) == 0.0 and link.bytes_sent == 10**9
 
 

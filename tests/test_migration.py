@@ -105,10 +105,10 @@ def test_a_dead_drafter_moves_its_request_to_another_and_the_stream_is_unchanged
     dying = kill(first, "draft", at=3)  # the request's third round finds its drafter gone
     text, token_ids, reason = streamed(client, prefix_id, "vericache")
     assert (text, token_ids, reason) == (reference.text, reference.token_ids, "length")
-    assert dying.dead and not first.alive and second.alive
+    assert dying.dead and not first.is_alive and second.is_alive
     assert health(server) == health_pb2.HealthCheckResponse.SERVING  # a drafter is up
     dying.revive()
-    assert wait_for(lambda: first.alive, timeout_s=10)  # the probe brings it back
+    assert wait_for(lambda: first.is_alive, timeout_s=10)  # the probe brings it back
 
 
 def test_a_verifier_that_restarts_takes_its_request_back(served):
@@ -166,7 +166,7 @@ def test_a_request_on_a_staggered_schedule_moves_to_another_drafter(served):
     kill(second, "draft", at=10**6)  # counts its calls
     text, token_ids, reason = streamed(client, prefix_id, "vericache")
     assert (text, token_ids, reason) == (reference.text, reference.token_ids, "length")
-    assert not first.alive and second.transport.calls > 0
+    assert not first.is_alive and second.transport.calls > 0
 
 
 def test_a_stream_goes_on_only_on_a_worker_of_its_arithmetic(served):

@@ -110,8 +110,8 @@ def test_a_load_ahead_pins_the_session_and_its_next_call_reports_it():
     sessions.load_ahead("a")  # asked twice, loaded once
     assert wait_for(lambda: sessions.residency().bytes > 0)
     with sessions.using("a") as (session, loaded):
-        assert session.pinned and loaded.store_bytes == session.cache.nbytes
-    assert not session.pinned
+        assert session.is_pinned and loaded.store_bytes == session.cache.nbytes
+    assert not session.is_pinned
     with sessions.using("a") as (_, loaded):
         assert loaded.store_bytes == 0  # resident already, and the load was reported once
 

@@ -194,12 +194,14 @@ def test_bad_parameters_are_refused(field, value):
 
 
 def test_rejection_coupling_applies_only_to_sampling():
-    assert SamplingParams(temperature=0.7, coupling="rejection").rejects
-    assert not SamplingParams(coupling="rejection").rejects  # greedy: nothing to couple
-    assert not SamplingParams(temperature=0.7).rejects
+    assert SamplingParams(temperature=0.7, coupling="rejection").is_rejection_coupled
+    assert not SamplingParams(
+        coupling="rejection"
+    ).is_rejection_coupled  # greedy: nothing to couple
+    assert not SamplingParams(temperature=0.7).is_rejection_coupled
 
 
 def test_greedy_parameters_have_nothing_to_sample():
-    assert not SamplingParams().samples
+    assert not SamplingParams().is_sampled
     with pytest.raises(ValueError, match="greedily"):
         processed_logits(TARGET_LOGITS.unsqueeze(0), SamplingParams())

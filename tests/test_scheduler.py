@@ -115,7 +115,7 @@ def test_round_timeline():
     # The load books iterations 2-3 and completes before the verification in iteration 4.
     assert [p.iteration for p in plans if p.loads] == [2, 7]
     assert plans[2].loads[0].verify_iteration == 4 and plans[2].loads[0].num_bytes == 200
-    assert [(p.iteration, v.num_draft_tokens) for p in plans for v in p.verifies] == [
+    assert [(p.iteration, v.num_drafts) for p in plans for v in p.verifies] == [
         (4, 4),
         (9, 4),
     ]
@@ -164,7 +164,7 @@ def test_admit_tries_best_then_minus_one_plus_one():
     for rid in "abcde":
         scheduler.add_request(_req(rid, full=100, draft_len=5))
     plan = scheduler.schedule()
-    draft_lens = {rid: scheduler.request_state(rid).reservation.num_draft_tokens for rid in "abcde"}
+    draft_lens = {rid: scheduler.request_state(rid).reservation.num_drafts for rid in "abcde"}
     assert draft_lens == {"a": 5, "b": 4, "c": 6, "d": 3, "e": 7}
     assert set(plan.draft_ids) == set("abcde")
 
@@ -183,7 +183,7 @@ def test_load_slack_uses_partly_booked_iterations(load_slack, b_draft_len, b_boo
     scheduler.schedule()
     a, b = (scheduler.request_state(rid).reservation for rid in "ab")
     assert a.link_bookings == ((4, 0.5), (5, 1.0))
-    assert (b.num_draft_tokens, b.link_bookings) == (b_draft_len, b_bookings)
+    assert (b.num_drafts, b.link_bookings) == (b_draft_len, b_bookings)
     assert all(scheduler.link_booked_s(i) <= 1.0 for i in range(16))
 
 
@@ -234,10 +234,10 @@ def test_draft_len_policy_and_updates():
     scheduler = StaggeredScheduler(_costs(), choose_draft_len=lambda state: state.draft_len + 1)
     scheduler.add_request(_req("a", draft_len=4))
     plans = _run(scheduler, 6)
-    assert plans[5 - 0].verifies[0].num_draft_tokens == 5
+    assert plans[5 - 0].verifies[0].num_drafts == 5
     scheduler.set_draft_len("a", 8)
     plan = scheduler.schedule()
-    assert scheduler.request_state("a").reservation.num_draft_tokens == 9
+    assert scheduler.request_state("a").reservation.num_drafts == 9
     assert plan.draft_ids == ("a",)
 
 
@@ -267,7 +267,7 @@ def test_load_longer_than_the_window_after_drift_books_the_window():
         scheduler.costs.observe_load(600, 12.0)  # S = 12 now
     plan = scheduler.schedule()
     reservation = scheduler.request_state("a").reservation
-    assert plan.draft_ids == ("a",) and reservation.num_draft_tokens == 7
+    assert plan.draft_ids == ("a",) and reservation.num_drafts == 7
     assert reservation.link_bookings == tuple((i, 1.0) for i in range(7, 14))
 
 

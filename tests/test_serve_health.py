@@ -42,7 +42,7 @@ def test_health_is_not_serving_as_soon_as_a_call_finds_the_verifier_gone(server)
     with Client(server.target, timeout=60, retries=0) as client:
         with pytest.raises(ServerUnavailableError):
             client.generate(PROMPT, mode="full_local", max_tokens=8)
-        assert dying.dead and not verifier.alive
+        assert dying.dead and not verifier.is_alive
         assert health(server) == NOT_SERVING  # with no sleep in between
         with pytest.raises(ServerUnavailableError, match="no verifier"):
             client.generate(PROMPT, mode="full_local", max_tokens=8)
@@ -76,10 +76,10 @@ def test_a_worker_silent_to_its_probe_is_not_alive_until_it_answers(monkeypatch)
     monkeypatch.setattr(distributed, "PROBE_TIMEOUT_S", 0.05)
     backend, handle, worker, changes = _backend()
     asyncio.run(backend._ask(handle))
-    assert not handle.alive and changes == [False]
+    assert not handle.is_alive and changes == [False]
     worker.answer.set()
     asyncio.run(backend._ask(handle))
-    assert handle.alive and changes == [False, True]
+    assert handle.is_alive and changes == [False, True]
 
 
 def test_a_probe_answer_that_may_predate_a_death_does_not_bring_the_worker_back():
@@ -93,9 +93,9 @@ def test_a_probe_answer_that_may_predate_a_death_does_not_bring_the_worker_back(
         await probe
 
     asyncio.run(probe_while_a_call_finds_it_gone())
-    assert not handle.alive and changes == [False]
+    assert not handle.is_alive and changes == [False]
     asyncio.run(backend._ask(handle))  # a probe sent after the death
-    assert handle.alive and changes == [False, True]
+    assert handle.is_alive and changes == [False, True]
 
 
 async def _gone() -> None:
@@ -110,12 +110,12 @@ def test_a_death_reported_by_a_call_from_before_the_worker_came_back_leaves_it_a
         before_the_restart = handle.num_times_back
         handle.mark_gone()
         await backend._ask(handle)  # the restarted worker answers
-        assert handle.alive
+        assert handle.is_alive
         with pytest.raises(WorkerGoneError):  # a call made to the worker that died fails late
             await handle._answered(_gone(), before_the_restart)
-        assert handle.alive and changes == [False, True]
+        assert handle.is_alive and changes == [False, True]
         with pytest.raises(WorkerGoneError):  # a call made to the worker that came back
             await handle._answered(_gone(), handle.num_times_back)
-        assert not handle.alive and changes == [False, True, False]
+        assert not handle.is_alive and changes == [False, True, False]
 
     asyncio.run(restart_then_late_errors())

@@ -137,7 +137,7 @@ def test_a_killed_worker_restarts_and_its_request_streams_on_unchanged(server, k
     assert result.finish_reason == "length"
     after = sum(counts(server, "request_migrations", "model_name").values())
     assert after >= before + 1  # it did go on after the kill
-    assert _pid(handle) != pid and handle.alive  # a new process
+    assert _pid(handle) != pid and handle.is_alive  # a new process
 
 
 def test_a_verifier_killed_during_put_prefix_leaves_no_half_registered_prefix(server):

@@ -13,8 +13,8 @@ KV_BYTES = 1024.0
 def test_a_short_prefill_is_no_part_of_the_steady_batch():
     sim = Simulation()
     loop = SimBatchLoop(Device(sim, "worker"), lambda rows: 0.01)
-    decode = Row(1, 500, KV_BYTES, exact=True)
-    prefill = Row(24, 500, KV_BYTES, exact=True)  # as short as a verification of x = 30
+    decode = Row(1, 500, KV_BYTES, is_full_kv=True)
+    prefill = Row(24, 500, KV_BYTES, is_full_kv=True)  # as short as a verification of x = 30
     loop.submit(SimJob(lambda: decode, 8, lambda: None))
     loop.submit(chunked_job([prefill], lambda: None))
     assert loop.current_rows() == [decode, prefill]

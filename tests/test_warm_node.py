@@ -24,10 +24,10 @@ VERICACHE = {"mode": "vericache", "max_tokens": 48, "draft_len": 4}
 
 @pytest.fixture
 def warm_server(tiny_chat_checkpoint, tmp_path):
-    def start(num_drafters: int = 1):
+    def start(num_drafters: int = 1, scheduling: str = "per-request"):
         server = start_server(
             tiny_chat_checkpoint, tmp_path, num_drafters=num_drafters, drafter_options=TIER,
-            config=CoordinatorConfig(worker_wait_s=30),
+            config=CoordinatorConfig(worker_wait_s=30, scheduling=scheduling),
         )  # fmt: skip
         started.append(server)
         from vericache.client import Client
@@ -50,8 +50,9 @@ def _warm(server, prefix_id: str) -> bool:
     return any(prefix_id in d.warm_prefixes for d in server.coordinator.backend.drafters)
 
 
-def test_a_request_on_a_warm_node_never_needs_the_central_verifier(warm_server):
-    server, client, prefix_id = warm_server()
+@pytest.mark.parametrize("scheduling", ["per-request", "staggered"])
+def test_a_request_on_a_warm_node_never_needs_the_central_verifier(warm_server, scheduling):
+    server, client, prefix_id = warm_server(scheduling=scheduling)
     reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=48)
     first = client.generate(PROMPT, prefix_id=prefix_id, **VERICACHE)
     assert first.token_ids == reference.token_ids
@@ -73,15 +74,17 @@ def test_a_request_on_a_warm_node_never_needs_the_central_verifier(warm_server):
     assert wait_for(lambda: sample("vericache:host_tier_resident_prefixes", labels) == 1)
 
 
+@pytest.mark.parametrize("scheduling", ["per-request", "staggered", "lockstep"])
 def test_a_request_moves_to_its_node_once_warm_and_the_stream_is_unchanged(
-    warm_server, monkeypatch
+    warm_server, monkeypatch, scheduling
 ):
-    # The coordinator learns that the node is warm from a round's drafts, not from a probe.
+    # The coordinator learns that the node is warm from a round's drafts, not from a probe. On
+    # a staggered or lock-step schedule the request leaves it between two rounds.
     from vericache.serve.handles import DrafterHandle
 
     unseen = property(lambda handle: frozenset(), lambda handle, value: None)
     monkeypatch.setattr(DrafterHandle, "warm_prefixes", unseen, raising=False)
-    server, client, prefix_id = warm_server()
+    server, client, prefix_id = warm_server(scheduling=scheduling)
     reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=48)
     client.generate(PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=4)
     (drafter,) = server.coordinator.backend.drafters

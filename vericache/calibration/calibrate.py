@@ -204,7 +204,9 @@ def _forwards(model: ModelProfile, num_layers: int, device, dtype, plan) -> list
         caches = [filled_cache(runner, context, new_tokens) for _ in range(batch)]
 
         def step(caches=caches, new_tokens=new_tokens, context=context, exact=exact):
-            jobs = [Job(c, [1] * new_tokens, num_logits=new_tokens, exact=exact) for c in caches]
+            jobs = [
+                Job(c, [1] * new_tokens, num_logits=new_tokens, is_full_kv=exact) for c in caches
+            ]
             loop.step(jobs)
             for cache in caches:
                 cache.truncate(context)

@@ -77,7 +77,7 @@ class Engine:
         verification of a vericache round, a full or lossy decode step)."""
         planned = _planned_verify_steps(active)
         for seq in active:
-            if seq.mode is DecodeMode.VERICACHE and seq.draft_target is None:
+            if seq.mode is DecodeMode.VERICACHE and seq.num_drafts is None:
                 num_drafts = seq.begin_round(self._draft_len(seq, planned))
                 planned.add(num_drafts)  # this round verifies that many steps from now
         compressed_batch = [seq for seq in active if seq.needs_compressed_forward]
@@ -116,7 +116,7 @@ def _planned_verify_steps(active: list[Sequence]) -> set[int]:
     if any(seq.mode is DecodeMode.FULL for seq in active):
         return set(range(max(seq.request.draft_len for seq in active) + 1))
     return {
-        seq.draft_target - len(seq.draft_ids)
+        seq.num_drafts - len(seq.draft_ids)
         for seq in active
-        if seq.mode is DecodeMode.VERICACHE and seq.draft_target is not None
+        if seq.mode is DecodeMode.VERICACHE and seq.num_drafts is not None
     }

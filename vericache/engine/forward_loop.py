@@ -5,7 +5,7 @@ lossy decoding), or a single forward that chooses `num_logits` tokens (a verific
 + drafts]); greedy, or sampled with seeded coupling where the job has a sampler (so a draft and
 its verification draw the same noise at each position). `ForwardLoop.step(jobs)` runs one forward
 over the next tokens of every job and records each one's choices. Rows over compressed KV attend
-with the fast kernels; rows over full KV (`Job.exact`) with the batch-invariant kernels, so a
+with the fast kernels; rows over full KV (`Job.is_full_kv`) with the batch-invariant kernels, so a
 verification's choices do not depend on what shares its forward; both kinds share the forward's
 one read of the weights.
 
@@ -35,7 +35,7 @@ class Job:
     max_steps: int = 1
     num_logits: int = 1  # choices wanted from the first step (a verification: 1 + drafts)
     end_ids: frozenset[int] = frozenset()  # stop after choosing one of these
-    exact: bool = False  # full-KV work: batch-invariant kernels
+    is_full_kv: bool = False  # full-KV work: batch-invariant kernels
     after_step: Callable[[], None] | None = None  # e.g. an online compressor's update
     sampler: SequenceSampler | None = None  # None: greedy choices
     keeps_distributions: bool = False  # keep what each sampled row was drawn from (rejection)
@@ -44,7 +44,7 @@ class Job:
     steps: int = 0
 
     @property
-    def done(self) -> bool:
+    def is_done(self) -> bool:
         ended = bool(self.choices) and self.choices[-1] in self.end_ids
         return self.steps >= self.max_steps or ended
 
@@ -53,7 +53,7 @@ class Job:
         observe = cache.observe if getattr(cache, "records_queries", False) else None
         ids = torch.tensor(self.feed, dtype=torch.long)
         num_logits = self.num_logits if self.steps == 0 else 1
-        return SequenceInput(ids, cache, num_logits, observe, fast_attention=not self.exact)
+        return SequenceInput(ids, cache, num_logits, observe, fast_attention=not self.is_full_kv)
 
     def choose(self, rows: torch.Tensor) -> list[int]:
         """This step's tokens from its logits rows [n, V] (a sampling job's; greedy ones are
@@ -115,7 +115,7 @@ class ForwardLoop:
 
     def step(self, jobs: list[Job]) -> float:
         """One forward over every job's next tokens; advances each. Returns its seconds."""
-        invariant = self.invariant_full_kv and any(job.exact for job in jobs)
+        invariant = self.invariant_full_kv and any(job.is_full_kv for job in jobs)
         inputs = [job.sequence_input() for job in jobs]
         start, start_cpu = time.perf_counter(), time.thread_time()
         chosen = choose(jobs, self.runner.forward(inputs, invariant=invariant))
@@ -125,7 +125,7 @@ class ForwardLoop:
         self.num_steps += 1
         self.max_batch = max(self.max_batch, len(jobs))
         num_fed = [seq.token_ids.numel() for seq in inputs]
-        exact_fed = sum(n for job, n in zip(jobs, num_fed) if job.exact)
+        exact_fed = sum(n for job, n in zip(jobs, num_fed) if job.is_full_kv)
         self.cpu_s += cpu_s
         self.exact_cpu_s += cpu_s * exact_fed / sum(num_fed)
         return elapsed

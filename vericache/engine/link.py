@@ -73,7 +73,7 @@ class LinkSpec:
         return num_bytes / self.bandwidth if self.bandwidth else 0.0
 
     @property
-    def throttled(self) -> bool:
+    def is_throttled(self) -> bool:
         return self.bandwidth is not None or self.latency > 0
 
 

@@ -355,9 +355,9 @@ class LongContextEngine:
         """The requests that take a draft step this iteration (a round begins where none runs)."""
         drafting = [(key, self._running[key]) for key in keys]
         for key, seq in drafting:
-            if seq.draft_target is None:  # a round begins, of the scheduler's draft length
+            if seq.num_drafts is None:  # a round begins, of the scheduler's draft length
                 reservation = self.scheduler.request_state(key).reservation
-                num_drafts = seq.begin_round(reservation.num_draft_tokens)
+                num_drafts = seq.begin_round(reservation.num_drafts)
                 self._hold_compressed(key, seq.compressed_cache, num_drafts)
         return [seq for _, seq in drafting if seq.needs_compressed_forward]
 

@@ -11,6 +11,15 @@ Vocabulary, used everywhere in VeriCache:
 - correction token: the verifier's choice at the first mismatch; bonus token: its choice after
   the last draft token when all x were accepted. Each round emits accepted + 1 tokens.
 - compression ratio: tokens of the prefix over slots kept (token dropping), or 16 / bits.
+
+Names in code:
+- `draft_len`: x, the most drafts a round may make (a request's, or what a scheduler chose for
+  it); `num_drafts`: the drafts one round makes, at most `draft_len` (fewer near the budget's or
+  the context's end).
+- `exact` names an `ExactKV` alone: the verifier's keys and values of committed tokens, handed to
+  a drafter. Work over the full KV on the batch-invariant kernels is `is_full_kv`.
+- a predicate reads as one: `is_done`, `is_sampled`, `is_alive`, or a verb that asks (`needs_`,
+  `wants_`, `may_`, `has_`).
 """
 
 from __future__ import annotations
@@ -75,14 +84,14 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} {requirement}, got {getattr(self, name)}")
 
     @property
-    def samples(self) -> bool:
+    def is_sampled(self) -> bool:
         """Tokens are sampled (temperature > 0), not chosen greedily."""
         return self.temperature > 0
 
     @property
-    def rejects(self) -> bool:
+    def is_rejection_coupled(self) -> bool:
         """Drafts are checked by rejection coupling."""
-        return self.samples and self.coupling == "rejection"
+        return self.is_sampled and self.coupling == "rejection"
 
 
 COUPLINGS = ("seeded", "rejection")

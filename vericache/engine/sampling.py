@@ -41,7 +41,7 @@ def processed_logits(
     """logits [n, V] of n consecutive positions -> float32 [n, V] to sample from (masked tokens
     -inf), for parameters that sample (temperature > 0). output_ids[i]: the output tokens before
     position i (penalties depend on them)."""
-    if not processing.samples:
+    if not processing.is_sampled:
         raise ValueError("temperature 0 decodes greedily: there is nothing to sample")
     x = logits.float().clone()
     penalized = processing.repetition_penalty != 1 or processing.presence_penalty != 0
@@ -116,7 +116,7 @@ def seeded_sample(processed: torch.Tensor, seed: int, positions: torch.Tensor) -
 def checks_by_rejection(sampler: SequenceSampler | None) -> bool:
     """Whether drafts under `sampler` are checked by rejection, which needs the drafter's
     distributions (greedy and seeded drafts are checked by equality)."""
-    return sampler is not None and sampler.params.rejects
+    return sampler is not None and sampler.params.is_rejection_coupled
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ class Sequence:
     full_cache: KVCache | None = None
     compressed_cache: CompressedKV | None = None
     draft_ids: list[int] = field(default_factory=list)  # this round's drafts, not yet verified
-    draft_target: int | None = None  # drafts wanted this round; None between rounds
+    num_drafts: int | None = None  # drafts wanted this round; None between rounds
     # Rejection coupling: the distribution [V] each draft was sampled from (opaque here: torch
     # tensors the engine keeps with the round).
     draft_distributions: list = field(default_factory=list)
@@ -70,7 +70,7 @@ class Sequence:
     ) -> Sequence:
         checker = StopChecker(request.params, eos_token_ids, max_positions, tokenizer)
         seed = request.params.seed
-        if request.params.samples and seed is None:
+        if request.params.is_sampled and seed is None:
             seed = secrets.randbits(63)  # reported with the output
         return cls(
             request=request,
@@ -99,7 +99,7 @@ class Sequence:
         """Seeded sampling of the next tokens, after the output and `following` (a draft step's
         earlier drafts); None where the request decodes greedily."""
         params = self.request.params
-        if not params.samples:
+        if not params.is_sampled:
             return None
         # Imported here: the simulator uses this module, and runs without torch.
         from vericache.engine.sampling import SequenceSampler
@@ -108,9 +108,9 @@ class Sequence:
         return SequenceSampler(params, self.seed, self.request.prompt_ids, history)
 
     @property
-    def rejects(self) -> bool:
+    def is_rejection_coupled(self) -> bool:
         """Its drafts are checked by rejection coupling (vericache rounds only)."""
-        return self.mode is DecodeMode.VERICACHE and self.request.params.rejects
+        return self.mode is DecodeMode.VERICACHE and self.request.params.is_rejection_coupled
 
     @property
     def num_remaining(self) -> int:
@@ -133,15 +133,15 @@ class Sequence:
         """Starts a round of up to `draft_len` drafts; returns how many it wants (0: the budget
         leaves one token, which the verification alone chooses)."""
         self.draft_ids, self.draft_distributions = [], []
-        self.draft_target = self.drafts_wanted(draft_len)
-        return self.draft_target
+        self.num_drafts = self.drafts_wanted(draft_len)
+        return self.num_drafts
 
     @property
     def wants_draft_step(self) -> bool:
         """The round in progress drafts on: fewer drafts than wanted, no end token yet, and no
         draft known to be rejected (`Request.expected_ids`)."""
         ended = bool(self.draft_ids) and self.draft_ids[-1] in self.stop_checker.end_ids
-        return len(self.draft_ids) < self.draft_target and not ended and not self._diverged
+        return len(self.draft_ids) < self.num_drafts and not ended and not self._diverged
 
     @property
     def _diverged(self) -> bool:
@@ -163,7 +163,7 @@ class Sequence:
         self.stats.drafted_per_round.append(len(drafts))
         # A stop inside the accepted drafts ends the sequence before the rest is emitted.
         self.stats.accepted_per_round.append(min(accepted, len(committed)))
-        self.draft_ids, self.draft_target, self.draft_distributions = [], None, []
+        self.draft_ids, self.num_drafts, self.draft_distributions = [], None, []
         return RoundOutcome(tuple(committed), len(drafts), accepted)
 
     # -- decoding (full, lossy) -----------------------------------------------------------------

@@ -40,7 +40,7 @@ class SequenceForward:
                 seq.compressed_cache,
                 seq.compressed_input(),
                 sampler=seq.sampler(seq.draft_ids),
-                keeps_distributions=seq.rejects,
+                keeps_distributions=seq.is_rejection_coupled,
             )
             for seq in compressed_batch
         ]
@@ -49,9 +49,9 @@ class SequenceForward:
                 seq.full_cache,
                 seq.full_input(),
                 num_logits=1 + len(seq.draft_ids),
-                exact=True,
+                is_full_kv=True,
                 sampler=seq.sampler(),
-                keeps_distributions=seq.rejects,
+                keeps_distributions=seq.is_rejection_coupled,
             )
             for seq in full_batch
         ]
@@ -74,7 +74,9 @@ class SequenceForward:
                 _decode_step(seq, job.choices[0], elapsed - draft_s)
             else:
                 seq.stats.verify_s += elapsed - draft_s
-                verified = _rejection_verified(seq, job) if seq.rejects else job.choices
+                verified = (
+                    _rejection_verified(seq, job) if seq.is_rejection_coupled else job.choices
+                )
                 self._finish_round(seq, verified, verified_before)
 
     def _observe(self, elapsed: float, compressed_jobs: list[Job], full_jobs: list[Job]) -> float:

@@ -130,11 +130,11 @@ class DenseLayerKV:
     def capacity(self) -> int:
         return self._keys.shape[1]
 
-    def _ensure_capacity(self, num_slots: int, exact: bool = False) -> None:
-        """Room for num_slots; appends grow geometrically, `exact` grows to just what is asked."""
+    def _ensure_capacity(self, num_slots: int, to_fit: bool = False) -> None:
+        """Room for num_slots; appends grow geometrically, `to_fit` grows to just what is asked."""
         if num_slots <= self.capacity:
             return
-        new_capacity = aligned(num_slots if exact else max(num_slots, 2 * self.capacity))
+        new_capacity = aligned(num_slots if to_fit else max(num_slots, 2 * self.capacity))
         n = self.num_slots
         num_kv_heads, _, head_dim = self._keys.shape
         for name in ("_keys", "_values"):
@@ -174,7 +174,7 @@ class DenseLayerKV:
     def keys_values(self, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """[T', H, D] views of the head-major buffers (strided, not contiguous)."""
         end = aligned(self.num_slots, pad_to)
-        self._ensure_capacity(end, exact=True)
+        self._ensure_capacity(end, to_fit=True)
         if end > self._num_finite:
             # Attention gives the padding zero weight, but 0 * NaN is NaN: zero the tail it reads.
             self._keys[:, self._num_finite : end] = 0

@@ -135,16 +135,16 @@ class ModelRunner:
             # The window only hides keys once the newest token is `window` positions in.
             if window is not None and seq.cache.num_tokens + n > window:
                 window_mask = _window_mask(window, layer_kv.positions(), positions[start:end])
-            exact = invariant and not seq.fast_attention
-            if self._uses_cpu_kernel(layer_kv, window, window_mask, n, exact):
+            row_invariant = invariant and not seq.fast_attention
+            if self._uses_cpu_kernel(layer_kv, window, window_mask, n, row_invariant):
                 cpu_kernel.append((i, (start, end), layer_kv))
-            elif _reads_prefix_apart(layer_kv, q, window_mask, exact):
+            elif _reads_prefix_apart(layer_kv, q, window_mask, row_invariant):
                 shared_keys, _ = layer_kv.shared.keys_values()
                 by_prefix.setdefault(_prefix_identity(shared_keys), []).append(
                     (i, (start, end), layer_kv)
                 )
             else:
-                outputs[i] = _attend(layer_kv, q[start:end], window_mask, exact)
+                outputs[i] = _attend(layer_kv, q[start:end], window_mask, row_invariant)
             start = end
         calls = [(_attend_by_cpu_kernel, cpu_kernel)]
         calls += [(_attend_sharing_prefix, group) for group in by_prefix.values()]
@@ -172,15 +172,15 @@ class ModelRunner:
         if stores:
             cpu_attention.store_kv(k, v, positions, stores)
 
-    def _uses_cpu_kernel(self, layer_kv, window, window_mask, n: int, exact: bool) -> bool:
+    def _uses_cpu_kernel(self, layer_kv, window, window_mask, n: int, invariant: bool) -> bool:
         """Whether a sequence's attention in this layer joins the CPU kernel's call (over
-        full-precision slots only). Exact rows: all of them on a layer without a sliding window,
-        whatever n, since a token must take the same kernel decoded alone as verified among
-        others (the kernel is batch-invariant by construction). Fast rows: one-token steps;
-        longer runs (prefill) go to library attention."""
+        full-precision slots only). Batch-invariant rows: all of them on a layer without a
+        sliding window, whatever n, since a token must take the same kernel decoded alone as
+        verified among others (the kernel is batch-invariant by construction). Fast rows:
+        one-token steps; longer runs (prefill) go to library attention."""
         if not self._cpu_kernel or getattr(layer_kv, "attends_packed", False):
             return False
-        return window is None if exact else n == 1 and window_mask is None
+        return window is None if invariant else n == 1 and window_mask is None
 
     def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
         rows, start = [], 0

@@ -52,9 +52,9 @@ from vericache.scheduler.rings import ReservationRing
 class Reservation:
     """One round of one request, as booked in the rings."""
 
-    num_draft_tokens: int
+    num_drafts: int
     draft_first: int  # first draft iteration
-    draft_last: int  # last draft iteration (equal to draft_first + num_draft_tokens - 1)
+    draft_last: int  # last draft iteration (equal to draft_first + num_drafts - 1)
     load_start: int  # first iteration with link time booked; full KV reserved from here
     verify_first: int  # the verification starts here (right after the last draft iteration)
     verify_iteration: int  # ...and is reported here; full KV reserved through it
@@ -180,9 +180,9 @@ class BaseScheduler(abc.ABC):
             if res.draft_first <= now <= res.draft_last:
                 drafts.append(state.request_id)
             if res.verify_first == now:
-                starts.append(Verify(state.request_id, res.num_draft_tokens))
+                starts.append(Verify(state.request_id, res.num_drafts))
             if res.verify_iteration == now:
-                verifies.append(Verify(state.request_id, res.num_draft_tokens))
+                verifies.append(Verify(state.request_id, res.num_drafts))
         self._plan = IterationPlan(now, tuple(loads), tuple(drafts), tuple(verifies), tuple(starts))
         self._unreported = {v.request_id for v in verifies}
         self.metrics.record(
@@ -207,18 +207,18 @@ class BaseScheduler(abc.ABC):
                 "reported already"
             )
         state = self._states[request_id]
-        num_draft_tokens = state.reservation.num_draft_tokens
-        if not 0 <= num_accepted <= num_draft_tokens:
+        num_drafts = state.reservation.num_drafts
+        if not 0 <= num_accepted <= num_drafts:
             raise InvalidRequestError(
-                f"request {request_id!r}: num_accepted must lie in [0, {num_draft_tokens}], "
+                f"request {request_id!r}: num_accepted must lie in [0, {num_drafts}], "
                 f"got {num_accepted}"
             )
         self._unreported.discard(request_id)
         metrics = state.metrics
         metrics.num_rounds += 1
-        metrics.num_draft_tokens += num_draft_tokens
+        metrics.num_drafts += num_drafts
         metrics.num_accepted += num_accepted
-        metrics.draft_lens.append(num_draft_tokens)
+        metrics.draft_lens.append(num_drafts)
         metrics.accepted_per_round.append(num_accepted)
         # The full KV stays reserved through this iteration, which the ring retires at its end.
         del self._running[request_id]

@@ -107,7 +107,7 @@ class LockstepScheduler(BaseScheduler):
             share = state.request.full_kv_bytes / total_bytes
             bookings = tuple((load_start + i, s * share) for i, s in enumerate(link_s))
             reservation = Reservation(
-                num_draft_tokens=self.draft_len,
+                num_drafts=self.draft_len,
                 draft_first=base + 1,
                 draft_last=base + self.draft_len,
                 load_start=load_start,

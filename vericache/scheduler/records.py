@@ -78,7 +78,7 @@ class LoadStart:
 @dataclass(frozen=True)
 class Verify:
     request_id: str
-    num_draft_tokens: int  # drafted since the request's last verification (its draft length)
+    num_drafts: int  # drafted since the request's last verification (its draft length)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class IterationMetrics:
 class RequestMetrics:
     request_id: str
     num_rounds: int = 0  # verifications
-    num_draft_tokens: int = 0
+    num_drafts: int = 0
     num_accepted: int = 0  # accepted draft tokens; each round also emits one correction or bonus
     num_waited_iterations: int = 0  # iterations spent queued for admission, in all
     max_wait_iterations: int = 0  # the longest single wait

@@ -164,7 +164,7 @@ class _Simulation:
             alone_s = load.num_bytes / self.hardware.link_bytes_per_s
             self.scheduler.costs.observe_load(load.num_bytes, alone_s)
         sim = self.by_id[rid]
-        num_accepted = _num_accepted(self.rng, sim.acceptance, verify.num_draft_tokens)
+        num_accepted = _num_accepted(self.rng, sim.acceptance, verify.num_drafts)
         num_tokens = min(num_accepted + 1, sim.num_output_tokens - self.num_emitted[rid])
         self.num_emitted[rid] += num_tokens
         self.result.num_output_tokens += num_tokens
@@ -182,11 +182,11 @@ def _move(loads: dict[str, _Load], num_bytes: float) -> None:
             return
 
 
-def _num_accepted(rng: random.Random, acceptance: float, num_draft_tokens: int) -> int:
-    for index in range(num_draft_tokens):
+def _num_accepted(rng: random.Random, acceptance: float, num_drafts: int) -> int:
+    for index in range(num_drafts):
         if rng.random() >= acceptance:
             return index
-    return num_draft_tokens
+    return num_drafts
 
 
 def paper_example(

@@ -70,14 +70,12 @@ class StaggeredScheduler(BaseScheduler):
         capacity = self.costs.iteration_s
         load_s = min(self.costs.load_s(state.request.full_kv_bytes), span * capacity)
         link = _LinkTime(self._link.booked(base + 1, base + high), base + 1, capacity)
-        for num_draft_tokens in draft_len_order(self.choose_draft_len(state), span, high):
-            last = base + num_draft_tokens
+        for num_drafts in draft_len_order(self.choose_draft_len(state), span, high):
+            last = base + num_drafts
             first = max(base + 1, last - span - self.config.load_slack + 1)
             if not link.may_hold(first, last, load_s):
                 continue
-            reservation = self._place(
-                state, base, num_draft_tokens, first, num_verify, load_s, link
-            )
+            reservation = self._place(state, base, num_drafts, first, num_verify, load_s, link)
             if reservation is not None:
                 self._commit(state, reservation, base)
                 return True
@@ -87,14 +85,14 @@ class StaggeredScheduler(BaseScheduler):
         self,
         state: RequestState,
         base: int,
-        num_draft_tokens: int,
+        num_drafts: int,
         first: int,  # the earliest iteration the load may use
         num_verify: int,
         remaining: float,  # the load's link seconds
         link: _LinkTime,
     ) -> Reservation | None:
         capacity, tolerance = self.costs.iteration_s, link.tolerance
-        last = base + num_draft_tokens
+        last = base + num_drafts
         bookings = []
         booked = link.booked(first, last)
         for iteration in range(last, first - 1, -1):
@@ -109,7 +107,7 @@ class StaggeredScheduler(BaseScheduler):
         if remaining > tolerance:
             return None
         load_start = bookings[-1][0]
-        verify_first = base + num_draft_tokens + 1
+        verify_first = base + num_drafts + 1
         verify_iteration = verify_first + num_verify - 1
         new_resident = 0 if state.is_resident else state.request.compressed_kv_bytes
         if not self._fits_memory(
@@ -117,9 +115,9 @@ class StaggeredScheduler(BaseScheduler):
         ):
             return None
         return Reservation(
-            num_draft_tokens=num_draft_tokens,
+            num_drafts=num_drafts,
             draft_first=base + 1,
-            draft_last=base + num_draft_tokens,
+            draft_last=base + num_drafts,
             load_start=load_start,
             verify_first=verify_first,
             verify_iteration=verify_iteration,

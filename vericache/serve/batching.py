@@ -34,7 +34,7 @@ class BatchLoop:
 
     def run(self, job: Job) -> list[int]:
         """Runs `job` to completion among the others; returns its greedy choices."""
-        if job.done:
+        if job.is_done:
             return job.choices
         finished: Future = Future()
         with self._accepting:
@@ -76,7 +76,7 @@ class BatchLoop:
             return []
         running = []
         for job, finished in active:
-            if job.done:
+            if job.is_done:
                 finished.set_result(job.choices)
             else:
                 running.append((job, finished))

@@ -35,7 +35,7 @@ def started_beside(starting: list, workers: list) -> tuple[StartedBeside, ...]:
     idle one computing beside busy ones."""
     groups = []
     for system in {worker.memory_system for worker in starting if worker.memory_system}:
-        busy = [w for w in workers if w.alive and w.memory_system == system and w.active]
+        busy = [w for w in workers if w.is_alive and w.memory_system == system and w.active]
         idle = [w for w in starting if w.memory_system == system and not w.active]
         if busy and idle:
             groups.append(StartedBeside(sum(w.active for w in busy), len(busy), len(idle)))
@@ -57,4 +57,4 @@ def _beside(worker, workers: list) -> list:
     system = worker.memory_system
     if not system:
         return []
-    return [w for w in workers if w is not worker and w.alive and w.memory_system == system]
+    return [w for w in workers if w is not worker and w.is_alive and w.memory_system == system]

@@ -332,7 +332,7 @@ class Coordinator:
             max_new_tokens=max_tokens, stop=call.stop, stop_token_ids=call.stop_token_ids,
             **call.sampling.given(),
         )  # fmt: skip
-        if params.samples and params.seed is None:  # one seed for every worker and the summary
+        if params.is_sampled and params.seed is None:  # one seed for every worker and the summary
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         return params
 

@@ -3,9 +3,9 @@ nodes), with prefixes in the verifiers' full-KV store and catalog.
 
 It places each request on the verifier (and, for the modes that need one, the drafter) that holds
 its prefix, by rendezvous hashing with load margins (scheduler/placement.py: a hot prefix spills to
-the least busy worker; a request without a prefix goes there at once), runs its rounds (rounds.py:
-on their own, or on the verifier's schedule, scheduled.py) and closes its sessions on the workers
-when it ends, is cancelled or fails.
+the least busy worker; a request without a prefix goes there at once), runs its rounds (rounds.py)
+on its verifier's schedule (scheduled.py: back to back, staggered or lock-step) and closes its
+sessions on the workers when it ends, is cancelled or fails.
 
 Workers die: a call (or the probe, twice a second) that finds its worker gone marks it not alive
 (handles.py), and so does a probe that gets no answer in time; nothing is placed on it until the
@@ -41,7 +41,7 @@ from vericache.serve.path_costs import PathOption
 from vericache.serve.path_options import path_options
 from vericache.serve.restarts import Restarts
 from vericache.serve.rounds import ServedRequest, run_request
-from vericache.serve.scheduled import ScheduledRounds, new_scheduled_rounds
+from vericache.serve.scheduled import BackToBack, ScheduledRounds, new_scheduled_rounds
 from vericache.serve.turn_cache import TurnCache
 from vericache.serve.worker_api import (
     DrafterAPI,
@@ -68,7 +68,8 @@ class DistributedBackend:
         self.config = config or CoordinatorConfig()
         self._addresses: dict[str, str] = {}  # verifier name -> its KVTransfer address
         self._links: dict[str, LinkSpec] = {}  # verifier name -> its link toward the drafters
-        # Verifier name -> the schedule of its VERICACHE rounds; empty: each request on its own.
+        # Verifier name -> the staggered or lock-step schedule of its VERICACHE rounds; empty:
+        # each request's rounds back to back.
         self.schedules: dict[str, ScheduledRounds] = {}
         self._probe: asyncio.Task | None = None
         self._metrics: ServeMetrics | None = None  # from `start` on
@@ -122,7 +123,7 @@ class DistributedBackend:
     def _catalog_verifier(self) -> VerifierAPI:
         """The verifier that answers for the catalog (verifiers sharing a root share it)."""
         for verifier in self.verifiers:
-            if verifier.alive:
+            if verifier.is_alive:
                 return verifier
         raise WorkerUnavailableError("no verifier is running")
 
@@ -132,10 +133,10 @@ class DistributedBackend:
 
     def _are_up(self, with_drafters: bool) -> bool:
         kinds = [self.verifiers, self.drafters] if with_drafters else [self.verifiers]
-        return all(any(worker.alive for worker in kind) for kind in kinds)
+        return all(any(worker.is_alive for worker in kind) for kind in kinds)
 
     def _on_alive_change(self, worker) -> None:
-        if not worker.alive:
+        if not worker.is_alive:
             self._restarts.gone(worker.name)
 
     def watch_serving(self, on_change: Callable[[], None]) -> None:
@@ -156,7 +157,7 @@ class DistributedBackend:
         """One probe of a worker: alive (and, for a verifier, where its KV transfer service
         listens; its prefix cache, for the metrics) when it answers; not alive when it is gone or
         does not answer in time."""
-        was_alive, num_times_gone = worker.alive, worker.num_times_gone
+        was_alive, num_times_gone = worker.is_alive, worker.num_times_gone
         try:
             about = await asyncio.wait_for(worker.describe(), PROBE_TIMEOUT_S)
         except TimeoutError:
@@ -233,9 +234,9 @@ class DistributedBackend:
         return [*self.verifiers, *self.drafters]
 
     def check_can_serve(self, mode: ServeMode) -> None:
-        if mode.needs_drafter and not any(d.alive for d in self.drafters):
+        if mode.needs_drafter and not any(d.is_alive for d in self.drafters):
             raise WorkerUnavailableError(f"no drafter is running to serve {mode.name}")
-        if not any(v.alive for v in self.verifiers):
+        if not any(v.is_alive for v in self.verifiers):
             raise WorkerUnavailableError("no verifier is running")
 
     async def serve(self, served: ServedRequest) -> AsyncIterator[list[int]]:
@@ -257,7 +258,7 @@ class DistributedBackend:
             # A verifier that restarted before a probe noticed listens on a new port: its
             # drafters could not reach it. Ask it now rather than at the next probe.
             for verifier in self.verifiers:
-                if verifier.alive:
+                if verifier.is_alive:
                     await self._ask(verifier)
 
     def _may_migrate(self, served: ServedRequest) -> bool:
@@ -320,7 +321,7 @@ class DistributedBackend:
         served.release_verifier = release_verifier
         try:
             address = self._addresses[verifier.name]
-            schedule = self.schedules.get(verifier.name)
+            schedule = self.schedules.get(verifier.name) or BackToBack(verifier)
             async for tokens in run_request(served, verifier, drafter, address, schedule):
                 yield tokens
         finally:
@@ -368,7 +369,7 @@ def _placed_or_none(workers: list, prefix_id: str | None):
 def _placed(workers: list, prefix_id: str | None, kind: str, numerics: str = ""):
     """The alive worker that holds the prefix (scheduler/placement.py), or the least busy one;
     of that arithmetic where `numerics` names one."""
-    alive = [w for w in workers if w.alive and (not numerics or w.numerics == numerics)]
+    alive = [w for w in workers if w.is_alive and (not numerics or w.numerics == numerics)]
     if not alive:
         arithmetic = " of this stream's arithmetic" if numerics else ""
         raise WorkerUnavailableError(f"no {kind}{arithmetic} is running")

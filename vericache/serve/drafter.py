@@ -75,8 +75,8 @@ class _Session:
     copies: SharedPrefixes[KVCache]  # where `prefix` is held: the device's, or the host tier's
     prefix_id: str
     capacity: int  # cache slots the request reserves
-    in_use: bool = False  # a call is drafting or decoding on it
-    closed: bool = False  # its request ended while a call used it: release when that ends
+    is_in_use: bool = False  # a call is drafting or decoding on it
+    is_closed: bool = False  # its request ended while a call used it: release when that ends
     # FULL: its tokens after the prefix, for a later turn to reuse its KV (turn_cache.py).
     history: TurnTokens | None = None
 
@@ -211,7 +211,7 @@ class Drafter:
         says whether the node is warm for the session's prefix."""
         warm = self._warm is not None and self._warm.is_warm(session.prefix_id)
         if call.num_drafts == 0:
-            return Drafted((), 0.0, warm=warm)
+            return Drafted((), 0.0, is_warm=warm)
         rejects = checks_by_rejection(call.sampler)
         job = Job(
             session.cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids,
@@ -268,7 +268,7 @@ class Drafter:
                 list(call.pending),
                 max_steps=call.max_tokens,
                 end_ids=call.end_ids,
-                exact=is_full,
+                is_full_kv=is_full,
                 after_step=None if is_full else (lambda: _update(cache)),
                 sampler=call.sampler,
             )
@@ -281,8 +281,8 @@ class Drafter:
         with self._lock:
             session = self._sessions.pop(session_id, None)
             if session is not None:
-                session.closed = True
-                if not session.in_use:
+                session.is_closed = True
+                if not session.is_in_use:
                     self._release(session)
 
     @property
@@ -308,7 +308,7 @@ class Drafter:
             session = self._sessions.get(session_id)
             if session is None:
                 raise SessionNotFoundError(f"the drafter holds no session {session_id!r}")
-            session.in_use = True
+            session.is_in_use = True
         try:
             yield session
         except BaseException:
@@ -317,8 +317,8 @@ class Drafter:
             raise
         finally:
             with self._lock:
-                session.in_use = False
-                if session.closed:
+                session.is_in_use = False
+                if session.is_closed:
                     self._release(session)
 
     def _release(self, session: _Session) -> None:

@@ -253,11 +253,11 @@ class _Handle:
             del self.paced_prefixes[prefix_id]
 
     @property
-    def alive(self) -> bool:
+    def is_alive(self) -> bool:
         return self._alive
 
     def watch(self, on_change: Callable[[], None]) -> None:
-        """Calls `on_change` at once whenever `alive` changes: on the event loop, where every
+        """Calls `on_change` at once whenever `is_alive` changes: on the event loop, where every
         call and probe that marks the worker runs."""
         self._watchers.append(on_change)
 

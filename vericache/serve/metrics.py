@@ -424,7 +424,7 @@ def _log_finished(served, finish_reason: str, elapsed_s: float) -> None:
             "finish_reason": finish_reason,
             "temperature": params.temperature,
             "seed": served.seq.seed,
-            "coupling": params.coupling if params.samples else None,
+            "coupling": params.coupling if params.is_sampled else None,
             "rounds": stats.rounds,
             "mean_accepted_per_round": mean_accepted,
             "link_bytes": served.traffic.link_bytes,

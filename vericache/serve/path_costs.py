@@ -201,7 +201,7 @@ class PathCosts:
         own = shape.after_prefix + shape.num_tokens // 2
         size = self.kv_bytes_per_token
         return Row(
-            num_new, kept + own, size, exact=not compressed,
+            num_new, kept + own, size, is_full_kv=not compressed,
             shared_prefix=(shape.prefix_id, compressed), shared_kv_bytes=kept * size,
         )  # fmt: skip
 

@@ -5,7 +5,7 @@ alone): what each holds after the blocks of its prefix that it reads in place fr
 shared copy (kv/prefixed.py), which kv/shared_prefix.py budgets. Past it, the least recently used
 sessions not in use drop their cache and keep only the exact KV of the tokens after the prefix;
 their next call rebuilds it over the shared copy (`load_prefix`), waiting for room while the full
-KV of calls in progress, or loaded ahead of a verification (`Session.pinned`), fills the budget.
+KV of calls in progress, or loaded ahead of a verification (`Session.is_pinned`), fills the budget.
 The buffers of a closed or evicted session go back to the worker's `BufferPool` for the next
 session, once no call uses them.
 
@@ -42,9 +42,9 @@ class Session:
     capacity: int  # cache slots
     cache: KVCache | None = None  # None: evicted; `tail` holds the tokens after the prefix
     tail: ExactKV | None = None
-    in_use: bool = False  # a call is working on it: not to be evicted
-    pinned: bool = False  # loaded ahead of its verification: not to be evicted either
-    closed: bool = False  # its request ended while a call used it: release when that ends
+    is_in_use: bool = False  # a call is working on it: not to be evicted
+    is_pinned: bool = False  # loaded ahead of its verification: not to be evicted either
+    is_closed: bool = False  # its request ended while a call used it: release when that ends
     namespace: str = ""  # where the store keeps its prefix's KV: the prefix owner's
     # The worker's shared copy of its prefix's KV (kv/shared_prefix.py), pinned while the session
     # lives: its cache is built from it, and rebuilt from it after an eviction.
@@ -115,8 +115,8 @@ class ResidentSessions:
             if pending is not None:
                 pending.cancel()  # if it has not begun; else it finds the session closed
             if session is not None:
-                session.closed = True
-                if not session.in_use:
+                session.is_closed = True
+                if not session.is_in_use:
                     self._release(session)
             self._room.notify_all()
 
@@ -130,12 +130,12 @@ class ResidentSessions:
         self._ahead_threads.shutdown(wait=False, cancel_futures=True)
 
     def _release(self, session: Session) -> None:
-        if session.closed and (session.cache is not None or session.tail is not None):
+        if session.is_closed and (session.cache is not None or session.tail is not None):
             self._on_closed(session)
         if session.cache is not None:
             session.cache.release(self.pool)
             session.cache = None
-        if session.closed and session.shared is not None:
+        if session.is_closed and session.shared is not None:
             self._release_prefix(session.shared)
             session.shared = None
 
@@ -153,7 +153,7 @@ class ResidentSessions:
 
     def _pin(self, session_id: str) -> Traffic:
         with self._resident(session_id) as (session, loaded):
-            session.pinned = True
+            session.is_pinned = True
         return loaded
 
     def _take_ahead(self, session_id: str) -> Traffic:
@@ -179,7 +179,7 @@ class ResidentSessions:
             try:
                 yield session, ahead + loaded
             finally:
-                session.pinned = False
+                session.is_pinned = False
 
     @contextlib.contextmanager
     def _resident(self, session_id: str) -> Iterator[tuple[Session, Traffic]]:
@@ -188,7 +188,7 @@ class ResidentSessions:
             if session is None:
                 raise SessionNotFoundError(f"the verifier holds no session {session_id!r}")
             self._sessions.move_to_end(session_id)
-            session.in_use = True
+            session.is_in_use = True
             incoming = 0 if session.cache is not None else session.own_slots * self.slot_bytes
             self._wait_for_room(incoming)
             self._loading_bytes += incoming
@@ -206,8 +206,8 @@ class ResidentSessions:
                 raise
         finally:
             with self._lock:
-                session.in_use = False
-                if session.closed:
+                session.is_in_use = False
+                if session.is_closed:
                     self._release(session)
                 self._evict_beyond_budget()
                 self._room.notify_all()
@@ -241,7 +241,7 @@ class ResidentSessions:
         for victim in list(self._sessions.values()):
             if self._resident_bytes() + self._loading_bytes + incoming <= self.budget_bytes:
                 return
-            if victim.cache is None or victim.in_use or victim.pinned:
+            if victim.cache is None or victim.is_in_use or victim.is_pinned:
                 continue
             num_prefix = len(victim.prefix_tokens)
             victim.tail = ExactKV.of(victim.cache, num_prefix, victim.cache.num_tokens)

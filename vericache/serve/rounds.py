@@ -5,10 +5,11 @@ engine/sequence.py) begins, accepts and commits every round exactly as the in-pr
 workers hold only its caches.
 - VERICACHE: a round is one drafter call (a whole draft of up to x tokens, carrying the exact KV of
   the previous round's committed tokens) and one verifier call, which returns the exact KV of the
-  tokens it commits. Alone, each request runs its rounds back to back; on a schedule
-  (scheduled.py), the scheduler places them across requests. Once its drafter node holds the
-  prefix's full KV in its host tier (warm_node.py), a request's rounds move there between two
-  rounds: one call each, drafted and verified on that node, and the central verifier is let go.
+  tokens it commits (served_round.py). A schedule (scheduled.py) places the rounds: back to back,
+  each request on its own, or staggered or lock-step across a verifier's requests. Once its
+  drafter node holds the prefix's full KV in its host tier (warm_node.py), a request leaves its
+  schedule between two rounds and its rounds move there: one call each, drafted and verified on
+  that node, and the central verifier is let go (local_rounds.py).
 - FULL_LOCAL: the verifier decodes alone over the full KV; FULL_REMOTE: a drafter that fetched the
   full KV over the slow link does; LOSSY: a drafter decodes over the compressed KV only.
 """
@@ -21,20 +22,18 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from vericache.engine.device_memory import full_kv_capacity
 from vericache.engine.request import Request
 from vericache.engine.sampling import SequenceSampler
 from vericache.engine.sequence import Sequence
-from vericache.kv.exact import ExactKV
 from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.api_types import GenerateSummary, ServeMode
 from vericache.serve.local_rounds import go_local, local_rounds, may_verify_on, same_arithmetic
+from vericache.serve.served_round import KVHandover
 from vericache.serve.worker_api import (
     DecodeCall,
-    DraftCall,
-    Drafted,
     DrafterAPI,
     DraftRole,
     LocalRound,
@@ -44,8 +43,10 @@ from vericache.serve.worker_api import (
     Verified,
     VerifierAPI,
     VerifierOpened,
-    VerifyCall,
 )
+
+if TYPE_CHECKING:
+    from vericache.serve.scheduled import Schedule
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ class ServedRequest:
     num_migrations: int = 0  # times it went on elsewhere after a worker died
     reused_tokens: int = 0  # of its prompt after the prefix, those a kept turn held (turn_cache.py)
     drafter_is_warm: bool = False  # its drafter said it holds the prefix's full KV
+    # Its rounds may move to its drafter node once that is warm: the node verifies with the
+    # verifier's arithmetic, and its tier did not let the prefix go when the request last tried.
+    may_go_local: bool = False
+    # The verifier's exact KV that its next draft call carries (served_round.py).
+    handover: KVHandover = KVHandover()
     # Where it was placed: the mean count of requests on its decoding worker over its life, it
     # included (auto_path.py, worker_load.py), and whether that drafter was warm for its prefix
     # (a FULL_REMOTE request then reads its tier).
@@ -113,6 +119,11 @@ class ServedRequest:
     @property
     def session_id(self) -> str:
         return self.plan.session_id
+
+    @property
+    def is_leaving_schedule(self) -> bool:
+        """Its next rounds go to its warm drafter node: its schedule lets it go."""
+        return self.may_go_local and self.drafter_is_warm and not self.seq.is_finished
 
     @property
     def pending(self) -> tuple[int, ...]:
@@ -185,23 +196,15 @@ class ServedRequest:
         return ServingPath(mode.value)
 
 
-class Schedule(Protocol):
-    """Runs VERICACHE rounds across requests (scheduled.py) instead of one request alone."""
-
-    def rounds(
-        self, served: ServedRequest, drafter: DrafterAPI, opened: VerifierOpened
-    ) -> AsyncIterator[list[int]]: ...
-
-
 async def run_request(
     served: ServedRequest,
     verifier: VerifierAPI,
     drafter: DrafterAPI | None,
     transfer_address: str,
-    schedule: Schedule | None = None,
+    schedule: Schedule,
 ) -> AsyncIterator[list[int]]:
     """Drives the workers for one request; yields each batch of committed tokens. VERICACHE
-    rounds run on `schedule` when given, else on their own."""
+    rounds verified by `verifier` run on its `schedule`."""
     mode = served.plan.mode
     if mode is ServeMode.VERICACHE:
         rounds = _vericache(served, verifier, drafter, transfer_address, schedule)
@@ -224,6 +227,7 @@ async def _open_verifier(
     opened = await verifier.open(call)
     served.add(opened.traffic)
     served.reused_tokens = opened.reused_tokens
+    served.handover = KVHandover.of(opened)
     return opened
 
 
@@ -272,10 +276,14 @@ async def _vericache(
     verifier: VerifierAPI,
     drafter: DrafterAPI,
     address: str,
-    schedule: Schedule | None,
+    schedule: Schedule,
 ) -> AsyncIterator[list[int]]:
+    """Its rounds on the verifier's schedule until its drafter node is warm for the prefix, and
+    from then on on that node; from its start there where the node is warm already."""
     resumed = served.is_resumed
-    if schedule is None and may_verify_on(drafter, verifier, served.plan.prefix_id):
+    served.may_go_local = same_arithmetic(drafter, verifier)
+    served.drafter_is_warm = False  # until this drafter says so (it may be a new one)
+    if may_verify_on(drafter, verifier, served.plan.prefix_id):
         # Its drafter node is warm for the prefix: the request starts there, no central verifier.
         await _open_drafter(served, drafter, DraftRole.DRAFT, address, warms=True)
         local = await go_local(served, verifier, drafter, None, needs_first_token=not resumed)
@@ -290,85 +298,17 @@ async def _vericache(
         # The verifier prefills the prompt while the drafter fetches the compressed prefix.
         opened, _ = await asyncio.gather(
             _open_verifier(served, verifier, True),
-            _open_drafter(
-                served, drafter, DraftRole.DRAFT, address, same_arithmetic(drafter, verifier)
-            ),
+            _open_drafter(served, drafter, DraftRole.DRAFT, address, served.may_go_local),
         )
     if not resumed:
         yield served.commit([opened.first_token])
-    if schedule is not None:
-        if not served.seq.is_finished:
-            async with contextlib.aclosing(schedule.rounds(served, drafter, opened)) as rounds:
-                async for tokens in rounds:
-                    yield tokens
-        return
-    async for tokens in _central_rounds(served, verifier, drafter, opened):
-        yield tokens
-
-
-async def _central_rounds(
-    served: ServedRequest, verifier: VerifierAPI, drafter: DrafterAPI, opened: VerifierOpened
-) -> AsyncIterator[list[int]]:
-    """Rounds verified by the central verifier, until the drafter node is warm for the prefix
-    (and of the verifier's arithmetic): the rest go there."""
-    exact, link_delay = opened.exact, opened.link_delay_s
-    seq = served.seq
-    may_go_local = same_arithmetic(drafter, verifier)
-    while not seq.is_finished:
-        num_drafts = seq.begin_round(seq.request.draft_len)
-        drafting, drafts = None, ()
-        if num_drafts > 0:  # the verifier call goes out at once: the drafts reach it by reference
-            served.num_round_calls += 1
-            in_flight = drafter.draft_ahead(draft_call(served, num_drafts, exact, link_delay))
-            drafting, drafts = asyncio.ensure_future(in_flight.drafted), in_flight.answer
-        call = VerifyCall(served.session_id, served.pending, drafts, sampler=seq.sampler())
-        verified = await verification(served, verifier, call, drafting)
-        exact, link_delay = verified.exact, verified.link_delay_s
-        yield served.finish_round(verified)
-        if may_go_local and served.drafter_is_warm and not seq.is_finished:
-            if await go_local(served, verifier, drafter, exact) is not None:
+    while not served.seq.is_finished:
+        async with contextlib.aclosing(schedule.rounds(served, drafter)) as rounds:
+            async for tokens in rounds:
+                yield tokens
+        if served.is_leaving_schedule:
+            if await go_local(served, verifier, drafter, served.handover.exact) is not None:
                 async for tokens in local_rounds(served, drafter):
                     yield tokens
                 return
-            may_go_local = False  # its tier let the prefix go meanwhile: it stays central
-
-
-async def verification(
-    served: ServedRequest,
-    verifier: VerifierAPI,
-    call: VerifyCall,
-    drafting: asyncio.Future[Drafted] | None,
-) -> Verified:
-    """A round's verifier call, made while `drafting` (its draft call, None without drafts) may
-    still run; sets the round's drafts. Where the draft call failed, raises its error, not the
-    verification's (which failed waiting for it)."""
-    served.num_round_calls += 1
-    try:
-        verified = await verifier.verify(call)
-    except asyncio.CancelledError:
-        if drafting is not None:
-            drafting.cancel()
-        raise
-    except Exception:
-        if drafting is not None:
-            await drafting  # raises the draft call's error, if it failed
-        raise
-    if drafting is not None:
-        drafted = await drafting
-        served.seq.draft_ids = list(drafted.tokens)
-        served.drafter_is_warm = drafted.warm
-    return verified
-
-
-def draft_call(
-    served: ServedRequest, num_drafts: int, exact: ExactKV | None, link_delay_s: float
-) -> DraftCall:
-    """A round's draft call, carrying the verifier's exact KV; on an emulated link it reaches the
-    drafter once that KV has crossed the link's bandwidth (`link_delay_s`), which the request's
-    traffic counts."""
-    if link_delay_s > 0:
-        served.add(Traffic(link_s=link_delay_s))
-    return DraftCall(
-        served.session_id, served.pending, num_drafts, served.end_ids, exact,
-        sampler=served.seq.sampler(), arrives_in_s=link_delay_s,
-    )  # fmt: skip
+            served.may_go_local = False  # its tier let the prefix go meanwhile: it stays central

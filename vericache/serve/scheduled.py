@@ -1,10 +1,16 @@
-"""Scheduled VERICACHE rounds: one scheduler per verifier plans the verifications and full-KV loads
-of the requests verified there (CoordinatorConfig.scheduling "staggered" or "lockstep"), with the
-same scheduler objects that drive the long-context engine and the simulator.
+"""The schedules of VERICACHE rounds: where a request's rounds (served_round.py) go in time.
 
-Each round makes two worker calls, whatever it loads: the drafters draft whole rounds on their own,
-batching whatever they hold step by step, while the scheduler places the verifier's side of every
-round. What the scheduler's words stand for here:
+`Schedule` is what rounds.py drives a request's rounds on. `BackToBack` runs each request's rounds
+one after another, each verifier call made as its round begins (CoordinatorConfig.scheduling
+"per-request"); the verifier's batch loop batches whatever reaches it at once. `ScheduledRounds`
+has one scheduler per verifier plan the verifications and full-KV loads of the requests verified
+there ("staggered" or "lockstep"), with the same scheduler objects that drive the long-context
+engine and the simulator. Either lets a request go between two rounds once its drafter node is
+warm (`ServedRequest.is_leaving_schedule`): rounds.py moves its rounds there.
+
+Under `ScheduledRounds`, each round still makes two worker calls, whatever it loads: the drafters
+draft whole rounds on their own, batching whatever they hold step by step, while the scheduler
+places the verifier's side of every round. What the scheduler's words stand for here:
 - an iteration is a tick of the coordinator's clock, one draft step long (the time drafters report
   per step, refined by every draft); a round of d drafts is one draft call made in its first draft
   iteration, and its verification is planned to start in iteration d + 1 after it;
@@ -20,8 +26,6 @@ round. What the scheduler's words stand for here:
   budget of their own); compressed KV lives on the drafters;
 - the link ring is the store-to-device bandwidth, first measured by the verifier, then by every
   load.
-A verification hands back the exact KV of the committed tokens; the next draft call carries it
-across the slow link.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from vericache.errors import WorkerUnavailableError
-from vericache.kv.exact import ExactKV
 from vericache.scheduler import (
     BaseScheduler,
     CostModel,
@@ -44,42 +48,58 @@ from vericache.scheduler import (
 )
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.metrics import ServeMetrics
-from vericache.serve.rounds import ServedRequest, draft_call, verification
-from vericache.serve.worker_api import (
-    DraftAnswer,
-    Drafted,
-    DrafterAPI,
-    DraftInFlight,
-    Verified,
-    VerifierAPI,
-    VerifierInfo,
-    VerifierOpened,
-    VerifyCall,
-)
+from vericache.serve.served_round import ServedRound
+from vericache.serve.worker_api import DrafterAPI, Verified, VerifierAPI, VerifierInfo
+
+if TYPE_CHECKING:
+    from vericache.serve.rounds import ServedRequest
 
 _END = object()  # the outbox's last item
 Outcome = Verified | BaseException
 
 
+class Schedule(Protocol):
+    """Places the VERICACHE rounds of the requests one verifier verifies."""
+
+    def rounds(self, served: ServedRequest, drafter: DrafterAPI) -> AsyncIterator[list[int]]:
+        """Runs an opened request's rounds, yielding each round's committed tokens, until it is
+        finished or leaves for its warm drafter node (`is_leaving_schedule`)."""
+        ...
+
+
+class BackToBack:
+    """Each request's rounds one after another, the verifier call made as the round begins."""
+
+    def __init__(self, verifier: VerifierAPI):
+        self.verifier = verifier
+
+    async def rounds(self, served: ServedRequest, drafter: DrafterAPI) -> AsyncIterator[list[int]]:
+        seq = served.seq
+        while not seq.is_finished and not served.is_leaving_schedule:
+            served_round = ServedRound.begin(served, drafter, seq.request.draft_len)
+            verified = await served_round.verify(self.verifier)
+            yield served_round.finish(verified)
+
+
 @dataclass
 class _Entry:
-    """A request on the schedule: what its next draft and verification need."""
+    """A request on the schedule: its round in flight, once begun."""
 
     served: ServedRequest
     drafter: DrafterAPI
-    exact: ExactKV | None  # the verifier's KV of the tokens committed since the last draft
-    link_delay_s: float  # until `exact` has crossed the link's bandwidth
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # token lists, an error, _END
-    draft: asyncio.Task | None = None  # this round's draft call, once its round has begun
-    drafts: tuple[int, ...] | DraftAnswer = ()  # ...and its answer, for the verifier
-    verification: asyncio.Task | None = None  # this round's verifier call, once made
+    round: ServedRound | None = None  # begun in its first draft iteration
+    verification: asyncio.Task | None = None  # its verifier call, once made
 
     @property
     def session_id(self) -> str:
         return self.served.session_id
 
-    def tasks(self) -> list[asyncio.Task]:
-        return [t for t in (self.draft, self.verification) if t and not t.done()]
+    def drop_calls(self) -> None:
+        """Cancels its calls in flight: no one will wait for them."""
+        if self.round is not None:
+            self.round.cancel()
+        _drop(self.verification)
 
 
 class ScheduledRounds:
@@ -101,9 +121,7 @@ class ScheduledRounds:
         self._entries: dict[str, _Entry] = {}
         self._loop: asyncio.Task | None = None
 
-    async def rounds(
-        self, served: ServedRequest, drafter: DrafterAPI, opened: VerifierOpened
-    ) -> AsyncIterator[list[int]]:
+    async def rounds(self, served: ServedRequest, drafter: DrafterAPI) -> AsyncIterator[list[int]]:
         """Puts an opened request on the schedule; yields each round's committed tokens."""
         session_id = served.session_id
         # What the session holds of its own on the verifier: its prefix's shared copy stays
@@ -112,7 +130,7 @@ class ScheduledRounds:
         full_kv_bytes = own_slots * self.slot_bytes
         draft_len = served.seq.request.draft_len
         self.scheduler.add_request(SchedulerRequest(session_id, full_kv_bytes, 0, draft_len))
-        entry = _Entry(served, drafter, opened.exact, opened.link_delay_s)
+        entry = _Entry(served, drafter)
         self._entries[session_id] = entry
         if self._loop is None or self._loop.done():
             self._loop = asyncio.create_task(self._run())
@@ -124,15 +142,13 @@ class ScheduledRounds:
         finally:  # finished, failed or cancelled: off the schedule, its reservations freed
             if self._entries.pop(session_id, None) is not None:
                 self.scheduler.abort(session_id)
-            for task in entry.tasks():
-                _drop(task)
+            entry.drop_calls()
 
     async def close(self) -> None:
         """Stops the schedule before its workers shut down: no call starts after that."""
         stopping = WorkerUnavailableError("the server is stopping")
         for entry in self._entries.values():
-            for task in entry.tasks():
-                _drop(task)
+            entry.drop_calls()
             entry.outbox.put_nowait(stopping)
         if self._loop is not None and not self._loop.done():
             self._loop.cancel()
@@ -157,11 +173,11 @@ class ScheduledRounds:
             self.metrics.iteration_planned(scheduled.iterations[-1], scheduled.peak_memory_bytes)
         for request_id in plan.draft_ids:
             entry = self._entries[request_id]
-            if entry.draft is None:  # the round's first draft iteration: it begins
+            if entry.round is None:  # the round's first draft iteration: it begins
                 self._begin_round(entry)
         for load in plan.loads:  # inside its round's drafting (Reservation.load_start)
             entry = self._entries[load.request_id]
-            if entry.draft is not None:  # else its verification loads when it starts
+            if entry.round is not None:  # else its verification loads when it starts
                 self._start_verification(entry, load_first=True)
         for verify in plan.verify_starts:  # a round without a load of its own
             entry = self._entries[verify.request_id]
@@ -174,45 +190,27 @@ class ScheduledRounds:
     async def _pace(self, started: float) -> None:
         """An iteration lasts a draft step while work is in flight (the plan's clock keeps pace
         with the drafters); with none, the next one follows at once."""
-        in_flight = [task for entry in self._entries.values() for task in entry.tasks()]
+        in_flight = any(_calls_in_flight(entry) for entry in self._entries.values())
         left = self.scheduler.costs.iteration_s - (time.perf_counter() - started)
         await asyncio.sleep(left if in_flight and left > 0 else 0)
 
     def _begin_round(self, entry: _Entry) -> None:
-        """Starts a round of the reserved draft length (within the budget and the context) as
-        one draft call, which carries the exact KV of the last round's committed tokens."""
-        served = entry.served
-        reserved = self.scheduler.request_state(entry.session_id).reservation.num_draft_tokens
-        num_drafts = served.seq.begin_round(reserved)
-        exact, entry.exact = entry.exact, None
-        if num_drafts == 0:  # the budget leaves one token: the verification chooses it
-            entry.draft, entry.drafts = asyncio.create_task(_nothing_drafted()), ()
-            return
-        served.num_round_calls += 1
-        in_flight = entry.drafter.draft_ahead(
-            draft_call(served, num_drafts, exact, entry.link_delay_s)
+        """Starts a round of the reserved draft length (`ServedRound.begin`)."""
+        reserved = self.scheduler.request_state(entry.session_id).reservation.num_drafts
+        costs = self.scheduler.costs
+        entry.round = ServedRound.begin(
+            entry.served, entry.drafter, reserved, costs.observe_iteration
         )
-        entry.draft, entry.drafts = asyncio.create_task(self._drafted(in_flight)), in_flight.answer
-
-    async def _drafted(self, in_flight: DraftInFlight) -> Drafted:
-        drafted = await in_flight.drafted
-        if drafted.step_s > 0:
-            self.scheduler.costs.observe_iteration(drafted.step_s)
-        return drafted
 
     def _start_verification(self, entry: _Entry, load_first: bool) -> None:
         """The round's one verifier call, made before its drafts exist: they reach the verifier
         by reference."""
-        served = entry.served
-        call = VerifyCall(
-            served.session_id, served.pending, entry.drafts, load_first, served.seq.sampler()
-        )
-        entry.verification = asyncio.create_task(self._verify(entry, call))
+        entry.verification = asyncio.create_task(self._verify(entry.round, load_first))
 
-    async def _verify(self, entry: _Entry, call: VerifyCall) -> Outcome:
+    async def _verify(self, served_round: ServedRound, load_first: bool) -> Outcome:
         """The round's outcome: its result, or its error."""
         try:
-            verified = await verification(entry.served, self.verifier, call, entry.draft)
+            verified = await served_round.verify(self.verifier, load_first)
         except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
             return exc
         if verified.forward_s > 0:  # the forward alone: the call also waited for drafts, loads
@@ -227,27 +225,25 @@ class ScheduledRounds:
                 continue
             # Gathered: a request cancelled meanwhile has its call cancelled, not this loop.
             (outcome,) = await asyncio.gather(entry.verification, return_exceptions=True)
-            entry.verification = entry.draft = None
-            entry.drafts = ()
+            served_round, entry.round, entry.verification = entry.round, None, None
             if entry.session_id not in self._entries:
                 continue  # cancelled while it verified (its session closed)
             if isinstance(outcome, BaseException):
                 self._fail(entry.session_id, outcome)
             else:
-                self._finish_round(entry, outcome)
+                self._finish_round(entry, served_round, outcome)
 
-    def _finish_round(self, entry: _Entry, verified: Verified) -> None:
-        served = entry.served
+    def _finish_round(self, entry: _Entry, served_round: ServedRound, verified: Verified) -> None:
+        """Commits the round; a request that is finished, or leaves for its warm drafter node,
+        leaves the schedule."""
         traffic = verified.traffic  # its load's bytes and time among them
         if traffic.store_bytes and traffic.store_s > 0:
             self.scheduler.costs.observe_load(traffic.store_bytes, traffic.store_s)
-        num_accepted = verified.num_accepted
-        committed = served.finish_round(verified)
-        entry.exact, entry.link_delay_s = verified.exact, verified.link_delay_s
-        is_finished = served.seq.is_finished
-        self.scheduler.on_verified(entry.session_id, num_accepted, is_finished=is_finished)
-        entry.outbox.put_nowait(committed)
-        if is_finished:
+        entry.outbox.put_nowait(served_round.finish(verified))
+        served = entry.served
+        leaves = served.seq.is_finished or served.is_leaving_schedule
+        self.scheduler.on_verified(entry.session_id, verified.num_accepted, is_finished=leaves)
+        if leaves:
             del self._entries[entry.session_id]
             entry.outbox.put_nowait(_END)
 
@@ -255,8 +251,7 @@ class ScheduledRounds:
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             self.scheduler.abort(session_id)
-            for task in entry.tasks():
-                _drop(task)
+            entry.drop_calls()
             entry.outbox.put_nowait(error)
 
 
@@ -293,14 +288,13 @@ def scheduler_for(config: CoordinatorConfig) -> Callable[[CostModel], BaseSchedu
     return new_scheduler
 
 
-async def _nothing_drafted() -> Drafted:
-    return Drafted((), 0.0)
+def _calls_in_flight(entry: _Entry) -> bool:
+    calls = (entry.verification, entry.round.drafting if entry.round else None)
+    return any(call is not None and not call.done() for call in calls)
 
 
-def _drop(task: asyncio.Task | None, cancel: bool = True) -> None:
-    """Forgets a task no one will wait for (its error, if any, included), cancelling it unless
-    told not to."""
+def _drop(task: asyncio.Task | None) -> None:
+    """Cancels and forgets a task no one will wait for (its error, if any, included)."""
     if task is not None:
-        if cancel:
-            task.cancel()
+        task.cancel()
         task.add_done_callback(lambda t: t.cancelled() or t.exception())

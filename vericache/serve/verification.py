@@ -41,7 +41,12 @@ def verify_round(
     before = cache.num_tokens
     fed = [*pending, *drafts]
     job = Job(
-        cache, fed, num_logits=len(fed), exact=True, sampler=sampler, keeps_distributions=rejects
+        cache,
+        fed,
+        num_logits=len(fed),
+        is_full_kv=True,
+        sampler=sampler,
+        keeps_distributions=rejects,
     )
     started = time.perf_counter()
     tokens = loop.run(job)

@@ -226,8 +226,8 @@ class Verifier:
         with self._sessions.using(call.session_id) as (session, loaded):
             session.history.feed(_num_cached(session), call.pending)
             job = Job(
-                session.cache, list(call.pending), call.max_tokens, 1, call.end_ids, exact=True,
-                sampler=call.sampler,
+                session.cache, list(call.pending), call.max_tokens, 1, call.end_ids,
+                is_full_kv=True, sampler=call.sampler,
             )  # fmt: skip
             tokens = self._loop.run(job)
             session.history.commit(tokens)

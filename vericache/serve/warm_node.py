@@ -11,7 +11,7 @@ prefix, and nothing damaged is ever held. A stream is bounded: a prefix larger t
 never streamed, one past `host_tier_timeout_s` ends, and one whose prefix is deleted meanwhile is
 ended by the sender (kv_transfer.py).
 
-Once the copy is complete, the node is warm for the prefix (`Drafted.warm`), and the coordinator
+Once the copy is complete, the node is warm for the prefix (`Drafted.is_warm`), and the coordinator
 moves the session's verification here between two rounds (rounds.py). `open` prefills the
 session's history after the prefix over the tier's copy: with batch-invariant kernels, the same
 bits the central verifier's rounds gave it. From then on each round drafts and verifies on this

@@ -199,7 +199,7 @@ class Drafted:
     distributions: torch.Tensor | None = None  # [len(tokens), V] float32
     # The node holds the session's prefix's full KV in its host tier: it can verify the
     # session's rounds itself from the next round on (`DrafterAPI.open_local`).
-    warm: bool = False
+    is_warm: bool = False
 
 
 @dataclass(frozen=True)

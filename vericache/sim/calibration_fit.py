@@ -105,17 +105,17 @@ def _sliced(model: ModelProfile, forward: dict, element_size: int):
         num_params=_params_read(model, forward["num_layers"], element_size),
     )
     kv = sliced.kv_bytes_per_token(element_size)
-    row = Row(forward["new_tokens"], forward["context"], kv, exact=_is_exact(forward))
+    row = Row(forward["new_tokens"], forward["context"], kv, is_full_kv=_is_full_kv(forward))
     return sliced, [row] * forward["batch"]
 
 
-def _is_exact(forward: dict) -> bool:
+def _is_full_kv(forward: dict) -> bool:
     """On the batch-invariant kernels: verifications always, decode steps where recorded so."""
     return forward.get("exact", forward["new_tokens"] > 1)
 
 
 def _is_fast_step(forward: dict) -> bool:
-    return forward["new_tokens"] == 1 and not _is_exact(forward)
+    return forward["new_tokens"] == 1 and not _is_full_kv(forward)
 
 
 def _cost(profile: DeviceProfile, model: ModelProfile, forward: dict, element_size: int):
@@ -207,7 +207,7 @@ def _with_exact_rows(profile: DeviceProfile, model, forwards: list[dict], elemen
     extras = [
         (f["seconds"] - fast[_shape(f)]) / (f["batch"] * f["num_layers"])
         for f in forwards
-        if f["new_tokens"] == 1 and _is_exact(f) and _shape(f) in fast
+        if f["new_tokens"] == 1 and _is_full_kv(f) and _shape(f) in fast
     ]
     if not extras:
         return profile

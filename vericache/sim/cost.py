@@ -14,7 +14,7 @@ t = products + max(KV bytes / attention bandwidth, attention flops / attention c
   calibrate` measured them (a CPU's attention kernel streams KV slower than its products stream
   weights), else the products' rates;
 - overhead is the device's fixed cost per forward, plus its cost per layer and per row and
-  layer, more for a row on the batch-invariant kernels (`Row.exact`);
+  layer, more for a row on the batch-invariant kernels (`Row.is_full_kv`);
 - rows over one shared prefix (`Row.shared_prefix`) in one forward read its KV once, as cascade
   (shared-prefix) attention does: the prefix's bytes count once per forward, its flops per row;
 - with tensor parallelism over g devices, each holds 1/g of the weights and of the KV heads, and
@@ -46,7 +46,7 @@ class Row:
     kv_bytes_per_token: float  # of its cache, every layer: full, or quantized
     # Over full KV with the batch-invariant kernels (verifications, full-KV decoding, whose bits
     # must not depend on the batch), which cost more per row than the drafts' fast kernels.
-    exact: bool = False
+    is_full_kv: bool = False
     # The prefix it reads in place from a copy other rows may share (None: none shared), and that
     # prefix's bytes within its cache: a forward reads them once for every row over that copy.
     shared_prefix: Hashable | None = None
@@ -111,7 +111,7 @@ def forward_cost(
     dense_s = products_seconds(device, weight_bytes, dense_flops, new_tokens)
     attention_s = max(kv_s, attention_compute_s)
     overhead_s = device.forward_overhead_s + device.layer_overhead_s * model.num_layers
-    num_exact = sum(row.exact for row in rows)
+    num_exact = sum(row.is_full_kv for row in rows)
     row_s = device.row_overhead_s * len(rows) + device.exact_row_overhead_s * num_exact
     overhead_s += row_s * model.num_layers
     communication_s = _allreduce_s(model, device, new_tokens, activation_element_size, group)

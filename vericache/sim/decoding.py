@@ -60,8 +60,8 @@ class SimSequence:
         return len(self.seq.draft_ids)
 
     @property
-    def in_round(self) -> bool:
-        return self.seq.draft_target is not None
+    def is_in_round(self) -> bool:
+        return self.seq.num_drafts is not None
 
     def first_token(self) -> int:
         """The prefill's token; returns how many were committed (1)."""

@@ -308,10 +308,8 @@ class _VeriCacheRun:
         drafting = []
         for request_id in plan.draft_ids:
             seq = self.live[request_id].seq
-            if not seq.in_round:
-                seq.begin_round(
-                    self.scheduler.request_state(request_id).reservation.num_draft_tokens
-                )
+            if not seq.is_in_round:
+                seq.begin_round(self.scheduler.request_state(request_id).reservation.num_drafts)
             if seq.wants_draft_step:
                 drafting.append(seq)
         return drafting
@@ -329,7 +327,7 @@ class _VeriCacheRun:
 
     def _verify_row(self, seq: SimSequence) -> Row:
         context = self.scenario.prompt_tokens + seq.num_output_tokens
-        return Row(seq.num_drafts + 1, context, self.scenario.kv_bytes_per_token, exact=True)
+        return Row(seq.num_drafts + 1, context, self.scenario.kv_bytes_per_token, is_full_kv=True)
 
     def _finish(self, plan: IterationPlan, drafting: list[SimSequence], seconds: float) -> None:
         for seq in drafting:
@@ -383,7 +381,7 @@ def _decode_full(scenario, request: _Request, loop: SimBatchLoop, memory, report
     session = Session(None, 0, scenario.reserved_full_kv_bytes(request.max_output_tokens))
 
     def row() -> Row:
-        return Row(1, scenario.prompt_tokens + seq.num_output_tokens, kv, exact=True)
+        return Row(1, scenario.prompt_tokens + seq.num_output_tokens, kv, is_full_kv=True)
 
     def step() -> None:
         report.num_output_tokens += seq.decode_step()

@@ -177,9 +177,9 @@ class RemotePrefixScenario:
         prefix_bytes = self.prefix_bytes(compressed)
         kv_bytes = prefix_bytes + num_after_prefix * self.kv_bytes_per_token
         if not self.shared_prefix_attention or prefix_key is None:
-            return Row(num_new, context, kv_bytes / context, exact=not compressed)
+            return Row(num_new, context, kv_bytes / context, is_full_kv=not compressed)
         return Row(
-            num_new, context, kv_bytes / context, exact=not compressed,
+            num_new, context, kv_bytes / context, is_full_kv=not compressed,
             shared_prefix=prefix_key, shared_kv_bytes=prefix_bytes,
         )  # fmt: skip
 

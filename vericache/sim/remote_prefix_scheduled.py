@@ -58,9 +58,9 @@ def simulate_vericache_scheduled(
 @dataclass(eq=False)
 class _ScheduledRequest(VeriCacheRequest):
     exact_tokens: int = 0  # committed since the last draft call: their exact KV goes with the next
-    drafted: bool = False
-    loading: bool = False  # its full KV on the store link
-    loaded: bool = False
+    is_drafted: bool = False
+    is_loading: bool = False  # its full KV on the store link
+    is_loaded: bool = False
     batch: _Batch | None = None
 
     @property
@@ -105,7 +105,7 @@ class _ScheduledRequest(VeriCacheRequest):
     def begin_round(self, reserved: int) -> None:
         """One draft call of the reserved length, cut by the engine's round."""
         num_drafts = self.seq.begin_round(reserved)
-        self.drafted = False
+        self.is_drafted = False
         if num_drafts == 0:  # the budget leaves one token: the verification chooses it
             self._ready()
             return
@@ -125,7 +125,7 @@ class _ScheduledRequest(VeriCacheRequest):
         self.drafter.loop.submit(job)
 
     def _ready(self) -> None:
-        self.drafted = True
+        self.is_drafted = True
         if self.batch is not None:
             self.batch.check()
 
@@ -133,16 +133,16 @@ class _ScheduledRequest(VeriCacheRequest):
     def is_in_flight(self) -> bool:
         """Whether a call of its round is on its way: its draft, its load, or its verification
         (waiting for them, or in the verifier's forward), as the coordinator's round tasks."""
-        is_drafting = self.seq.in_round and not self.drafted
+        is_drafting = self.seq.is_in_round and not self.is_drafted
         is_verifying = self.batch is not None and not self.batch.is_done
-        return is_drafting or self.loading or is_verifying
+        return is_drafting or self.is_loading or is_verifying
 
     def load(self) -> None:
         """The plan's load ahead of the verification: the prefix's full KV over the store link
         (what the verifier loads, not the blocks the plan reserved for the session), or made
         resident (and held there until verified) by the verifier's residency, which moves
         nothing from the store."""
-        self.loading = True
+        self.is_loading = True
         if self.verifier.residency is not None:
             self.verifier.residency.use(self, self._on_loaded)
         else:
@@ -150,7 +150,7 @@ class _ScheduledRequest(VeriCacheRequest):
             self.verifier.link.send(prefix_bytes, self._on_loaded)
 
     def _on_loaded(self) -> None:
-        self.loading, self.loaded = False, True
+        self.is_loading, self.is_loaded = False, True
         if self.batch is not None:
             self.batch.check()
 
@@ -175,7 +175,7 @@ class _ScheduledRequest(VeriCacheRequest):
         self.run.report.draft_lens.append(num_drafts)
         self.run.emit(len(outcome.committed))
         self.exact_tokens += len(outcome.committed)
-        self.batch, self.loaded = None, False
+        self.batch, self.is_loaded = None, False
         return accepted, self.seq.is_finished
 
 
@@ -190,7 +190,9 @@ class _Batch:
     is_done: bool = False
 
     def check(self) -> None:
-        if self.started_s is not None or not all(e.drafted and e.loaded for e in self.entries):
+        if self.started_s is not None or not all(
+            e.is_drafted and e.is_loaded for e in self.entries
+        ):
             return
         run = self.schedule.run
         self.started_s, left = run.sim.now, [len(self.entries)]
@@ -262,9 +264,9 @@ class VerifierSchedule:
             self.entries[load.request_id].load()
         for request_id in plan.draft_ids:
             entry = self.entries[request_id]
-            if not entry.seq.in_round:
+            if not entry.seq.is_in_round:
                 state = self.scheduler.request_state(request_id)
-                entry.begin_round(state.reservation.num_draft_tokens)
+                entry.begin_round(state.reservation.num_drafts)
         if plan.verify_starts:
             batch = _Batch(self, [self.entries[v.request_id] for v in plan.verify_starts])
             for entry in batch.entries:
