@@ -1,5 +1,5 @@
 """Agent sessions turn after turn over one shared prefix: what the workers' turn cache
-(serve/turn_cache.py) saves, against the same workers keeping no finished turn.
+(serve/workers/turn_cache.py) saves, against the same workers keeping no finished turn.
 
 An agent calls the API once per step, and each call repeats the one before: the conversation so
 far, the tool's output, the next instruction. Here S sessions run at once over one registered
@@ -39,7 +39,7 @@ from vericache.bench.workloads import CONTEXT_PROMPTS, code_contexts
 from vericache.client import Client
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model_dir
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
-from vericache.serve.server import HttpSettings
+from vericache.serve.launch.server import HttpSettings
 
 MODES = ("full_local", "vericache", "full_remote")
 MODEL_ID = "agent-turns"

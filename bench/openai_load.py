@@ -32,7 +32,7 @@ from pathlib import Path
 from vericache.bench.common import environment
 from vericache.bench.serving import ray_server, ray_session
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
-from vericache.serve.server import HttpSettings
+from vericache.serve.launch.server import HttpSettings
 
 CONFIGURATIONS = ("vericache", "full_local")
 MODEL_ID = "bench"

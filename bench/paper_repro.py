@@ -20,8 +20,8 @@ Every configuration starts from the committed scenario files, so no constant is 
   for its session's next turn too, placement, a host tier, recomputing and shared-prefix
   attention, or the same deployment routed by auto's cost model among its full-KV paths alone:
   FULL_ROUTED), against VeriCache as served (warm nodes) and `mode: auto`, whose workers keep a
-  finished turn's KV for the session's next request as the served ones do (serve/turn_cache.py),
-  each run with what binds it. Targets (issue
+  finished turn's KV for the session's next request as the served ones do
+  (serve/workers/turn_cache.py), each run with what binds it. Targets (issue
   40): >= 2.11x the paper's baseline in the paper's scenario; `auto` >= 1.0x the strongest
   everywhere and >= 1.5x in agentic coding.
 Beside each paper configuration stands the best the planners find on the same hardware and

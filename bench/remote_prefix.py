@@ -14,17 +14,18 @@ thread each: a worker stands for one GPU; a cold drafter LRU):
 - FULL_BOTH: full-KV serving on every worker at once: a router sends each request to the verifier
   (FULL_LOCAL) or the drafters (FULL_REMOTE), whichever would finish it first given the
   throughput each measured alone (bench/serving.py, `Router`).
-- AUTO: the server chooses each request's path (serve/auto_path.py) among the above.
+- AUTO: the server chooses each request's path (serve/backends/auto_path.py) among the above.
 A second stream (`--many-prefixes`, 8 of 3k+ tokens, a few sessions each) is served past the
 drafters' device budget (`--many-drafter-kv`: 2 full prefixes), every drafter with a host tier
 that holds them all: FULL_REMOTE keeps what it fetched there (a full-KV server with a host-memory
-tier), and VERICACHE's drafter nodes turn warm and verify their own rounds (serve/warm_node.py).
-Its cells: FULL_LOCAL, FULL_REMOTE, FULL_BOTH, VERICACHE and AUTO, on the same workers and budgets.
-The link's bandwidth makes moving one prefix's full KV take `--ratio` times FULL_LOCAL's seconds
-per reply (its stream's wall time / requests). Each cell is served `--repeats` times, on fresh
-workers each time: its median tokens/s, with the smallest and largest. Each time the stream's
-first `concurrency` requests are served once, untimed, before the stream: tokens/s are the
-workers' steady state (buffers of closed sessions reused, the drafters' LRU holding what it can).
+tier), and VERICACHE's drafter nodes turn warm and verify their own rounds
+(serve/workers/warm_node.py). Its cells: FULL_LOCAL, FULL_REMOTE, FULL_BOTH, VERICACHE and AUTO, on
+the same workers and budgets. The link's bandwidth makes moving one prefix's full KV take `--ratio`
+times FULL_LOCAL's seconds per reply (its stream's wall time / requests). Each cell is served
+`--repeats` times, on fresh workers each time: its median tokens/s, with the smallest and largest.
+Each time the stream's first `concurrency` requests are served once, untimed, before the stream:
+tokens/s are the workers' steady state (buffers of closed sessions reused, the drafters' LRU holding
+what it can).
 
 Summary:
 - vericache_over_best_full: VERICACHE over the best of FULL_LOCAL, FULL_REMOTE and FULL_BOTH on

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from vericache.client import Client, Result
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
-from vericache.serve.server import HttpSettings
+from vericache.serve.launch.server import HttpSettings
 
 # (prefix id, prompt) of one request.
 Job = tuple[str, str]
@@ -24,7 +24,7 @@ def ray_session(num_drafters: int):
     """A local Ray instance offering the verifier and drafter resources, unless one is running."""
     import ray
 
-    from vericache.serve.launch import DRAFTER_RESOURCE, VERIFIER_RESOURCE
+    from vericache.serve.launch.cluster import DRAFTER_RESOURCE, VERIFIER_RESOURCE
 
     if ray.is_initialized():
         yield
@@ -51,8 +51,8 @@ def ray_server(
 ):
     """Fresh Ray workers, one thread each (a worker stands for a GPU), and a server over them
     (with the OpenAI-compatible HTTP API too, given `http`)."""
-    from vericache.serve.launch import ray_workers
-    from vericache.serve.server import distributed_server
+    from vericache.serve.launch.cluster import ray_workers
+    from vericache.serve.launch.server import distributed_server
 
     verifier = replace(verifier, num_threads=1, transfer_host="127.0.0.1")
     drafter = replace(drafter, num_threads=1)

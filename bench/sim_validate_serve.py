@@ -20,7 +20,7 @@ from vericache.bench.sim_validate_scenarios import (
     served_acceptance,
     store_bytes_per_s,
 )
-from vericache.serve.scheduled import scheduler_for
+from vericache.serve.backends.scheduled import scheduler_for
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_scheduled import simulate_vericache_scheduled

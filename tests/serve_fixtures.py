@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from vericache.serve.auth import Access
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
-from vericache.serve.launch import in_process_workers
-from vericache.serve.server import BackgroundServer, HttpSettings, distributed_server
+from vericache.serve.front.auth import Access
+from vericache.serve.launch.cluster import in_process_workers
+from vericache.serve.launch.server import BackgroundServer, HttpSettings, distributed_server
 from vericache.v1 import vericache_pb2_grpc
 
 # About 300 tokens of code in the system turn: long enough that 4x compression drops most of it.

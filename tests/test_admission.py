@@ -1,5 +1,5 @@
-"""Admission (vericache/serve/admission.py): requests on a resident prefix go first, none waits
-past its bound, a full queue refuses, and a cancelled waiter gives up its place."""
+"""Admission (vericache/serve/front/admission.py): requests on a resident prefix go first, none
+waits past its bound, a full queue refuses, and a cancelled waiter gives up its place."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from vericache.errors import QueueFullError
-from vericache.serve.admission import Admission
+from vericache.serve.front.admission import Admission
 
 
 async def _queue(admission: Admission, prefixes: list[str | None]) -> list[asyncio.Task]:

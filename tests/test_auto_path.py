@@ -1,6 +1,6 @@
-"""`mode: auto` (serve/auto_path.py over serve/path_costs.py): each request takes the path that
-would finish it first by the cost model at the workers' loads now, what the server measured
-corrects the model, and the output is full-KV decoding's whichever path it takes."""
+"""`mode: auto` (serve/backends/auto_path.py over serve/backends/path_costs.py): each request takes
+the path that would finish it first by the cost model at the workers' loads now, what the server
+measured corrects the model, and the output is full-KV decoding's whichever path it takes."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from vericache.engine.link import LinkSpec
 from vericache.errors import InvalidRequestError
 from vericache.scheduler.path_choice import ServingPath
 from vericache.serve.api_types import GenerateSummary
-from vericache.serve.auto_path import PRIOR_ACCEPTED_SHARE, PROBES, AutoPaths
-from vericache.serve.co_runners import StartedBeside
-from vericache.serve.config import CoordinatorConfig
-from vericache.serve.path_costs import (
+from vericache.serve.backends.auto_path import PRIOR_ACCEPTED_SHARE, PROBES, AutoPaths
+from vericache.serve.backends.co_runners import StartedBeside
+from vericache.serve.backends.path_costs import (
     PathCosts,
     PathOption,
     RequestShape,
     default_device_profile,
 )
+from vericache.serve.config import CoordinatorConfig
 from vericache.sim.profiles import model_profile
 
 LOCAL, VERICACHE = ServingPath.FULL_LOCAL, ServingPath.VERICACHE

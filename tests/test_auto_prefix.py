@@ -8,17 +8,17 @@ import asyncio
 import dataclasses
 
 from vericache.compress import build_compressor
-from vericache.serve.auth import PrefixQuotaError, Tenant
-from vericache.serve.auto_prefix import (
+from vericache.serve.backends.metrics import ServeMetrics
+from vericache.serve.config import CoordinatorConfig
+from vericache.serve.front.auth import PrefixQuotaError, Tenant
+from vericache.serve.front.auto_prefix import (
     BLOCK_TOKENS,
     AutoPrefixCache,
     PrefixIndex,
     PrefixWish,
     block_digests,
 )
-from vericache.serve.catalog import PrefixKey, PrefixRecord, is_owned_by
-from vericache.serve.config import CoordinatorConfig
-from vericache.serve.metrics import ServeMetrics
+from vericache.serve.store.catalog import PrefixKey, PrefixRecord, is_owned_by
 
 
 def record(prefix_id: str, token_ids, tenant: str = "a") -> PrefixRecord:
@@ -78,7 +78,7 @@ def test_block_digests_chain_over_full_blocks():
 def test_a_lookup_does_the_same_work_whatever_other_tenants_registered(monkeypatch):
     """Another tenant's prefix cannot show in a lookup's timing: the lookup hashes the same
     blocks and reads the same entries whether or not another tenant registered its prompt."""
-    from vericache.serve import auto_prefix
+    from vericache.serve.front import auto_prefix
 
     hashed, real_digest = [], auto_prefix._digest
     monkeypatch.setattr(auto_prefix, "_digest", lambda *a: hashed.append(a) or real_digest(*a))

@@ -7,7 +7,7 @@ import threading
 
 from vericache.engine.forward_loop import Job
 from vericache.errors import WorkerUnavailableError
-from vericache.serve.batching import BatchLoop
+from vericache.serve.workers.batching import BatchLoop
 
 
 def _run_in_thread(loop: BatchLoop, job: Job) -> list:

@@ -21,7 +21,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from vericache.cli.main import build_parser
-from vericache.serve.launch import DRAFTER_RESOURCE, VERIFIER_RESOURCE
+from vericache.serve.launch.cluster import DRAFTER_RESOURCE, VERIFIER_RESOURCE
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = {name: ROOT / "cluster" / f"{name}.yaml" for name in ("aws", "gcp", "local")}

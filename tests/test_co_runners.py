@@ -1,5 +1,5 @@
-"""Workers on one memory system (serve/co_runners.py): those busy beside a worker now, and their
-mean over a request's life, which `mode: auto` prices and corrects its paths by."""
+"""Workers on one memory system (serve/backends/co_runners.py): those busy beside a worker now, and
+their mean over a request's life, which `mode: auto` prices and corrects its paths by."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.test_link import FakeClock
-from vericache.serve.co_runners import CoRunnerMeter, busy_co_runners
-from vericache.serve.worker_load import WorkerLoad
+from vericache.serve.backends.co_runners import CoRunnerMeter, busy_co_runners
+from vericache.serve.workers.worker_load import WorkerLoad
 
 
 def worker(clock: FakeClock, memory_system: str, active: int = 0, alive: bool = True):

@@ -19,7 +19,7 @@ from vericache.engine.request import (
     SamplingParams,
 )
 from vericache.errors import InvalidRequestError
-from vericache.serve.engine_loop import (
+from vericache.serve.backends.engine_loop import (
     EngineLoop,
     RequestFailed,
     RequestFinished,

@@ -81,7 +81,7 @@ def test_damaged_compressed_kv_is_rebuilt_and_the_output_is_unchanged(
     DAMAGES[damage](compressed)
     with start_server(tiny_chat_checkpoint, root, num_drafters=1) as server:
         with Client(server.target, timeout=120) as client:
-            with caplog.at_level(logging.WARNING, logger="vericache.serve.metrics"):
+            with caplog.at_level(logging.WARNING, logger="vericache.serve.backends.metrics"):
                 generate_twice(client, prefix_id, tokens)  # rebuilt once, then read as stored
         assert corruptions(server) == {"full_kv": 0, "compressed_kv": 1, "record": 0}
     # The server's own log says so, with the request that met it (a Ray worker's log is apart).

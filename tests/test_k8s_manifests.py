@@ -23,8 +23,8 @@ from packaging.specifiers import SpecifierSet
 from vericache.cli.main import build_parser
 from vericache.cli.serve import access_from_args, coordinator_config, worker_configs
 from vericache.errors import InvalidRequestError
-from vericache.serve.api import SERVICE_NAME
-from vericache.serve.launch import DRAFTER_RESOURCE, VERIFIER_RESOURCE
+from vericache.serve.front.api import SERVICE_NAME
+from vericache.serve.launch.cluster import DRAFTER_RESOURCE, VERIFIER_RESOURCE
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 

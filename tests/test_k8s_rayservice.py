@@ -23,7 +23,7 @@ from tests.test_k8s_manifests import (
 from vericache.cli.ray_serve import DEPLOYMENT_NAME, build, parse_options
 from vericache.cli.serve import access_from_args
 from vericache.errors import InvalidRequestError
-from vericache.serve.launch import DRAFTER_RESOURCE, VERIFIER_RESOURCE
+from vericache.serve.launch.cluster import DRAFTER_RESOURCE, VERIFIER_RESOURCE
 
 serve_schema = pytest.importorskip("ray.serve.schema")
 

@@ -14,7 +14,7 @@ from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.kv.shared_prefix import SharedPrefixes
 from vericache.serve.cluster_secret import ClusterSecret
 from vericache.serve.config import DrafterConfig, VerifierConfig
-from vericache.serve.kv_transfer import (
+from vericache.serve.workers.kv_transfer import (
     KVFetcher,
     KVKind,
     KVTransferService,

@@ -12,10 +12,10 @@ import pytest
 
 import vericache
 from vericache.serve.cluster_secret import ClusterSecret
-from vericache.serve.drafter import Drafter
-from vericache.serve.handles import DrafterHandle, InProcess, OverRay, VerifierHandle
-from vericache.serve.verifier import Verifier
-from vericache.serve.worker_api import DrafterAPI, VerifierAPI
+from vericache.serve.workers.drafter import Drafter
+from vericache.serve.workers.handles import DrafterHandle, InProcess, OverRay, VerifierHandle
+from vericache.serve.workers.verifier import Verifier
+from vericache.serve.workers.worker_api import DrafterAPI, VerifierAPI
 
 PACKAGE = Path(vericache.__file__).parent
 # Each core layer may import only the layers after it (and vericache.errors).
@@ -25,7 +25,7 @@ FORBIDDEN_IN_CORE = ("ray", "grpc", "vericache.serve", "vericache.cli", "vericac
                      "vericache.v1")  # fmt: skip
 # The servicer of the public API, its converter, the internal KV transfer service (servicer and
 # fetcher), and the client SDK.
-STUB_USERS = {"serve/api.py", "serve/wire.py", "serve/kv_transfer.py"}
+STUB_USERS = {"serve/front/api.py", "serve/front/wire.py", "serve/workers/kv_transfer.py"}
 
 
 def _imports(path: Path) -> list[str]:

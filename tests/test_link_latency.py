@@ -9,8 +9,8 @@ import asyncio
 import time
 
 from vericache.serve.cluster_secret import ClusterSecret
-from vericache.serve.handles import DrafterHandle, InProcess
-from vericache.serve.worker_api import DraftCall, Drafted
+from vericache.serve.workers.handles import DrafterHandle, InProcess
+from vericache.serve.workers.worker_api import DraftCall, Drafted
 
 LATENCY_S = 0.15
 

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vericache.kv.shared_prefix import PrefixCacheStats
-from vericache.serve.metrics import ServeMetrics
+from vericache.serve.backends.metrics import ServeMetrics
 
 MODEL = "smollm2-135m"
 # vLLM's metric names (vllm:... there) that dashboards read.

@@ -8,7 +8,7 @@ import pytest
 
 from vericache.errors import InvalidRequestError
 from vericache.serve.api_types import ChatTurn, CompressorChoice, SamplingChoice, ServeMode
-from vericache.serve.openai_schema import (
+from vericache.serve.front.openai_schema import (
     DEFAULT_TEMPERATURE,
     ChatCompletionRequest,
     CompletionRequest,

@@ -13,10 +13,10 @@ from vericache.errors import WorkerUnavailableError
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
-from vericache.serve.residency import ResidentSessions, Session
-from vericache.serve.turn_cache import TurnTokens
-from vericache.serve.worker import SessionNotFoundError
-from vericache.serve.worker_api import Traffic
+from vericache.serve.workers.residency import ResidentSessions, Session
+from vericache.serve.workers.turn_cache import TurnTokens
+from vericache.serve.workers.worker import SessionNotFoundError
+from vericache.serve.workers.worker_api import Traffic
 
 LAYERS, HEADS, DIM, CAPACITY = 2, 2, 8, 256
 PREFIX = tuple(range(10))

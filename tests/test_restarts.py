@@ -1,12 +1,13 @@
-"""Restarts (serve/restarts.py): each is timed from its worker found gone to its answer from a new
-process, and a migrating request waits long enough for the slowest start a worker reported."""
+"""Restarts (serve/backends/restarts.py): each is timed from its worker found gone to its answer
+from a new process, and a migrating request waits long enough for the slowest start a worker
+reported."""
 
 from __future__ import annotations
 
-from vericache.serve import restarts
-from vericache.serve.metrics import ServeMetrics
-from vericache.serve.restarts import RESTART_MARGIN, Restarts
-from vericache.serve.worker_api import WorkerStartup
+from vericache.serve.backends import restarts
+from vericache.serve.backends.metrics import ServeMetrics
+from vericache.serve.backends.restarts import RESTART_MARGIN, Restarts
+from vericache.serve.workers.worker_api import WorkerStartup
 
 LABELS = {"model_name": "m", "kind": "drafter"}
 

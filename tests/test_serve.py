@@ -12,7 +12,7 @@ from tests.compressor_table import api_arguments, pick
 from tests.serve_fixtures import CONTEXT, open_sessions, start_server, wait_for
 from vericache.client import Client
 from vericache.client.errors import PrefixNotFoundError
-from vericache.serve.worker_api import Residency
+from vericache.serve.workers.worker_api import Residency
 
 PROMPT = "Which function multiplies by three?"
 # Rows of the shared table as the SDK names them; the hard H2O row also keeps its tokens in

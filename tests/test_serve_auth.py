@@ -19,8 +19,8 @@ from vericache.client.errors import (
     ServerUnavailableError,
 )
 from vericache.errors import InvalidRequestError
-from vericache.serve.api import SERVICE_NAME
-from vericache.serve.auth import Access, ApiKeys, TlsFiles, key_hash
+from vericache.serve.front.api import SERVICE_NAME
+from vericache.serve.front.auth import Access, ApiKeys, TlsFiles, key_hash
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402

@@ -13,9 +13,9 @@ from tests.serve_fixtures import SERVED_MODEL as MODEL
 from tests.test_serve_auth import KEY_A, KEY_B, keys_file
 from vericache.client import Client, InvalidRequestError
 from vericache.engine.prompt import build_chat_prompt
-from vericache.serve.auth import Access
 from vericache.serve.config import CoordinatorConfig
-from vericache.serve.server import HttpSettings
+from vericache.serve.front.auth import Access
+from vericache.serve.launch.server import HttpSettings
 
 PROMPT = "Which function multiplies by three?"
 MIN_TOKENS = 40

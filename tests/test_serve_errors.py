@@ -23,8 +23,8 @@ from vericache.client.errors import (
     ServerUnavailableError,
 )
 from vericache.compress import build_compressor
-from vericache.serve.catalog import PrefixKey
 from vericache.serve.config import CoordinatorConfig
+from vericache.serve.store.catalog import PrefixKey
 from vericache.v1 import vericache_pb2 as pb
 from vericache.v1 import vericache_pb2_grpc
 

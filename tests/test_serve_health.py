@@ -15,11 +15,12 @@ from tests.test_migration import health, kill
 from vericache.client import Client, ServerUnavailableError
 from vericache.errors import WorkerGoneError
 from vericache.kv.shared_prefix import SharedPrefixes
-from vericache.serve import api, distributed
+from vericache.serve.backends import distributed
+from vericache.serve.backends.distributed import DistributedBackend
 from vericache.serve.config import CoordinatorConfig
-from vericache.serve.distributed import DistributedBackend
-from vericache.serve.handles import InProcess, VerifierHandle
-from vericache.serve.worker_api import DrafterInfo, ModelInfo, WorkerStartup
+from vericache.serve.front import api
+from vericache.serve.workers.handles import InProcess, VerifierHandle
+from vericache.serve.workers.worker_api import DrafterInfo, ModelInfo, WorkerStartup
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

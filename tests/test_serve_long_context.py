@@ -22,8 +22,8 @@ from vericache.engine.long_context_config import LongContextConfig
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import load_model
 from vericache.serve.config import CoordinatorConfig, WorkerConfig
-from vericache.serve.long_context import long_context_server
-from vericache.serve.server import BackgroundServer
+from vericache.serve.launch.long_context import long_context_server
+from vericache.serve.launch.server import BackgroundServer
 from vericache.v1 import vericache_pb2 as pb
 from vericache.v1 import vericache_pb2_grpc
 
@@ -261,7 +261,7 @@ def _a_system_turn_sent_twice_registers_itself(api_url: str, client: Client) -> 
 def test_the_openai_http_api_serves_a_long_context_server(tiny_chat_checkpoint):
     import httpx
 
-    from vericache.serve.server import HttpSettings
+    from vericache.serve.launch.server import HttpSettings
 
     settings = LongContextConfig(**vars(FAST_LINK))
     worker = WorkerConfig(model=str(tiny_chat_checkpoint))

@@ -12,8 +12,8 @@ import pytest
 
 from tests.serve_fixtures import counts, start_server
 from tests.test_serve_auth import KEY_A, keys_file
-from vericache.serve.api import SERVICE_NAME
-from vericache.serve.auth import Access
+from vericache.serve.front.api import SERVICE_NAME
+from vericache.serve.front.auth import Access
 
 GARBAGE = b"\xff\xff\xff\xff"
 NOT_UTF8 = b"\xc3\x28"  # a lead byte without its continuation
@@ -76,7 +76,7 @@ def test_malformed_bytes_are_invalid_arguments_after_the_key(server, rpc, body):
 
 def test_a_malformed_request_is_logged_with_its_tenant_and_counted(server, caplog):
     before = counts(server, "request_failure", "code").get("INVALID_ARGUMENT", 0)
-    with caplog.at_level(logging.INFO, logger="vericache.serve.api"):
+    with caplog.at_level(logging.INFO, logger="vericache.serve.front.api"):
         error = _send(server, "GetPrefix", GARBAGE, KEY_A)
     request_id = error.details()[-33:-1]
     (line,) = [r for r in caplog.records if getattr(r, "request_id", None) == request_id]
@@ -87,7 +87,7 @@ def test_a_malformed_request_is_logged_with_its_tenant_and_counted(server, caplo
 
 
 def test_a_refusal_without_a_key_is_logged_without_a_tenant(server, caplog):
-    with caplog.at_level(logging.INFO, logger="vericache.serve.api"):
+    with caplog.at_level(logging.INFO, logger="vericache.serve.front.api"):
         error = _send(server, "ListPrefixes", GARBAGE, None)
     request_id = error.details()[-33:-1]
     (line,) = [r for r in caplog.records if getattr(r, "request_id", None) == request_id]

@@ -22,8 +22,8 @@ from tests.serve_fixtures import (
 from tests.serve_fixtures import SERVED_MODEL as MODEL
 from tests.test_serve_auth import KEY_A, KEY_B, keys_file
 from vericache.client import Client
-from vericache.serve.auth import Access
-from vericache.serve.server import HttpSettings
+from vericache.serve.front.auth import Access
+from vericache.serve.launch.server import HttpSettings
 
 openai = pytest.importorskip("openai")
 

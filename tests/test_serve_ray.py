@@ -14,7 +14,7 @@ from tests.serve_fixtures import CONTEXT, counts, wait_for
 from vericache.client import Client, ServerUnavailableError
 from vericache.errors import WorkerUnavailableError
 from vericache.serve.config import DrafterConfig, VerifierConfig
-from vericache.serve.server import distributed_server
+from vericache.serve.launch.server import distributed_server
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
@@ -36,7 +36,7 @@ def configs(tiny_chat_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(cluster, configs):
-    from vericache.serve.launch import ray_workers
+    from vericache.serve.launch.cluster import ray_workers
 
     verifier, drafter = configs
     workers = lambda: ray_workers(verifier, drafter, 1, 1, placement_timeout_s=120)  # noqa: E731
@@ -92,7 +92,7 @@ def test_cancelling_stops_the_work_on_the_actors(server):
 
 
 def test_a_missing_resource_is_reported_after_the_placement_timeout(cluster, configs):
-    from vericache.serve.launch import ray_workers
+    from vericache.serve.launch.cluster import ray_workers
 
     verifier, drafter = configs
     # The cluster has one `drafter` unit, held by the server's drafter when that test ran.

@@ -15,10 +15,10 @@ from vericache.engine.device_memory import slot_bytes
 from vericache.errors import InvalidRequestError, WorkerUnavailableError
 from vericache.model.loader import load_model
 from vericache.serve.config import CoordinatorConfig
-from vericache.serve.handles import LocalAnswer, VerifierHandle
-from vericache.serve.kv_transfer import KVKind
-from vericache.serve.worker import DraftFailedError, SessionNotFoundError
-from vericache.serve.worker_api import (
+from vericache.serve.workers.handles import LocalAnswer, VerifierHandle
+from vericache.serve.workers.kv_transfer import KVKind
+from vericache.serve.workers.worker import DraftFailedError, SessionNotFoundError
+from vericache.serve.workers.worker_api import (
     DraftCall,
     Drafted,
     DraftRole,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vericache.kv.cache import DenseLayerKV, KVCache
-from vericache.serve.staging import StagedPrefixes
+from vericache.serve.store.staging import StagedPrefixes
 
 TTL_S = 10.0
 

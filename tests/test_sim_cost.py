@@ -51,7 +51,7 @@ def test_bundled_gpus_are_datasheets_and_the_cpu_a_measurement():
     assert {"h100-sxm", "h100-nvl", "h200", "cpu"} <= set(bundled("devices"))
     for name in bundled("devices"):
         device = device_profile(name)
-        if name == "cpu":  # `mode: auto`'s prior on a CPU (serve/path_costs.py)
+        if name == "cpu":  # `mode: auto`'s prior on a CPU (serve/backends/path_costs.py)
             assert device.is_measured and device.product_curve
             continue
         assert not device.is_measured and device.source.startswith("datasheet")

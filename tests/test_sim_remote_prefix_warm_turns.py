@@ -1,5 +1,5 @@
-"""Sequential turns on a warm drafter node, as served (serve/warm_node.py): the node keeps the
-full KV of each VeriCache session it verified in its one turn cache, beside its full-KV
+"""Sequential turns on a warm drafter node, as served (serve/workers/warm_node.py): the node keeps
+the full KV of each VeriCache session it verified in its one turn cache, beside its full-KV
 sessions' turns, and a session that opens its verification there (arriving warm, or moving there
 between rounds) prefills only what a kept turn lacks; `mode: auto` prices that."""
 

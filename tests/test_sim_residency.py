@@ -1,5 +1,5 @@
-"""A simulated VeriCache verifier's sessions' own full KV, kept as serve/residency.py keeps it:
-within a budget, held after a call until another needs the room (least recent and idle first),
+"""A simulated VeriCache verifier's sessions' own full KV, kept as serve/workers/residency.py keeps
+it: within a budget, held after a call until another needs the room (least recent and idle first),
 rebuilt over the shared prefix by the next call that needs it (nothing read from the store), a
 call waiting while what is in use fills the budget."""
 

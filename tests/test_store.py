@@ -15,13 +15,13 @@ from vericache.errors import InvalidRequestError
 from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.kv.exact import ExactKV
 from vericache.model.config import ModelConfig, RopeConfig
-from vericache.serve.store import (
+from vericache.serve.store.full_kv import (
     FullKVStore,
     PrefixNotStoredError,
     StoreClosedError,
     StoreCorruptionError,
 )
-from vericache.serve.store_lmcache import chained_chunk_hash, fingerprint_seed
+from vericache.serve.store.lmcache import chained_chunk_hash, fingerprint_seed
 
 CHUNK = 16
 CPU_BYTES = 2**20

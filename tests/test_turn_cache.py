@@ -1,5 +1,5 @@
-"""A worker's finished turns (serve/turn_cache.py): a later request repeating one reuses its KV,
-prefills only what follows, and gets the tokens full-KV decoding gives without it."""
+"""A worker's finished turns (serve/workers/turn_cache.py): a later request repeating one reuses its
+KV, prefills only what follows, and gets the tokens full-KV decoding gives without it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from tests.serve_fixtures import CONTEXT, start_server, wait_for
 from vericache.errors import CacheStateError
 from vericache.kv.exact import ExactKV
-from vericache.serve.turn_cache import TurnCache
+from vericache.serve.workers.turn_cache import TurnCache
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

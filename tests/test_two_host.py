@@ -156,8 +156,8 @@ def _drive(args: dict) -> None:
     from vericache.client import Client
     from vericache.engine.link import LinkSpec
     from vericache.serve.config import DrafterConfig, VerifierConfig
-    from vericache.serve.launch import ray_workers
-    from vericache.serve.server import distributed_server
+    from vericache.serve.launch.cluster import ray_workers
+    from vericache.serve.launch.server import distributed_server
 
     model = args["model"]
     # The application throttle off; transfer_host None: KVTransfer listens on A's veth address.

@@ -1,6 +1,6 @@
-"""Warm drafter nodes (serve/warm_node.py): a drafter streams the prefix's full KV into its host
-tier, then verifies its own sessions' rounds, and every stream stays the stream full-KV decoding
-gives, across the switch and when the node dies during it."""
+"""Warm drafter nodes (serve/workers/warm_node.py): a drafter streams the prefix's full KV into its
+host tier, then verifies its own sessions' rounds, and every stream stays the stream full-KV
+decoding gives, across the switch and when the node dies during it."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.errors import DataLossError
 from vericache.kv.pool import BufferPool
 from vericache.serve.config import CoordinatorConfig
-from vericache.serve.turn_cache import TurnCache
-from vericache.serve.warm_node import WarmNode
+from vericache.serve.workers.turn_cache import TurnCache
+from vericache.serve.workers.warm_node import WarmNode
 
 TIER = {"host_tier_bytes": 1 << 30}
 VERICACHE = {"mode": "vericache", "max_tokens": 48, "draft_len": 4}
@@ -80,7 +80,7 @@ def test_a_request_moves_to_its_node_once_warm_and_the_stream_is_unchanged(
 ):
     # The coordinator learns that the node is warm from a round's drafts, not from a probe. On
     # a staggered or lock-step schedule the request leaves it between two rounds.
-    from vericache.serve.handles import DrafterHandle
+    from vericache.serve.workers.handles import DrafterHandle
 
     unseen = property(lambda handle: frozenset(), lambda handle, value: None)
     monkeypatch.setattr(DrafterHandle, "warm_prefixes", unseen, raising=False)
@@ -201,7 +201,7 @@ class _FailingFetcher:
 def test_a_damaged_stream_leaves_the_node_cold(tiny_checkpoint):
     from vericache.model.loader import load_model
     from vericache.model.runner import ModelRunner
-    from vericache.serve.batching import BatchLoop
+    from vericache.serve.workers.batching import BatchLoop
 
     loaded = load_model(str(tiny_checkpoint("llama")))
     runner = ModelRunner(loaded.config, loaded.weights)

@@ -1,12 +1,12 @@
-"""A worker's load over time (serve/worker_load.py): what `mode: auto` charges a request with is
-its worker's mean count of requests while it ran, not the count when it started."""
+"""A worker's load over time (serve/workers/worker_load.py): what `mode: auto` charges a request
+with is its worker's mean count of requests while it ran, not the count when it started."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.test_link import FakeClock
-from vericache.serve.worker_load import WorkerLoad
+from vericache.serve.workers.worker_load import WorkerLoad
 
 
 def test_a_request_that_starts_alone_is_charged_with_those_that_join_it():

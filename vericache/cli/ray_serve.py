@@ -6,11 +6,11 @@ serves, and restarts what fails; it needs a Serve application to do so. This app
 server `vericache serve --address auto` runs on a RayCluster's head, in one Serve replica:
 
 - the coordinator, which places the verifier and drafter actors by their Ray resources
-  (serve/launch.py) and owns them, so they end with the replica and a restarted replica places
-  new ones;
+  (serve/launch/cluster.py) and owns them, so they end with the replica and a restarted replica
+  places new ones;
 - the gRPC API, listening on `port` in the replica's process;
-- the OpenAI-compatible HTTP API (serve/openai_api.py) as the deployment's ingress: Serve's proxy
-  serves it on Serve's HTTP port, with the same API keys.
+- the OpenAI-compatible HTTP API (serve/front/openai_api.py) as the deployment's ingress: Serve's
+  proxy serves it on Serve's HTTP port, with the same API keys.
 
 One replica, because a coordinator owns its requests' rounds and sessions: two replicas would be two
 servers over two sets of workers, which is what a second RayService is for.
@@ -40,10 +40,10 @@ from vericache.cli.serve import (
     worker_configs,
 )
 from vericache.errors import InvalidRequestError, WorkerUnavailableError
-from vericache.serve.api import start_server
-from vericache.serve.launch import ray_workers, start_coordinator
+from vericache.serve.front.api import start_server
+from vericache.serve.front.openai_api import openai_app
+from vericache.serve.launch.cluster import ray_workers, start_coordinator
 from vericache.serve.logs import configure_logging
-from vericache.serve.openai_api import openai_app
 
 log = logging.getLogger("vericache.serve.summary")
 

@@ -7,13 +7,13 @@ resources (all its ports on loopback when --host is: cli/local_ray.py);
 the device, full KV in host memory) within `--memory-budget`, over a link of `--pcie-bandwidth`
 (without --long-context, the verifiers hold their full-KV loads from the store to it).
 
-Callers need an API key from `--api-keys-file` (serve/auth.py has its format) unless the server
-starts with `--insecure-no-auth`; `--tls-cert` and `--tls-key` serve over TLS. The three files
-default to $VERICACHE_API_KEYS_FILE, $VERICACHE_TLS_CERT_FILE and $VERICACHE_TLS_KEY_FILE; TLS
+Callers need an API key from `--api-keys-file` (serve/front/auth.py has its format) unless the
+server starts with `--insecure-no-auth`; `--tls-cert` and `--tls-key` serve over TLS. The three
+files default to $VERICACHE_API_KEYS_FILE, $VERICACHE_TLS_CERT_FILE and $VERICACHE_TLS_KEY_FILE; TLS
 files named only by those variables are used if both exist (the k8s Secret is optional).
 `--health-port` serves grpc.health.v1 alone in plaintext, for probes that cannot speak TLS.
-`--http-port` also serves the OpenAI-compatible HTTP API (serve/openai_api.py), with the same keys
-and TLS.
+`--http-port` also serves the OpenAI-compatible HTTP API (serve/front/openai_api.py), with the same
+keys and TLS.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from vericache.cli.local_ray import is_loopback, start_ray
 from vericache.engine.link import LinkSpec, parse_bandwidth, parse_size
 from vericache.errors import InvalidRequestError
 from vericache.model.loader import DEFAULT_MODEL, DTYPES, cache_root
-from vericache.serve.auth import Access, ApiKeys, TlsFiles
 from vericache.serve.config import (
     DEFAULT_MODES,
     SCHEDULING_POLICIES,
@@ -40,10 +39,11 @@ from vericache.serve.config import (
     VerifierConfig,
     WorkerConfig,
 )
+from vericache.serve.front.auth import Access, ApiKeys, TlsFiles
 from vericache.serve.logs import configure_logging
 
 if TYPE_CHECKING:
-    from vericache.serve.server import HttpSettings
+    from vericache.serve.launch.server import HttpSettings
 
 log = logging.getLogger("vericache.serve.summary")
 
@@ -340,8 +340,8 @@ def _describe(access: Access, server) -> str:
 
 
 def start_on_ray(args, config: CoordinatorConfig, access: Access, http: HttpSettings | None):
-    from vericache.serve.launch import ray_workers
-    from vericache.serve.server import distributed_server
+    from vericache.serve.launch.cluster import ray_workers
+    from vericache.serve.launch.server import distributed_server
 
     verifier, drafter = worker_configs(args)
     start_ray(args)
@@ -357,7 +357,7 @@ def start_on_ray(args, config: CoordinatorConfig, access: Access, http: HttpSett
 def start_long_context(
     args, long_context, config: CoordinatorConfig, access: Access, http: HttpSettings | None
 ):
-    from vericache.serve.long_context import long_context_server
+    from vericache.serve.launch.long_context import long_context_server
 
     worker = WorkerConfig(**worker_options(args))
     print("Starting the long-context engine...", flush=True)
@@ -367,7 +367,7 @@ def start_long_context(
 
 def http_settings(args) -> HttpSettings | None:
     """The HTTP API's port and model id; None without --http-port."""
-    from vericache.serve.server import HttpSettings
+    from vericache.serve.launch.server import HttpSettings
 
     if args.http_port is None:
         if args.served_model_name:

@@ -10,8 +10,8 @@ verification's choices do not depend on what shares its forward; both kinds shar
 one read of the weights.
 
 The engine and the long-context engine build each iteration's jobs from their sequences and step
-them once (sequence_forward.py); a worker's batch thread (serve/batching.py) keeps the jobs of the
-calls it holds and steps them until each is done, letting jobs join and leave between steps
+them once (sequence_forward.py); a worker's batch thread (serve/workers/batching.py) keeps the jobs
+of the calls it holds and steps them until each is done, letting jobs join and leave between steps
 (continuous batching, as in vLLM).
 """
 

@@ -145,7 +145,7 @@ class GenerateSummary:
     local_rounds: int = 0  # of the rounds, those its warm drafter node verified itself
     path: str = ""  # how it was served (scheduler/path_choice.py ServingPath), chosen or named
     # Prompt tokens whose KV it did not compute: its prefix's, and those a finished turn's kept
-    # KV held (serve/turn_cache.py); OpenAI's usage.prompt_tokens_details.cached_tokens.
+    # KV held (serve/workers/turn_cache.py); OpenAI's usage.prompt_tokens_details.cached_tokens.
     cached_tokens: int = 0
 
     @property

@@ -65,7 +65,7 @@ class ClusterSecret:
 
 
 def required(secret: ClusterSecret | None) -> ClusterSecret:
-    """A worker's secret, which its config must carry (launch.py hands it out)."""
+    """A worker's secret, which its config must carry (launch/cluster.py hands it out)."""
     if secret is None:
-        raise InvalidRequestError("a worker needs its server's secret: start it through launch.py")
+        raise InvalidRequestError("a worker needs its server's secret: start it through its server")
     return secret

@@ -1,5 +1,5 @@
 """A simulated worker's batch loop: the jobs it holds share each forward, step by step, as a
-worker's BatchLoop runs them (serve/batching.py): jobs join and leave between forwards.
+worker's BatchLoop runs them (serve/workers/batching.py): jobs join and leave between forwards.
 
 A job is a run of forwards for one request: a prefill, a draft of d tokens (d one-token steps), a
 verification (one step of x+1 tokens), or a decode of n tokens. Each forward costs what the cost

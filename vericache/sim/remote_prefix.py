@@ -11,9 +11,9 @@ Every worker is a device with a batch loop (batch_loop.py): the jobs it holds sh
   (latency); the verifier verifies them and one more token in one forward, batched with whatever
   else is due; the committed tokens' exact KV crosses with the next draft call. A round with no
   drafts to make (one token left) calls the verifier alone, as the coordinator does.
-- Warm nodes (`warm_nodes`, as served: serve/warm_node.py): once a drafter node has the prefix's
-  compressed KV and drafts over it, it streams the prefix's full KV over its link into its host
-  tier, in the background (compressed fetches and the rounds' exact KV go first). Once the copy
+- Warm nodes (`warm_nodes`, as served: serve/workers/warm_node.py): once a drafter node has the
+  prefix's compressed KV and drafts over it, it streams the prefix's full KV over its link into its
+  host tier, in the background (compressed fetches and the rounds' exact KV go first). Once the copy
   is complete, its sessions' next round boundary moves their verification onto the node: the
   central verifier lets go of the session, the node prefills the session's tokens after the
   prefix once over its full KV (but for those a turn it kept holds), and each round then drafts

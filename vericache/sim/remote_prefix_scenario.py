@@ -97,8 +97,8 @@ class RemotePrefixScenario:
     prefill_chunk_tokens: int = 2048  # a prefill's tokens per forward (chunked prefill)
     # Every worker on one machine's memory system (a CPU's workers, as the benchmarks serve them):
     # a forward runs the device's measured co-runner slowdown beyond 1 slower for each other
-    # worker computing as it starts, as `mode: auto` prices it (serve/path_costs.py). False:
-    # each worker has its device's memory to itself (a GPU's).
+    # worker computing as it starts, as `mode: auto` prices it (serve/backends/path_costs.py).
+    # False: each worker has its device's memory to itself (a GPU's).
     workers_share_memory: bool = False
 
     def __post_init__(self):

@@ -1,6 +1,7 @@
 """Pipeline 2 simulated with scheduled rounds: one real scheduler per verifier (`StaggeredScheduler`
 or `LockstepScheduler`) plans that verifier's verifications and full-KV loads, as the coordinator's
-scheduled rounds do (serve/scheduled.py), while the drafters draft whole rounds on their own.
+scheduled rounds do (serve/backends/scheduled.py), while the drafters draft whole rounds on their
+own.
 
 A request opens as in per-request rounds (remote_prefix.py): the drafter fetches the compressed
 prefix unless it holds it, the verifier loads the full prefix and prefills the suffix, and the first

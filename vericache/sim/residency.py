@@ -1,9 +1,9 @@
-"""A VeriCache verifier's full KV in the simulator, kept as serve/residency.py keeps it: at most a
-budget of sessions' own full KV on the device (what each holds past the blocks of its prefix that
-it reads in place from the worker's shared copy, kv_memory.WorkerMemory), held after a call until
-another needs the room (least recently used first, never one in use). The next call of a session
-dropped meanwhile rebuilds its cache over the shared copy, reading nothing from the store: it
-waits only for room, while the full KV in use leaves none."""
+"""A VeriCache verifier's full KV in the simulator, kept as serve/workers/residency.py keeps it: at
+most a budget of sessions' own full KV on the device (what each holds past the blocks of its prefix
+that it reads in place from the worker's shared copy, kv_memory.WorkerMemory), held after a call
+until another needs the room (least recently used first, never one in use). The next call of a
+session dropped meanwhile rebuilds its cache over the shared copy, reading nothing from the store:
+it waits only for room, while the full KV in use leaves none."""
 
 from __future__ import annotations
 

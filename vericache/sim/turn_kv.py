@@ -10,16 +10,16 @@ host link) into the turn that reuses it; `KeptTurns.DEVICE` dropped. Two deploym
 - a full-KV deployment with prefix caching (vLLM's automatic prefix caching, SGLang's radix
   cache, with a host tier as SGLang's hierarchical cache or LMCache's CPU backend;
   remote_prefix_full.py), on every worker;
-- VeriCache as served (`served_keeps`): a worker's turn cache (serve/turn_cache.py), on its
+- VeriCache as served (`served_keeps`): a worker's turn cache (serve/workers/turn_cache.py), on its
   device within `--turn-cache-bytes` and spilled to pinned host memory within
   `--turn-host-bytes`, which the scenario's host tier stands for (TIERED where the scenario gives
   workers one, else DEVICE): a verifier's, of every session it serves (FULL_LOCAL decoding, and
   its prefill of a VeriCache session's prompt); a drafter's, one cache for its full-KV sessions
   (FULL_REMOTE, and FULL_WARM over its host tier's copy of the prefix) and the VeriCache sessions
   its warm node verifies, each of which reuses what a kept turn there holds of its prompt when it
-  opens its verification on the node (serve/warm_node.py). A drafter keeps none of the VeriCache
-  sessions a central verifier verifies, whose drafter still receives the exact KV of every token
-  after the prefix.
+  opens its verification on the node (serve/workers/warm_node.py). A drafter keeps none of the
+  VeriCache sessions a central verifier verifies, whose drafter still receives the exact KV of every
+  token after the prefix.
 Assumptions, stated: a served worker copies the kept run's KV into its new session; here the new
 turn reads it in place (pinned, its bytes not the turn's own) and lets it go when it ends,
 replaced by its own longer run, as the baseline's does: the same bytes (the old entry, which the

@@ -1,0 +1,60 @@
+"""A round's verification over a session's full KV, wherever the session lives: on a verifier
+beside the store (verifier.py), or on a warm drafter node over its host tier (warm_node.py). One
+implementation, so both give a round the same tokens and the same exact KV, bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from vericache.engine.forward_loop import Job
+from vericache.engine.sampling import SequenceSampler, checks_by_rejection, rejection_verified
+from vericache.engine.sequence import num_accepted
+from vericache.kv.cache import KVCache
+from vericache.kv.exact import ExactKV
+from vericache.serve.workers.batching import BatchLoop
+from vericache.serve.workers.worker_api import Drafted
+
+
+@dataclass(frozen=True)
+class Verification:
+    # [1 + num_drafts] the full-KV choice after each fed token; under rejection coupling, the
+    # kept drafts and the token after them
+    tokens: tuple[int, ...]
+    num_accepted: int  # drafts kept: the cache holds pending + these
+    exact: ExactKV  # the KV of pending + accepted drafts, for the drafter's cache
+    forward_s: float  # the batch's verification forward
+
+
+def verify_round(
+    loop: BatchLoop,
+    cache: KVCache,
+    pending: tuple[int, ...],
+    drafted: Drafted,
+    sampler: SequenceSampler | None,
+) -> Verification:
+    """One forward over [pending + drafts] with the full KV (batched with the loop's other jobs):
+    the full-KV choice after each; keeps the KV of pending and the accepted drafts."""
+    drafts = drafted.tokens
+    rejects = checks_by_rejection(sampler)
+    before = cache.num_tokens
+    fed = [*pending, *drafts]
+    job = Job(
+        cache,
+        fed,
+        num_logits=len(fed),
+        is_full_kv=True,
+        sampler=sampler,
+        keeps_distributions=rejects,
+    )
+    started = time.perf_counter()
+    tokens = loop.run(job)
+    forward_s = time.perf_counter() - started
+    if rejects:
+        target = job.distributions[0]  # [1 + len(drafts), V]
+        tokens = rejection_verified(sampler, drafts, drafted.distributions, target)
+    accepted = num_accepted(list(drafts), tokens)
+    kept = before + len(pending) + accepted
+    cache.truncate(kept)  # the rest was the drafts'
+    return Verification(tuple(tokens), accepted, ExactKV.of(cache, before, kept), forward_s)
