@@ -205,6 +205,8 @@ class ScheduledRounds:
     def _start_verification(self, entry: _Entry, load_first: bool) -> None:
         """The round's one verifier call, made before its drafts exist: they reach the verifier
         by reference."""
+        if entry.round is None:  # planned without a draft iteration of its own: it begins now
+            self._begin_round(entry)
         entry.verification = asyncio.create_task(self._verify(entry.round, load_first))
 
     async def _verify(self, served_round: ServedRound, load_first: bool) -> Outcome:
