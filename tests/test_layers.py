@@ -107,7 +107,7 @@ def _parameters(cls, name: str) -> list[str]:
 
 
 def test_handles_dispatch_by_method_not_by_name():
-    source = (PACKAGE / "serve" / "handles.py").read_text()
+    source = (PACKAGE / "serve" / "workers" / "handles.py").read_text()
     calls = [
         node.func.id
         for node in ast.walk(ast.parse(source))
