@@ -22,7 +22,9 @@ from tests.serve_fixtures import (
 from tests.serve_fixtures import SERVED_MODEL as MODEL
 from tests.test_serve_auth import KEY_A, KEY_B, keys_file
 from vericache.client import Client
+from vericache.serve.api_types import FunctionTool
 from vericache.serve.front.auth import Access
+from vericache.serve.front.tools import render_catalogue
 from vericache.serve.launch.server import HttpSettings
 
 openai = pytest.importorskip("openai")
@@ -123,6 +125,59 @@ def test_a_chat_without_a_prefix_runs_the_whole_conversation(oai):
     again = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     assert reply.usage.completion_tokens == 8 or reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].message.content == again.choices[0].message.content
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize("mode", ["vericache", "full_remote"])
+def test_a_conversation_with_tools_decodes_as_full_local_does(oai, grpc_client, mode):
+    # The catalogue goes into the system turn (the default format: the embedded template renders
+    # no tools), so the prefix registered for that turn's text holds it; tool calls and results
+    # go into the history. Every mode reads the same prompt.
+    system = "You answer with tools."
+    function = WEATHER_TOOL["function"]
+    tool = FunctionTool(function["name"], function["description"], function["parameters"])
+    prefix_id = grpc_client.put_prefix(
+        f"{system}\n\n{render_catalogue([tool])}", compressor="streamingllm", ratio=4
+    )
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        }]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]  # fmt: skip
+
+    def reply(mode: str, **fields):
+        options = {"mode": mode, "draft_len": 4, "prefix_id": prefix_id}
+        return oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, temperature=0, **fields,
+            extra_body={"vericache": options, "return_token_ids": True},
+        )  # fmt: skip
+
+    reference = reply("full_local", tools=[WEATHER_TOOL])
+    served = reply(mode, tools=[WEATHER_TOOL])
+    assert (
+        served.choices[0].model_extra["token_ids"] == reference.choices[0].model_extra["token_ids"]
+    )
+    got, expected = served.choices[0].message, reference.choices[0].message
+    assert got.content == expected.content  # and any calls, but for their fresh ids
+    assert [c.function for c in got.tool_calls or ()] == [
+        c.function for c in expected.tool_calls or ()
+    ]
+    assert served.usage.prompt_tokens_details.cached_tokens > 0  # the catalogue's prefix
+    with pytest.raises(openai.BadRequestError, match="system turn is not the text of prefix"):
+        reply("full_local")  # without the tools the system turn is another text
 
 
 def test_streamed_chat_gives_the_same_text_and_its_usage_last(oai, prefix_id):

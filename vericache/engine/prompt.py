@@ -22,19 +22,25 @@ def build_chat_prompt(tokenizer, context: str | None, prompt: str) -> PromptIds:
     return build_conversation(tokenizer, messages)
 
 
-def build_conversation(tokenizer, messages: list[dict[str, str]]) -> PromptIds:
+def build_conversation(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None
+) -> PromptIds:
     """Token ids of a conversation ({"role", "content"} turns) plus the assistant header; its
-    prefix is the leading system turn, if any.
+    prefix is the leading system turn, if any. `tools` (OpenAI's function tools) go to a chat
+    template that renders them, with the system turn where it puts them there.
 
     The prefix (the system turn) and the rest are tokenized apart, so the prefix's ids do not
     depend on what follows it: a registered prefix is reusable as is.
     """
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
     if getattr(tokenizer, "chat_template", None):
-        full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        with_tools = {"tools": tools} if tools else {}
+        full = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **with_tools
+        )
         prefix = ""
         if system:
-            prefix = tokenizer.apply_chat_template(messages[:1], tokenize=False)
+            prefix = tokenizer.apply_chat_template(messages[:1], tokenize=False, **with_tools)
             if not full.startswith(prefix):
                 raise UnsupportedModelError(
                     "the model's chat template does not render the system turn as a prefix"

@@ -92,9 +92,38 @@ class SamplingChoice:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made: its id, the function's name and its arguments (JSON)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    """A function the model may call: its name, what it does and its parameters (JSON schema)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+    def as_openai(self) -> dict:
+        """The tool as OpenAI's API and chat templates write it."""
+        function: dict = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
 class ChatTurn:
-    role: str  # "system", "user" or "assistant"
+    role: str  # "system", "user", "assistant" or "tool"
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
 
 
 @dataclass(frozen=True)
@@ -113,6 +142,9 @@ class GenerateCall:
     # A whole conversation instead of `prompt` (/v1/chat/completions): its leading system turn,
     # if any, is the prefix's text.
     messages: tuple[ChatTurn, ...] = ()
+    # The functions the conversation's model may call: rendered with its system turn, so that
+    # the catalogue is part of the prefix (front/tools.py).
+    tools: tuple[FunctionTool, ...] = ()
     # The compressor of the prefix to draft over: the named prefix must have been registered
     # with it; without one, only the tenant's prefixes registered with it match, and a system
     # turn that registers itself uses it. None: any prefix; the server's compressor.

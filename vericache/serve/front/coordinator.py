@@ -351,8 +351,9 @@ class Coordinator:
         prompt = await self.prompts.prompt_ids(record, call, tenant.max_prompt_tokens)
         if record is None:
             system = None
-            if call.messages and prompt.num_prefix_tokens:  # a conversation's system turn
-                system = (call.messages[0].content, prompt.token_ids[: prompt.num_prefix_tokens])
+            text = self.prompts.system_text(call) if prompt.num_prefix_tokens else None
+            if text is not None:  # a conversation's system turn
+                system = (text, prompt.token_ids[: prompt.num_prefix_tokens])
             wish = PrefixWish(prompt.token_ids, system, call.compressor, wanted)
             record = self.auto_prefixes.match(tenant, wish)
         return record, prompt.token_ids

@@ -16,6 +16,10 @@ coordinator: what the openai client, LangChain, curl and load generators speak.
   else reads the request: a caller without a valid key hears 401 whatever its body holds.
 - `return_token_ids` (vLLM's field) adds each choice's output token ids (`token_ids`), whole or
   per chunk.
+- Chat with `tools` (tool_choice "auto"): the output is read for calls by the parser the chat
+  template asks for (tools.py), and answered as OpenAI does: `message.tool_calls` with ids and
+  `finish_reason: "tool_calls"`; streamed, each call as one `delta.tool_calls` entry once its
+  block has ended, the text around the calls as content.
 - A client that disconnects mid-stream stops its request: the stream's generator is closed, which
   closes the coordinator's, which ends the request's sessions and frees the tenant's slot.
 """
@@ -46,6 +50,13 @@ from vericache.serve.front.openai_errors import (
     handle_errors,
 )
 from vericache.serve.front.openai_schema import ChatCompletionRequest, CompletionRequest
+from vericache.serve.front.tools import (
+    ParsedOutput,
+    Piece,
+    ToolParser,
+    parse_output,
+    tool_parser_for,
+)
 
 
 class _Authenticated:
@@ -118,6 +129,7 @@ def openai_app(coordinator: Coordinator, access: Access, model_name: str) -> Fas
         return await _respond(coordinator, tenant(request), body, request, chat=True)
 
     app.state.model_name = model_name
+    app.state.tool_parser = tool_parser_for(coordinator.tokenizer)
     return app
 
 
@@ -126,7 +138,10 @@ async def _respond(coordinator, tenant: Tenant, body, request: Request, chat: bo
     events = coordinator.generate(body.generate_call(), tenant, request_id)
     if body.timeout_s is not None:
         events = _within(events, body.timeout_s)
-    reply = _Reply(request_id, tenant, request.app.state.model_name, chat, body.return_token_ids)
+    state = request.app.state
+    reply = _Reply(request_id, tenant, state.model_name, chat, body.return_token_ids)
+    if chat and body.parses_tool_calls:
+        reply.read_tool_calls(state.tool_parser, body.parallel_tool_calls)
     first = await _first_event(events)  # refusals answer with their status, before any stream
     if body.stream:
         stream = reply.stream(first, events, body.include_usage)
@@ -188,16 +203,30 @@ class _Reply:
         self.model = model
         self.chat = chat
         self.created = int(time.time())
+        self.tool_parser: ToolParser | None = None  # chat with tools: the output read for calls
+        self.max_calls: int | None = None  # None: every call (parallel tool calls)
+
+    def read_tool_calls(self, parser: ToolParser, parallel: bool) -> None:
+        self.tool_parser = parser
+        self.max_calls = None if parallel else 1
 
     def _base(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, text: str, token_ids: list[int], summary: GenerateSummary) -> dict:
+        finish_reason = summary.finish_reason
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            message = {"role": "assistant", "content": text}
+            if self.tool_parser is not None:
+                parsed = parse_output(self.tool_parser, text)
+                calls = parsed.calls[: self.max_calls]
+                if calls:
+                    message = _with_calls(parsed, calls)
+                    finish_reason = "tool_calls"
+            choice = {"index": 0, "message": message}
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = summary.finish_reason
+        choice["finish_reason"] = finish_reason
         if self.with_token_ids:
             choice["token_ids"] = token_ids
         kind = "chat.completion" if self.chat else "text_completion"
@@ -206,15 +235,13 @@ class _Reply:
         }  # fmt: skip
 
     def _chunk(
-        self, text: str | None, finish_reason: str | None, first: bool, token_ids=()
+        self, delta: dict | None, finish_reason: str | None, first: bool, token_ids=()
     ) -> dict:
+        """A chunk with a chat `delta` (content or tool calls), or a completion's text."""
         if self.chat:
-            delta = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": 0, "delta": ({"role": "assistant"} if first else {}) | (delta or {})}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None}
+            choice = {"index": 0, "text": (delta or {}).get("content", ""), "logprobs": None}
         choice["finish_reason"] = finish_reason
         if self.with_token_ids:
             choice["token_ids"] = list(token_ids)
@@ -223,18 +250,27 @@ class _Reply:
     async def stream(self, first, events: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events; closed early (the client went away), it closes `events`, which
         stops the request. An error after the stream began comes as an `error` event."""
+        deltas = _Deltas(self.tool_parser, self.max_calls)
         is_first = True
         async with contextlib.aclosing(events):
             try:
                 async for event in _chain(first, events):
                     if isinstance(event, OutputChunk):
+                        pieces = deltas.feed(event.text)
                         # Text held back still carries its tokens, where they are asked for.
-                        if event.text or is_first or (self.with_token_ids and event.token_ids):
-                            yield _sse(self._chunk(event.text, None, is_first, event.token_ids))
-                            is_first = False
+                        if not pieces and (is_first or (self.with_token_ids and event.token_ids)):
+                            pieces = [{"content": event.text}]
+                        token_ids = event.token_ids
+                        for delta in pieces:
+                            yield _sse(self._chunk(delta, None, is_first, token_ids))
+                            is_first, token_ids = False, ()
                         continue
+                    for delta in deltas.finish():
+                        yield _sse(self._chunk(delta, None, is_first))
+                        is_first = False
                     # The last chunk with a choice carries the vericache block, usage or not.
-                    last = self._chunk(None, event.finish_reason, is_first)
+                    finish_reason = "tool_calls" if deltas.num_calls else event.finish_reason
+                    last = self._chunk(None, finish_reason, is_first)
                     yield _sse(last | {"vericache": _vericache(event)})
                     if include_usage:
                         usage = {"usage": _usage(event), "vericache": _vericache(event)}
@@ -245,6 +281,44 @@ class _Reply:
                 _, body = error_of(exc, self.request_id, self.tenant)
                 yield _sse(body)
         yield "data: [DONE]\n\n"
+
+
+class _Deltas:
+    """A stream's text as chat deltas: content, and with a tool parser each call as one
+    `tool_calls` entry once its block has ended (past `max_calls`, calls are dropped)."""
+
+    def __init__(self, parser: ToolParser | None, max_calls: int | None):
+        self._calls = parser.stream() if parser is not None else None
+        self.max_calls = max_calls
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[dict]:
+        if self._calls is None:
+            return [{"content": text}] if text else []
+        return self._deltas(self._calls.feed(text))
+
+    def finish(self) -> list[dict]:
+        return self._deltas(self._calls.finish()) if self._calls is not None else []
+
+    def _deltas(self, pieces: list[Piece]) -> list[dict]:
+        deltas = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                deltas.append({"content": piece})
+            elif self.max_calls is None or self.num_calls < self.max_calls:
+                deltas.append({"tool_calls": [_call_json(piece) | {"index": self.num_calls}]})
+                self.num_calls += 1
+        return deltas
+
+
+def _with_calls(parsed: ParsedOutput, calls) -> dict:
+    content = parsed.content or None
+    return {"role": "assistant", "content": content, "tool_calls": [_call_json(c) for c in calls]}
+
+
+def _call_json(call) -> dict:
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 def _sse(payload: dict) -> str:

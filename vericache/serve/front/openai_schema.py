@@ -6,7 +6,9 @@ a 400 naming it, never silently ignored. Sampling fields follow vLLM's OpenAI se
 `temperature`, `top_p`, `seed`, `presence_penalty`, and vLLM's extras `top_k`, `min_p`,
 `repetition_penalty`, with VeriCache's `coupling`. VeriCache's own options ride in a `vericache`
 object (`{"mode", "draft_len", "prefix_id", "compressor", "ratio" | "bits", "timeout_s"}`), which
-the openai client sends with `extra_body`.
+the openai client sends with `extra_body`. Chat takes OpenAI's function tools (`tools`,
+`tool_choice` "none" or "auto", `parallel_tool_calls`), `tool` turns and assistant turns with
+`tool_calls` (tools.py renders them).
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from vericache.errors import InvalidRequestError
 from vericache.serve.api_types import (
     ChatTurn,
     CompressorChoice,
+    FunctionTool,
     GenerateCall,
     SamplingChoice,
     ServeMode,
+    ToolCall,
 )
+from vericache.serve.front.tools import check_tools, json_object
 
 # OpenAI's default, as vLLM's server keeps it: a request that names no temperature samples.
 DEFAULT_TEMPERATURE = 1.0
@@ -119,16 +124,72 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionSpec(_Body):
+    # OpenAI's rule for a name, with dots, which BFCL's functions use (`math.factorial`).
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None  # accepted; the arguments are not constrained yet
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+    def tool(self) -> FunctionTool:
+        function = self.function
+        return FunctionTool(function.name, function.description, function.parameters)
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # a JSON object
+
+
+class ToolCallSpec(_Body):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+    def call(self) -> ToolCall:
+        if not isinstance(json_object(self.function.arguments), dict):
+            raise InvalidRequestError(
+                f"messages: the arguments of tool call {self.id!r} are not a JSON object"
+            )
+        return ToolCall(self.id, self.function.name, self.function.arguments)
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only calls tools
     name: str | None = None  # accepted, as OpenAI's API does; not used
+    tool_calls: list[ToolCallSpec] | None = None  # an assistant turn's
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
 
     def turn(self) -> ChatTurn:
         content = self.content
-        if not isinstance(content, str):
+        if content is None:
+            if self.role != "assistant" or not self.tool_calls:
+                raise InvalidRequestError(f"messages: a {self.role} turn needs content")
+            content = ""
+        elif not isinstance(content, str):
             content = "".join(part.text for part in content)
-        return ChatTurn("system" if self.role == "developer" else self.role, content)
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidRequestError("messages: only an assistant turn carries tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise InvalidRequestError("messages: a tool turn, and only one, has a tool_call_id")
+        calls = tuple(call.call() for call in self.tool_calls or ())
+        role = "system" if self.role == "developer" else self.role
+        return ChatTurn(role, content, calls, self.tool_call_id)
 
 
 class ChatCompletionRequest(_GenerateBody):
@@ -136,8 +197,31 @@ class ChatCompletionRequest(_GenerateBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[ToolSpec] | None = None
+    # "required" and a named function need the arguments constrained by their schema.
+    tool_choice: Literal["none", "auto"] | NamedToolChoice | Literal["required"] | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the output is read for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def generate_call(self) -> GenerateCall:
         max_tokens = self.max_completion_tokens or self.max_tokens
         messages = tuple(message.turn() for message in self.messages)
-        return self._call(max_tokens, prompt="", messages=messages)
+        tools = tuple(spec.tool() for spec in self.tools or ())
+        self._check_tool_choice(tools)
+        return self._call(max_tokens, prompt="", messages=messages, tools=tools)
+
+    def _check_tool_choice(self, tools: tuple[FunctionTool, ...]) -> None:
+        choice = self.tool_choice
+        if choice is not None and not tools:
+            raise InvalidRequestError("tool_choice: it needs tools")
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        check_tools(tools, named)
+        if named is not None or choice == "required":
+            raise InvalidRequestError(
+                "tool_choice: 'required' and a named function need constrained decoding, which "
+                "this server does not offer yet; use 'auto' or 'none'"
+            )

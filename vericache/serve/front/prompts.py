@@ -10,12 +10,14 @@ longer than that many times the token limit has too many tokens whatever they ar
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 from vericache.engine.prompt import PromptIds, build_chat_prompt, build_conversation
 from vericache.errors import InvalidRequestError
-from vericache.serve.api_types import ChatTurn, GenerateCall
+from vericache.serve.api_types import ChatTurn, FunctionTool, GenerateCall
 from vericache.serve.front.auth import TenantLimitError
+from vericache.serve.front.tools import conversation_turns
 from vericache.serve.store.catalog import PrefixRecord
 from vericache.serve.workers.worker_api import ModelInfo
 
@@ -58,8 +60,9 @@ class Prompts:
         record's, or a conversation's system turn."""
         if call.messages:
             text = "".join(turn.content for turn in call.messages)
+            text += "".join(json.dumps(tool.as_openai()) for tool in call.tools)
             build = self._conversation_ids
-            what = call.messages
+            what = (call.messages, call.tools)
         else:
             if not call.prompt:
                 raise InvalidRequestError("the prompt is empty")
@@ -112,14 +115,28 @@ class Prompts:
         ids = (*prefix, *tokenizer.encode(text, add_special_tokens=not prefix))
         return PromptIds(ids, len(prefix))
 
+    def system_text(self, call: GenerateCall) -> str | None:
+        """The text of a conversation's system turn as rendered (the default format's tool
+        catalogue in it): what registers as its prefix. None without one, or where the chat
+        template renders tools beside it, so that its tokens are not its text's alone."""
+        if not call.messages or self.tokenizer is None:
+            return None
+        turns, schemas = conversation_turns(self.tokenizer, call.messages, call.tools)
+        if schemas or turns[0]["role"] != "system":
+            return None
+        return turns[0]["content"]
+
     @staticmethod
     def _conversation_ids(
-        tokenizer, record: PrefixRecord | None, messages: tuple[ChatTurn, ...]
+        tokenizer,
+        record: PrefixRecord | None,
+        conversation: tuple[tuple[ChatTurn, ...], tuple[FunctionTool, ...]],
     ) -> PromptIds:
+        messages, tools = conversation
         if messages[-1].role == "assistant":
-            raise InvalidRequestError("the conversation must end with a user or system turn")
-        turns = [{"role": turn.role, "content": turn.content} for turn in messages]
-        prompt = build_conversation(tokenizer, turns)
+            raise InvalidRequestError("the conversation must end with a user, system or tool turn")
+        turns, schemas = conversation_turns(tokenizer, messages, tools)
+        prompt = build_conversation(tokenizer, turns, schemas)
         prefix = prompt.token_ids[: prompt.num_prefix_tokens]
         if record is not None and (not record.chat or prefix != record.token_ids):
             raise InvalidRequestError(
