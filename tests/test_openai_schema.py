@@ -65,7 +65,7 @@ def test_a_completion_body_continues_its_text_and_takes_one_stop_string():
     "change",
     [
         {"max_tokens": "5"},  # strict: no coercion of strings
-        {"n": 2},
+        {"n": 0},
         {"top_p": 0},
         {"temperature": -1},
         {"coupling": "greedy"},
@@ -83,3 +83,13 @@ def test_a_strength_without_its_compressor_is_refused():
     body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "vericache": {"bits": 4}})
     with pytest.raises(InvalidRequestError, match="need a compressor"):
         body.generate_call()
+
+
+def test_each_choice_is_a_call_seeded_after_the_one_before():
+    body = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "n": 3, "seed": 2**64 - 2, "temperature": 0.5}
+    )
+    seeds = [call.sampling.seed for call in body.generate_calls()]
+    assert seeds == [2**64 - 2, 2**64 - 1, 0]
+    unseeded = CompletionRequest.model_validate({"model": "m", "prompt": "x", "n": 2})
+    assert [call.sampling.seed for call in unseeded.generate_calls()] == [None, None]

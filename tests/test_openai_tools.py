@@ -13,6 +13,7 @@ import pytest
 from vericache.engine.prompt import build_conversation
 from vericache.errors import InvalidRequestError
 from vericache.serve.api_types import ChatTurn, FunctionTool, GenerateSummary, OutputChunk, ToolCall
+from vericache.serve.config import CoordinatorConfig
 from vericache.serve.front.openai_schema import ChatCompletionRequest
 from vericache.serve.front.tools import (
     HermesToolParser,
@@ -251,6 +252,7 @@ class _ScriptedCoordinator:
 
     output: str
     tokenizer: object = field(default_factory=_NoTemplate)
+    config: CoordinatorConfig = field(default_factory=CoordinatorConfig)
 
     async def generate(self, call, tenant, request_id):
         for start in range(0, len(self.output), 7):
@@ -329,3 +331,30 @@ def test_tool_choice_none_and_text_replies_stay_text(oai_over):
     assert kept.finish_reason == "stop"
     text = _ask(oai_over("It is sunny.")).choices[0]
     assert text.message.content == "It is sunny." and text.finish_reason == "stop"
+
+
+def test_n_choices_come_whole_and_interleaved_in_the_stream_each_with_its_index(oai_over):
+    client = oai_over("It is sunny.")
+    whole = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather?"}], n=3
+    )
+    assert [(c.index, c.message.content) for c in whole.choices] == [
+        (i, "It is sunny.") for i in range(3)
+    ]
+    assert whole.usage.completion_tokens == 3 * len("It is sunny.")
+    assert whole.usage.prompt_tokens == 3  # the prompt once
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Weather?"}],
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+    )
+    texts = {i: "" for i in range(3)}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {i: "It is sunny." for i in range(3)}
+    assert chunks[-1].usage == whole.usage

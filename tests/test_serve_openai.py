@@ -180,6 +180,36 @@ def test_a_conversation_with_tools_decodes_as_full_local_does(oai, grpc_client, 
         reply("full_local")  # without the tools the system turn is another text
 
 
+def test_n_choices_are_the_requests_seeded_one_after_another(oai, prefix_id):
+    options = {
+        "model": MODEL, "messages": _messages(), "max_tokens": 12, "temperature": 0.8,
+        "extra_body": {"vericache": {"prefix_id": prefix_id, "draft_len": 4},
+                       "return_token_ids": True},
+    }  # fmt: skip
+    reply = oai.chat.completions.create(**options, n=3, seed=9)
+    alone = [oai.chat.completions.create(**options, seed=9 + i).choices[0] for i in range(3)]
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for i, (choice, single) in enumerate(zip(reply.choices, alone)):
+        assert choice.model_extra["token_ids"] == single.model_extra["token_ids"]
+        assert choice.model_extra["vericache"]["seed"] == 9 + i
+    assert reply.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in alone)
+    chunks = list(
+        oai.chat.completions.create(
+            **options, n=3, seed=9, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed = {i: "" for i in range(3)}
+    finished = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.append(choice.index)
+    assert sorted(finished) == [0, 1, 2]
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in reply.choices]
+    assert chunks[-1].usage == reply.usage
+
+
 def test_streamed_chat_gives_the_same_text_and_its_usage_last(oai, prefix_id):
     options = {
         "model": MODEL, "messages": _messages(), "max_tokens": 24, "temperature": 0.8, "seed": 9,
@@ -304,7 +334,7 @@ def test_server_sent_events_are_framed_as_openai_frames_them(base_url, prefix_id
          "temprature"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"},
          400, "max_tokens"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
         ({"model": MODEL, "messages": []}, 400, "messages"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400,
          "top_p"),

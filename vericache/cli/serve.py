@@ -138,6 +138,12 @@ def add_parser(commands) -> None:
         "/v1/models, /health, /metrics) on this port",
     )
     parser.add_argument(
+        "--max-n",
+        type=int,
+        default=16,
+        help="the most choices (`n`) one OpenAI-API request may ask for; each is a request",
+    )
+    parser.add_argument(
         "--auto-prefix-min-tokens",
         type=int,
         help="register a system turn of this many tokens or more by itself once a tenant has "
@@ -271,6 +277,7 @@ def coordinator_config(args) -> CoordinatorConfig:
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         max_output_tokens=args.max_output_tokens,
+        max_n=args.max_n,
         max_migrations=args.max_migrations,
         auto_prefix_min_tokens=args.auto_prefix_min_tokens,
         cost_profile=args.cost_profile,

@@ -122,6 +122,7 @@ class CoordinatorConfig:
     default_max_tokens: int = 256
     max_output_tokens: int = 4096  # a request asking for more is INVALID_ARGUMENT
     max_running: int = 16  # requests decoding at once
+    max_n: int = 16  # choices one OpenAI-API request may ask for (`n`), each a request
     max_waiting: int = 64  # requests queued beyond those; more are refused (RESOURCE_EXHAUSTED)
     # Waiting requests on a prefix resident on the workers go first (admission.py), but none
     # waits longer than this for requests that came after it.
@@ -157,7 +158,10 @@ class CoordinatorConfig:
                 f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}"
             )
         counts = (self.default_draft_len, self.max_draft_len, self.default_max_tokens)
-        if min(*counts, self.max_running, self.decode_chunk) < 1 or self.max_waiting < 0:
+        if (
+            min(*counts, self.max_running, self.max_n, self.decode_chunk) < 1
+            or self.max_waiting < 0
+        ):
             raise InvalidRequestError(f"coordinator settings out of range: {self}")
         if self.resident_first_max_skip_s < 0:
             raise InvalidRequestError(f"coordinator settings out of range: {self}")

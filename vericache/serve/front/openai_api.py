@@ -16,6 +16,9 @@ coordinator: what the openai client, LangChain, curl and load generators speak.
   else reads the request: a caller without a valid key hears 401 whatever its body holds.
 - `return_token_ids` (vLLM's field) adds each choice's output token ids (`token_ids`), whole or
   per chunk.
+- `n` choices (at most `--max-n`): each a Generate of its own over the same prompt, choice i
+  seeded with seed + i (without a seed each draws its own); they share the prefix and batch on
+  its worker like any requests (openai_reply.py interleaves their chunks).
 - Chat with `tools` (tool_choice "auto"): the output is read for calls by the parser the chat
   template asks for (tools.py), and answered as OpenAI does: `message.tool_calls` with ids and
   `finish_reason: "tool_calls"`; streamed, each call as one `delta.tool_calls` entry once its
@@ -28,8 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -39,8 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vericache.errors import DeadlineExceededError, WorkerUnavailableError
-from vericache.serve.api_types import GenerateSummary, OutputChunk
+from vericache.errors import DeadlineExceededError, InvalidRequestError, WorkerUnavailableError
 from vericache.serve.front.auth import Access, Tenant, UnauthenticatedError
 from vericache.serve.front.coordinator import Coordinator
 from vericache.serve.front.openai_errors import (
@@ -49,14 +49,9 @@ from vericache.serve.front.openai_errors import (
     error_of,
     handle_errors,
 )
+from vericache.serve.front.openai_reply import Reply, collect
 from vericache.serve.front.openai_schema import ChatCompletionRequest, CompletionRequest
-from vericache.serve.front.tools import (
-    ParsedOutput,
-    Piece,
-    ToolParser,
-    parse_output,
-    tool_parser_for,
-)
+from vericache.serve.front.tools import tool_parser_for
 
 
 class _Authenticated:
@@ -134,35 +129,40 @@ def openai_app(coordinator: Coordinator, access: Access, model_name: str) -> Fas
 
 
 async def _respond(coordinator, tenant: Tenant, body, request: Request, chat: bool) -> Response:
+    """Starts one Generate per choice (their first events awaited: a refusal answers with its
+    status, before any stream), then answers whole or streamed."""
     request_id = request.state.request_id  # given by _Authenticated
-    events = coordinator.generate(body.generate_call(), tenant, request_id)
+    max_n = coordinator.config.max_n
+    if body.n > max_n:
+        raise InvalidRequestError(f"n: at most {max_n} choices a request on this server")
+    calls = body.generate_calls()
+    ids = [request_id] if len(calls) == 1 else [f"{request_id}-{i}" for i in range(len(calls))]
+    streams = [coordinator.generate(call, tenant, id_) for call, id_ in zip(calls, ids)]
     if body.timeout_s is not None:
-        events = _within(events, body.timeout_s)
+        streams = [_within(events, body.timeout_s) for events in streams]
     state = request.app.state
-    reply = _Reply(request_id, tenant, state.model_name, chat, body.return_token_ids)
+    reply = Reply(request_id, tenant, state.model_name, chat, body.return_token_ids)
     if chat and body.parses_tool_calls:
         reply.read_tool_calls(state.tool_parser, body.parallel_tool_calls)
-    first = await _first_event(events)  # refusals answer with their status, before any stream
+    firsts = await _first_events(streams)
     if body.stream:
-        stream = reply.stream(first, events, body.include_usage)
+        stream = reply.stream(firsts, streams, body.include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")
-    async with contextlib.aclosing(events):
-        texts, token_ids, summary = [], [], first
-        async for event in _chain(first, events):
-            if isinstance(event, OutputChunk):
-                texts.append(event.text)
-                token_ids += event.token_ids
-            else:
-                summary = event
-    return JSONResponse(reply.whole("".join(texts), token_ids, summary))
+    outputs = await asyncio.gather(*(collect(f, s) for f, s in zip(firsts, streams)))
+    return JSONResponse(reply.whole(list(outputs)))
 
 
-async def _first_event(events: AsyncIterator):
+async def _first_events(streams: list[AsyncIterator]) -> list:
+    """Each stream's first event; if any refuses, every stream is closed and its error raised."""
     try:
-        return await anext(events)
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        failed = [event for event in firsts if isinstance(event, BaseException)]
+        if failed:
+            raise failed[0]
     except BaseException:
-        await events.aclose()
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
         raise
+    return firsts
 
 
 async def _within(events: AsyncIterator, timeout_s: float) -> AsyncIterator:
@@ -181,167 +181,6 @@ async def _within(events: AsyncIterator, timeout_s: float) -> AsyncIterator:
                     f"the request did not finish within its timeout_s of {timeout_s:g} s"
                 ) from None
             yield event
-
-
-async def _chain(first, events: AsyncIterator) -> AsyncIterator:
-    yield first
-    async for event in events:
-        yield event
-
-
-class _Reply:
-    """The response bodies of one request, OpenAI's shapes for completions or chat."""
-
-    def __init__(
-        self, request_id: str, tenant: Tenant, model: str, chat: bool, with_token_ids: bool = False
-    ):
-        self.request_id = request_id
-        self.tenant = tenant  # for the log line of an error in the stream
-        self.with_token_ids = with_token_ids
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
-        self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-        self.model = model
-        self.chat = chat
-        self.created = int(time.time())
-        self.tool_parser: ToolParser | None = None  # chat with tools: the output read for calls
-        self.max_calls: int | None = None  # None: every call (parallel tool calls)
-
-    def read_tool_calls(self, parser: ToolParser, parallel: bool) -> None:
-        self.tool_parser = parser
-        self.max_calls = None if parallel else 1
-
-    def _base(self, kind: str) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def whole(self, text: str, token_ids: list[int], summary: GenerateSummary) -> dict:
-        finish_reason = summary.finish_reason
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            if self.tool_parser is not None:
-                parsed = parse_output(self.tool_parser, text)
-                calls = parsed.calls[: self.max_calls]
-                if calls:
-                    message = _with_calls(parsed, calls)
-                    finish_reason = "tool_calls"
-            choice = {"index": 0, "message": message}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = finish_reason
-        if self.with_token_ids:
-            choice["token_ids"] = token_ids
-        kind = "chat.completion" if self.chat else "text_completion"
-        return self._base(kind) | {
-            "choices": [choice], "usage": _usage(summary), "vericache": _vericache(summary),
-        }  # fmt: skip
-
-    def _chunk(
-        self, delta: dict | None, finish_reason: str | None, first: bool, token_ids=()
-    ) -> dict:
-        """A chunk with a chat `delta` (content or tool calls), or a completion's text."""
-        if self.chat:
-            choice = {"index": 0, "delta": ({"role": "assistant"} if first else {}) | (delta or {})}
-        else:
-            choice = {"index": 0, "text": (delta or {}).get("content", ""), "logprobs": None}
-        choice["finish_reason"] = finish_reason
-        if self.with_token_ids:
-            choice["token_ids"] = list(token_ids)
-        return self._base(self.chunk_kind) | {"choices": [choice]}
-
-    async def stream(self, first, events: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events; closed early (the client went away), it closes `events`, which
-        stops the request. An error after the stream began comes as an `error` event."""
-        deltas = _Deltas(self.tool_parser, self.max_calls)
-        is_first = True
-        async with contextlib.aclosing(events):
-            try:
-                async for event in _chain(first, events):
-                    if isinstance(event, OutputChunk):
-                        pieces = deltas.feed(event.text)
-                        # Text held back still carries its tokens, where they are asked for.
-                        if not pieces and (is_first or (self.with_token_ids and event.token_ids)):
-                            pieces = [{"content": event.text}]
-                        token_ids = event.token_ids
-                        for delta in pieces:
-                            yield _sse(self._chunk(delta, None, is_first, token_ids))
-                            is_first, token_ids = False, ()
-                        continue
-                    for delta in deltas.finish():
-                        yield _sse(self._chunk(delta, None, is_first))
-                        is_first = False
-                    # The last chunk with a choice carries the vericache block, usage or not.
-                    finish_reason = "tool_calls" if deltas.num_calls else event.finish_reason
-                    last = self._chunk(None, finish_reason, is_first)
-                    yield _sse(last | {"vericache": _vericache(event)})
-                    if include_usage:
-                        usage = {"usage": _usage(event), "vericache": _vericache(event)}
-                        yield _sse(self._base(self.chunk_kind) | {"choices": []} | usage)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the status line is sent: tell it in the stream
-                _, body = error_of(exc, self.request_id, self.tenant)
-                yield _sse(body)
-        yield "data: [DONE]\n\n"
-
-
-class _Deltas:
-    """A stream's text as chat deltas: content, and with a tool parser each call as one
-    `tool_calls` entry once its block has ended (past `max_calls`, calls are dropped)."""
-
-    def __init__(self, parser: ToolParser | None, max_calls: int | None):
-        self._calls = parser.stream() if parser is not None else None
-        self.max_calls = max_calls
-        self.num_calls = 0
-
-    def feed(self, text: str) -> list[dict]:
-        if self._calls is None:
-            return [{"content": text}] if text else []
-        return self._deltas(self._calls.feed(text))
-
-    def finish(self) -> list[dict]:
-        return self._deltas(self._calls.finish()) if self._calls is not None else []
-
-    def _deltas(self, pieces: list[Piece]) -> list[dict]:
-        deltas = []
-        for piece in pieces:
-            if isinstance(piece, str):
-                deltas.append({"content": piece})
-            elif self.max_calls is None or self.num_calls < self.max_calls:
-                deltas.append({"tool_calls": [_call_json(piece) | {"index": self.num_calls}]})
-                self.num_calls += 1
-        return deltas
-
-
-def _with_calls(parsed: ParsedOutput, calls) -> dict:
-    content = parsed.content or None
-    return {"role": "assistant", "content": content, "tool_calls": [_call_json(c) for c in calls]}
-
-
-def _call_json(call) -> dict:
-    function = {"name": call.name, "arguments": call.arguments}
-    return {"id": call.id, "type": "function", "function": function}
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def _usage(summary: GenerateSummary) -> dict:
-    return {
-        "prompt_tokens": summary.prompt_tokens,
-        "completion_tokens": summary.num_tokens,
-        "total_tokens": summary.prompt_tokens + summary.num_tokens,
-        "prompt_tokens_details": {"cached_tokens": summary.cached_tokens},
-    }
-
-
-def _vericache(summary: GenerateSummary) -> dict:
-    return {
-        "rounds": summary.rounds,
-        "mean_accepted_per_round": summary.mean_accepted_per_round,
-        "accepted_per_round": list(summary.accepted_per_round),
-        "link_bytes": summary.link_bytes,
-        "seed": summary.seed,
-    }
 
 
 class HttpServer:

@@ -13,6 +13,7 @@ the openai client sends with `extra_body`. Chat takes OpenAI's function tools (`
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -65,7 +66,9 @@ class _GenerateBody(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    n: Literal[1] = 1  # one choice per request
+    # Choices, each a request of its own over the same prompt (at most the server's --max-n):
+    # with a seed, choice i samples with seed + i; without, each draws its own and reports it.
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
@@ -88,6 +91,17 @@ class _GenerateBody(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def generate_calls(self) -> list[GenerateCall]:
+        """One call per choice."""
+        call = self.generate_call()
+        seed = call.sampling.seed
+        if seed is None:
+            return [call] * self.n
+        return [
+            replace(call, sampling=replace(call.sampling, seed=(seed + i) % 2**64))
+            for i in range(self.n)
+        ]
 
     def _call(self, max_tokens: int | None, **prompt) -> GenerateCall:
         options = self.vericache or VeriCacheOptions()
