@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vericache.engine.constraint import TokenConstraint
 from vericache.engine.sampling import SequenceSampler
 from vericache.kv.cache import KVCache
 from vericache.model.runner import ModelRunner, SequenceInput
@@ -39,6 +40,10 @@ class Job:
     after_step: Callable[[], None] | None = None  # e.g. an online compressor's update
     sampler: SequenceSampler | None = None  # None: greedy choices
     keeps_distributions: bool = False  # keep what each sampled row was drawn from (rejection)
+    # A constrained sequence's grammar (constraint.py), and the tokens after its committed output
+    # that come before this job's first row (a draft step's earlier drafts).
+    constraint: TokenConstraint | None = None
+    constrained_after: list[int] = field(default_factory=list)
     distributions: list[torch.Tensor] = field(default_factory=list)  # per step [n, V]
     choices: list[int] = field(default_factory=list)
     steps: int = 0
@@ -54,6 +59,14 @@ class Job:
         ids = torch.tensor(self.feed, dtype=torch.long)
         num_logits = self.num_logits if self.steps == 0 else 1
         return SequenceInput(ids, cache, num_logits, observe, fast_attention=not self.is_full_kv)
+
+    def allowed(self, rows: torch.Tensor) -> torch.Tensor:
+        """Its logits rows [n, V], with what its grammar forbids at -inf (if it has one)."""
+        if self.constraint is None:
+            return rows
+        fed_after_first_row = self.feed[len(self.feed) - rows.shape[0] + 1 :]
+        path = [*self.constrained_after, *self.choices]
+        return self.constraint.restrict(rows, path, fed_after_first_row)
 
     def choose(self, rows: torch.Tensor) -> list[int]:
         """This step's tokens from its logits rows [n, V] (a sampling job's; greedy ones are
@@ -79,6 +92,7 @@ class Job:
 def choose(jobs: list[Job], logits: list[torch.Tensor]) -> list[list[int]]:
     """Each job's tokens from its logits: sampled where it samples, greedy (in one batch) where
     not."""
+    logits = [job.allowed(rows) for job, rows in zip(jobs, logits)]
     greedy_rows = [rows for job, rows in zip(jobs, logits) if job.sampler is None]
     greedy_chosen = iter(greedy(greedy_rows) if greedy_rows else [])
     return [

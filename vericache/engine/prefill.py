@@ -16,6 +16,7 @@ import torch
 
 from vericache.compress.base import Compressor
 from vericache.compress.context import ModelContext
+from vericache.engine.constraint import TokenConstraint
 from vericache.engine.device_memory import full_kv_capacity
 from vericache.engine.engine_config import DraftKVSource, EngineConfig
 from vericache.engine.forward_loop import greedy
@@ -84,7 +85,14 @@ class SequenceStarter:
         seq = Sequence.start(
             request, self.model_config.eos_token_ids, max_positions, self.prefiller.tokenizer
         )
+        if request.constraint is not None:
+            end_ids = frozenset(seq.stop_checker.end_ids)
+            seq.constraint = TokenConstraint.build(
+                request.constraint, self.prefiller.tokenizer, vocab_size, end_ids
+            )
         logits = self._prefill(seq)[-1:]
+        if seq.constraint is not None:
+            logits = seq.constraint.restrict(logits, (), ())
         sampler = seq.sampler()
         (first,) = greedy([logits]) if sampler is None else [sampler.sample(logits)]
         seq.stats.prefill_s = time.perf_counter() - seq.started_at

@@ -95,6 +95,25 @@ class SamplingParams:
 
 
 COUPLINGS = ("seeded", "rejection")
+CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex")
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """A grammar the output must follow (engine/constraint.py): a JSON schema (its JSON text),
+    any JSON object, a Lark grammar or a regular expression."""
+
+    kind: str  # one of CONSTRAINT_KINDS
+    spec: str = ""  # the schema, grammar or expression; "" for json_object
+
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:
+            kinds = ", ".join(CONSTRAINT_KINDS)
+            raise InvalidRequestError(
+                f"a constraint's kind must be one of {kinds}, got {self.kind!r}"
+            )
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(f"a {self.kind} constraint needs its {self.kind}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +135,8 @@ class Request:
     # be accepted. The round commits what it would have drafting on; the drafts it saves are the
     # ones verification would reject. Every round is still verified, so output stays exact.
     expected_ids: tuple[int, ...] | None = None
+    # A grammar every output token is chosen under, in every mode (engine/constraint.py).
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))  # hashable, immutable

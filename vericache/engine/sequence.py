@@ -63,6 +63,9 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     seed: int | None = None  # the sampling seed: the request's, or one drawn for it
     started_at: float = field(default_factory=time.perf_counter)
+    # The grammar state of a constrained request (engine/constraint.py's TokenConstraint: opaque
+    # here, as the simulator runs this module without torch); it consumes every committed token.
+    constraint: object | None = None
 
     @classmethod
     def start(
@@ -189,6 +192,8 @@ class Sequence:
                 break
             self.token_ids.append(token)
             appended.append(token)
+            if self.constraint is not None:
+                self.constraint.commit((token,))
             self.stats.num_output_tokens += 1
             reason = self.stop_checker.finish_reason(self.output_ids, len(self.token_ids))
             if reason is not None:

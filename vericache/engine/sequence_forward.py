@@ -41,6 +41,8 @@ class SequenceForward:
                 seq.compressed_input(),
                 sampler=seq.sampler(seq.draft_ids),
                 keeps_distributions=seq.is_rejection_coupled,
+                constraint=seq.constraint,
+                constrained_after=list(seq.draft_ids),
             )
             for seq in compressed_batch
         ]
@@ -52,6 +54,7 @@ class SequenceForward:
                 is_full_kv=True,
                 sampler=seq.sampler(),
                 keeps_distributions=seq.is_rejection_coupled,
+                constraint=seq.constraint,
             )
             for seq in full_batch
         ]

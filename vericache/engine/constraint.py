@@ -1,0 +1,141 @@
+"""Constrained decoding: a grammar over a request's output (`OutputConstraint`: a JSON schema, any
+JSON object, a Lark grammar or a regular expression), compiled by llguidance, as a mask over the
+vocabulary at each position.
+
+Every choice of a constrained sequence is made under the mask of the grammar's state after the
+tokens before it: a full decode step's after the committed output, a draft step's after the
+output and the round's drafts so far, and each position of a verification after the output and
+the drafts before that position. The verifier's choice at a position is then the one full
+decoding makes after the same tokens, so the output under a constraint is constrained full-KV
+decoding's, token for token, under greedy and seeded sampling alike; under rejection coupling the
+draft and verifier distributions are both masked. Drafts never leave the grammar: they are chosen
+under its masks too. Where the grammar admits no token (it is exhausted and forbids even the end),
+the mask admits the end tokens alone: the output stops, with a logged warning, and never takes a
+forbidden token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vericache.engine.request import OutputConstraint
+from vericache.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+_TOKENIZERS: dict[int, object] = {}  # id(tokenizer) -> its llguidance tokenizer (about 0.5 s each)
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def _llguidance_tokenizer(tokenizer, vocab_size: int):
+    import llguidance.hf
+
+    with _TOKENIZERS_LOCK:
+        built = _TOKENIZERS.get(id(tokenizer))
+        if built is None:
+            built = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+            _TOKENIZERS[id(tokenizer)] = built
+        return built
+
+
+def grammar_of(constraint: OutputConstraint) -> str:
+    """The llguidance grammar of a constraint, checked: a bad one is an InvalidRequestError
+    naming what is wrong."""
+    from llguidance import LLMatcher
+
+    try:
+        if constraint.kind == "json_schema":
+            schema = json.loads(constraint.spec)
+            if not isinstance(schema, dict):
+                raise ValueError("a schema is a JSON object")
+            grammar = LLMatcher.grammar_from_json_schema(schema)
+        elif constraint.kind == "json_object":
+            grammar = LLMatcher.grammar_from_json_schema({"type": "object"})
+        elif constraint.kind == "lark":
+            grammar = LLMatcher.grammar_from_lark(constraint.spec)
+        else:
+            grammar = LLMatcher.grammar_from_regex(constraint.spec)
+    except ValueError as exc:  # json.JSONDecodeError among them
+        raise InvalidRequestError(f"the {constraint.kind} is not valid: {exc}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidRequestError(f"the {constraint.kind} cannot be compiled: {error}")
+    return grammar
+
+
+class TokenConstraint:
+    """One sequence's grammar state: the committed output consumed, masks computed ahead of it."""
+
+    def __init__(self, matcher, vocab_size: int, end_ids: frozenset[int]):
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._end_only = torch.zeros(vocab_size, dtype=torch.bool)
+        self._end_only[[t for t in end_ids if t < vocab_size]] = True
+
+    @classmethod
+    def build(
+        cls, constraint: OutputConstraint, tokenizer, vocab_size: int, end_ids: frozenset[int]
+    ) -> TokenConstraint:
+        from llguidance import LLMatcher
+
+        if tokenizer is None:
+            raise InvalidRequestError("a constrained output needs the model's tokenizer")
+        grammar = grammar_of(constraint)
+        matcher = LLMatcher(_llguidance_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(
+                f"the {constraint.kind} cannot be used: {matcher.get_error()}"
+            )
+        return cls(matcher, vocab_size, end_ids)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Consumes committed output tokens (each chosen under its mask)."""
+        matcher, tokens = self._matcher, list(tokens)
+        num_valid = matcher.validate_tokens(tokens)
+        if num_valid < len(tokens):
+            log.warning("a committed token leaves the output's grammar: the output ends there")
+        matcher.consume_tokens(tokens[:num_valid])
+
+    def masks(self, path: Sequence[int], row_tokens: Sequence[int], num_rows: int) -> torch.Tensor:
+        """[num_rows, V] the tokens allowed at each of a forward's rows: row 0 after the committed
+        output and `path` (a draft's earlier drafts), row i after `row_tokens[:i]` too (the
+        drafts a verification feeds). Rows past a token the grammar forbids (which no masked
+        choice makes) get the mask before it: they cannot be accepted."""
+        matcher = self._matcher
+        ahead = [*path, *row_tokens[: num_rows - 1]]
+        num_valid = matcher.validate_tokens(ahead)
+        consumed = 0
+        rows = []
+        try:
+            for i in range(num_rows):
+                reachable = len(path) + i
+                if reachable <= num_valid and consumed < reachable:
+                    matcher.consume_tokens(ahead[consumed:reachable])
+                    consumed = reachable
+                rows.append(self._mask())
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
+        return torch.stack(rows)
+
+    def _mask(self) -> torch.Tensor:
+        matcher = self._matcher
+        if matcher.is_error():
+            return self._end_only
+        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(words, bitorder="little")[: self.vocab_size].astype(bool)
+        if not allowed.any():
+            log.warning("the output's grammar admits no token: the output ends")
+            return self._end_only
+        return torch.from_numpy(allowed)
+
+    def restrict(self, rows: torch.Tensor, path: Sequence[int], row_tokens: Sequence[int]):
+        """`rows` [n, V] of logits with the forbidden tokens at -inf."""
+        masks = self.masks(path, row_tokens, rows.shape[0]).to(rows.device)
+        return rows.masked_fill(~masks, float("-inf"))
