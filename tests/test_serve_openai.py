@@ -210,6 +210,57 @@ def test_n_choices_are_the_requests_seeded_one_after_another(oai, prefix_id):
     assert chunks[-1].usage == reply.usage
 
 
+FORECAST = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 4}])
+def test_a_json_schema_reply_is_constrained_full_decodings_in_every_mode(oai, prefix_id, sampling):
+    response_format = {
+        "type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST},
+    }  # fmt: skip
+
+    def reply(mode: str | None, stream: bool = False):
+        options = {"prefix_id": prefix_id, "draft_len": 4} | ({"mode": mode} if mode else {})
+        return oai.chat.completions.create(
+            model=MODEL, messages=_messages("The forecast as JSON."), max_tokens=40,
+            response_format=response_format, stream=stream, **sampling,
+            extra_body={"vericache": options, "return_token_ids": True},
+        )  # fmt: skip
+
+    reference = reply("full_local").choices[0]
+    for mode in ("vericache", "full_remote", None):  # None: the server's auto
+        served = reply(mode).choices[0]
+        assert served.model_extra["token_ids"] == reference.model_extra["token_ids"], mode
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in reply("vericache", True) if c.choices
+    )
+    assert streamed == reference.message.content
+    if reference.finish_reason == "stop":  # the document ended before the budget
+        value = json.loads(reference.message.content)
+        assert set(value) == {"city", "days"} and 1 <= value["days"] <= 9
+    else:
+        assert reference.message.content.startswith("{")
+    lossy = reply("lossy").choices[0]  # lossy too is held to the grammar
+    assert lossy.message.content.startswith("{")
+
+
+def test_a_schema_that_does_not_compile_is_a_400(oai, prefix_id):
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectx"}}}
+    with pytest.raises(openai.BadRequestError, match="objectx"):
+        oai.chat.completions.create(
+            model=MODEL, messages=_messages(), max_tokens=4, response_format=bad,
+            extra_body={"vericache": {"prefix_id": prefix_id}},
+        )  # fmt: skip
+
+
 def test_streamed_chat_gives_the_same_text_and_its_usage_last(oai, prefix_id):
     options = {
         "model": MODEL, "messages": _messages(), "max_tokens": 24, "temperature": 0.8, "seed": 9,

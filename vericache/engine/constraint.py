@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from vericache.engine.request import OutputConstraint
+from vericache.engine.request import GrammarState, OutputConstraint
 from vericache.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class TokenConstraint:
     def __init__(self, matcher, vocab_size: int, end_ids: frozenset[int]):
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.output: list[int] = []  # the committed output consumed
         self._end_only = torch.zeros(vocab_size, dtype=torch.bool)
         self._end_only[[t for t in end_ids if t < vocab_size]] = True
 
@@ -101,6 +102,16 @@ class TokenConstraint:
         if num_valid < len(tokens):
             log.warning("a committed token leaves the output's grammar: the output ends there")
         matcher.consume_tokens(tokens[:num_valid])
+        self.output += tokens
+
+    def follow(self, output: Sequence[int]) -> None:
+        """Brings the state to `output` (a worker's, from each call): the tokens committed since
+        the last call consumed; another output (a request gone on elsewhere) from the start."""
+        done = len(self.output)
+        if tuple(output[:done]) != tuple(self.output):
+            self._matcher.reset()
+            self.output, done = [], 0
+        self.commit(output[done:])
 
     def masks(self, path: Sequence[int], row_tokens: Sequence[int], num_rows: int) -> torch.Tensor:
         """[num_rows, V] the tokens allowed at each of a forward's rows: row 0 after the committed
@@ -139,3 +150,34 @@ class TokenConstraint:
         """`rows` [n, V] of logits with the forbidden tokens at -inf."""
         masks = self.masks(path, row_tokens, rows.shape[0]).to(rows.device)
         return rows.masked_fill(~masks, float("-inf"))
+
+
+class SessionGrammars:
+    """A worker's grammar state per constrained session, built at its first call and following
+    the output each call carries; dropped with the session."""
+
+    def __init__(self, tokenizer, vocab_size: int, end_ids: Iterable[int]):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._end_ids = frozenset(end_ids)
+        self._held: dict[str, tuple[OutputConstraint, TokenConstraint]] = {}
+        self._lock = threading.Lock()
+
+    def constraint(self, session_id: str, state: GrammarState | None) -> TokenConstraint | None:
+        if state is None:
+            return None
+        with self._lock:
+            held = self._held.get(session_id)
+        if held is None or held[0] != state.constraint:
+            built = TokenConstraint.build(
+                state.constraint, self._tokenizer, self._vocab_size, self._end_ids
+            )
+            held = (state.constraint, built)
+            with self._lock:
+                self._held[session_id] = held
+        held[1].follow(state.output)
+        return held[1]
+
+    def drop(self, session_id: str) -> None:
+        with self._lock:
+            self._held.pop(session_id, None)

@@ -117,6 +117,15 @@ class OutputConstraint:
 
 
 @dataclass(frozen=True)
+class GrammarState:
+    """What a worker call needs to choose under a request's constraint: the grammar, and the
+    output committed so far (the worker's grammar state follows it, engine/constraint.py)."""
+
+    constraint: OutputConstraint
+    output: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Request:
     prompt_ids: tuple[int, ...]
     # The first num_prefix_tokens of the prompt form the shared prefix (the context): only they

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from vericache.engine.request import DecodeMode
+from vericache.engine.request import DecodeMode, OutputConstraint
 
 
 class ServeMode(str, enum.Enum):
@@ -149,6 +149,9 @@ class GenerateCall:
     # with it; without one, only the tenant's prefixes registered with it match, and a system
     # turn that registers itself uses it. None: any prefix; the server's compressor.
     compressor: CompressorChoice | None = None
+    # A grammar every output token is chosen under (engine/constraint.py), in every mode: the
+    # output is constrained full-KV decoding's. None: free text.
+    constraint: OutputConstraint | None = None
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,9 @@ async def go_local(
     (its session, and its count of the request); None where the node's tier no longer holds
     the prefix, which changes nothing."""
     call = OpenLocal(
-        served.session_id, served.history, exact, served.opening_sampler, needs_first_token
-    )
+        served.session_id, served.history, exact, served.opening_sampler, needs_first_token,
+        served.grammar,
+    )  # fmt: skip
     local = await drafter.open_local(call)
     if not local.is_local:
         return None
@@ -63,8 +64,9 @@ async def local_rounds(served: ServedRequest, drafter: DrafterAPI) -> AsyncItera
         served.num_round_calls += 1
         served.num_local_rounds += 1
         call = LocalRoundCall(
-            served.session_id, served.pending, num_drafts, served.end_ids, seq.sampler()
-        )
+            served.session_id, served.pending, num_drafts, served.end_ids, seq.sampler(),
+            served.grammar,
+        )  # fmt: skip
         done = await drafter.local_round(call)
         seq.draft_ids = list(done.drafts)
         yield served.finish_round(done)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vericache.engine.device_memory import full_kv_capacity
-from vericache.engine.request import Request
+from vericache.engine.request import GrammarState, Request
 from vericache.engine.sampling import SequenceSampler
 from vericache.engine.sequence import Sequence
 from vericache.scheduler.path_choice import ServingPath
@@ -115,6 +115,14 @@ class ServedRequest:
         if sampler is None or not seq.output_ids:
             return sampler
         return dataclasses.replace(sampler, history=sampler.history[:-1])
+
+    @property
+    def grammar(self) -> GrammarState | None:
+        """What a worker call needs to choose under the request's constraint, if it has one."""
+        constraint = self.plan.request.constraint
+        if constraint is None:
+            return None
+        return GrammarState(constraint, tuple(self.seq.output_ids))
 
     @property
     def is_resumed(self) -> bool:
@@ -227,7 +235,7 @@ async def _open_verifier(
 ) -> VerifierOpened:
     call = OpenVerifier(
         served.session_id, served.history, served.plan.prefix_id, served.capacity, for_drafter,
-        served.opening_sampler,
+        served.opening_sampler, grammar=served.grammar,
     )  # fmt: skip
     opened = await verifier.open(call)
     served.add(opened.traffic)
@@ -249,7 +257,7 @@ async def _open_drafter(
     call = OpenDrafter(
         served.session_id, role, address, served.plan.prefix_id, served.history,
         request.num_prefix_tokens, served.capacity, sampler=served.opening_sampler,
-        warms_host_tier=warms,
+        warms_host_tier=warms, grammar=served.grammar,
     )  # fmt: skip
     opened = await drafter.open(call)
     served.add(opened.traffic)
@@ -269,8 +277,9 @@ async def _alone(served: ServedRequest, worker, opening) -> AsyncIterator[list[i
     while not seq.is_finished:
         num_tokens = seq.decode_target(served.plan.decode_chunk)
         call = DecodeCall(
-            served.session_id, served.pending, num_tokens, served.end_ids, seq.sampler()
-        )
+            served.session_id, served.pending, num_tokens, served.end_ids, seq.sampler(),
+            served.grammar,
+        )  # fmt: skip
         decoded = await worker.decode(call)
         served.add(decoded.traffic)
         yield served.commit_decoded(list(decoded.tokens))

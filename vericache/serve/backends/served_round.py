@@ -81,8 +81,9 @@ class ServedRound:
         failed waiting for it)."""
         served, drafting = self.served, self.drafting
         call = VerifyCall(
-            served.session_id, served.pending, self.drafts, load_first, served.seq.sampler()
-        )
+            served.session_id, served.pending, self.drafts, load_first, served.seq.sampler(),
+            served.grammar,
+        )  # fmt: skip
         served.num_round_calls += 1
         try:
             verified = await verifier.verify(call)
@@ -127,5 +128,5 @@ def _draft_call(served: ServedRequest, num_drafts: int, handover: KVHandover) ->
         served.add(Traffic(link_s=handover.link_delay_s))
     return DraftCall(
         served.session_id, served.pending, num_drafts, served.end_ids, handover.exact,
-        sampler=served.seq.sampler(), arrives_in_s=handover.link_delay_s,
+        sampler=served.seq.sampler(), arrives_in_s=handover.link_delay_s, grammar=served.grammar,
     )  # fmt: skip

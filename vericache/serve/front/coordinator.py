@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from vericache.compress import Compressor, build_compressor
+from vericache.engine.constraint import grammar_of
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.engine.sequence import Sequence
 from vericache.errors import (
@@ -302,6 +303,8 @@ class Coordinator:
             mode = ServeMode.FULL_LOCAL  # a prefix found by itself: full KV serves it as well
             self.backend.check_can_serve(mode)
         tenant.check_tokens(len(prompt_ids), params.max_new_tokens)
+        if call.constraint is not None:
+            grammar_of(call.constraint)  # a grammar that does not compile is refused now
         request = Request(
             prompt_ids=prompt_ids,
             num_prefix_tokens=record.num_tokens if record else 0,
@@ -310,6 +313,7 @@ class Coordinator:
             compressor=compressor_of(record) if mode.decode_mode is not DecodeMode.FULL else None,
             draft_len=draft_len,
             request_id=session_id,
+            constraint=call.constraint,
         )
         prefix_id = record.prefix_id if record else None
         share = record.compressed_kv_bytes / record.full_kv_bytes if record else 1.0

@@ -8,16 +8,19 @@ a 400 naming it, never silently ignored. Sampling fields follow vLLM's OpenAI se
 object (`{"mode", "draft_len", "prefix_id", "compressor", "ratio" | "bits", "timeout_s"}`), which
 the openai client sends with `extra_body`. Chat takes OpenAI's function tools (`tools`,
 `tool_choice` "none" or "auto", `parallel_tool_calls`), `tool` turns and assistant turns with
-`tool_calls` (tools.py renders them).
+`tool_calls` (tools.py renders them). `response_format` (json_object, json_schema) constrains the
+output (engine/constraint.py).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vericache.engine.request import OutputConstraint
 from vericache.errors import InvalidRequestError
 from vericache.serve.api_types import (
     ChatTurn,
@@ -62,6 +65,28 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # accepted: the output follows the schema either way
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> OutputConstraint | None:
+        """The grammar the output is decoded under (None: free text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return OutputConstraint("json_object")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format: a json_schema format needs its schema")
+        return OutputConstraint("json_schema", json.dumps(self.json_schema.schema_))
+
+
 class _GenerateBody(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -82,6 +107,9 @@ class _GenerateBody(_Body):
     user: str | None = None  # accepted, as OpenAI's API does; not used
     # vLLM's: each choice also gives its output token ids (`token_ids`), whole or per chunk.
     return_token_ids: bool = False
+    # The output as JSON (json_object), or JSON of a schema (json_schema): every mode decodes
+    # under the grammar's mask, and VeriCache's output is constrained full decoding's.
+    response_format: ResponseFormat | None = None
     vericache: VeriCacheOptions | None = None
 
     @property
@@ -120,6 +148,7 @@ class _GenerateBody(_Body):
             draft_len=options.draft_len,
             sampling=sampling,
             compressor=options.compressor_choice(),
+            constraint=self.response_format.constraint() if self.response_format else None,
             **prompt,
         )
 

@@ -45,7 +45,12 @@ from vericache.serve.workers.batching import BatchLoop
 from vericache.serve.workers.kv_transfer import KVFetcher, KVKind, fetch_kind
 from vericache.serve.workers.turn_cache import TurnCache, TurnTokens
 from vericache.serve.workers.warm_node import WarmNode
-from vericache.serve.workers.worker import SessionNotFoundError, first_token, load_worker_model
+from vericache.serve.workers.worker import (
+    SessionNotFoundError,
+    first_token,
+    load_worker_model,
+    session_grammars,
+)
 from vericache.serve.workers.worker_api import (
     BatchingStats,
     DecodeCall,
@@ -101,6 +106,7 @@ class Drafter:
         # the same KV on every verifier of the server).
         self._prefixes: SharedPrefixes[KVCache] = SharedPrefixes(budget)
         self._loop = BatchLoop(self.runner, "drafter-batch")
+        self._grammars = session_grammars(model)
         self._warm = None
         self._tier_fetchers: dict[str, KVFetcher] = {}  # by verifier address, into the tier
         if config.host_tier_bytes:
@@ -148,7 +154,8 @@ class Drafter:
             if call.role is not DraftRole.DRAFT:
                 suffix = torch.tensor(after_prefix[reused:], dtype=torch.long)
                 logits = self.runner.prefill(suffix, cache, chunk_size=self.config.prefill_chunk)
-                first = first_token(logits, call.sampler)
+                grammar = self._grammars.constraint(call.session_id, call.grammar)
+                first = first_token(logits, call.sampler, grammar)
                 _update(cache)
         except BaseException:
             copies.release(held)
@@ -216,6 +223,7 @@ class Drafter:
         job = Job(
             session.cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids,
             sampler=call.sampler, keeps_distributions=rejects,
+            constraint=self._grammars.constraint(call.session_id, call.grammar),
         )  # fmt: skip
         started = time.perf_counter()
         tokens = self._loop.run(job)
@@ -235,6 +243,7 @@ class Drafter:
             opened = self._warm.open(
                 call.session_id, session.prefix_id, call.history, session.capacity,
                 call.needs_first_token, call.sampler,
+                self._grammars.constraint(call.session_id, call.grammar),
             )  # fmt: skip
             if opened is None:
                 return LocalOpened(is_local=False)
@@ -251,7 +260,8 @@ class Drafter:
         tokens' exact KV into the draft cache, without crossing the link."""
         with self._using(call.session_id) as session:
             drafted = self._draft(session, call)
-            done = self._warm.verify(call.session_id, call.pending, drafted, call.sampler)
+            grammar = self._grammars.constraint(call.session_id, call.grammar)
+            done = self._warm.verify(call.session_id, call.pending, drafted, call.sampler, grammar)
             _take_exact(session.cache, done.exact)
         return LocalRound(drafted.tokens, done.tokens, done.num_accepted, done.forward_s)
 
@@ -271,6 +281,7 @@ class Drafter:
                 is_full_kv=is_full,
                 after_step=None if is_full else (lambda: _update(cache)),
                 sampler=call.sampler,
+                constraint=self._grammars.constraint(call.session_id, call.grammar),
             )
             tokens = self._loop.run(job)
             if history is not None:
@@ -278,6 +289,7 @@ class Drafter:
         return Decoded(tuple(tokens), Traffic())
 
     def close_session(self, session_id: str) -> None:
+        self._grammars.drop(session_id)
         with self._lock:
             session = self._sessions.pop(session_id, None)
             if session is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from vericache.engine.constraint import TokenConstraint
 from vericache.engine.forward_loop import Job
 from vericache.engine.sampling import SequenceSampler, checks_by_rejection, rejection_verified
 from vericache.engine.sequence import num_accepted
@@ -33,9 +34,11 @@ def verify_round(
     pending: tuple[int, ...],
     drafted: Drafted,
     sampler: SequenceSampler | None,
+    constraint: TokenConstraint | None = None,
 ) -> Verification:
     """One forward over [pending + drafts] with the full KV (batched with the loop's other jobs):
-    the full-KV choice after each; keeps the KV of pending and the accepted drafts."""
+    the full-KV choice after each (under the request's grammar, where it has one: each position's
+    mask follows the drafts before it); keeps the KV of pending and the accepted drafts."""
     drafts = drafted.tokens
     rejects = checks_by_rejection(sampler)
     before = cache.num_tokens
@@ -47,6 +50,7 @@ def verify_round(
         is_full_kv=True,
         sampler=sampler,
         keeps_distributions=rejects,
+        constraint=constraint,
     )
     started = time.perf_counter()
     tokens = loop.run(job)

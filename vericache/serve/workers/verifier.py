@@ -48,6 +48,7 @@ from vericache.serve.workers.worker import (
     SessionNotFoundError,
     first_token,
     load_worker_model,
+    session_grammars,
 )
 from vericache.serve.workers.worker_api import (
     BatchingStats,
@@ -91,6 +92,7 @@ class Verifier:
             release_prefix=self._prefix_copies.release, on_closed=self._keep_turn,
         )  # fmt: skip
         self._loop = BatchLoop(self.runner, "verifier-batch")
+        self._grammars = session_grammars(model)
         log.info("verifier prefix cache: %.2f GiB", budget / 2**30)
         service = KVTransferService(
             self._kv_for_drafter, self.info.fingerprint, self.link, required(config.secret),
@@ -176,7 +178,8 @@ class Verifier:
                 suffix = torch.tensor(after_prefix[start:], dtype=torch.long)
                 chunk = self.config.prefill_chunk
                 logits = self.runner.prefill(suffix, session.cache, chunk_size=chunk)
-                first = first_token(logits, call.sampler)
+                grammar = self._grammars.constraint(call.session_id, call.grammar)
+                first = first_token(logits, call.sampler, grammar)
                 session.history.commit([first])
                 exact, delay = None, 0.0
                 if call.for_drafter:
@@ -199,7 +202,10 @@ class Verifier:
         drafted = self._drafted(call)
         with self._sessions.using(call.session_id) as (session, loaded):
             session.history.feed(_num_cached(session), call.pending)
-            done = verify_round(self._loop, session.cache, call.pending, drafted, call.sampler)
+            grammar = self._grammars.constraint(call.session_id, call.grammar)
+            done = verify_round(
+                self._loop, session.cache, call.pending, drafted, call.sampler, grammar
+            )
             session.history.commit(done.tokens[: done.num_accepted + 1])  # the rest: rejected
         delay = self._hand_over(done.exact)
         traffic = loaded + self._found() + Traffic(link_bytes=done.exact.nbytes)
@@ -228,6 +234,7 @@ class Verifier:
             job = Job(
                 session.cache, list(call.pending), call.max_tokens, 1, call.end_ids,
                 is_full_kv=True, sampler=call.sampler,
+                constraint=self._grammars.constraint(call.session_id, call.grammar),
             )  # fmt: skip
             tokens = self._loop.run(job)
             session.history.commit(tokens)
@@ -236,6 +243,7 @@ class Verifier:
     def close_session(self, session_id: str) -> None:
         # Its prefix stays pinned until a call still using the session ends.
         self._sessions.remove(session_id)
+        self._grammars.drop(session_id)
 
     @property
     def num_sessions(self) -> int:

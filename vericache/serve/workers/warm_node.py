@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.engine.constraint import TokenConstraint
 from vericache.engine.sampling import SequenceSampler
 from vericache.kv.cache import KVCache
 from vericache.kv.pool import BufferPool
@@ -126,6 +127,7 @@ class WarmNode:
         capacity: int,
         wants_first_token: bool = False,
         sampler: SequenceSampler | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> _LocalSession | None:
         """The session's full KV over the tier's copy of its prefix: the history after the
         prefix (the longest leading run a kept turn holds copied, the rest prefilled: the central
@@ -147,7 +149,7 @@ class WarmNode:
                 num_logits=int(wants_first_token), chunk_size=self._prefill_chunk,
             )  # fmt: skip
             if wants_first_token:
-                session.first_token = first_token(logits, sampler)
+                session.first_token = first_token(logits, sampler, constraint)
                 session.history.commit([session.first_token])
         except BaseException:
             self.tier.release(held)
@@ -162,6 +164,7 @@ class WarmNode:
         pending: tuple[int, ...],
         drafted: Drafted,
         sampler: SequenceSampler | None,
+        constraint: TokenConstraint | None = None,
     ) -> Verification:
         """The round's verification (verification.py), as a verifier beside the store runs it."""
         with self._lock:
@@ -171,7 +174,7 @@ class WarmNode:
         num_prefix = session.prefix.cache.num_tokens
         session.history.feed(session.cache.num_tokens - num_prefix, pending)
         try:
-            done = verify_round(self._loop, session.cache, pending, drafted, sampler)
+            done = verify_round(self._loop, session.cache, pending, drafted, sampler, constraint)
         except BaseException:
             session.history.forget()  # what its cache holds now is not known
             raise

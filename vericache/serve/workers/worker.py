@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from vericache.engine.constraint import SessionGrammars, TokenConstraint
 from vericache.engine.device_memory import slot_bytes
 from vericache.engine.sampling import SequenceSampler
 from vericache.errors import VeriCacheError
@@ -83,13 +84,27 @@ def load_worker_model(config: WorkerConfig) -> WorkerModel:
     return WorkerModel(loaded, runner, info, started_at, model_s, kernels_s)
 
 
-def first_token(logits: torch.Tensor, sampler: SequenceSampler | None = None) -> int:
+def first_token(
+    logits: torch.Tensor,
+    sampler: SequenceSampler | None = None,
+    constraint: TokenConstraint | None = None,
+) -> int:
     """The choice from a prefill's last logits [1, vocab]: greedy (ties: the lowest id), or the
-    request's seeded sample."""
+    request's seeded sample; under its grammar, where it has one."""
+    rows = logits[-1:]
+    if constraint is not None:
+        rows = constraint.restrict(rows, (), ())
     if sampler is None:
-        return int(logits[-1].argmax())
-    (token,) = sampler.sample(logits[-1:])
+        return int(rows[-1].argmax())
+    (token,) = sampler.sample(rows)
     return token
+
+
+def session_grammars(model: WorkerModel) -> SessionGrammars:
+    """The grammar state of a worker's constrained sessions (engine/constraint.py)."""
+    return SessionGrammars(
+        model.loaded.tokenizer, model.runner.config.vocab_size, model.info.eos_token_ids
+    )
 
 
 def _shape(loaded: LoadedModel, name: str, num_params: int) -> ModelProfile:

@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from vericache.engine.link import LinkSpec
+from vericache.engine.request import GrammarState
 from vericache.engine.sampling import SequenceSampler
 from vericache.kv.exact import ExactKV
 from vericache.kv.shared_prefix import PrefixCacheStats
@@ -137,6 +138,7 @@ class OpenVerifier:
     capacity: int  # cache slots to reserve
     for_drafter: bool  # hand the prompt's exact KV after the prefix to a drafter
     sampler: SequenceSampler | None = None  # None: greedy
+    grammar: GrammarState | None = None  # a constrained request's grammar and output so far
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,7 @@ class OpenDrafter:
     # the node's host tier, with this permission (DrafterHandle).
     warms_host_tier: bool = False
     host_tier_grant: str = ""
+    grammar: GrammarState | None = None  # a constrained request's grammar and output so far
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,7 @@ class DraftCall:
     # Emulated links only: seconds from sending the call until it reaches the drafter (the
     # link's latency, and the time `exact` takes to cross its bandwidth); 0 on a real network.
     arrives_in_s: float = 0.0
+    grammar: GrammarState | None = None  # a constrained request's grammar and output so far
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,7 @@ class OpenLocal:
     exact: ExactKV | None  # the central verifier's KV of the last round's committed tokens
     sampler: SequenceSampler | None = None  # of the token after `history`; None: greedy
     needs_first_token: bool = False  # nothing committed yet: the prompt's prefill chooses it
+    grammar: GrammarState | None = None  # a constrained request's grammar and output so far
 
 
 @dataclass(frozen=True)
@@ -232,6 +237,7 @@ class LocalRoundCall:
     num_drafts: int  # draft up to this many tokens (0: verify `pending` alone)
     end_ids: frozenset[int]
     sampler: SequenceSampler | None = None  # None: greedy
+    grammar: GrammarState | None = None  # a constrained request's grammar and output so far
 
 
 @dataclass(frozen=True)
@@ -270,6 +276,7 @@ class VerifyCall:
     drafts: tuple[int, ...] | DraftAnswer  # [num_drafts], or the draft call's answer to come
     load_first: bool = False  # bring the full KV onto the device while the drafts come
     sampler: SequenceSampler | None = None  # None: greedy
+    grammar: GrammarState | None = None  # a constrained request's grammar and output so far
 
 
 @dataclass(frozen=True)
@@ -293,6 +300,7 @@ class DecodeCall:
     max_tokens: int
     end_ids: frozenset[int]  # stop after choosing one of these
     sampler: SequenceSampler | None = None  # None: greedy
+    grammar: GrammarState | None = None  # a constrained request's grammar and output so far
 
 
 @dataclass(frozen=True)
