@@ -108,6 +108,25 @@ def test_masks_follow_the_drafts_a_verification_feeds(model):
     assert (past[1] == past[0]).all() and (past[2] == past[0]).all()
 
 
+def test_a_draft_that_ends_the_grammar_and_the_output_leaves_the_state_as_it_was(model):
+    # The end token after a finished grammar is never consumed: a stopped grammar refuses it
+    # one token at a time, and a state left refusing would let only the end through later.
+    eos = model.config.eos_token_ids[0]
+    constraint = TokenConstraint.build(
+        OutputConstraint("regex", "ab"), model.tokenizer, model.config.vocab_size,
+        frozenset(model.config.eos_token_ids),
+    )  # fmt: skip
+    encode = model.tokenizer.convert_tokens_to_ids
+    a, b = encode("a"), encode("b")
+    constraint.masks([], [a, b, eos], 4)
+    constraint.commit([a])
+    masks = constraint.masks([], [b, eos], 3)
+    assert masks[0][b] and not masks[0][eos]  # "b" still to come
+    assert masks[1][eos] and masks[1].sum() == 1  # then the end alone
+    constraint.commit([b, eos])
+    assert constraint.output == [a, b, eos]
+
+
 @pytest.mark.parametrize(
     "constraint, words",
     [

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from vericache.engine.constraint import grammar_of
 from vericache.engine.prompt import build_conversation
 from vericache.errors import InvalidRequestError
 from vericache.serve.api_types import ChatTurn, FunctionTool, GenerateSummary, OutputChunk, ToolCall
@@ -214,7 +215,10 @@ def test_a_request_with_tools_becomes_a_call_with_its_tools_and_tool_turns():
             "'nope' is not among",
         ),
         ({"tools": None, "tool_choice": "auto"}, "tool_choice: it needs tools"),
-        ({"tool_choice": "required"}, "constrained decoding"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "give one of them",
+        ),
         ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
         ({"messages": [{"role": "user", "content": None}]}, "needs content"),
         (
@@ -358,3 +362,30 @@ def test_n_choices_come_whole_and_interleaved_in_the_stream_each_with_its_index(
             texts[choice.index] += choice.delta.content or ""
     assert texts == {i: "It is sunny." for i in range(3)}
     assert chunks[-1].usage == whole.usage
+
+
+def test_a_required_or_named_choice_is_a_grammar_of_calls():
+    two = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}},
+        {"type": "function", "function": {"name": "get_time"}},
+    ]
+    required = ChatCompletionRequest.model_validate(_body(tools=two, tool_choice="required"))
+    constraint = required.generate_call().constraint
+    assert constraint.kind == "lark" and "<tool_call>" in constraint.spec
+    assert '"get_weather"' in constraint.spec and '"get_time"' in constraint.spec
+    assert "block (" in constraint.spec  # parallel calls: one or more blocks
+    grammar_of(constraint)  # it compiles
+    named = ChatCompletionRequest.model_validate(
+        _body(
+            tools=two,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            parallel_tool_calls=False,
+        )
+    )
+    spec = named.generate_call(Llama3JsonToolParser()).constraint.spec
+    assert '"get_time"' in spec and '"get_weather"' not in spec and '"parameters"' in spec
+    assert "start: block\n" in spec  # one call
+    assert (
+        ChatCompletionRequest.model_validate(_body(tool_choice="auto")).generate_call().constraint
+        is None
+    )

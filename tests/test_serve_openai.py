@@ -207,7 +207,8 @@ def test_n_choices_are_the_requests_seeded_one_after_another(oai, prefix_id):
                 finished.append(choice.index)
     assert sorted(finished) == [0, 1, 2]
     assert [streamed[i] for i in range(3)] == [c.message.content for c in reply.choices]
-    assert chunks[-1].usage == reply.usage
+    tokens = {"prompt_tokens_details"}  # cached: more where a kept turn served it (turn_cache.py)
+    assert chunks[-1].usage.model_dump(exclude=tokens) == reply.usage.model_dump(exclude=tokens)
 
 
 FORECAST = {
@@ -261,6 +262,45 @@ def test_a_schema_that_does_not_compile_is_a_400(oai, prefix_id):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_forced_tool_call_is_a_valid_call_and_full_decodings(oai, grpc_client, choice):
+    weather = WEATHER_TOOL | {"function": WEATHER_TOOL["function"] | {"parameters": FORECAST}}
+    function = weather["function"]
+    tool = FunctionTool(function["name"], function["description"], function["parameters"])
+    system = "You answer with tools."
+    prefix_id = grpc_client.put_prefix(
+        f"{system}\n\n{render_catalogue([tool])}", compressor="streamingllm", ratio=4
+    )
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Oslo?"}]
+
+    def reply(mode: str):
+        options = {"mode": mode, "prefix_id": prefix_id, "draft_len": 4}
+        return oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=64, temperature=0, tools=[weather],
+            tool_choice=choice, parallel_tool_calls=False,
+            extra_body={"vericache": options, "return_token_ids": True},
+        ).choices[0]  # fmt: skip
+
+    reference = reply("full_local")
+    print(
+        "FORCED",
+        reference.finish_reason,
+        repr(reference.message.content),
+        reference.message.tool_calls,
+    )
+    assert reply("vericache").model_extra["token_ids"] == reference.model_extra["token_ids"]
+    if reference.finish_reason == "length":  # the budget cut the call: what came is its start
+        assert reference.message.content.startswith("<tool_call>")
+        return
+    assert reference.finish_reason == "tool_calls"
+    (call,) = reference.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(arguments) == {"city", "days"}
+    assert 1 <= arguments["days"] <= 9
+
+
 def test_streamed_chat_gives_the_same_text_and_its_usage_last(oai, prefix_id):
     options = {
         "model": MODEL, "messages": _messages(), "max_tokens": 24, "temperature": 0.8, "seed": 9,
@@ -275,7 +315,14 @@ def test_streamed_chat_gives_the_same_text_and_its_usage_last(oai, prefix_id):
     assert chunks[0].choices[0].delta.role == "assistant"
     finished = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finished[-1] == whole.choices[0].finish_reason and not any(finished[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.model_dump(exclude={"prompt_tokens_details"}) == (
+        whole.usage.model_dump(exclude={"prompt_tokens_details"})
+    )
+    # The stream repeats the whole reply's prompt: where it lands on the worker that kept that
+    # turn (turn_cache.py), it reads more of its prompt from cache, never less.
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached >= whole.usage.prompt_tokens_details.cached_tokens
     assert len({c.id for c in chunks}) == 1
     # The finishing chunk carries the vericache block, with or without the usage chunk.
     (finishing,) = [c for c in chunks if c.choices and c.choices[0].finish_reason]

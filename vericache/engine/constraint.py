@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +29,10 @@ from vericache.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
+# JSON as json.dumps writes it, with no whitespace beyond its separators: a model may not pad a
+# document with whitespace forever (flexible whitespace lets a weak one do just that), and the
+# output is one text whatever the model would have spaced.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _TOKENIZERS: dict[int, object] = {}  # id(tokenizer) -> its llguidance tokenizer (about 0.5 s each)
 _TOKENIZERS_LOCK = threading.Lock()
 
@@ -54,9 +58,9 @@ def grammar_of(constraint: OutputConstraint) -> str:
             schema = json.loads(constraint.spec)
             if not isinstance(schema, dict):
                 raise ValueError("a schema is a JSON object")
-            grammar = LLMatcher.grammar_from_json_schema(schema)
+            grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         elif constraint.kind == "json_object":
-            grammar = LLMatcher.grammar_from_json_schema({"type": "object"})
+            grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         elif constraint.kind == "lark":
             grammar = LLMatcher.grammar_from_lark(constraint.spec)
         else:
@@ -72,10 +76,18 @@ def grammar_of(constraint: OutputConstraint) -> str:
 class TokenConstraint:
     """One sequence's grammar state: the committed output consumed, masks computed ahead of it."""
 
-    def __init__(self, matcher, vocab_size: int, end_ids: frozenset[int]):
-        self._matcher = matcher
+    def __init__(
+        self,
+        new_matcher: Callable[[], object],
+        vocab_size: int,
+        end_ids: frozenset[int],
+        matcher: object | None = None,
+    ):
+        self._new_matcher = new_matcher  # a fresh grammar state, from the start of the output
+        self._matcher = matcher or new_matcher()
         self.vocab_size = vocab_size
         self.output: list[int] = []  # the committed output consumed
+        self._end_ids = frozenset(end_ids)
         self._end_only = torch.zeros(vocab_size, dtype=torch.bool)
         self._end_only[[t for t in end_ids if t < vocab_size]] = True
 
@@ -88,28 +100,44 @@ class TokenConstraint:
         if tokenizer is None:
             raise InvalidRequestError("a constrained output needs the model's tokenizer")
         grammar = grammar_of(constraint)
-        matcher = LLMatcher(_llguidance_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
+        llg_tokenizer = _llguidance_tokenizer(tokenizer, vocab_size)
+
+        def new_matcher():
+            return LLMatcher(llg_tokenizer, grammar, log_level=0)
+
+        matcher = new_matcher()
         if matcher.is_error():
-            raise InvalidRequestError(
-                f"the {constraint.kind} cannot be used: {matcher.get_error()}"
-            )
-        return cls(matcher, vocab_size, end_ids)
+            error = matcher.get_error()
+            raise InvalidRequestError(f"the {constraint.kind} cannot be used: {error}")
+        return cls(new_matcher, vocab_size, end_ids, matcher)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Consumes committed output tokens (each chosen under its mask)."""
-        matcher, tokens = self._matcher, list(tokens)
+        tokens = list(tokens)
+        self._consume(self._before_end(tokens))
+        self.output += tokens
+
+    def _consume(self, tokens: list[int]) -> None:
+        matcher = self._matcher
         num_valid = matcher.validate_tokens(tokens)
         if num_valid < len(tokens):
             log.warning("a committed token leaves the output's grammar: the output ends there")
         matcher.consume_tokens(tokens[:num_valid])
-        self.output += tokens
+
+    def _before_end(self, tokens: list[int]) -> list[int]:
+        """`tokens` up to their first end token: an end token ends the output and is never
+        consumed (a grammar that has stopped refuses to consume it one at a time)."""
+        for index, token in enumerate(tokens):
+            if token in self._end_ids:
+                return tokens[:index]
+        return tokens
 
     def follow(self, output: Sequence[int]) -> None:
         """Brings the state to `output` (a worker's, from each call): the tokens committed since
         the last call consumed; another output (a request gone on elsewhere) from the start."""
         done = len(self.output)
         if tuple(output[:done]) != tuple(self.output):
-            self._matcher.reset()
+            self._matcher = self._new_matcher()
             self.output, done = [], 0
         self.commit(output[done:])
 
@@ -119,7 +147,7 @@ class TokenConstraint:
         drafts a verification feeds). Rows past a token the grammar forbids (which no masked
         choice makes) get the mask before it: they cannot be accepted."""
         matcher = self._matcher
-        ahead = [*path, *row_tokens[: num_rows - 1]]
+        ahead = self._before_end([*path, *row_tokens[: num_rows - 1]])
         num_valid = matcher.validate_tokens(ahead)
         consumed = 0
         rows = []
@@ -131,9 +159,15 @@ class TokenConstraint:
                     consumed = reachable
                 rows.append(self._mask())
         finally:
-            if consumed:
-                matcher.rollback(consumed)
+            if consumed and not matcher.rollback(consumed):
+                self._rebuild()
         return torch.stack(rows)
+
+    def _rebuild(self) -> None:
+        """A fresh matcher brought to the committed output (where a rollback failed)."""
+        log.warning("the output's grammar state could not roll back: rebuilt from the output")
+        self._matcher = self._new_matcher()
+        self._consume(self._before_end(self.output))
 
     def _mask(self) -> torch.Tensor:
         matcher = self._matcher

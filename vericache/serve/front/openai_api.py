@@ -135,12 +135,12 @@ async def _respond(coordinator, tenant: Tenant, body, request: Request, chat: bo
     max_n = coordinator.config.max_n
     if body.n > max_n:
         raise InvalidRequestError(f"n: at most {max_n} choices a request on this server")
-    calls = body.generate_calls()
+    state = request.app.state
+    calls = body.generate_calls(state.tool_parser)
     ids = [request_id] if len(calls) == 1 else [f"{request_id}-{i}" for i in range(len(calls))]
     streams = [coordinator.generate(call, tenant, id_) for call, id_ in zip(calls, ids)]
     if body.timeout_s is not None:
         streams = [_within(events, body.timeout_s) for events in streams]
-    state = request.app.state
     reply = Reply(request_id, tenant, state.model_name, chat, body.return_token_ids)
     if chat and body.parses_tool_calls:
         reply.read_tool_calls(state.tool_parser, body.parallel_tool_calls)

@@ -7,9 +7,10 @@ a 400 naming it, never silently ignored. Sampling fields follow vLLM's OpenAI se
 `repetition_penalty`, with VeriCache's `coupling`. VeriCache's own options ride in a `vericache`
 object (`{"mode", "draft_len", "prefix_id", "compressor", "ratio" | "bits", "timeout_s"}`), which
 the openai client sends with `extra_body`. Chat takes OpenAI's function tools (`tools`,
-`tool_choice` "none" or "auto", `parallel_tool_calls`), `tool` turns and assistant turns with
-`tool_calls` (tools.py renders them). `response_format` (json_object, json_schema) constrains the
-output (engine/constraint.py).
+`tool_choice` "none", "auto", "required" or a named function, `parallel_tool_calls`), `tool`
+turns and assistant turns with `tool_calls` (tools.py renders them, and forces calls as a
+grammar). `response_format` (json_object, json_schema) constrains the output
+(engine/constraint.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ from vericache.serve.api_types import (
     ServeMode,
     ToolCall,
 )
-from vericache.serve.front.tools import check_tools, json_object
+from vericache.serve.front.tools import (
+    HermesToolParser,
+    ToolParser,
+    check_tools,
+    json_object,
+    tool_call_constraint,
+)
 
 # OpenAI's default, as vLLM's server keeps it: a request that names no temperature samples.
 DEFAULT_TEMPERATURE = 1.0
@@ -120,9 +127,9 @@ class _GenerateBody(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def generate_calls(self) -> list[GenerateCall]:
-        """One call per choice."""
-        call = self.generate_call()
+    def generate_calls(self, tool_parser: ToolParser | None = None) -> list[GenerateCall]:
+        """One call per choice (`tool_parser`: the format of the server's tool calls)."""
+        call = self.generate_call(tool_parser)
         seed = call.sampling.seed
         if seed is None:
             return [call] * self.n
@@ -158,7 +165,7 @@ class CompletionRequest(_GenerateBody):
 
     prompt: str
 
-    def generate_call(self) -> GenerateCall:
+    def generate_call(self, tool_parser: ToolParser | None = None) -> GenerateCall:
         return self._call(self.max_tokens, prompt=self.prompt, continues_text=True)
 
 
@@ -241,7 +248,7 @@ class ChatCompletionRequest(_GenerateBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[ToolSpec] | None = None
-    # "required" and a named function need the arguments constrained by their schema.
+    # "required" and a named function: the reply is calls, decoded under their schemas' grammar.
     tool_choice: Literal["none", "auto"] | NamedToolChoice | Literal["required"] | None = None
     parallel_tool_calls: bool = True
 
@@ -250,21 +257,30 @@ class ChatCompletionRequest(_GenerateBody):
         """Whether the output is read for tool calls."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def generate_call(self) -> GenerateCall:
+    def generate_call(self, tool_parser: ToolParser | None = None) -> GenerateCall:
         max_tokens = self.max_completion_tokens or self.max_tokens
         messages = tuple(message.turn() for message in self.messages)
         tools = tuple(spec.tool() for spec in self.tools or ())
-        self._check_tool_choice(tools)
-        return self._call(max_tokens, prompt="", messages=messages, tools=tools)
+        call = self._call(max_tokens, prompt="", messages=messages, tools=tools)
+        forced = self._forced_tools(tools)
+        if forced:
+            if call.constraint is not None:
+                raise InvalidRequestError(
+                    "tool_choice: 'required' or a named function constrains the reply, and so "
+                    "does response_format: give one of them"
+                )
+            parser = tool_parser or HermesToolParser()
+            constraint = tool_call_constraint(forced, parser, self.parallel_tool_calls)
+            call = replace(call, constraint=constraint)
+        return call
 
-    def _check_tool_choice(self, tools: tuple[FunctionTool, ...]) -> None:
+    def _forced_tools(self, tools: tuple[FunctionTool, ...]) -> tuple[FunctionTool, ...]:
+        """The tools a reply must call one of ("required", or the named one); () if none."""
         choice = self.tool_choice
         if choice is not None and not tools:
             raise InvalidRequestError("tool_choice: it needs tools")
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         check_tools(tools, named)
-        if named is not None or choice == "required":
-            raise InvalidRequestError(
-                "tool_choice: 'required' and a named function need constrained decoding, which "
-                "this server does not offer yet; use 'auto' or 'none'"
-            )
+        if named is not None:
+            return tuple(tool for tool in tools if tool.name == named)
+        return tools if choice == "required" else ()

@@ -16,6 +16,11 @@ Parsing. A `ToolParser` splits the output into content and calls, whole or as it
 `Llama3JsonToolParser` Llama 3's JSON calls ({"name", "parameters"}, several joined by ";",
 after an optional <|python_tag|>). `tool_parser_for` picks the one the chat template asks for.
 A block that does not parse as a call stays text: the output is never changed, only read.
+
+Forcing calls. `tool_choice` "required" (a call of any of the tools) or a named function (a call
+of it) is a grammar (`tool_call_constraint`): the reply is calls alone, in the parser's format,
+each call's arguments following its function's JSON schema; the engine decodes under it
+(engine/constraint.py), so VeriCache's calls are constrained full decoding's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from vericache.engine.constraint import JSON_OPTIONS
+from vericache.engine.request import OutputConstraint
 from vericache.errors import InvalidRequestError
 from vericache.serve.api_types import ChatTurn, FunctionTool, ToolCall
 
@@ -289,3 +296,33 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-size:]):
             return size
     return 0
+
+
+def tool_call_constraint(
+    tools: tuple[FunctionTool, ...], parser: ToolParser, parallel: bool
+) -> OutputConstraint:
+    """The grammar of a reply made of calls of `tools` alone (one, or one or more where calls
+    may be parallel), in `parser`'s format, the arguments of each following its schema."""
+    is_json = isinstance(parser, Llama3JsonToolParser)
+    key = "parameters" if is_json else "arguments"
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.name},
+                key: tool.parameters or {"type": "object"},
+            },
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = schema | {"x-guidance": JSON_OPTIONS}
+    if is_json:
+        block, separator = "call", '"; "'
+    else:
+        block, separator = f'"{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"', '"\\n"'
+    start = f"block ({separator} block)*" if parallel else "block"
+    lark = f"start: {start}\nblock: {block}\ncall: %json {json.dumps(schema)}\n"
+    return OutputConstraint("lark", lark)
