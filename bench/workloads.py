@@ -271,6 +271,58 @@ def tool_contexts(tokenizer, min_tokens: int = 3000, count: int = 3) -> list[Too
     raise InvalidRequestError(f"only {len(found)} BFCL catalogues reach {min_tokens} tokens")
 
 
+# BFCL's parameter types as JSON schema writes them (BFCL's Python dialect: "dict", "float",
+# "tuple", "any"), so that its functions become OpenAI function tools.
+_BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": None}
+
+
+@dataclass(frozen=True)
+class ToolCase:
+    """A BFCL question with its functions as OpenAI function tools."""
+
+    case_id: str
+    question: str
+    tools: tuple[dict, ...]
+
+
+def bfcl_tool_cases(category: str = "simple_python", count: int = 10) -> list[ToolCase]:
+    """The first `count` single-turn cases of a BFCL category, in file order."""
+    cases = []
+    for entry in _read_json_lines(_bfcl_data_dir() / f"BFCL_v4_{category}.json")[:count]:
+        (turn,) = entry["question"][0][-1:]
+        tools = tuple(
+            {"type": "function", "function": _openai_function(function)}
+            for function in entry["function"]
+        )
+        cases.append(ToolCase(entry["id"], turn["content"], tools))
+    return cases
+
+
+def _openai_function(function: dict) -> dict:
+    name = function["name"].replace(".", "_")  # OpenAI's names: [A-Za-z0-9_-]
+    parameters = _json_schema_types(function.get("parameters", {"type": "dict"}))
+    out = {"name": name, "parameters": parameters}
+    if function.get("description"):
+        out["description"] = function["description"]
+    return out
+
+
+def _json_schema_types(schema):
+    """A BFCL schema with JSON schema's type names, wherever they are nested."""
+    if isinstance(schema, list):
+        return [_json_schema_types(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _json_schema_types(value) for key, value in schema.items()}
+    if isinstance(out.get("type"), str) and out["type"] in _BFCL_TYPES:
+        kind = _BFCL_TYPES[out["type"]]
+        if kind is None:
+            del out["type"]
+        else:
+            out["type"] = kind
+    return out
+
+
 def _bfcl_data_dir() -> Path:
     # Located without importing: the package's __init__ may pull dependencies not installed here.
     spec = importlib.util.find_spec("bfcl_eval")
