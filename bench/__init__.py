@@ -11,6 +11,7 @@ BENCHMARKS = {
     "exact-attention": "vericache.bench.exact_attention",
     "long-context": "vericache.bench.long_context",
     "lossy-quality": "vericache.bench.lossy_quality",
+    "tool-calls": "vericache.bench.tool_calls",
     "openai-load": "vericache.bench.openai_load",
     "paper-repro": "vericache.bench.paper_repro",
     "prefix-sharing": "vericache.bench.prefix_sharing",
