@@ -33,19 +33,21 @@ log = logging.getLogger(__name__)
 # document with whitespace forever (flexible whitespace lets a weak one do just that), and the
 # output is one text whatever the model would have spaced.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_TOKENIZERS: dict[int, object] = {}  # id(tokenizer) -> its llguidance tokenizer (about 0.5 s each)
+# (id(tokenizer), vocab size) -> (the tokenizer, its llguidance tokenizer: about 0.5 s to build).
+# The entry holds the tokenizer itself, so that its id cannot be reused by another while cached.
+_TOKENIZERS: dict[tuple[int, int], tuple[object, object]] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
 
 def _llguidance_tokenizer(tokenizer, vocab_size: int):
     import llguidance.hf
 
+    key = (id(tokenizer), vocab_size)
     with _TOKENIZERS_LOCK:
-        built = _TOKENIZERS.get(id(tokenizer))
-        if built is None:
+        if key not in _TOKENIZERS:
             built = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-            _TOKENIZERS[id(tokenizer)] = built
-        return built
+            _TOKENIZERS[key] = (tokenizer, built)
+        return _TOKENIZERS[key][1]
 
 
 def grammar_of(constraint: OutputConstraint) -> str:
