@@ -36,7 +36,7 @@ from vericache.serve.front.tools import (
     HermesToolParser,
     ToolParser,
     check_tools,
-    json_object,
+    json_value,
     tool_call_constraint,
 )
 
@@ -211,7 +211,7 @@ class ToolCallSpec(_Body):
     function: CalledFunction
 
     def call(self) -> ToolCall:
-        if not isinstance(json_object(self.function.arguments), dict):
+        if not isinstance(json_value(self.function.arguments), dict):
             raise InvalidRequestError(
                 f"messages: the arguments of tool call {self.id!r} are not a JSON object"
             )

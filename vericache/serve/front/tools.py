@@ -198,7 +198,7 @@ class _TaggedCalls:
                     return pieces
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_CLOSE) :]
                 self._in_call = False
-                call = _call_of(json_object(body))
+                call = _call_of(json_value(body))
                 pieces.append(call if call else f"{CALL_OPEN}{body}{CALL_CLOSE}")
                 continue
             start = self._buffer.find(CALL_OPEN)
@@ -267,7 +267,8 @@ def _json_calls(text: str) -> tuple[ToolCall, ...] | None:
         calls.append(call)
 
 
-def json_object(text: str):
+def json_value(text: str):
+    """The JSON value `text` holds, or None where it holds none."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -280,7 +281,7 @@ def _call_of(value) -> ToolCall | None:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
-        arguments = json_object(arguments)
+        arguments = json_value(arguments)
     if not isinstance(arguments, dict):
         return None
     return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
