@@ -71,6 +71,9 @@ class ScriptedEngine:
     def output_ids(self, key: str) -> list[int]:
         return list(self.outputs.get(key, []))
 
+    def output_logprobs(self, key: str) -> list:
+        return []  # its requests ask for none
+
     def abort(self, key: str) -> None:
         del self.requests[key], self.outputs[key]
 

@@ -15,6 +15,7 @@ from vericache.engine.sampling import (
     processed_logits,
     rejection_sample,
     seeded_sample,
+    token_logprobs,
 )
 from vericache.errors import InvalidRequestError
 
@@ -201,7 +202,36 @@ def test_rejection_coupling_applies_only_to_sampling():
     assert not SamplingParams(temperature=0.7).is_rejection_coupled
 
 
-def test_greedy_parameters_have_nothing_to_sample():
+def test_greedy_logits_are_penalized_but_neither_scaled_nor_masked():
+    rows = TARGET_LOGITS.unsqueeze(0)
     assert not SamplingParams().is_sampled
-    with pytest.raises(ValueError, match="greedily"):
-        processed_logits(TARGET_LOGITS.unsqueeze(0), SamplingParams())
+    greedy = processed_logits(rows, SamplingParams(top_k=1, top_p=0.1))
+    assert torch.equal(greedy, rows)  # temperature and masks shape sampling only
+    penalized = processed_logits(rows, SamplingParams(repetition_penalty=4.0), (0,), [()])
+    assert penalized[0, 0] == 0.5 and int(penalized.argmax()) == 1  # the argmax moves (vLLM)
+    assert not SamplingParams().needs_sampler
+    assert SamplingParams(repetition_penalty=1.1).needs_sampler
+    assert SamplingParams(logprobs=0).needs_sampler
+
+
+def test_token_logprobs_are_the_log_softmax_with_the_best_alternatives_first():
+    processed = torch.stack([TARGET_LOGITS, TARGET_LOGITS.flip(0)])  # [2, 6]
+    processed[1, 0] = float("-inf")  # a masked token
+    reported = token_logprobs(processed, [3, 0], num_top=3)
+    expected = processed.log_softmax(-1)
+    assert [r.token_id for r in reported] == [3, 0]
+    assert reported[0].logprob == pytest.approx(float(expected[0, 3]))
+    assert reported[1].logprob == float("-inf")
+    assert [id_ for id_, _ in reported[0].top] == [0, 1, 2]
+    assert [id_ for id_, _ in reported[1].top] == [5, 4, 3]
+    assert sum(torch.tensor([v for _, v in reported[0].top]).exp()) < 1
+    assert token_logprobs(processed, [3, 0], num_top=0)[0].top == ()
+    tied = token_logprobs(torch.zeros(1, 6), [4], num_top=2)[0]
+    assert [id_ for id_, _ in tied.top] == [0, 1]  # ties: the lower id first
+
+
+def test_logprobs_are_bounded_as_openai_bounds_them():
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        SamplingParams(logprobs=-1)

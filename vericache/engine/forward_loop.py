@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vericache.engine.constraint import TokenConstraint
-from vericache.engine.sampling import SequenceSampler
+from vericache.engine.request import TokenLogprob
+from vericache.engine.sampling import SequenceSampler, token_logprobs
 from vericache.kv.cache import KVCache
 from vericache.model.runner import ModelRunner, SequenceInput
 
@@ -38,14 +39,18 @@ class Job:
     end_ids: frozenset[int] = frozenset()  # stop after choosing one of these
     is_full_kv: bool = False  # full-KV work: batch-invariant kernels
     after_step: Callable[[], None] | None = None  # e.g. an online compressor's update
-    sampler: SequenceSampler | None = None  # None: greedy choices
-    keeps_distributions: bool = False  # keep what each sampled row was drawn from (rejection)
+    sampler: SequenceSampler | None = None  # None: the logits' plain argmax
+    keeps_processed: bool = False  # keep the logits each sampled row was drawn from (rejection)
+    # Its choices are output (a decode step or a verification, not a draft): it reports their
+    # log-probabilities where its sampler asks for them.
+    reports_logprobs: bool = False
     # A constrained sequence's grammar (constraint.py), and the tokens after its committed output
     # that come before this job's first row (a draft step's earlier drafts).
     constraint: TokenConstraint | None = None
     constrained_after: list[int] = field(default_factory=list)
-    distributions: list[torch.Tensor] = field(default_factory=list)  # per step [n, V]
+    processed: list[torch.Tensor] = field(default_factory=list)  # per step [n, V] float32
     choices: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(choices)] where reported
     steps: int = 0
 
     @property
@@ -69,16 +74,16 @@ class Job:
         return self.constraint.restrict(rows, path, fed_after_first_row)
 
     def choose(self, rows: torch.Tensor) -> list[int]:
-        """This step's tokens from its logits rows [n, V] (a sampling job's; greedy ones are
-        chosen together in `choose`)."""
+        """This step's tokens from its logits rows [n, V] (a job with a sampler's; the others'
+        are chosen together in `choose`)."""
         fed_after_first_row = self.feed[len(self.feed) - rows.shape[0] + 1 :]
-        if not self.keeps_distributions:
-            return self.sampler.sample(rows, self.choices, fed_after_first_row)
-        tokens, distributions = self.sampler.sample_with_distributions(
-            rows, self.choices, fed_after_first_row
-        )
-        self.distributions.append(distributions)
-        return tokens
+        choice = self.sampler.choose(rows, self.choices, fed_after_first_row)
+        if self.keeps_processed:
+            self.processed.append(choice.processed)
+        num_top = self.sampler.num_top_logprobs
+        if self.reports_logprobs and num_top is not None:
+            self.logprobs += token_logprobs(choice.processed, choice.tokens, num_top)
+        return choice.tokens
 
     def advance(self, chosen: list[int]) -> None:
         """Records one step's choices; the last one is fed next."""
@@ -90,8 +95,8 @@ class Job:
 
 
 def choose(jobs: list[Job], logits: list[torch.Tensor]) -> list[list[int]]:
-    """Each job's tokens from its logits: sampled where it samples, greedy (in one batch) where
-    not."""
+    """Each job's tokens from its logits: through its sampler where it has one, the plain argmax
+    (in one batch) where not."""
     logits = [job.allowed(rows) for job, rows in zip(jobs, logits)]
     greedy_rows = [rows for job, rows in zip(jobs, logits) if job.sampler is None]
     greedy_chosen = iter(greedy(greedy_rows) if greedy_rows else [])
@@ -99,6 +104,34 @@ def choose(jobs: list[Job], logits: list[torch.Tensor]) -> list[list[int]]:
         next(greedy_chosen) if job.sampler is None else job.choose(rows)
         for job, rows in zip(jobs, logits)
     ]
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The token a prompt's prefill chose, and its log-probability where the request asks."""
+
+    token_id: int
+    logprobs: tuple[TokenLogprob, ...]  # [1], or () where not asked
+
+
+def choose_first(
+    logits: torch.Tensor,
+    sampler: SequenceSampler | None = None,
+    constraint: TokenConstraint | None = None,
+) -> FirstToken:
+    """The choice from a prefill's last logits row ([n, V]: its last row): the plain argmax (ties:
+    the lowest id), or its sampler's; under its grammar, where it has one."""
+    rows = logits[-1:]
+    if constraint is not None:
+        rows = constraint.restrict(rows, (), ())
+    if sampler is None:
+        return FirstToken(int(rows[-1].argmax()), ())
+    choice = sampler.choose(rows)
+    num_top = sampler.num_top_logprobs
+    if num_top is None:
+        return FirstToken(choice.tokens[0], ())
+    logprobs = token_logprobs(choice.processed, choice.tokens, num_top)
+    return FirstToken(choice.tokens[0], tuple(logprobs))
 
 
 def greedy(logits: list[torch.Tensor]) -> list[list[int]]:

@@ -59,7 +59,7 @@ from vericache.engine.long_context_config import LongContextConfig, LongContextS
 from vericache.engine.long_context_fit import check_fits, prefill_bytes
 from vericache.engine.prefill import Prefiller, SequenceStarter
 from vericache.engine.prefix_caches import OwnPrefixes
-from vericache.engine.request import DecodeMode, Request, RequestOutput
+from vericache.engine.request import DecodeMode, Request, RequestOutput, TokenLogprob
 from vericache.engine.sequence import Sequence
 from vericache.engine.sequence_forward import SequenceForward
 from vericache.errors import InvalidRequestError
@@ -196,11 +196,21 @@ class LongContextEngine:
     def output_ids(self, key: str) -> list[int]:
         """The output tokens an unfinished request has committed so far (drafts excluded; []
         before its prefill)."""
+        seq = self._unfinished(key)
+        return [] if seq is None else list(seq.output_ids)
+
+    def output_logprobs(self, key: str) -> list[TokenLogprob]:
+        """Their log-probabilities, where the request asks for them ([] where not)."""
+        seq = self._unfinished(key)
+        return [] if seq is None else list(seq.logprobs)
+
+    def _unfinished(self, key: str) -> Sequence | None:
+        """An unfinished request's sequence; None before its prefill."""
         if any(item[0] == key for item in self._pending):
-            return []
+            return None
         if key not in self._running:
             raise KeyError(f"no unfinished request {key!r}")
-        return list(self._running[key].output_ids)
+        return self._running[key]
 
     @property
     def has_unfinished(self) -> bool:

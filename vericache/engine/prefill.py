@@ -19,7 +19,7 @@ from vericache.compress.context import ModelContext
 from vericache.engine.constraint import TokenConstraint
 from vericache.engine.device_memory import full_kv_capacity
 from vericache.engine.engine_config import DraftKVSource, EngineConfig
-from vericache.engine.forward_loop import greedy
+from vericache.engine.forward_loop import choose_first
 from vericache.engine.request import DecodeMode, Request
 from vericache.engine.sequence import Sequence
 from vericache.errors import InvalidRequestError
@@ -90,13 +90,9 @@ class SequenceStarter:
             seq.constraint = TokenConstraint.build(
                 request.constraint, self.prefiller.tokenizer, vocab_size, end_ids
             )
-        logits = self._prefill(seq)[-1:]
-        if seq.constraint is not None:
-            logits = seq.constraint.restrict(logits, (), ())
-        sampler = seq.sampler()
-        (first,) = greedy([logits]) if sampler is None else [sampler.sample(logits)]
+        first = choose_first(self._prefill(seq), seq.sampler(), seq.constraint)
         seq.stats.prefill_s = time.perf_counter() - seq.started_at
-        seq.commit(first)
+        seq.commit([first.token_id], first.logprobs)
         return seq
 
     def _prefill(self, seq: Sequence) -> torch.Tensor:

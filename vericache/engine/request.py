@@ -60,6 +60,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one found
     stop_token_ids: tuple[int, ...] = ()  # extra end tokens besides the model's EOS
     ignore_eos: bool = False
+    # Report each output token's log-probability and this many of the most likely tokens at its
+    # position (`TokenLogprob`; 0: the token's alone); None: none.
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -78,6 +81,11 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must lie in [-2, 2]"),
             ("seed", self.seed is None or 0 <= self.seed < 2**64, "must lie in [0, 2**64)"),
             ("coupling", self.coupling in COUPLINGS, f"must be one of {', '.join(COUPLINGS)}"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must lie in [0, {MAX_LOGPROBS}]",
+            ),
         ]
         for name, holds, requirement in checks:
             if not holds:
@@ -93,8 +101,20 @@ class SamplingParams:
         """Drafts are checked by rejection coupling."""
         return self.is_sampled and self.coupling == "rejection"
 
+    @property
+    def is_penalized(self) -> bool:
+        """Logits are penalized for the tokens seen (greedy choices included)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0
+
+    @property
+    def needs_sampler(self) -> bool:
+        """Its tokens are not a plain argmax of the logits: sampled, penalized, or reported
+        with their log-probabilities (engine/sampling.py `SequenceSampler`)."""
+        return self.is_sampled or self.is_penalized or self.logprobs is not None
+
 
 COUPLINGS = ("seeded", "rejection")
+MAX_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's bound)
 CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex")
 
 
@@ -123,6 +143,19 @@ class GrammarState:
 
     constraint: OutputConstraint
     output: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability, and the most likely tokens at its position (vLLM's
+    processed logprobs): from the logits the token was chosen from, after the grammar mask and
+    the penalties, and for a sampled request the temperature and the top-k, top-p and min-p
+    masks; a masked token's is -inf. A vericache request's come from its verifier's full-KV
+    logits: they equal what full-KV decoding reports, bit for bit."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # [SamplingParams.logprobs] (id, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -239,3 +272,4 @@ class RequestOutput:
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     stats: RequestStats
     seed: int | None = None  # the sampling seed used (drawn where the request gave none)
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)], where the request asked

@@ -16,7 +16,9 @@ but it is not the sample full-KV decoding with the same seed would give.
 
 Logit processing follows vLLM's definitions: repetition_penalty over the prompt and output tokens
 (positive logits divided by it, negative ones multiplied), presence_penalty subtracted once from
-every token already in the output, then temperature, then top-k, top-p and min-p masks.
+every token already in the output, then temperature, then top-k, top-p and min-p masks. A greedy
+request's token is the argmax of its penalized logits. Log-probabilities (`token_logprobs`) are
+those of the processed logits a token was chosen from: vLLM's processed logprobs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache.engine.request import SamplingParams
+from vericache.engine.request import SamplingParams, TokenLogprob
 
 _MASK32 = 0xFFFFFFFF
 _UNIFORM_BITS = 24  # uniforms on a grid of 2**-24, never 0 or 1: finite Gumbel noise
@@ -38,15 +40,14 @@ def processed_logits(
     prompt_ids: Sequence[int] = (),
     output_ids: Sequence[Sequence[int]] = (),
 ) -> torch.Tensor:
-    """logits [n, V] of n consecutive positions -> float32 [n, V] to sample from (masked tokens
-    -inf), for parameters that sample (temperature > 0). output_ids[i]: the output tokens before
-    position i (penalties depend on them)."""
-    if not processing.is_sampled:
-        raise ValueError("temperature 0 decodes greedily: there is nothing to sample")
+    """logits [n, V] of n consecutive positions -> float32 [n, V] to choose from (masked tokens
+    -inf): penalized, and where the parameters sample (temperature > 0) scaled and masked.
+    output_ids[i]: the output tokens before position i (penalties depend on them)."""
     x = logits.float().clone()
-    penalized = processing.repetition_penalty != 1 or processing.presence_penalty != 0
-    for row, before in zip(x, output_ids if penalized else ()):
+    for row, before in zip(x, output_ids if processing.is_penalized else ()):
         _penalize(row, processing, prompt_ids, before)
+    if not processing.is_sampled:
+        return x  # greedy: the argmax of the penalized logits
     x /= processing.temperature
     if processing.top_k and processing.top_k < x.shape[-1]:
         kth = x.topk(processing.top_k, dim=-1).values[:, -1:]
@@ -120,14 +121,24 @@ def checks_by_rejection(sampler: SequenceSampler | None) -> bool:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """Tokens chosen at consecutive positions, and the processed logits they were chosen from."""
+
+    tokens: list[int]  # [n]
+    processed: torch.Tensor  # [n, V] float32
+
+
+@dataclass(frozen=True)
 class SequenceSampler:
-    """Seeded sampling of one sequence's tokens, wherever its rows are computed: a draft step, a
-    verification, a decode step or a prefill. `history` is the output before the first row it
-    samples; row r of a forward then predicts output index len(history) + r past the tokens the
-    job already knows, at sequence position len(prompt_ids) + that index."""
+    """How one sequence chooses its tokens, wherever its rows are computed (a draft step, a
+    verification, a decode step or a prefill), where that is more than a plain argmax
+    (`SamplingParams.needs_sampler`): seeded sampling, penalties, reported log-probabilities.
+    `history` is the output before the first row it chooses; row r of a forward then predicts
+    output index len(history) + r past the tokens the job already knows, at sequence position
+    len(prompt_ids) + that index."""
 
     params: SamplingParams
-    seed: int
+    seed: int | None  # None: greedy
     prompt_ids: tuple[int, ...]
     history: tuple[int, ...]
 
@@ -138,27 +149,60 @@ class SequenceSampler:
         first row's prediction (a stepping job's earlier choices); following: the tokens fed
         after the first row's, row r having seen following[:r] (a verification's drafts). Row r
         predicts output index len(history) + len(before) + r."""
-        processed, positions = self._processed(rows, before, following)
-        return seeded_sample(processed, self.seed, positions).tolist()
+        return self.choose(rows, before, following).tokens
 
-    def sample_with_distributions(
+    def choose(
         self, rows: torch.Tensor, before: Sequence[int] = (), following: Sequence[int] = ()
-    ) -> tuple[list[int], torch.Tensor]:
-        """`sample`, and the distributions [n, V] float32 the tokens were drawn from (what
-        rejection coupling compares)."""
-        processed, positions = self._processed(rows, before, following)
-        tokens = seeded_sample(processed, self.seed, positions).tolist()
-        return tokens, processed.softmax(-1)
-
-    def _processed(self, rows: torch.Tensor, before, following):
-        """The rows' processed logits [n, V] and the sequence positions [n] they predict."""
+    ) -> Choice:
+        """`sample`, with the processed logits the tokens were chosen from."""
         first = len(self.history) + len(before)
-        penalized = self.params.repetition_penalty != 1 or self.params.presence_penalty != 0
         seen = (*self.history, *before)
+        penalized = self.params.is_penalized
         histories = [(*seen, *following[:r]) for r in range(rows.shape[0])] if penalized else ()
         processed = processed_logits(rows, self.params, self.prompt_ids, histories)
+        if not self.params.is_sampled:
+            return Choice(processed.argmax(-1).tolist(), processed)
         positions = len(self.prompt_ids) + first + torch.arange(rows.shape[0], device=rows.device)
-        return processed, positions
+        return Choice(seeded_sample(processed, self.seed, positions).tolist(), processed)
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """The alternatives each reported position lists; None: no log-probabilities."""
+        return self.params.logprobs
+
+
+def token_logprobs(
+    processed: torch.Tensor, tokens: Sequence[int], num_top: int
+) -> list[TokenLogprob]:
+    """The log-probabilities of `tokens` [n] under processed logits [n, V] (row r chose
+    tokens[r]), each with the `num_top` most likely tokens of its row (ties: the lower id)."""
+    logprobs = processed.float().log_softmax(-1)  # [n, V]
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    if not num_top:
+        return [TokenLogprob(token, value) for token, value in zip(tokens, chosen)]
+    best = logprobs.topk(num_top, dim=-1)  # [n, k]; a full sort of each row costs 20x more
+    kth = best.values[:, -1:]  # [n, 1]
+    # Rows where more tokens tie with the k-th best than topk took (a grammar's mask ties every
+    # forbidden token at -inf): which of them it took is its own; the lowest ids are reported.
+    num_at_least = (logprobs >= kth).sum(-1).tolist()
+    rows = zip(best.indices.tolist(), best.values.tolist(), num_at_least)
+    reported = []
+    for row, (token, value, (ids, values, at_least)) in enumerate(zip(tokens, chosen, rows)):
+        if at_least > num_top:
+            ids, values = _lowest_ids_at_ties(logprobs[row], num_top, values[-1])
+        ranked = sorted(zip(ids, values), key=lambda pair: (-pair[1], pair[0]))
+        reported.append(TokenLogprob(token, value, tuple(ranked)))
+    return reported
+
+
+def _lowest_ids_at_ties(logprobs: torch.Tensor, num_top: int, kth: float):
+    """The ids and values of a row's [V] `num_top` best tokens, the lowest ids among those tied
+    with the k-th best."""
+    above = (logprobs > kth).nonzero()[:, 0]
+    tied = (logprobs == kth).nonzero()[:, 0][: num_top - above.numel()]
+    ids = torch.cat([above, tied])
+    return ids.tolist(), logprobs[ids].tolist()
 
 
 @dataclass(frozen=True)
@@ -191,22 +235,39 @@ def rejection_sample(
     return RejectionOutcome(k, _draw(target_probs[k].double(), generator))
 
 
-def rejection_verified(
+@dataclass(frozen=True)
+class Verdict:
+    """A verification's outcome as a round commits it: the verifier's choice at each position
+    (greedy and seeded coupling: after each fed token, [1 + num drafts]; rejection coupling: the
+    kept drafts and the token after them), and their log-probabilities where the request asks."""
+
+    tokens: list[int]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+def rejection_verdict(
     sampler: SequenceSampler,
     drafts: Sequence[int],
     draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-) -> list[int]:
+    target_processed: torch.Tensor,
+) -> Verdict:
     """A round under rejection coupling, as the tokens a verifier would have chosen: the kept
     drafts, then the token drawn at the first rejection (never the rejected draft, whose residual
     probability is zero) or the bonus after them all. draft_probs: [k, V] (None when k = 0);
-    target_probs: [k + 1, V]. Its random numbers are the round's (seed, first position)."""
+    target_processed: the verifier's processed logits [k + 1, V]. Its random numbers are the
+    round's (seed, first position)."""
+    target_probs = target_processed.softmax(-1)
     if draft_probs is None:
         draft_probs = target_probs[:0]
     position = len(sampler.prompt_ids) + len(sampler.history)
     generator = round_generator(sampler.seed, position)
     outcome = rejection_sample(drafts, draft_probs.to(target_probs.device), target_probs, generator)
-    return [*drafts[: outcome.num_accepted], outcome.next_token]
+    tokens = [*drafts[: outcome.num_accepted], outcome.next_token]
+    num_top = sampler.num_top_logprobs
+    if num_top is None:
+        return Verdict(tokens)
+    rows = target_processed[: len(tokens)]
+    return Verdict(tokens, tuple(token_logprobs(rows, tokens, num_top)))
 
 
 def round_generator(seed: int, position: int) -> torch.Generator:

@@ -22,7 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vericache.engine.request import DecodeMode, Request, RequestOutput, RequestStats
+from vericache.engine.request import (
+    DecodeMode,
+    Request,
+    RequestOutput,
+    RequestStats,
+    TokenLogprob,
+)
 from vericache.engine.stops import StopChecker
 
 if TYPE_CHECKING:  # rounds stay torch-free: the simulator runs them too (vericache.sim)
@@ -59,6 +65,8 @@ class Sequence:
     # Rejection coupling: the distribution [V] each draft was sampled from (opaque here: torch
     # tensors the engine keeps with the round).
     draft_distributions: list = field(default_factory=list)
+    # [len(output_ids)] where the request asks for log-probabilities (`SamplingParams.logprobs`)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     seed: int | None = None  # the sampling seed: the request's, or one drawn for it
@@ -99,10 +107,10 @@ class Sequence:
         return self.finish_reason is not None
 
     def sampler(self, following: tuple[int, ...] | list[int] = ()) -> SequenceSampler | None:
-        """Seeded sampling of the next tokens, after the output and `following` (a draft step's
-        earlier drafts); None where the request decodes greedily."""
+        """How the next tokens are chosen, after the output and `following` (a draft step's
+        earlier drafts); None where they are the logits' plain argmax."""
         params = self.request.params
-        if not params.is_sampled:
+        if not params.needs_sampler:
             return None
         # Imported here: the simulator uses this module, and runs without torch.
         from vericache.engine.sampling import SequenceSampler
@@ -155,13 +163,16 @@ class Sequence:
         position = len(self.output_ids) + len(self.draft_ids) - 1
         return position < len(expected) and self.draft_ids[-1] != expected[position]
 
-    def finish_round(self, verified: list[int]) -> RoundOutcome:
-        """Commits a verified round. verified: the verifier's greedy choice after each of the
-        round's fed tokens, [1 + num drafts]; the accepted drafts and the choice after them (the
-        correction, or the bonus after all) are committed one at a time through the stop checks."""
+    def finish_round(
+        self, verified: list[int], logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> RoundOutcome:
+        """Commits a verified round. verified: the verifier's choice after each of the round's
+        fed tokens, [1 + num drafts]; the accepted drafts and the choice after them (the
+        correction, or the bonus after all) are committed one at a time through the stop checks.
+        logprobs: the verifier's at each position of `verified`, where the request asks."""
         drafts = self.draft_ids
         accepted = num_accepted(drafts, verified)
-        committed = self.commit([*drafts[:accepted], verified[accepted]])
+        committed = self.commit([*drafts[:accepted], verified[accepted]], logprobs)
         self.stats.rounds += 1
         self.stats.drafted_per_round.append(len(drafts))
         # A stop inside the accepted drafts ends the sequence before the rest is emitted.
@@ -176,22 +187,28 @@ class Sequence:
         context (a finished sequence makes no call)."""
         return max(1, min(max_tokens, self.num_remaining, self.room))
 
-    def commit_decoded(self, tokens: list[int]) -> list[int]:
+    def commit_decoded(
+        self, tokens: list[int], logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> list[int]:
         """Commits decoded tokens (one decode step each); returns those the stop checks let in."""
         self.stats.rounds += len(tokens)
-        return self.commit(tokens)
+        return self.commit(tokens, logprobs)
 
     # -- both -----------------------------------------------------------------------------------
 
-    def commit(self, tokens: list[int]) -> list[int]:
+    def commit(self, tokens: list[int], logprobs: tuple[TokenLogprob, ...] = ()) -> list[int]:
         """Appends output tokens one at a time until a stop condition fires; returns those
-        appended."""
+        appended. logprobs: each token's (`TokenLogprob`), where the request asks for them."""
+        if self.request.params.logprobs is not None and len(logprobs) < len(tokens):
+            raise ValueError(f"{len(tokens)} tokens came with {len(logprobs)} log-probabilities")
         appended = []
-        for token in tokens:
+        for index, token in enumerate(tokens):
             if self.is_finished:
                 break
             self.token_ids.append(token)
             appended.append(token)
+            if self.request.params.logprobs is not None:
+                self.logprobs.append(logprobs[index])
             if self.constraint is not None:
                 self.constraint.commit((token,))
             self.stats.num_output_tokens += 1
@@ -214,6 +231,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             stats=self.stats,
             seed=self.seed,
+            logprobs=list(self.logprobs) if self.request.params.logprobs is not None else None,
         )
 
     # -- what the caches are fed ----------------------------------------------------------------

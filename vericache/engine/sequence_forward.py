@@ -16,7 +16,7 @@ import torch
 from vericache.engine.engine_config import DraftKVSource, EngineConfig
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.engine.request import DecodeMode
-from vericache.engine.sampling import rejection_verified
+from vericache.engine.sampling import Verdict, rejection_verdict
 from vericache.engine.sequence import Sequence
 from vericache.kv.exact import ExactKV
 from vericache.model.runner import ModelRunner
@@ -40,7 +40,8 @@ class SequenceForward:
                 seq.compressed_cache,
                 seq.compressed_input(),
                 sampler=seq.sampler(seq.draft_ids),
-                keeps_distributions=seq.is_rejection_coupled,
+                keeps_processed=seq.is_rejection_coupled,
+                reports_logprobs=seq.mode is DecodeMode.LOSSY,
                 constraint=seq.constraint,
                 constrained_after=list(seq.draft_ids),
             )
@@ -53,7 +54,8 @@ class SequenceForward:
                 num_logits=1 + len(seq.draft_ids),
                 is_full_kv=True,
                 sampler=seq.sampler(),
-                keeps_distributions=seq.is_rejection_coupled,
+                keeps_processed=seq.is_rejection_coupled,
+                reports_logprobs=not seq.is_rejection_coupled,
                 constraint=seq.constraint,
             )
             for seq in full_batch
@@ -64,22 +66,23 @@ class SequenceForward:
         for seq, job in zip(compressed_batch, compressed_jobs):
             (token,) = job.choices
             if seq.mode is DecodeMode.LOSSY:
-                _decode_step(seq, token, draft_s)
+                _decode_step(seq, job, draft_s)
                 if not seq.is_finished:
                     seq.request.compressor.update(seq.compressed_cache)
             else:
                 seq.stats.draft_s += draft_s
                 seq.draft_ids.append(token)
-                if job.keeps_distributions:
-                    seq.draft_distributions.append(job.distributions[0][0])
+                if job.keeps_processed:
+                    seq.draft_distributions.append(job.processed[0][0].softmax(-1))
         for seq, job, verified_before in zip(full_batch, full_jobs, num_verified_before):
             if seq.mode is DecodeMode.FULL:
-                _decode_step(seq, job.choices[0], elapsed - draft_s)
+                _decode_step(seq, job, elapsed - draft_s)
             else:
                 seq.stats.verify_s += elapsed - draft_s
-                verified = (
-                    _rejection_verified(seq, job) if seq.is_rejection_coupled else job.choices
-                )
+                if seq.is_rejection_coupled:
+                    verified = _rejection_verified(seq, job)
+                else:
+                    verified = Verdict(job.choices, tuple(job.logprobs))
                 self._finish_round(seq, verified, verified_before)
 
     def _observe(self, elapsed: float, compressed_jobs: list[Job], full_jobs: list[Job]) -> float:
@@ -93,8 +96,8 @@ class SequenceForward:
         self.round_costs.observe_verification(elapsed - draft_s, len(full_jobs), num_tokens)
         return draft_s
 
-    def _finish_round(self, seq: Sequence, verified: list[int], verified_before: int) -> None:
-        seq.finish_round(verified)
+    def _finish_round(self, seq: Sequence, verified: Verdict, verified_before: int) -> None:
+        seq.finish_round(verified.tokens, verified.logprobs)
         if seq.is_finished:
             return
         # Keep the KV of the accepted tokens; the newest token is fed in the next round.
@@ -109,14 +112,14 @@ class SequenceForward:
         seq.request.compressor.update(compressed)
 
 
-def _decode_step(seq: Sequence, token: int, elapsed: float) -> None:
+def _decode_step(seq: Sequence, job: Job, elapsed: float) -> None:
     """A single-token step of the full or lossy mode."""
     seq.stats.decode_s += elapsed
-    seq.commit_decoded([token])
+    seq.commit_decoded(job.choices, tuple(job.logprobs))
 
 
-def _rejection_verified(seq: Sequence, job: Job) -> list[int]:
+def _rejection_verified(seq: Sequence, job: Job) -> Verdict:
     """The round's tokens under rejection coupling (sampling.rejection_verified)."""
     drafts = seq.draft_distributions
     draft_probs = torch.stack(drafts) if drafts else None  # [num_drafts, V]
-    return rejection_verified(seq.sampler(), seq.draft_ids, draft_probs, job.distributions[0])
+    return rejection_verdict(seq.sampler(), seq.draft_ids, draft_probs, job.processed[0])

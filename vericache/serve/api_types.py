@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from vericache.engine.request import DecodeMode, OutputConstraint
+from vericache.engine.request import DecodeMode, OutputConstraint, TokenLogprob
 
 
 class ServeMode(str, enum.Enum):
@@ -85,6 +85,8 @@ class SamplingChoice:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     coupling: str | None = None  # "seeded" or "rejection"
+    # Report each token's log-probability and this many alternatives (0 to 20); None: none.
+    logprobs: int | None = None
 
     def given(self) -> dict[str, float | int | str]:
         """The fields the caller set, by SamplingParams' names."""
@@ -158,6 +160,7 @@ class GenerateCall:
 class OutputChunk:
     text: str  # the text these tokens add (held back while it may still change)
     token_ids: tuple[int, ...]  # [num_new_tokens]
+    logprobs: tuple[TokenLogprob, ...] = ()  # [num_new_tokens] where the request asks
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vericache.engine.long_context import LongContextEngine
-from vericache.engine.request import Request, RequestOutput
+from vericache.engine.request import Request, RequestOutput, TokenLogprob
 from vericache.errors import WorkerUnavailableError
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TokensCommitted:
     token_ids: list[int]  # output tokens committed since the request's previous event
+    logprobs: list[TokenLogprob]  # [len(token_ids)] where the request asks, else []
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,9 @@ class EngineLoop:
         committed = self.engine.output_ids(submission.key)
         if len(committed) > submission.num_reported:
             new = committed[submission.num_reported :]
+            logprobs = self.engine.output_logprobs(submission.key)[submission.num_reported :]
             submission.num_reported = len(committed)
-            submission.on_event(TokensCommitted(new))
+            submission.on_event(TokensCommitted(new, logprobs))
 
     def _cancel(self, submission: Submission) -> None:
         submission.is_cancelled = True

@@ -143,11 +143,12 @@ async def _committed(
         if isinstance(event, RequestFailed):
             raise event.error
         if isinstance(event, TokensCommitted):
-            yield served.commit(event.token_ids)
+            yield served.commit(event.token_ids, tuple(event.logprobs))
             continue
         assert isinstance(event, RequestFinished)
         output, seq = event.output, served.seq
-        yield served.commit(output.token_ids[len(seq.output_ids) :])
+        done = len(seq.output_ids)
+        yield served.commit(output.token_ids[done:], tuple((output.logprobs or [])[done:]))
         if not seq.is_finished:
             seq.finish(output.finish_reason)
         seq.stats.rounds = output.stats.rounds

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vericache.engine.device_memory import full_kv_capacity
-from vericache.engine.request import GrammarState, Request
+from vericache.engine.request import GrammarState, Request, TokenLogprob
 from vericache.engine.sampling import SequenceSampler
 from vericache.engine.sequence import Sequence
 from vericache.scheduler.path_choice import ServingPath
@@ -155,18 +155,21 @@ class ServedRequest:
     def add(self, traffic: Traffic) -> None:
         self.traffic = self.traffic + traffic
 
-    def commit(self, tokens: list[int]) -> list[int]:
+    def commit(self, tokens: list[int], logprobs: tuple[TokenLogprob, ...] = ()) -> list[int]:
         """Tokens committed outside a round or decode step (the prefill's first token)."""
-        return self._first_token_seen(self.seq.commit(tokens))
+        return self._first_token_seen(self.seq.commit(tokens, logprobs))
 
-    def commit_decoded(self, tokens: list[int]) -> list[int]:
-        return self._first_token_seen(self.seq.commit_decoded(tokens))
+    def commit_decoded(
+        self, tokens: list[int], logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> list[int]:
+        return self._first_token_seen(self.seq.commit_decoded(tokens, logprobs))
 
     def finish_round(self, verified: Verified | LocalRound) -> list[int]:
         """Commits a verified round (`Sequence.finish_round`)."""
         if isinstance(verified, Verified):
             self.add(verified.traffic)
-        return self._first_token_seen(list(self.seq.finish_round(list(verified.tokens)).committed))
+        outcome = self.seq.finish_round(list(verified.tokens), verified.logprobs)
+        return self._first_token_seen(list(outcome.committed))
 
     def _first_token_seen(self, committed: list[int]) -> list[int]:
         if committed and self.first_token_at is None:
@@ -272,7 +275,7 @@ async def _alone(served: ServedRequest, worker, opening) -> AsyncIterator[list[i
     resumed = served.is_resumed
     opened = await opening
     if not resumed:
-        yield served.commit_decoded([opened.first_token])
+        yield served.commit_decoded([opened.first_token], opened.logprobs)
     seq = served.seq
     while not seq.is_finished:
         num_tokens = seq.decode_target(served.plan.decode_chunk)
@@ -282,7 +285,7 @@ async def _alone(served: ServedRequest, worker, opening) -> AsyncIterator[list[i
         )  # fmt: skip
         decoded = await worker.decode(call)
         served.add(decoded.traffic)
-        yield served.commit_decoded(list(decoded.tokens))
+        yield served.commit_decoded(list(decoded.tokens), decoded.logprobs)
 
 
 async def _vericache(
@@ -303,7 +306,7 @@ async def _vericache(
         local = await go_local(served, verifier, drafter, None, needs_first_token=not resumed)
         if local is not None:
             if not resumed:
-                yield served.commit([local.first_token])
+                yield served.commit([local.first_token], local.logprobs)
             async for tokens in local_rounds(served, drafter):
                 yield tokens
             return
@@ -315,7 +318,7 @@ async def _vericache(
             _open_drafter(served, drafter, DraftRole.DRAFT, address, served.may_go_local),
         )
     if not resumed:
-        yield served.commit([opened.first_token])
+        yield served.commit([opened.first_token], opened.logprobs)
     while not served.seq.is_finished:
         async with contextlib.aclosing(schedule.rounds(served, drafter)) as rounds:
             async for tokens in rounds:

@@ -49,6 +49,7 @@ from vericache.serve.front.openai_errors import (
     error_of,
     handle_errors,
 )
+from vericache.serve.front.openai_logprobs import TokenTexts
 from vericache.serve.front.openai_reply import Reply, collect
 from vericache.serve.front.openai_schema import ChatCompletionRequest, CompletionRequest
 from vericache.serve.front.tools import tool_parser_for
@@ -125,6 +126,7 @@ def openai_app(coordinator: Coordinator, access: Access, model_name: str) -> Fas
 
     app.state.model_name = model_name
     app.state.tool_parser = tool_parser_for(coordinator.tokenizer)
+    app.state.token_texts = TokenTexts(coordinator.tokenizer)
     return app
 
 
@@ -141,7 +143,8 @@ async def _respond(coordinator, tenant: Tenant, body, request: Request, chat: bo
     streams = [coordinator.generate(call, tenant, id_) for call, id_ in zip(calls, ids)]
     if body.timeout_s is not None:
         streams = [_within(events, body.timeout_s) for events in streams]
-    reply = Reply(request_id, tenant, state.model_name, chat, body.return_token_ids)
+    texts = state.token_texts if body.num_logprobs is not None else None
+    reply = Reply(request_id, tenant, state.model_name, chat, body.return_token_ids, texts)
     if chat and body.parses_tool_calls:
         reply.read_tool_calls(state.tool_parser, body.parallel_tool_calls)
     firsts = await _first_events(streams)

@@ -15,32 +15,37 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from vericache.engine.request import TokenLogprob
 from vericache.serve.api_types import GenerateSummary, OutputChunk
 from vericache.serve.front.auth import Tenant
 from vericache.serve.front.openai_errors import error_of
+from vericache.serve.front.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from vericache.serve.front.tools import ParsedOutput, Piece, ToolParser, parse_output
 
 
 @dataclass
 class ChoiceOutput:
-    """A whole choice: its text, its token ids and its summary."""
+    """A whole choice: its text, its token ids (and their log-probabilities, where asked) and its
+    summary."""
 
     text: str
     token_ids: list[int]
     summary: GenerateSummary
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 async def collect(first, events: AsyncIterator) -> ChoiceOutput:
     """A choice's whole output, from its first event on."""
-    texts, token_ids, summary = [], [], first
+    texts, token_ids, logprobs, summary = [], [], [], first
     async with contextlib.aclosing(events):
         async for event in chain(first, events):
             if isinstance(event, OutputChunk):
                 texts.append(event.text)
                 token_ids += event.token_ids
+                logprobs += event.logprobs
             else:
                 summary = event
-    return ChoiceOutput("".join(texts), token_ids, summary)
+    return ChoiceOutput("".join(texts), token_ids, summary, logprobs)
 
 
 async def chain(first, events: AsyncIterator) -> AsyncIterator:
@@ -53,11 +58,18 @@ class Reply:
     """The response bodies of one request, OpenAI's shapes for completions or chat."""
 
     def __init__(
-        self, request_id: str, tenant: Tenant, model: str, chat: bool, with_token_ids: bool = False
+        self,
+        request_id: str,
+        tenant: Tenant,
+        model: str,
+        chat: bool,
+        with_token_ids: bool = False,
+        logprobs: TokenTexts | None = None,
     ):
         self.request_id = request_id
         self.tenant = tenant  # for the log line of an error in the stream
         self.with_token_ids = with_token_ids
+        self.token_texts = logprobs  # where the request asks for log-probabilities
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
         self.model = model
@@ -97,21 +109,38 @@ class Reply:
                     finish_reason = "tool_calls"
             choice = {"index": index, "message": message}
         else:
-            choice = {"index": index, "text": output.text, "logprobs": None}
+            choice = {"index": index, "text": output.text}
+        choice["logprobs"] = self._logprobs(output.logprobs)
         choice["finish_reason"] = finish_reason
         if self.with_token_ids:
             choice["token_ids"] = output.token_ids
         return choice
 
+    def _logprobs(self, logprobs, text_offset: int = 0) -> dict | None:
+        """A choice's or chunk's `logprobs`; None where the request did not ask, or for no
+        tokens."""
+        if self.token_texts is None or not logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(self.token_texts, logprobs)
+        return completion_logprobs(self.token_texts, logprobs, text_offset)
+
     def _chunk(
-        self, index: int, delta: dict | None, finish_reason: str | None, first: bool, token_ids=()
+        self,
+        index: int,
+        delta: dict | None,
+        finish_reason: str | None,
+        first: bool,
+        token_ids=(),
+        logprobs: dict | None = None,
     ) -> dict:
         """A chunk with a chat `delta` (content or tool calls), or a completion's text."""
         if self.chat:
             delta = ({"role": "assistant"} if first else {}) | (delta or {})
             choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": index, "text": (delta or {}).get("content", ""), "logprobs": None}
+            choice = {"index": index, "text": (delta or {}).get("content", "")}
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         if self.with_token_ids:
             choice["token_ids"] = list(token_ids)
@@ -144,13 +173,17 @@ class Reply:
         chunks = []
         if isinstance(event, OutputChunk):
             deltas = choice.deltas.feed(event.text)
-            # Text held back still carries its tokens, where they are asked for.
-            if not deltas and (choice.is_first or (self.with_token_ids and event.token_ids)):
+            logprobs = self._logprobs(event.logprobs, choice.text_offset)
+            if logprobs is not None and not self.chat:
+                choice.text_offset += sum(len(text) for text in logprobs["tokens"])
+            # Text held back still carries its tokens and their log-probabilities, where asked.
+            carries = (self.with_token_ids and event.token_ids) or logprobs is not None
+            if not deltas and (choice.is_first or carries):
                 deltas = [{"content": event.text}]
             token_ids = event.token_ids
             for delta in deltas:
-                chunks.append(self._chunk(index, delta, None, choice.is_first, token_ids))
-                choice.is_first, token_ids = False, ()
+                chunks.append(self._chunk(index, delta, None, choice.is_first, token_ids, logprobs))
+                choice.is_first, token_ids, logprobs = False, (), None
             return chunks
         for delta in choice.deltas.finish():
             chunks.append(self._chunk(index, delta, None, choice.is_first))
@@ -168,6 +201,7 @@ class _StreamedChoice:
     max_calls: int | None
     is_first: bool = True
     summary: GenerateSummary | None = None
+    text_offset: int = 0  # a completion's: characters of its tokens' texts sent so far
     deltas: _Deltas = field(init=False)
 
     def __post_init__(self):

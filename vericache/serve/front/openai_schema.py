@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vericache.engine.request import OutputConstraint
+from vericache.engine.request import MAX_LOGPROBS, OutputConstraint
 from vericache.errors import InvalidRequestError
 from vericache.serve.api_types import (
     ChatTurn,
@@ -120,6 +120,11 @@ class _GenerateBody(_Body):
     vericache: VeriCacheOptions | None = None
 
     @property
+    def num_logprobs(self) -> int | None:
+        """The alternatives each output token reports with its log-probability; None: none."""
+        raise NotImplementedError
+
+    @property
     def timeout_s(self) -> float | None:
         return self.vericache.timeout_s if self.vericache else None
 
@@ -146,6 +151,7 @@ class _GenerateBody(_Body):
             temperature=temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, coupling=self.coupling,
+            logprobs=self.num_logprobs,
         )  # fmt: skip
         return GenerateCall(
             prefix_id=options.prefix_id,
@@ -164,6 +170,12 @@ class CompletionRequest(_GenerateBody):
     """POST /v1/completions: text continued as it is (after the prefix's tokens, if any)."""
 
     prompt: str
+    # Each token's log-probability, with this many of the most likely tokens at its position.
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def generate_call(self, tool_parser: ToolParser | None = None) -> GenerateCall:
         return self._call(self.max_tokens, prompt=self.prompt, continues_text=True)
@@ -251,6 +263,16 @@ class ChatCompletionRequest(_GenerateBody):
     # "required" and a named function: the reply is calls, decoded under their schemas' grammar.
     tool_choice: Literal["none", "auto"] | NamedToolChoice | Literal["required"] | None = None
     parallel_tool_calls: bool = True
+    logprobs: bool = False  # each output token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # ...and the most likely tokens'
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise InvalidRequestError("top_logprobs: it needs logprobs set to true")
+            return None
+        return self.top_logprobs or 0
 
     @property
     def parses_tool_calls(self) -> bool:

@@ -19,7 +19,11 @@ async def stream_events(
     text = TextDeltas(seq.stop_checker)
     async for tokens in rounds:
         if tokens:
-            yield OutputChunk(text.delta(seq.output_ids), tuple(tokens))
+            # The sequence's log-probabilities follow its output token for token.
+            logprobs = (
+                tuple(seq.logprobs[len(seq.logprobs) - len(tokens) :]) if seq.logprobs else ()
+            )
+            yield OutputChunk(text.delta(seq.output_ids), tuple(tokens), logprobs)
     tail = text.delta(seq.output_ids, final=True)
     if tail:
         yield OutputChunk(tail, ())

@@ -30,7 +30,7 @@ import torch
 
 from vericache.engine.calibration import time_draft_step
 from vericache.engine.device_memory import prefix_budget_left
-from vericache.engine.forward_loop import Job
+from vericache.engine.forward_loop import Job, choose_first
 from vericache.engine.sampling import checks_by_rejection
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
@@ -47,7 +47,6 @@ from vericache.serve.workers.turn_cache import TurnCache, TurnTokens
 from vericache.serve.workers.warm_node import WarmNode
 from vericache.serve.workers.worker import (
     SessionNotFoundError,
-    first_token,
     load_worker_model,
     session_grammars,
 )
@@ -155,13 +154,13 @@ class Drafter:
                 suffix = torch.tensor(after_prefix[reused:], dtype=torch.long)
                 logits = self.runner.prefill(suffix, cache, chunk_size=self.config.prefill_chunk)
                 grammar = self._grammars.constraint(call.session_id, call.grammar)
-                first = first_token(logits, call.sampler, grammar)
+                first = choose_first(logits, call.sampler, grammar)
                 _update(cache)
         except BaseException:
             copies.release(held)
             raise
         if history is not None:
-            history.commit([first])
+            history.commit([first.token_id])
         session = _Session(
             call.session_id, call.role, cache, held, copies, call.prefix_id, call.capacity,
             history=history,
@@ -172,7 +171,9 @@ class Drafter:
             proofs = self._secret.fetch_metadata(call.session_id, call.host_tier_grant)
             fetcher = self._fetcher(call.transfer_address, into_tier=True)
             self._warm.stream(call.prefix_id, nbytes, fetcher, proofs)
-        return DrafterOpened(first, traffic, reused_tokens=reused)
+        if first is None:
+            return DrafterOpened(None, traffic)
+        return DrafterOpened(first.token_id, traffic, reused, first.logprobs)
 
     def _prefix_copy(
         self, call: OpenDrafter, nbytes: int
@@ -222,13 +223,13 @@ class Drafter:
         rejects = checks_by_rejection(call.sampler)
         job = Job(
             session.cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids,
-            sampler=call.sampler, keeps_distributions=rejects,
+            sampler=call.sampler, keeps_processed=rejects,
             constraint=self._grammars.constraint(call.session_id, call.grammar),
         )  # fmt: skip
         started = time.perf_counter()
         tokens = self._loop.run(job)
         step_s = (time.perf_counter() - started) / job.steps
-        distributions = torch.cat(job.distributions).cpu() if rejects else None
+        distributions = torch.cat(job.processed).softmax(-1).cpu() if rejects else None
         return Drafted(tuple(tokens), step_s, distributions, warm)
 
     def open_local(self, call: OpenLocal) -> LocalOpened:
@@ -252,7 +253,10 @@ class Drafter:
             if session.cache.num_tokens < len(call.history):
                 exact = ExactKV.of(opened.cache, session.cache.num_tokens, len(call.history))
                 _take_exact(session.cache, exact)
-        return LocalOpened(True, opened.first_token, opened.reused_tokens)
+        first = opened.first
+        if first is None:
+            return LocalOpened(True, None, opened.reused_tokens)
+        return LocalOpened(True, first.token_id, opened.reused_tokens, first.logprobs)
 
     def local_round(self, call: LocalRoundCall) -> LocalRound:
         """A whole round on this node: the drafts over the compressed KV, their verification over
@@ -263,7 +267,9 @@ class Drafter:
             grammar = self._grammars.constraint(call.session_id, call.grammar)
             done = self._warm.verify(call.session_id, call.pending, drafted, call.sampler, grammar)
             _take_exact(session.cache, done.exact)
-        return LocalRound(drafted.tokens, done.tokens, done.num_accepted, done.forward_s)
+        return LocalRound(
+            drafted.tokens, done.tokens, done.num_accepted, done.forward_s, done.logprobs
+        )
 
     def decode(self, call: DecodeCall) -> Decoded:
         """LOSSY or FULL: up to `max_tokens` greedy tokens after `pending`, alone."""
@@ -281,12 +287,13 @@ class Drafter:
                 is_full_kv=is_full,
                 after_step=None if is_full else (lambda: _update(cache)),
                 sampler=call.sampler,
+                reports_logprobs=True,
                 constraint=self._grammars.constraint(call.session_id, call.grammar),
             )
             tokens = self._loop.run(job)
             if history is not None:
                 history.commit(tokens)
-        return Decoded(tuple(tokens), Traffic())
+        return Decoded(tuple(tokens), Traffic(), tuple(job.logprobs))
 
     def close_session(self, session_id: str) -> None:
         self._grammars.drop(session_id)

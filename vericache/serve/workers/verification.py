@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from vericache.engine.constraint import TokenConstraint
 from vericache.engine.forward_loop import Job
-from vericache.engine.sampling import SequenceSampler, checks_by_rejection, rejection_verified
+from vericache.engine.request import TokenLogprob
+from vericache.engine.sampling import SequenceSampler, checks_by_rejection, rejection_verdict
 from vericache.engine.sequence import num_accepted
 from vericache.kv.cache import KVCache
 from vericache.kv.exact import ExactKV
@@ -26,6 +27,7 @@ class Verification:
     num_accepted: int  # drafts kept: the cache holds pending + these
     exact: ExactKV  # the KV of pending + accepted drafts, for the drafter's cache
     forward_s: float  # the batch's verification forward
+    logprobs: tuple[TokenLogprob, ...] = ()  # of its tokens, where the request asks
 
 
 def verify_round(
@@ -49,16 +51,20 @@ def verify_round(
         num_logits=len(fed),
         is_full_kv=True,
         sampler=sampler,
-        keeps_distributions=rejects,
+        keeps_processed=rejects,
+        reports_logprobs=not rejects,
         constraint=constraint,
     )
     started = time.perf_counter()
     tokens = loop.run(job)
     forward_s = time.perf_counter() - started
+    logprobs = tuple(job.logprobs)
     if rejects:
-        target = job.distributions[0]  # [1 + len(drafts), V]
-        tokens = rejection_verified(sampler, drafts, drafted.distributions, target)
+        target = job.processed[0]  # [1 + len(drafts), V]
+        verdict = rejection_verdict(sampler, drafts, drafted.distributions, target)
+        tokens, logprobs = verdict.tokens, verdict.logprobs
     accepted = num_accepted(list(drafts), tokens)
     kept = before + len(pending) + accepted
     cache.truncate(kept)  # the rest was the drafts'
-    return Verification(tuple(tokens), accepted, ExactKV.of(cache, before, kept), forward_s)
+    exact = ExactKV.of(cache, before, kept)
+    return Verification(tuple(tokens), accepted, exact, forward_s, logprobs)

@@ -25,7 +25,7 @@ import torch
 
 from vericache.engine.calibration import measure_link_bandwidth
 from vericache.engine.device_memory import prefix_budget_left, slot_bytes
-from vericache.engine.forward_loop import Job
+from vericache.engine.forward_loop import Job, choose_first
 from vericache.engine.link import LinkSpec, ThrottledLink
 from vericache.errors import InvalidRequestError, WorkerUnavailableError
 from vericache.kv.cache import KVCache
@@ -46,7 +46,6 @@ from vericache.serve.workers.verification import verify_round
 from vericache.serve.workers.worker import (
     DraftFailedError,
     SessionNotFoundError,
-    first_token,
     load_worker_model,
     session_grammars,
 )
@@ -179,8 +178,8 @@ class Verifier:
                 chunk = self.config.prefill_chunk
                 logits = self.runner.prefill(suffix, session.cache, chunk_size=chunk)
                 grammar = self._grammars.constraint(call.session_id, call.grammar)
-                first = first_token(logits, call.sampler, grammar)
-                session.history.commit([first])
+                first = choose_first(logits, call.sampler, grammar)
+                session.history.commit([first.token_id])
                 exact, delay = None, 0.0
                 if call.for_drafter:
                     exact = ExactKV.of(session.cache, len(prefix), len(prompt))
@@ -189,7 +188,9 @@ class Verifier:
             self.close_session(call.session_id)
             raise
         traffic = shared + loaded + self._found() + Traffic(link_bytes=exact.nbytes if exact else 0)
-        return VerifierOpened(first, exact, delay, traffic, reused_tokens=start)
+        return VerifierOpened(
+            first.token_id, exact, delay, traffic, reused_tokens=start, logprobs=first.logprobs
+        )
 
     def verify(self, call: VerifyCall) -> Verified:
         """One forward over [pending + drafts] with the full KV (batched with the other
@@ -209,7 +210,10 @@ class Verifier:
             session.history.commit(done.tokens[: done.num_accepted + 1])  # the rest: rejected
         delay = self._hand_over(done.exact)
         traffic = loaded + self._found() + Traffic(link_bytes=done.exact.nbytes)
-        return Verified(done.tokens, done.num_accepted, done.exact, delay, traffic, done.forward_s)
+        return Verified(
+            done.tokens, done.num_accepted, done.exact, delay, traffic, done.forward_s,
+            done.logprobs,
+        )  # fmt: skip
 
     def _drafted(self, call: VerifyCall) -> Drafted:
         """The call's drafts, waiting for the draft call's answer where it carries one (bounded:
@@ -233,12 +237,12 @@ class Verifier:
             session.history.feed(_num_cached(session), call.pending)
             job = Job(
                 session.cache, list(call.pending), call.max_tokens, 1, call.end_ids,
-                is_full_kv=True, sampler=call.sampler,
+                is_full_kv=True, sampler=call.sampler, reports_logprobs=True,
                 constraint=self._grammars.constraint(call.session_id, call.grammar),
             )  # fmt: skip
             tokens = self._loop.run(job)
             session.history.commit(tokens)
-        return Decoded(tuple(tokens), loaded)
+        return Decoded(tuple(tokens), loaded, tuple(job.logprobs))
 
     def close_session(self, session_id: str) -> None:
         # Its prefix stays pinned until a call still using the session ends.

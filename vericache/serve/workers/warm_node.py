@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from vericache.engine.constraint import TokenConstraint
+from vericache.engine.forward_loop import FirstToken, choose_first
 from vericache.engine.sampling import SequenceSampler
 from vericache.kv.cache import KVCache
 from vericache.kv.pool import BufferPool
@@ -39,7 +40,7 @@ from vericache.serve.workers.batching import BatchLoop
 from vericache.serve.workers.kv_transfer import KVFetcher, KVKind
 from vericache.serve.workers.turn_cache import TurnCache, TurnTokens
 from vericache.serve.workers.verification import Verification, verify_round
-from vericache.serve.workers.worker import SessionNotFoundError, first_token
+from vericache.serve.workers.worker import SessionNotFoundError
 from vericache.serve.workers.worker_api import Drafted
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class _LocalSession:
     prefix: HeldPrefix[KVCache]  # the tier's copy, pinned until the session closes
     prefix_id: str
     history: TurnTokens  # its tokens after the prefix, kept with its KV as it closes
-    first_token: int | None = None  # the prefill's choice after the prompt, where asked for
+    first: FirstToken | None = None  # the prefill's choice after the prompt, where asked for
     reused_tokens: int = 0  # of its history after the prefix, those a kept turn held
 
 
@@ -149,8 +150,8 @@ class WarmNode:
                 num_logits=int(wants_first_token), chunk_size=self._prefill_chunk,
             )  # fmt: skip
             if wants_first_token:
-                session.first_token = first_token(logits, sampler, constraint)
-                session.history.commit([session.first_token])
+                session.first = choose_first(logits, sampler, constraint)
+                session.history.commit([session.first.token_id])
         except BaseException:
             self.tier.release(held)
             raise

@@ -1,4 +1,4 @@
-"""What drafters and verifiers share: how they load the model and choose a prefill's first token.
+"""What drafters and verifiers share: how they load the model, and their sessions' grammars.
 
 Workers are plain classes (`Verifier`, `Drafter`) that tests run in-process and Ray runs as actors.
 Their state is per session: one session is one request's caches on that worker, opened by the
@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from vericache.engine.constraint import SessionGrammars, TokenConstraint
+from vericache.engine.constraint import SessionGrammars
 from vericache.engine.device_memory import slot_bytes
-from vericache.engine.sampling import SequenceSampler
 from vericache.errors import VeriCacheError
 from vericache.kv.codec import model_fingerprint
 from vericache.model.loader import LoadedModel, load_model
@@ -82,22 +81,6 @@ def load_worker_model(config: WorkerConfig) -> WorkerModel:
         memory_system=_memory_system(runner.device),
     )
     return WorkerModel(loaded, runner, info, started_at, model_s, kernels_s)
-
-
-def first_token(
-    logits: torch.Tensor,
-    sampler: SequenceSampler | None = None,
-    constraint: TokenConstraint | None = None,
-) -> int:
-    """The choice from a prefill's last logits [1, vocab]: greedy (ties: the lowest id), or the
-    request's seeded sample; under its grammar, where it has one."""
-    rows = logits[-1:]
-    if constraint is not None:
-        rows = constraint.restrict(rows, (), ())
-    if sampler is None:
-        return int(rows[-1].argmax())
-    (token,) = sampler.sample(rows)
-    return token
 
 
 def session_grammars(model: WorkerModel) -> SessionGrammars:

@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from vericache.engine.link import LinkSpec
-from vericache.engine.request import GrammarState
+from vericache.engine.request import GrammarState, TokenLogprob
 from vericache.engine.sampling import SequenceSampler
 from vericache.kv.exact import ExactKV
 from vericache.kv.shared_prefix import PrefixCacheStats
@@ -150,6 +150,7 @@ class VerifierOpened:
     forward_s: float = 0.0  # the batch's verification forward, without waiting for loads
     # Prompt tokens after the prefix whose KV a finished turn kept (turn_cache.py): not prefilled.
     reused_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # [1] the first token's, where the request asks
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,7 @@ class DrafterOpened:
     traffic: Traffic
     # FULL: prompt tokens after the prefix whose KV a finished turn kept (turn_cache.py).
     reused_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # [1] the first token's, where there is one and asked
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,7 @@ class LocalOpened:
     is_local: bool  # False: the node's host tier no longer holds the prefix; nothing changed
     first_token: int | None = None  # the choice after the prompt, where asked for
     reused_tokens: int = 0  # of the history after the prefix, those a kept turn held
+    logprobs: tuple[TokenLogprob, ...] = ()  # [1] the first token's, where there is one and asked
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,7 @@ class LocalRound:
     tokens: tuple[int, ...]  # the verification's choice after pending and each accepted draft
     num_accepted: int
     forward_s: float  # the verification forward
+    logprobs: tuple[TokenLogprob, ...] = ()  # of its tokens, where the request asks
 
 
 class DraftAnswer(Protocol):
@@ -289,6 +293,7 @@ class Verified:
     link_delay_s: float  # until `exact` has crossed the link to the drafters
     traffic: Traffic
     forward_s: float = 0.0  # the batch's verification forward, without waiting for loads
+    logprobs: tuple[TokenLogprob, ...] = ()  # of its tokens, where the request asks
 
 
 @dataclass(frozen=True)
@@ -307,6 +312,7 @@ class DecodeCall:
 class Decoded:
     tokens: tuple[int, ...]  # [<= max_tokens]
     traffic: Traffic
+    logprobs: tuple[TokenLogprob, ...] = ()  # of its tokens, where the request asks
 
 
 # -- introspection ----------------------------------------------------------------------------
