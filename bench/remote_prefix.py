@@ -13,7 +13,8 @@ thread each: a worker stands for one GPU; a cold drafter LRU):
   cycling over the prefixes fetches again, as a remote GPU with bounded memory would.
 - FULL_BOTH: full-KV serving on every worker at once: a router sends each request to the verifier
   (FULL_LOCAL) or the drafters (FULL_REMOTE), whichever would finish it first given the
-  throughput each measured alone (bench/serving.py, `Router`).
+  throughput each measured alone and, where the drafters do not hold its prefix, the time its
+  full KV takes to cross the link (bench/serving.py, `Router`: a cache-aware router).
 - AUTO: the server chooses each request's path (serve/backends/auto_path.py) among the above.
 A second stream (`--many-prefixes`, 8 of 3k+ tokens, a few sessions each) is served past the
 drafters' device budget (`--many-drafter-kv`: 2 full prefixes), every drafter with a host tier
@@ -89,6 +90,7 @@ from vericache.bench.remote_prefix_reference import (
 from vericache.bench.remote_prefix_registration import register_prefixes
 from vericache.bench.remote_prefix_summary import DEFINITIONS, summarize
 from vericache.bench.serving import (
+    RoutedPool,
     Router,
     metric,
     ray_server,
@@ -243,7 +245,7 @@ class Bench:
         config = CoordinatorConfig(
             default_draft_len=cell.draft_len or 30, scheduling=cell.scheduling
         )
-        mode = Router(self._pools(cell)) if cell.mode == "full_both" else cell.mode
+        mode = self._router(cell) if cell.mode == "full_both" else cell.mode
         spec = self.spec
         draft_len = cell.draft_len or 30
         with ray_server(verifier, drafter, cell.num_drafters, config) as server:
@@ -264,14 +266,26 @@ class Bench:
             sample["paths"] = dict(Counter(result.stats["path"] for result in results))
         return sample, [result.token_ids for result in results]
 
-    def _pools(self, cell: Cell) -> dict[str, float]:
+    def _router(self, cell: Cell) -> Router:
+        """FULL_BOTH's router over the two pools' measured throughputs, knowing what crossing the
+        link costs each prefix and how many prefixes the drafters' device budgets hold."""
+
         def rate(mode: str, num_drafters: int) -> float:
             return self.rates[Cell(mode, num_drafters, workload=cell.workload).name]
 
-        return {
-            "full_local": rate("full_local", 1),
-            "full_remote": rate("full_remote", cell.num_drafters),
+        stream = self.streams[cell.workload]
+        largest = max(p["full_kv_bytes"] for p in stream.prefixes)
+        per_drafter = stream.drafter_kv_bytes // largest
+        pools = [
+            RoutedPool("full_local", rate("full_local", 1)),
+            RoutedPool("full_remote", rate("full_remote", cell.num_drafters),
+                       per_drafter * cell.num_drafters),
+        ]  # fmt: skip
+        fetch_s = {
+            p["prefix_id"]: cell.latency_s + p["full_wire_bytes"] / self.bandwidth
+            for p in stream.prefixes
         }
+        return Router(pools, fetch_s, self.spec.max_tokens)
 
 
 def _server_counts(server) -> dict[str, float]:

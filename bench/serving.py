@@ -9,9 +9,10 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from vericache.client import Client, Result
+from vericache.scheduler.placement import PoolOption, choose_pool
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
 from vericache.serve.launch.server import HttpSettings
 
@@ -63,20 +64,52 @@ def ray_server(
     return distributed_server(workers, verifier.model, config=config, http=http)
 
 
-class Router:
-    """Sends each request to the mode whose pool would finish it first: the fewest requests in
-    flight per unit of its measured throughput (join the shortest weighted queue)."""
+@dataclass(frozen=True)
+class RoutedPool:
+    """A pool of full-KV workers a router sends requests to, as the router knows it."""
 
-    def __init__(self, rates: dict[str, float]):
-        self.rates = rates  # mode -> tokens/s its pool serves alone
-        self._in_flight = dict.fromkeys(rates, 0)
+    mode: str  # how a request asks for it: full_local, full_remote
+    tokens_per_s: float  # what it served alone
+    # Prefixes its workers hold at once, as the router counts them (the least recently sent
+    # out past it); None: every one (the verifiers, beside the store).
+    prefix_capacity: int | None = None
+
+
+class Router:
+    """Sends each request to the pool that would finish it first (scheduler/placement.py
+    `choose_pool`): behind the requests in flight there at the pool's measured throughput, after
+    the prefix's full KV has crossed to it (`fetch_s`, by prefix id) where the pool does not hold
+    it. Like a cache-aware router, it counts a prefix as held by a pool it sent it to, the least
+    recently sent out past the pool's capacity."""
+
+    def __init__(self, pools: list[RoutedPool], fetch_s: dict[str, float], num_tokens: int):
+        self.pools = pools
+        self.fetch_s = fetch_s
+        self.num_tokens = num_tokens
+        self._in_flight = dict.fromkeys((pool.mode for pool in pools), 0)
+        self._held: dict[str, list[str]] = {pool.mode: [] for pool in pools}  # least recent first
         self._lock = threading.Lock()
 
-    def acquire(self) -> str:
+    def acquire(self, prefix_id: str) -> str:
         with self._lock:
-            mode = min(self.rates, key=lambda m: (self._in_flight[m] + 1) / self.rates[m])
-            self._in_flight[mode] += 1
-            return mode
+            options = [
+                PoolOption(self._in_flight[p.mode], p.tokens_per_s, self._ready_s(p, prefix_id))
+                for p in self.pools
+            ]
+            pool = self.pools[choose_pool(options, self.num_tokens)]
+            self._in_flight[pool.mode] += 1
+            held = self._held[pool.mode]
+            if prefix_id in held:
+                held.remove(prefix_id)
+            held.append(prefix_id)
+            if pool.prefix_capacity is not None:
+                del held[: max(0, len(held) - pool.prefix_capacity)]
+            return pool.mode
+
+    def _ready_s(self, pool: RoutedPool, prefix_id: str) -> float:
+        if pool.prefix_capacity is None or prefix_id in self._held[pool.mode]:
+            return 0.0
+        return self.fetch_s[prefix_id]
 
     def release(self, mode: str) -> None:
         with self._lock:
@@ -99,7 +132,7 @@ def serve_stream(
 
         def one(job: Job) -> tuple[Result, str]:
             prefix_id, prompt = job
-            chosen = router.acquire() if router else mode
+            chosen = router.acquire(prefix_id) if router else mode
             try:
                 result = client.generate(
                     prompt, prefix_id=prefix_id, mode=chosen, max_tokens=max_tokens,

@@ -19,7 +19,7 @@ from vericache.bench.remote_prefix_cells import (
 )
 from vericache.bench.remote_prefix_reference import ReferenceRun
 from vericache.bench.remote_prefix_summary import summarize
-from vericache.bench.serving import Router, stream_record
+from vericache.bench.serving import RoutedPool, Router, stream_record
 from vericache.bench.workloads import CONTEXT_PROMPTS
 from vericache.cli.bench import parse_benchmark_args
 from vericache.client import Result
@@ -80,11 +80,24 @@ def test_the_link_makes_the_full_kv_transfer_take_ratio_replies():
 
 
 def test_the_router_fills_each_pool_in_proportion_to_its_throughput():
-    router = Router({"full_local": 10.0, "full_remote": 30.0})
-    chosen = [router.acquire() for _ in range(8)]
+    pools = [RoutedPool("full_local", 10.0), RoutedPool("full_remote", 30.0, prefix_capacity=1)]
+    router = Router(pools, {"a": 0.0}, num_tokens=10)
+    chosen = [router.acquire("a") for _ in range(8)]
     assert chosen.count("full_remote") == 6 and chosen.count("full_local") == 2
     router.release("full_remote")
-    assert router.acquire() == "full_remote"
+    assert router.acquire("a") == "full_remote"
+
+
+def test_the_router_counts_the_fetch_of_a_prefix_the_drafters_lack():
+    """The drafters hold one prefix at a time: a request on another goes to the verifier, whose
+    store holds them all, until the verifier's queue costs more than crossing the link."""
+    pools = [RoutedPool("full_local", 10.0), RoutedPool("full_remote", 10.0, prefix_capacity=1)]
+    router = Router(pools, {"a": 5.0, "b": 5.0}, num_tokens=10)  # a fetch: 5 requests' time
+    assert router.acquire("a") == "full_local"  # equal queues: the fetch decides
+    assert [router.acquire("b") for _ in range(5)] == ["full_local"] * 5
+    assert router.acquire("b") == "full_remote"  # 7 s of queue against 5 s of fetch + 1 s
+    assert router.acquire("b") == "full_remote"  # b is held there now: no fetch
+    assert router.acquire("a") == "full_local"  # a would push b out, and wait for its fetch
 
 
 def _result(token_ids, accepted=(), link_bytes=0) -> Result:

@@ -11,8 +11,8 @@ import math
 import httpx
 import pytest
 
-from tests.serve_fixtures import start_server
 from tests.serve_fixtures import SERVED_MODEL as MODEL
+from tests.serve_fixtures import start_server
 from tests.test_openai_agents import FORECAST
 from tests.test_serve_openai import _messages
 from vericache.client import Client

@@ -5,10 +5,19 @@ prefixes."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 
-from vericache.scheduler.placement import DEFAULT_BALANCE, Balance, Candidate, place, ranking
+from vericache.scheduler.placement import (
+    DEFAULT_BALANCE,
+    Balance,
+    Candidate,
+    PoolOption,
+    choose_pool,
+    place,
+    ranking,
+)
 
 NAMES = [f"drafter-{i}" for i in range(4)]
 
@@ -127,3 +136,16 @@ def test_a_warm_node_ranks_before_the_prefix_s_rendezvous_holder():
     # Past the margins it spills as any holder does: to the least loaded, best ranked.
     placed[warm] = Candidate(NAMES[warm], 65, is_warm=True)
     assert place("pfx-a", placed) == order[0]
+
+
+def test_a_pool_without_the_prefix_takes_a_request_only_where_its_queue_saves_the_fetch():
+    held = PoolOption(in_flight=3, tokens_per_s=100.0)  # 4 requests of 50 tokens: 2 s
+    lacking = PoolOption(in_flight=0, tokens_per_s=100.0, prefix_ready_s=1.0)  # 1 + 0.5 s
+    assert choose_pool([held, lacking], num_tokens=50) == 1
+    slow_fetch = dataclasses.replace(lacking, prefix_ready_s=1.6)  # 2.1 s
+    assert choose_pool([held, slow_fetch], num_tokens=50) == 0
+    faster = PoolOption(in_flight=7, tokens_per_s=400.0)  # 8 x 50 / 400: 1 s
+    assert choose_pool([held, faster], num_tokens=50) == 1  # the queue by throughput
+    assert choose_pool([held, held], num_tokens=50) == 0  # ties: the first
+    with pytest.raises(ValueError):
+        choose_pool([], num_tokens=50)

@@ -21,6 +21,10 @@ A worker that holds the prefix's full KV already (a warm drafter node's host tie
 it verifies its own sessions) ranks before every one that does not, in rendezvous order among
 them: a request sent elsewhere would make another node fetch the prefix and keep the central
 verifier busy until that node is warm too.
+
+Full-KV serving over two pools (the verifiers decoding alone, and the drafters decoding alone)
+routes each request to the pool that would finish it first, counting the fetch of its prefix
+where that pool does not hold it (`choose_pool`).
 """
 
 from __future__ import annotations
@@ -78,6 +82,32 @@ def place(
     if balance.holds(candidates[order[0]].load + 1, candidates[least].load):
         return order[0]
     return least
+
+
+@dataclass(frozen=True)
+class PoolOption:
+    """A pool of full-KV workers (verifiers, or drafters decoding alone), as a router weighs it
+    for one request."""
+
+    in_flight: int  # requests running on it now
+    tokens_per_s: float  # its throughput with requests in flight (measured, or simulated)
+    prefix_ready_s: float = 0.0  # until the request's prefix's full KV is there (0: held)
+
+
+def choose_pool(options: Sequence[PoolOption], num_tokens: int) -> int:
+    """The index of the pool that would finish a request of `num_tokens` output tokens first:
+    once its prefix's full KV is there (held, or fetched or recomputed), behind the requests in
+    flight, at the pool's throughput (join the shortest queue, as cache-aware routers weigh it:
+    a pool without the prefix takes the request only where its queue saves more than the fetch
+    costs). Ties go to the first."""
+    if not options:
+        raise ValueError("no pool to route a request to")
+
+    def finish_s(option: PoolOption) -> float:
+        queue_s = (option.in_flight + 1) * num_tokens / option.tokens_per_s
+        return option.prefix_ready_s + queue_s
+
+    return min(range(len(options)), key=lambda i: (finish_s(options[i]), i))
 
 
 def _weight(prefix_key: str, name: str) -> int:

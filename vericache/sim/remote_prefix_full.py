@@ -3,7 +3,8 @@
 - FULL_LOCAL: the verifiers decode alone over the full KV from the store.
 - FULL_REMOTE: the drafters fetch full KV over the network and decode.
 - FULL_BOTH: every device serves full KV at once; a router sends each request to the pool that
-  would finish it first, given the throughput each measured alone.
+  would finish it first, given the throughput each measured alone and, where the worker it would
+  take lacks the request's prefix, the time to bring it (scheduler/placement.py `choose_pool`).
 Each request's worker is the one placement gives (scheduler/placement.py), as VeriCache's are.
 What the scenario grants a deployment applies to these as to VeriCache: prefix caching, a host
 tier, recomputing a prefix where that beats its fetch (host_tier.py), shared-prefix attention and
@@ -29,6 +30,7 @@ import enum
 from dataclasses import dataclass, field
 
 from vericache.errors import InvalidRequestError
+from vericache.scheduler.placement import PoolOption, choose_pool
 from vericache.sim.batch_loop import SimJob, chunked_job
 from vericache.sim.cost import Row
 from vericache.sim.decoding import SimSequence
@@ -65,7 +67,7 @@ def full_start(pool: FullPool, rates: dict[FullPool, float] | None = None) -> St
         elif kept_on is not None:  # the router sends it where its session's KV is
             local = kept_on in run.verifiers
         else:
-            local = _route_local(run, rates)
+            local = _route_local(run, rates, prefix, turns)
         worker = run.place(run.verifiers if local else run.drafters, prefix, prefer=kept_on)
         FullRequest.open_on(run, prefix, turns, arrival_s, worker, keeps)
 
@@ -150,9 +152,16 @@ class FullRequest:
         self.run.finish(self, self.worker)
 
 
-def _route_local(run: Run, rates: dict[FullPool, float]) -> bool:
-    """Whether the verifiers' pool would finish one more request first: its requests in flight
-    (with this one) over its throughput, against the drafters'."""
-    local = sum(w.num_requests for w in run.verifiers) + 1
-    remote = sum(w.num_requests for w in run.drafters) + 1
-    return local / rates[FullPool.LOCAL] <= remote / rates[FullPool.REMOTE]
+def _route_local(run: Run, rates: dict[FullPool, float], prefix: int, turns: SessionTurns) -> bool:
+    """Whether the verifiers' pool would finish the request first (`choose_pool`): behind its
+    requests in flight at its throughput, after the prefix's full KV reaches the worker placement
+    would give it there, against the drafters'."""
+    key = run.prefix_key(prefix, turns, compressed=False)
+    nbytes = run.scenario.prefix_bytes(compressed=False)
+    options = []
+    for workers, pool in ((run.verifiers, FullPool.LOCAL), (run.drafters, FullPool.REMOTE)):
+        worker = run.choose(workers, prefix)
+        ready_s = 0.0 if worker.memory.holds(key) else worker.fetches.ready_s(key, nbytes)
+        in_flight = sum(w.num_requests for w in workers)
+        options.append(PoolOption(in_flight, rates[pool], ready_s))
+    return choose_pool(options, turns.num_tokens) == 0
