@@ -3,7 +3,7 @@ hard setting, sized for the tiny test models (tests/conftest.py). test_conforman
 every name in the registry; suites that cannot afford the whole table pick rows from it.
 
 Add a compressor to the registry and its two rows here, and every suite that runs the table
-checks it like the others.
+checks it like the others. Compositions (a dropper, then a quantizer) have rows of their own.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from vericache.compress import (
     H2O,
     KIVI,
     TOVA,
+    Composed,
     Compressor,
     KVQuant,
     KVzip,
@@ -30,6 +31,14 @@ TABLE: list[Compressor] = [
     TOVA(ratio=2), TOVA(ratio=8),
     KIVI(bits=8, group_size=16, residual_length=32), KIVI(bits=2, group_size=32, residual_length=0),
     KVQuant(bits=4, group_size=16, residual_length=32), KVQuant(bits=2, outlier_fraction=0.05),
+    # Compositions (compress/composed.py): a dropper's kept tokens, quantized.
+    Composed(SnapKV(ratio=2), KIVI(bits=8, group_size=16, residual_length=32)),
+    Composed(SnapKV(ratio=4, window=8), KIVI(bits=4, group_size=16, residual_length=16)),
+    Composed(KVzip(ratio=2, chunk_size=64), KVQuant(bits=4, group_size=16, residual_length=32)),
+    Composed(
+        KVzip(ratio=4, chunk_size=64),
+        KVQuant(bits=2, group_size=16, residual_length=0, outlier_fraction=0.05),
+    ),
 ]  # fmt: skip
 
 

@@ -407,10 +407,21 @@ def test_kv_size_reports_bad_arguments_in_one_line(tmp_path, capsys):
 def test_kv_size_on_the_embedded_model(tmp_path, capsys):
     context = tmp_path / "context.py"
     context.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(15)))
-    argv = ["kv-size", "--context-file", str(context), "--compressor", "kivi", "--bits", "2"]
+    argv = ["kv-size", "--context-file", str(context), "--dtype", "float32", "--json"]
     # float32: a CPU without bfloat16 units prefills in bfloat16 about ten times slower.
-    assert main([*argv, "--dtype", "float32", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    reports = {}
+    for name, strength in [("kivi", ["--bits", "2"]), ("snapkv", ["--ratio", "4"])]:
+        assert main([*argv, "--compressor", name, *strength]) == 0
+        reports[name] = json.loads(capsys.readouterr().out)
+    report = reports["kivi"]
     assert report["label"] == "kivi-2bit" and report["round_trip_exact"] is True
     assert report["full_bytes"] == 2 * report["full_bf16_bytes"]
     assert report["wire_bytes"] < report["resident_bytes"] < report["full_bf16_bytes"]
+    composed = ["--compressor", "snapkv+kivi", "--ratio", "4", "--bits", "2"]
+    assert main([*argv, *composed]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["label"] == "snapkv-4x+kivi-2bit" and report["round_trip_exact"] is True
+    assert report["compressor"]["name"] == "snapkv+kivi"
+    # Smaller than either part alone (the kept 1/4, each at about 2/16 bits plus statistics and
+    # a full-precision residual).
+    assert report["c"] < min(reports["kivi"]["c"], reports["snapkv"]["c"])

@@ -358,3 +358,46 @@ def test_kivi_rollback_stops_at_the_residual():
     with pytest.raises(CacheStateError):
         cache.truncate(95)
     _assert_unchanged(cache, before)
+
+
+def test_a_composition_is_named_by_its_parts_and_each_part_takes_its_own_parameters():
+    composed = build_compressor("snapkv+kivi", ratio=4, bits=2, window=8, residual_length=0)
+    assert composed.name == "snapkv+kivi" and composed.label == "snapkv-4x+kivi-2bit"
+    assert composed.kind is CompressionKind.COMPOSED and composed.kept_token_ratio == 4
+    assert (composed.dropper.window, composed.quantizer.residual_length) == (8, 0)
+    spec = composed.spec()  # what the codec and the catalog store
+    assert build_compressor(spec["name"], **spec["params"]) == composed
+
+
+COMPOSABLE = "droppers: kvzip, pyramidkv, snapkv; quantizers: kivi, kvquant"
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "words"),
+    [
+        ("snapkv+kvzip", {}, "token_dropping and token_dropping"),
+        ("kivi+kvquant", {}, "quantization and quantization"),
+        ("kivi+snapkv", {}, "a token dropper then a quantizer"),
+        ("h2o+kivi", {}, "evicts tokens while decoding"),
+        ("snapkv+kivi+kvquant", {}, "two parts"),
+    ],
+)
+def test_parts_that_do_not_compose_are_refused_naming_those_that_do(name, params, words):
+    with pytest.raises(InvalidRequestError, match=words) as refused:
+        build_compressor(name, **params)
+    assert COMPOSABLE in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("params", "words"),
+    [
+        ({"dtype": "bfloat16"}, "dtype does not apply"),
+        ({"temperature": 1}, "takes no parameter 'temperature'"),
+        ({"ratio": 0.5}, "ratio must lie in"),  # c would exceed the full KV's
+    ],
+)
+def test_a_composition_s_parameters_are_checked(params, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        build_compressor("snapkv+kivi", **params)
+    with pytest.raises(InvalidRequestError, match="unknown compressor 'zip'"):
+        build_compressor("snapkv+zip")

@@ -68,31 +68,45 @@ def test_sizes_as_promised(engine, prefix, compressor):
         assert [layer.num_slots for layer in compressed.layers] == expected
         assert compressed.nbytes == sum(expected) * per_token
         assert compressed.nbytes <= full.nbytes / compressor.ratio + c.num_layers * per_token
+    elif compressor.kind is CompressionKind.COMPOSED:  # the dropper's slots, quantized
+        expected = _expected_slots(compressor.dropper, c.num_layers)
+        assert [layer.num_slots for layer in compressed.layers] == expected
+        quantizer = compressor.quantizer
+        block = quantizer.group_size  # the kept slots are quantized in whole groups
+        assert compressed.nbytes == _expected_quantized_bytes(
+            compressed, quantizer, c, expected, block
+        )
+        dropped_nbytes = sum(expected) * per_token
+        assert compressed.nbytes < dropped_nbytes < full.nbytes
     else:
-        assert compressed.nbytes == _expected_quantized_bytes(compressed, compressor, c)
+        slots = [PREFIX] * c.num_layers
+        assert compressed.nbytes == _expected_quantized_bytes(compressed, compressor, c, slots)
         assert compressed.nbytes < full.nbytes
     assert compressed.resident_bytes >= compressed.nbytes
 
 
-def _expected_quantized_bytes(compressed, compressor, c) -> int:
-    """Packed codes, fp16 key statistics per channel and group, fp16 value statistics per token,
-    the exact residual, and (KVQuant) 8 bytes per sparse outlier: int32 index, fp32 value."""
-    block = compressor.residual_length or compressor.group_size
-    quantized = PREFIX // block * block
+def _expected_quantized_bytes(
+    compressed, quantizer, c, slots: list[int], block: int | None = None
+) -> int:
+    """Per layer of slots[i] tokens, quantized in blocks of `block` (the quantizer's residual
+    window): packed codes, fp16 key statistics per channel and group, fp16 value statistics per
+    token, the exact residual, and (KVQuant) 8 bytes per sparse outlier: int32 index, fp32 value."""
+    block = block or quantizer.residual_length or quantizer.group_size
     per_token = c.num_kv_heads * c.head_dim
-    codes = 2 * quantized * per_token * compressor.bits // 8
-    key_stats = 2 * (quantized // compressor.group_size) * per_token * 2
-    value_stats = 2 * quantized * c.num_kv_heads * 2
-    residual = 2 * (PREFIX - quantized) * per_token * 4
-    outliers = 0
-    for layer in compressed.layers:
+    total = 0
+    for layer, num_slots in zip(compressed.layers, slots):
+        quantized = num_slots // block * block
+        codes = 2 * quantized * per_token * quantizer.bits // 8
+        key_stats = 2 * (quantized // quantizer.group_size) * per_token * 2
+        value_stats = 2 * quantized * c.num_kv_heads * 2
+        residual = 2 * (num_slots - quantized) * per_token * 4
         state = layer.to_state().tensors
         num = state.get("key_outlier_index", torch.empty(0)).numel()
         num += state.get("value_outlier_index", torch.empty(0)).numel()
-        share = compressor.__dict__.get("outlier_fraction", 0.0) * quantized * per_token * 2
+        share = quantizer.__dict__.get("outlier_fraction", 0.0) * quantized * per_token * 2
         assert num <= 1.1 * share + 4 * per_token  # about the fraction asked for
-        outliers += 8 * num
-    return c.num_layers * (codes + key_stats + value_stats + residual) + outliers
+        total += codes + key_stats + value_stats + residual + 8 * num
+    return total
 
 
 def _expected_slots(compressor, num_layers: int) -> list[int]:
@@ -109,6 +123,9 @@ def _expected_slots(compressor, num_layers: int) -> list[int]:
 def test_positions_kept_and_dtype_device_preserved(engine, prefix, compressor):
     full = prefix[1]
     compressed = _compress(engine, prefix, compressor)
+    dropped = None
+    if compressor.kind is CompressionKind.COMPOSED:
+        dropped = _compress(engine, prefix, compressor.dropper)
     for index, source in enumerate(full.layers):
         positions = compressed.kept_positions(index).long()  # [slots, H]
         assert bool((positions[1:] > positions[:-1]).all()), "ascending, no repeats, per head"
@@ -117,10 +134,14 @@ def test_positions_kept_and_dtype_device_preserved(engine, prefix, compressor):
         source_keys, source_values = source.keys_values()
         assert keys.dtype == values.dtype == source_keys.dtype
         assert keys.device == source_keys.device and keys.shape[0] == positions.shape[0]
+        heads = torch.arange(positions.shape[1])
         if compressor.kind is CompressionKind.TOKEN_DROPPING:
-            heads = torch.arange(positions.shape[1])
             assert torch.equal(keys, source_keys[positions, heads])  # exact KV of kept tokens
             assert torch.equal(values, source_values[positions, heads])
+        elif dropped is not None:  # the dropper's tokens, near their exact KV
+            assert torch.equal(positions, dropped.kept_positions(index).long())
+            exact = source_keys[positions, heads]
+            assert (keys - exact).abs().max() < 0.5 * exact.abs().max()
         else:
             assert positions.tolist() == [[p] * positions.shape[1] for p in range(PREFIX)]
             assert (keys - source_keys[:PREFIX]).abs().max() < 0.5 * source_keys.abs().max()
@@ -188,6 +209,8 @@ def test_online_eviction_holds_the_budget(engine, compressor):
 
 
 def test_the_table_covers_every_registered_compressor_easy_and_hard():
-    assert sorted(row.name for row in TABLE) == sorted(2 * list(COMPRESSORS))
+    single = [row for row in TABLE if row.kind is not CompressionKind.COMPOSED]
+    assert sorted(row.name for row in single) == sorted(2 * list(COMPRESSORS))
+    assert any(row.kind is CompressionKind.COMPOSED for row in TABLE)
     for easy, hard in zip(TABLE[::2], TABLE[1::2]):
         assert easy.name == hard.name and easy != hard

@@ -18,8 +18,11 @@ PROMPT = "Which function multiplies by three?"
 # Rows of the shared table as the SDK names them; the hard H2O row also keeps its tokens in
 # bfloat16: 16-bit draft KV streamed to the drafter, evicted online.
 SERVED = [
-    api_arguments(row) | ({"dtype": "bfloat16"} if row == pick("h2o")[1] else {})
-    for row in pick("streamingllm", "kivi", "h2o")
+    *(
+        api_arguments(row) | ({"dtype": "bfloat16"} if row == pick("h2o")[1] else {})
+        for row in pick("streamingllm", "kivi", "h2o")
+    ),
+    {"compressor": "snapkv+kivi", "ratio": 4, "bits": 4},  # a composition, named as users name it
 ]
 
 

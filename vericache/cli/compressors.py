@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from vericache.compress import COMPRESSORS
+from vericache.compress.composed import composable
 
 
 def add_parser(commands) -> None:
@@ -21,4 +22,5 @@ def run(args) -> int:
     for entry in described:
         params = ", ".join(f"{key}={value}" for key, value in entry["params"].items())
         print(f"{entry['name']:<14} {entry['kind']:<15} {entry['mode']:<8} {params}")
+    print(f"\ncompose a dropper and a quantizer with '+', e.g. snapkv+kivi ({composable()})")
     return 0

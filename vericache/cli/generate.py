@@ -46,7 +46,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--prefix-id", help="a registered prefix (with --server)")
     add_connection_arguments(parser)
     parser.add_argument(
-        "--compressor", default="streamingllm", help=f"one of {sorted(COMPRESSORS)}"
+        "--compressor",
+        default="streamingllm",
+        help=f"one of {sorted(COMPRESSORS)}, or a dropper+quantizer such as snapkv+kivi",
     )
     parser.add_argument("--ratio", type=float, help="compression ratio (token dropping)")
     parser.add_argument("--bits", type=int, help="bits per value (quantization)")

@@ -1,5 +1,6 @@
 """`vericache kv-size`: the bytes of one prefix's KV: full (bf16), resident after compression, and
-encoded for the wire by the KV codec (vericache/kv/codec.py)."""
+encoded for the wire by the KV codec (vericache/kv/codec.py); c, the compressed KV's share of the
+full KV's bytes (the wire's over bf16), for any compressor or composition (`snapkv+kivi`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def add_parser(commands) -> None:
         "--context-file", type=Path, required=True, help="text put in the system turn (the prefix)"
     )
     parser.add_argument(
-        "--compressor", required=True, help=f"one of {sorted(COMPRESSORS)}, or {FULL!r}"
+        "--compressor",
+        required=True,
+        help=f"one of {sorted(COMPRESSORS)}, a dropper+quantizer composition, or {FULL!r}",
     )
     parser.add_argument("--ratio", type=float, help="compression ratio (token dropping)")
     parser.add_argument("--bits", type=int, help="bits per value (quantization)")
@@ -72,6 +75,7 @@ def run(args) -> int:
         "wire_bytes": len(wire),
         "resident_fraction": resident / full_bf16,
         "wire_fraction": len(wire) / full_bf16,
+        "c": len(wire) / full_bf16,  # what the drafter reads and the link carries, per full byte
         "round_trip_exact": decode_bytes(wire, fingerprint).equals(state),
     }
     if args.json:
@@ -80,6 +84,6 @@ def run(args) -> int:
     print(
         f"{report['label']}: {len(prefix)} prefix tokens, full KV {full_bf16:,} bytes in bf16, "
         f"resident {resident:,} bytes, wire {len(wire):,} bytes "
-        f"(1/{full_bf16 / len(wire):.2f} of the bf16 full KV)"
+        f"(c = {len(wire) / full_bf16:.4f}: 1/{full_bf16 / len(wire):.2f} of the bf16 full KV)"
     )
     return 0

@@ -1,6 +1,8 @@
-"""KV compressors behind one interface (base.py), by registry name (registry.py)."""
+"""KV compressors behind one interface (base.py), by registry name (registry.py), alone or a token
+dropper then a quantizer (composed.py)."""
 
 from vericache.compress.base import CompressionKind, CompressionMode, Compressor
+from vericache.compress.composed import Composed
 from vericache.compress.context import ModelContext
 from vericache.compress.h2o import H2O
 from vericache.compress.kivi import KIVI
@@ -17,6 +19,7 @@ __all__ = [
     "H2O",
     "KIVI",
     "TOVA",
+    "Composed",
     "CompressionKind",
     "CompressionMode",
     "Compressor",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 class CompressionKind(str, enum.Enum):
     TOKEN_DROPPING = "token_dropping"
     QUANTIZATION = "quantization"
+    COMPOSED = "composed"  # a token dropper, then a quantizer over what it kept (composed.py)
 
 
 class CompressionMode(str, enum.Enum):
@@ -55,6 +56,12 @@ class Compressor(abc.ABC):
 
     def update(self, cache: CompressedKV) -> None:  # noqa: B027 - offline methods keep tokens
         """Evict or quantize after committed tokens were appended (online methods)."""
+
+    @property
+    def kept_token_ratio(self) -> float | None:
+        """Tokens of the prefix per token it keeps, where it drops tokens; None where it keeps
+        every one."""
+        return None
 
     @property
     def params(self) -> dict:
@@ -114,6 +121,10 @@ class TokenDropping(Compressor):
     def label(self) -> str:
         suffix = f"-{STORAGE_DTYPES[self.dtype][0]}" if self.dtype else ""
         return f"{self.name}-{self.ratio:g}x{suffix}"
+
+    @property
+    def kept_token_ratio(self) -> float:
+        return self.ratio
 
     @property
     def storage_dtype(self) -> torch.dtype | None:

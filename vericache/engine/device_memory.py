@@ -18,7 +18,6 @@ from collections.abc import Hashable
 
 import torch
 
-from vericache.compress.base import TokenDropping
 from vericache.engine.request import Request
 from vericache.errors import InvalidRequestError, VeriCacheError
 from vericache.kv import slots
@@ -140,10 +139,10 @@ def compressed_prefill_bound(request: Request, config: ModelConfig, element_size
     layers (PyramidKV moves budget between layers; rounding may add one); quantization is bounded
     by the prompt at full precision (`element_size`: the model's)."""
     num_tokens = len(request.prompt_ids)
-    compressor = request.compressor
-    if isinstance(compressor, TokenDropping):
+    ratio = request.compressor.kept_token_ratio
+    if ratio is not None:
         split = min(request.num_prefix_tokens, num_tokens - 1)
-        num_tokens = math.ceil(split / compressor.ratio) + 1 + num_tokens - split
+        num_tokens = math.ceil(split / ratio) + 1 + num_tokens - split
     return num_tokens * compressed_token_bytes(
         config, compressed_element_size(request, element_size)
     )
