@@ -19,6 +19,7 @@ from vericache.sim.remote_prefix import (
     simulate_full,
     simulate_vericache,
 )
+from vericache.sim.remote_prefix_full import Routing, simulate_pools
 from vericache.sim.remote_prefix_workers import Run
 
 _scenario = remote_prefix_scenario
@@ -144,6 +145,21 @@ GOLDEN = {
     "full_remote": 372.5611570599033,
     "full_both": 614.8488934493964,
 }
+
+
+def test_full_both_counts_a_fetch_where_a_pool_lacks_the_prefix_and_takes_the_better_routing():
+    """Prefix-aware, the router keeps requests off drafters whose fetch of their prefix would cost
+    more than the verifiers' queue: fewer bytes cross the network and, in this scenario, more
+    tokens/s than routing by the queues alone; the pools' comparison keeps the better."""
+    scenario = _scenario()
+    pools = simulate_pools(scenario)
+    rates = {pool: pools[pool].tokens_per_s for pool in (FullPool.LOCAL, FullPool.REMOTE)}
+    aware = simulate_full(scenario, FullPool.BOTH, rates, Routing.PREFIX_AWARE)
+    blind = simulate_full(scenario, FullPool.BOTH, rates, Routing.LEAST_BUSY)
+    assert aware.link_bytes < blind.link_bytes
+    assert aware.tokens_per_s > blind.tokens_per_s
+    assert pools[FullPool.BOTH].tokens_per_s == max(aware.tokens_per_s, blind.tokens_per_s)
+    assert aware.num_output_tokens == blind.num_output_tokens
 
 
 def test_without_prefix_caching_every_session_fetches_its_own_prefix():

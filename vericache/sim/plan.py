@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from vericache.errors import InvalidRequestError
-from vericache.sim.remote_prefix import FullPool, simulate_full
+from vericache.sim.remote_prefix import simulate_pools
 from vericache.sim.scenario import (
     build_remote_prefix,
     report_summary,
@@ -138,11 +138,7 @@ def _candidates(hardware: Hardware, compressors: dict, draft_lens: tuple[int, ..
 
 def _baselines(scenario) -> dict:
     """FULL_LOCAL, FULL_REMOTE and FULL_BOTH over every GPU of the hardware."""
-    local = simulate_full(scenario, FullPool.LOCAL)
-    remote = simulate_full(scenario, FullPool.REMOTE)
-    rates = {FullPool.LOCAL: local.tokens_per_s, FullPool.REMOTE: remote.tokens_per_s}
-    both = simulate_full(scenario, FullPool.BOTH, rates)
-    reports = {FullPool.LOCAL: local, FullPool.REMOTE: remote, FullPool.BOTH: both}
+    reports = simulate_pools(scenario)
     return {pool.value: report_summary(report) for pool, report in reports.items()}
 
 

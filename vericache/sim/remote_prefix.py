@@ -61,12 +61,19 @@ from vericache.sim.cost import Row
 from vericache.sim.decoding import SimSequence
 from vericache.sim.kv_memory import Session
 from vericache.sim.long_context import SimReport
-from vericache.sim.remote_prefix_full import FullPool, simulate_full
+from vericache.sim.remote_prefix_full import FullPool, simulate_full, simulate_pools
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_workers import PrefixKey, Run, SessionTurns, Worker
 from vericache.sim.turn_kv import KeptTurns, ReusedTurn, keep, let_go, load, reuse, served_keeps
 
-__all__ = ["FullPool", "VeriCacheRequest", "compare", "simulate_full", "simulate_vericache"]
+__all__ = [
+    "FullPool",
+    "VeriCacheRequest",
+    "compare",
+    "simulate_full",
+    "simulate_pools",
+    "simulate_vericache",
+]
 
 
 def simulate_vericache(scenario: RemotePrefixScenario) -> SimReport:
@@ -322,10 +329,8 @@ def compare(
 ) -> dict:
     """VERICACHE (per-request rounds, or the simulation given) against FULL_LOCAL, FULL_REMOTE
     and FULL_BOTH on the same workers."""
-    local = simulate_full(scenario, FullPool.LOCAL)
-    remote = simulate_full(scenario, FullPool.REMOTE)
-    rates = {FullPool.LOCAL: local.tokens_per_s, FullPool.REMOTE: remote.tokens_per_s}
-    both = simulate_full(scenario, FullPool.BOTH, rates)
+    pools = simulate_pools(scenario)
+    local, remote, both = pools[FullPool.LOCAL], pools[FullPool.REMOTE], pools[FullPool.BOTH]
     vericache = vericache(scenario)
     best = max(local.tokens_per_s, remote.tokens_per_s, both.tokens_per_s)
     return {

@@ -30,7 +30,7 @@ from vericache.errors import InvalidRequestError
 from vericache.sim.long_context import SimReport
 from vericache.sim.remote_prefix import simulate_vericache
 from vericache.sim.remote_prefix_auto import simulate_auto
-from vericache.sim.remote_prefix_full import FullPool, simulate_full
+from vericache.sim.remote_prefix_full import FullPool, simulate_full, simulate_pools
 from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
 from vericache.sim.remote_prefix_workers import sessions
 
@@ -66,11 +66,8 @@ def compare_deployments(scenario: RemotePrefixScenario) -> dict[str, SimReport |
     }
     fetching = dataclasses.replace(strong, recompute_prefixes=False)
     for suffix, deployment in (("", strong), (NO_RECOMPUTE, fetching)):
-        local = simulate_full(deployment, FullPool.LOCAL)
-        remote = simulate_full(deployment, FullPool.REMOTE)
-        rates = {FullPool.LOCAL: local.tokens_per_s, FullPool.REMOTE: remote.tokens_per_s}
-        runs[f"full_local{suffix}"], runs[f"full_remote{suffix}"] = local, remote
-        runs[f"full_both{suffix}"] = simulate_full(deployment, FullPool.BOTH, rates)
+        for pool, report in simulate_pools(deployment).items():
+            runs[f"{pool.value}{suffix}"] = report
     runs[FULL_ROUTED] = simulate_auto(strong, full_kv_only=True)
     runs["vericache_central"] = simulate_vericache(strong)
     runs["vericache"] = simulate_vericache(served)

@@ -4,7 +4,10 @@
 - FULL_REMOTE: the drafters fetch full KV over the network and decode.
 - FULL_BOTH: every device serves full KV at once; a router sends each request to the pool that
   would finish it first, given the throughput each measured alone and, where the worker it would
-  take lacks the request's prefix, the time to bring it (scheduler/placement.py `choose_pool`).
+  take lacks the request's prefix, the time to bring it (scheduler/placement.py `choose_pool`, as
+  a KV-aware router counts the prefill a cache miss costs). Counting the fetch per request can
+  keep a pool from a prefix that later requests would have shared, so the baseline also runs with
+  the pools' queues alone and the better stands (`simulate_pools`).
 Each request's worker is the one placement gives (scheduler/placement.py), as VeriCache's are.
 What the scenario grants a deployment applies to these as to VeriCache: prefix caching, a host
 tier, recomputing a prefix where that beats its fetch (host_tier.py), shared-prefix attention and
@@ -47,14 +50,39 @@ class FullPool(enum.Enum):
     BOTH = "full_both"  # every device, routed
 
 
+class Routing(enum.Enum):
+    """How FULL_BOTH's router weighs the pools."""
+
+    PREFIX_AWARE = "prefix_aware"  # the fetch of a prefix a pool lacks counted (choose_pool)
+    LEAST_BUSY = "least_busy"  # the pools' queues alone
+
+
 def simulate_full(
-    scenario: RemotePrefixScenario, pool: FullPool, rates: dict[FullPool, float] | None = None
+    scenario: RemotePrefixScenario,
+    pool: FullPool,
+    rates: dict[FullPool, float] | None = None,
+    routing: Routing = Routing.PREFIX_AWARE,
 ) -> SimReport:
     """Full-KV serving on a pool; BOTH routes by `rates`, the tokens/s each pool served alone."""
-    return Run(scenario).serve(full_start(pool, rates))
+    return Run(scenario).serve(full_start(pool, rates, routing))
 
 
-def full_start(pool: FullPool, rates: dict[FullPool, float] | None = None) -> Start:
+def simulate_pools(scenario: RemotePrefixScenario) -> dict[FullPool, SimReport]:
+    """Each pool's run: FULL_LOCAL, FULL_REMOTE, and FULL_BOTH routed by their rates, the better
+    of its two routings (a deployment runs the router that suits its workload)."""
+    local = simulate_full(scenario, FullPool.LOCAL)
+    remote = simulate_full(scenario, FullPool.REMOTE)
+    rates = {FullPool.LOCAL: local.tokens_per_s, FullPool.REMOTE: remote.tokens_per_s}
+    both = [simulate_full(scenario, FullPool.BOTH, rates, routing) for routing in Routing]
+    best = max(both, key=lambda report: report.tokens_per_s)
+    return {FullPool.LOCAL: local, FullPool.REMOTE: remote, FullPool.BOTH: best}
+
+
+def full_start(
+    pool: FullPool,
+    rates: dict[FullPool, float] | None = None,
+    routing: Routing = Routing.PREFIX_AWARE,
+) -> Start:
     """How full-KV serving on `pool` starts each turn (`Run.serve`'s `start`)."""
     if pool is FullPool.BOTH and not rates:
         raise InvalidRequestError("routing over both pools needs each pool's rate")
@@ -67,7 +95,7 @@ def full_start(pool: FullPool, rates: dict[FullPool, float] | None = None) -> St
         elif kept_on is not None:  # the router sends it where its session's KV is
             local = kept_on in run.verifiers
         else:
-            local = _route_local(run, rates, prefix, turns)
+            local = _route_local(run, rates, prefix, turns, routing)
         worker = run.place(run.verifiers if local else run.drafters, prefix, prefer=kept_on)
         FullRequest.open_on(run, prefix, turns, arrival_s, worker, keeps)
 
@@ -152,16 +180,20 @@ class FullRequest:
         self.run.finish(self, self.worker)
 
 
-def _route_local(run: Run, rates: dict[FullPool, float], prefix: int, turns: SessionTurns) -> bool:
+def _route_local(
+    run: Run, rates: dict[FullPool, float], prefix: int, turns: SessionTurns, routing: Routing
+) -> bool:
     """Whether the verifiers' pool would finish the request first (`choose_pool`): behind its
-    requests in flight at its throughput, after the prefix's full KV reaches the worker placement
-    would give it there, against the drafters'."""
+    requests in flight at its throughput (prefix-aware: after the prefix's full KV reaches the
+    worker placement would give it there), against the drafters'."""
     key = run.prefix_key(prefix, turns, compressed=False)
     nbytes = run.scenario.prefix_bytes(compressed=False)
     options = []
     for workers, pool in ((run.verifiers, FullPool.LOCAL), (run.drafters, FullPool.REMOTE)):
         worker = run.choose(workers, prefix)
-        ready_s = 0.0 if worker.memory.holds(key) else worker.fetches.ready_s(key, nbytes)
+        ready_s = 0.0
+        if routing is Routing.PREFIX_AWARE and not worker.memory.holds(key):
+            ready_s = worker.fetches.ready_s(key, nbytes)
         in_flight = sum(w.num_requests for w in workers)
         options.append(PoolOption(in_flight, rates[pool], ready_s))
     return choose_pool(options, turns.num_tokens) == 0
