@@ -47,6 +47,7 @@ from vericache.cli.parser import float_list
 from vericache.engine.engine import DraftKVSource, Engine, EngineConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import DecodeMode, Request, SamplingParams
+from vericache.kv.codec import encode_bytes, model_fingerprint
 from vericache.model.loader import DEFAULT_MODEL
 from vericache.sim.workload import MAX_DRAFT_LEN, first_mismatches
 
@@ -100,7 +101,7 @@ def run(args) -> dict:
     settings = {"max_tokens": max_tokens, "num_prompts": len(prompts), "model": args.model,
                 "dtype": args.dtype}  # fmt: skip
     checkpoint = Checkpoint(args.checkpoint, settings)
-    records = []
+    records, shares = [], {}
     for sampling in sampling_settings(args.temperature, args.coupling):
         params = [sampling.params(max_tokens, seed) for seed in range(len(prompts))]
         references = _references(engine, prompts, params, checkpoint, sampling.label("full"))
@@ -116,7 +117,9 @@ def run(args) -> dict:
                     checkpoint.add(label, source.value, done)
                 records += done
                 print(f"[acceptance] {label}, draft_kv={source.value}: done")
-    return _result(records, labels, args, max_tokens, len(prompts))
+                if compressor.label not in shares:
+                    shares[compressor.label] = compressed_share(engine, compressor, prompts)
+    return _result(records, labels, args, max_tokens, len(prompts)) | {"c": shares}
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,20 @@ def _request(compressor, item, reference, params: SamplingParams) -> Request:
         prompt.token_ids, prompt.num_prefix_tokens, params, DecodeMode.VERICACHE, compressor,
         MAX_DRAFT_LEN, expected_ids=expected,
     )  # fmt: skip
+
+
+def compressed_share(engine: Engine, compressor, prompts) -> float:
+    """c: the compressed KV's bytes on the wire (the KV codec's, what the link carries and the
+    drafter holds) over the full KV's in bf16, the mean over the prompts' distinct prefixes."""
+    config = engine.model_config
+    fingerprint = model_fingerprint(config, "acceptance")
+    prefixes = {tuple(p.token_ids[: p.num_prefix_tokens]) for *_, p in prompts}
+    shares = []
+    for prefix in sorted(prefixes):
+        state = engine.compressed_prefix_kv(prefix, compressor).to_state()
+        full_bf16 = config.kv_bytes_per_token(2) * len(prefix)
+        shares.append(len(encode_bytes(state, fingerprint)) / full_bf16)
+    return sum(shares) / len(shares)
 
 
 def _prompts(tokenizer, quick: bool, per_kind: int):

@@ -15,6 +15,7 @@ import torch
 from vericache.cli.parser import int_list, str_list, token_range  # noqa: F401
 from vericache.compress import COMPRESSORS, CompressionKind, Compressor, build_compressor
 from vericache.compress.base import STORAGE_DTYPES
+from vericache.compress.composed import SEPARATOR, Composed
 from vericache.errors import InvalidRequestError
 
 _LABEL = re.compile(
@@ -25,7 +26,12 @@ _STORAGE = {short: name for name, (short, _) in STORAGE_DTYPES.items()}
 
 def compressor_from_label(label: str) -> Compressor:
     """`streamingllm-4x` -> StreamingLLM(ratio=4); `snapkv-4x-bf16` -> SnapKV(ratio=4,
-    dtype="bfloat16"); `kivi-2bit` -> KIVI(bits=2)."""
+    dtype="bfloat16"); `kivi-2bit` -> KIVI(bits=2); `snapkv-4x+kivi-4bit` -> their composition."""
+    if SEPARATOR in label:
+        dropper, quantizer, *more = label.split(SEPARATOR)
+        if more:
+            raise InvalidRequestError(f"compressor label {label!r} composes more than two")
+        return Composed(compressor_from_label(dropper), compressor_from_label(quantizer))
     match = _LABEL.match(label)
     if match is None or (match["storage"] and match["storage"] not in _STORAGE):
         raise InvalidRequestError(

@@ -33,8 +33,6 @@ TABLE: list[Compressor] = [
     KVQuant(bits=4, group_size=16, residual_length=32), KVQuant(bits=2, outlier_fraction=0.05),
     # Compositions (compress/composed.py): a dropper's kept tokens, quantized.
     Composed(SnapKV(ratio=2), KIVI(bits=8, group_size=16, residual_length=32)),
-    Composed(SnapKV(ratio=4, window=8), KIVI(bits=4, group_size=16, residual_length=16)),
-    Composed(KVzip(ratio=2, chunk_size=64), KVQuant(bits=4, group_size=16, residual_length=32)),
     Composed(
         KVzip(ratio=4, chunk_size=64),
         KVQuant(bits=2, group_size=16, residual_length=0, outlier_fraction=0.05),

@@ -17,9 +17,11 @@ def test_compressor_labels_round_trip():
     assert compressor_from_label("streamingllm-4x") == StreamingLLM(ratio=4)
     assert compressor_from_label("kivi-2bit") == KIVI(bits=2)
     assert compressor_from_label("streamingllm-4x-bf16") == StreamingLLM(ratio=4, dtype="bfloat16")
-    for label in ("streamingllm-4x", "streamingllm-2.5x", "kivi-8bit", "snapkv-4x-fp16"):
+    labels = ("streamingllm-4x", "streamingllm-2.5x", "kivi-8bit", "snapkv-4x-fp16")
+    for label in (*labels, "snapkv-8x+kivi-4bit", "kvzip-2x+kvquant-2bit"):
         assert compressor_from_label(label).label == label
-    for bad in ("kivi4", "snapkv-4x-int8", "kivi-4bit-bf16"):
+    bad_labels = ("kivi4", "snapkv-4x-int8", "kivi-4bit-bf16", "snapkv-4x+kivi-4bit+kivi-2bit")
+    for bad in (*bad_labels, "kivi-4bit+snapkv-4x", "snapkv-4x-bf16+kivi-4bit"):
         with pytest.raises(InvalidRequestError):
             compressor_from_label(bad)
 

@@ -186,3 +186,21 @@ def test_a_sampled_run_end_to_end(monkeypatch, tiny_chat_checkpoint, tmp_path):
 
     monkeypatch.setattr(acceptance.Engine, "generate", refuse)
     assert acceptance.run(args)["records"] == result["records"]
+
+
+def test_c_is_the_wire_bytes_share_of_the_bf16_full_kv(tiny_chat_checkpoint):
+    """A composition's c is below each of its parts' (the tiny model's KV is float32: its
+    full-precision tokens count twice the bf16 bytes)."""
+    from vericache.bench.common import compressor_from_label
+    from vericache.engine.engine import Engine
+    from vericache.engine.prompt import build_chat_prompt
+
+    engine = Engine.from_pretrained(str(tiny_chat_checkpoint), dtype="float32")
+    context = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(25))
+    prompts = [("code", "tiny", build_chat_prompt(engine.tokenizer, context, "Explain f3."))]
+    shares = {
+        label: acceptance.compressed_share(engine, compressor_from_label(label), prompts)
+        for label in ("snapkv-4x", "kivi-4bit", "snapkv-4x+kivi-4bit")
+    }
+    assert shares["snapkv-4x"] < 2 / 4  # a quarter of the fp32 slots, and the codec's zstd
+    assert 0 < shares["snapkv-4x+kivi-4bit"] < min(shares["snapkv-4x"], shares["kivi-4bit"])

@@ -213,4 +213,5 @@ def test_the_table_covers_every_registered_compressor_easy_and_hard():
     assert sorted(row.name for row in single) == sorted(2 * list(COMPRESSORS))
     assert any(row.kind is CompressionKind.COMPOSED for row in TABLE)
     for easy, hard in zip(TABLE[::2], TABLE[1::2]):
-        assert easy.name == hard.name and easy != hard
+        composed = easy.kind is hard.kind is CompressionKind.COMPOSED  # two compositions
+        assert (easy.name == hard.name or composed) and easy != hard
