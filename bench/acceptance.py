@@ -61,6 +61,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (256; quick 64)")
     parser.add_argument("--prompts-per-kind", type=int, help="code and tool prompts (20; quick 2)")
     parser.add_argument("--draft-kv", choices=["verifier", "drafter", "both"], default="verifier")
+    parser.add_argument(
+        "--steer-every",
+        type=int,
+        default=0,
+        help="also run each token dropper that keeps its tokens once with its kept set steered by "
+        "the verifier every this many rounds (compress/steering.py); 0: not",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
     parser.add_argument(
         "--temperature",
@@ -108,18 +115,21 @@ def run(args) -> dict:
         for source in sources:
             config = EngineConfig(draft_kv_source=source, prefix_cache_bytes=16 << 30)
             engine = Engine(engine.runner, engine.tokenizer, config, engine.prefix_store)
-            for compressor in compressors:
-                label = sampling.label(compressor.label)
+            for compressor, steer_every in _runs(compressors, args.steer_every):
+                label = sampling.label(_label(compressor, steer_every))
                 done = checkpoint.records(label, source.value)
                 if done is None:
-                    done = _traces(engine, compressor, source, prompts, references, params, args)
+                    done = _traces(
+                        engine, compressor, source, prompts, references, params, args, steer_every
+                    )
                     done = [{**r, **sampling.record_fields(), "compressor": label} for r in done]
                     checkpoint.add(label, source.value, done)
                 records += done
                 print(f"[acceptance] {label}, draft_kv={source.value}: done")
                 if compressor.label not in shares:
                     shares[compressor.label] = compressed_share(engine, compressor, prompts)
-    return _result(records, labels, args, max_tokens, len(prompts)) | {"c": shares}
+    run_labels = [_label(c, k) for c, k in _runs(compressors, args.steer_every)]
+    return _result(records, run_labels, args, max_tokens, len(prompts)) | {"c": shares}
 
 
 @dataclass(frozen=True)
@@ -166,7 +176,23 @@ def _references(engine, prompts, params, checkpoint, label: str) -> list[tuple[i
     return references
 
 
-def _traces(engine, compressor, source, prompts, references, params, args) -> list[dict]:
+def _runs(compressors, steer_every: int) -> list[tuple[object, int]]:
+    """(compressor, steer_every) of each run: every compressor as it is, and where asked each
+    steerable one steered too."""
+    runs = [(compressor, 0) for compressor in compressors]
+    if steer_every:
+        runs += [(c, steer_every) for c in compressors if c.is_steerable]
+    return runs
+
+
+def _label(compressor, steer_every: int) -> str:
+    """The compressor's label, with its steering where it is steered."""
+    return f"{compressor.label} steered/{steer_every}" if steer_every else compressor.label
+
+
+def _traces(
+    engine, compressor, source, prompts, references, params, args, steer_every: int = 0
+) -> list[dict]:
     """Every prompt decoded with drafts over `compressor` (prompt i with params[i]): one trace
     record each. Rejection coupling samples the model's distribution but not the full-KV
     sample: its outputs are not compared (`identical` None)."""
@@ -175,7 +201,9 @@ def _traces(engine, compressor, source, prompts, references, params, args) -> li
     for start in progress(chunks, f"{compressor.label}, x={MAX_DRAFT_LEN}", unit="batch"):
         end = start + args.batch_size
         chunk = zip(prompts[start:end], references[start:end], params[start:end])
-        outputs += engine.generate([_request(compressor, *item) for item in chunk])
+        outputs += engine.generate(
+            [_request(compressor, *item, steer_every=steer_every) for item in chunk]
+        )
     records = []
     for (kind, name, prompt), reference, out, p in zip(prompts, references, outputs, params):
         record = trace_record(kind, name, compressor, out.stats, source.value)
@@ -229,7 +257,7 @@ class Checkpoint:
                 file.write(json.dumps({"settings": self.settings, **entry}) + "\n")
 
 
-def _request(compressor, item, reference, params: SamplingParams) -> Request:
+def _request(compressor, item, reference, params: SamplingParams, steer_every: int = 0) -> Request:
     """A round stops drafting after its first draft the reference rejects (expected_ids): it
     commits the same tokens and tells the same first mismatch as one that drafts all 64. Not
     under rejection coupling, whose output is not the reference's."""
@@ -237,7 +265,7 @@ def _request(compressor, item, reference, params: SamplingParams) -> Request:
     expected = None if params.is_rejection_coupled else reference
     return Request(
         prompt.token_ids, prompt.num_prefix_tokens, params, DecodeMode.VERICACHE, compressor,
-        MAX_DRAFT_LEN, expected_ids=expected,
+        MAX_DRAFT_LEN, expected_ids=expected, steer_every=steer_every,
     )  # fmt: skip
 
 

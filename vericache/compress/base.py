@@ -64,6 +64,12 @@ class Compressor(abc.ABC):
         return None
 
     @property
+    def is_steerable(self) -> bool:
+        """Its kept prefix positions may be chosen again by the verifier (compress/steering.py):
+        a token dropper that chooses them once and keeps them dense."""
+        return False
+
+    @property
     def params(self) -> dict:
         return {field.name: getattr(self, field.name) for field in fields(self)}
 
@@ -125,6 +131,15 @@ class TokenDropping(Compressor):
     @property
     def kept_token_ratio(self) -> float:
         return self.ratio
+
+    @property
+    def is_steerable(self) -> bool:
+        return self.mode is CompressionMode.OFFLINE
+
+    @property
+    def observation_window(self) -> int:
+        """The prefix's last tokens it keeps whatever they score (0: none)."""
+        return 0
 
     @property
     def storage_dtype(self) -> torch.dtype | None:

@@ -42,6 +42,10 @@ class SnapKV(TokenDropping):
         if self.pooling not in ("max", "avg"):
             raise InvalidRequestError(f"{self.name} pooling must be 'max' or 'avg'")
 
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
     def layer_budgets(self, num_tokens: int, num_layers: int) -> list[int]:
         return [token_budget(num_tokens, self.ratio)] * num_layers
 

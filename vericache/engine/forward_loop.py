@@ -48,6 +48,9 @@ class Job:
     # that come before this job's first row (a draft step's earlier drafts).
     constraint: TokenConstraint | None = None
     constrained_after: list[int] = field(default_factory=list)
+    # Called with each layer's queries of its rows (the runner's `observe`): a verification's,
+    # where its sequence steers its drafter's kept set (compress/steering.py).
+    observe: Callable | None = None
     processed: list[torch.Tensor] = field(default_factory=list)  # per step [n, V] float32
     choices: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(choices)] where reported
@@ -60,7 +63,9 @@ class Job:
 
     def sequence_input(self) -> SequenceInput:
         cache = self.cache
-        observe = cache.observe if getattr(cache, "records_queries", False) else None
+        observe = self.observe
+        if observe is None and getattr(cache, "records_queries", False):
+            observe = cache.observe
         ids = torch.tensor(self.feed, dtype=torch.long)
         num_logits = self.num_logits if self.steps == 0 else 1
         return SequenceInput(ids, cache, num_logits, observe, fast_attention=not self.is_full_kv)

@@ -16,6 +16,7 @@ import torch
 
 from vericache.compress.base import Compressor
 from vericache.compress.context import ModelContext
+from vericache.compress.steering import KeptSetSteering
 from vericache.engine.constraint import TokenConstraint
 from vericache.engine.device_memory import full_kv_capacity
 from vericache.engine.engine_config import DraftKVSource, EngineConfig
@@ -90,6 +91,13 @@ class SequenceStarter:
             seq.constraint = TokenConstraint.build(
                 request.constraint, self.prefiller.tokenizer, vocab_size, end_ids
             )
+        if request.steer_every:
+            compressor = request.compressor
+            split = min(request.num_prefix_tokens, len(request.prompt_ids) - 1)
+            seq.steering = KeptSetSteering(
+                request.steer_every, split, compressor.observation_window,
+                compressor.storage_dtype,
+            )  # fmt: skip
         first = choose_first(self._prefill(seq), seq.sampler(), seq.constraint)
         seq.stats.prefill_s = time.perf_counter() - seq.started_at
         seq.commit([first.token_id], first.logprobs)

@@ -179,6 +179,9 @@ class Request:
     expected_ids: tuple[int, ...] | None = None
     # A grammar every output token is chosen under, in every mode (engine/constraint.py).
     constraint: OutputConstraint | None = None
+    # Every this many rounds, the token dropper's kept prefix positions are chosen again from the
+    # attention the verifications paid them (compress/steering.py); 0: never.
+    steer_every: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))  # hashable, immutable
@@ -195,6 +198,22 @@ class Request:
         if self.adaptive_draft_len and self.mode is not DecodeMode.VERICACHE:
             raise InvalidRequestError(
                 f"adaptive_draft_len applies to mode 'vericache' only, not {self.mode.value!r}"
+            )
+        if self.steer_every:
+            self._check_steering()
+
+    def _check_steering(self) -> None:
+        if self.steer_every < 0:
+            raise InvalidRequestError(f"steer_every must be >= 0, got {self.steer_every}")
+        if self.mode is not DecodeMode.VERICACHE:
+            raise InvalidRequestError(
+                f"steer_every applies to mode 'vericache' only, not {self.mode.value!r}"
+            )
+        compressor = self.compressor
+        if not compressor.is_steerable:
+            raise InvalidRequestError(
+                f"steer_every steers a token dropper that keeps its tokens once (snapkv, "
+                f"pyramidkv, kvzip), not {compressor.name}"
             )
 
 

@@ -74,6 +74,9 @@ class Sequence:
     # The grammar state of a constrained request (engine/constraint.py's TokenConstraint: opaque
     # here, as the simulator runs this module without torch); it consumes every committed token.
     constraint: object | None = None
+    # Where the request steers its drafter's kept set (compress/steering.py's KeptSetSteering,
+    # opaque here as the constraint is): it records the verifications' queries.
+    steering: object | None = None
 
     @classmethod
     def start(

@@ -57,6 +57,7 @@ class SequenceForward:
                 keeps_processed=seq.is_rejection_coupled,
                 reports_logprobs=not seq.is_rejection_coupled,
                 constraint=seq.constraint,
+                observe=seq.steering.observe if seq.steering is not None else None,
             )
             for seq in full_batch
         ]
@@ -110,6 +111,9 @@ class SequenceForward:
         else:
             compressed.truncate(min(compressed.num_tokens, num_kept))
         seq.request.compressor.update(compressed)
+        steering = seq.steering
+        if steering is not None and steering.is_due(seq.stats.rounds):
+            steering.refresh(compressed, seq.full_cache)
 
 
 def _decode_step(seq: Sequence, job: Job, elapsed: float) -> None:

@@ -1,0 +1,112 @@
+"""A kept set the verifier steers (compress/steering.py): the output stays full decoding's, greedy
+and sampled, in the engine and the long-context engine; each refresh keeps the dropper's budget
+and window, moves kept positions to where the verifications attend, and leaves the prefix's shared
+compressed KV as it was; only droppers that keep their tokens once are steered."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.test_conformance import PREFIX, _prompt
+from vericache.compress import H2O, KIVI, KVzip, PyramidKV, SnapKV, build_compressor
+from vericache.compress.steering import attention_mass
+from vericache.engine.long_context import LongContextEngine
+from vericache.engine.long_context_config import LongContextConfig
+from vericache.engine.request import DecodeMode, Request, SamplingParams
+from vericache.errors import InvalidRequestError
+
+MAX_NEW = 32
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+SAMPLED = dataclasses.replace(GREEDY, temperature=0.8, top_p=0.9, seed=3)
+DROPPERS = [SnapKV(ratio=4, window=8), PyramidKV(ratio=4), KVzip(ratio=4, chunk_size=64)]
+
+
+def _request(compressor=None, params=GREEDY, steer_every=0, seed=3) -> Request:
+    mode = DecodeMode.FULL if compressor is None else DecodeMode.VERICACHE
+    return Request(
+        _prompt(seed=seed), PREFIX, params, mode, compressor, draft_len=6, steer_every=steer_every
+    )
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("compressor", DROPPERS, ids=lambda c: c.name)
+def test_a_steered_drafter_still_gives_full_decodings_output(tiny_engine, compressor, params):
+    engine = tiny_engine()
+    full, plain, steered = engine.generate(
+        [_request(None, params), _request(compressor, params), _request(compressor, params, 2)]
+    )
+    assert plain.token_ids == full.token_ids == steered.token_ids
+    assert steered.stats.rounds < MAX_NEW
+
+
+def test_a_refresh_keeps_the_budget_and_window_and_moves_positions(tiny_engine, monkeypatch):
+    engine = tiny_engine()
+    compressor = SnapKV(ratio=4, window=8)
+    before = engine.compressed_prefix_kv(_prompt()[:PREFIX], compressor).to_state()
+    refreshed = []
+    real_step = engine.step
+
+    def step(batch):
+        real_step(batch)
+        for seq in batch:
+            if seq.steering is not None and seq.steering.num_refreshes > len(refreshed):
+                refreshed.append(
+                    [layer.shared.positions().clone() for layer in seq.compressed_cache.layers]
+                )
+
+    monkeypatch.setattr(engine, "step", step)
+    (steered,) = engine.generate([_request(compressor, steer_every=1)])
+    assert refreshed, "no refresh ran"
+    budget = compressor.layer_budgets(PREFIX, len(refreshed[0]))
+    for positions, kept in zip(refreshed[0], budget):
+        assert positions.shape[0] == kept  # the same number of slots per head
+        assert bool((positions[1:] > positions[:-1]).all())  # ascending per head
+        window = torch.arange(PREFIX - 8, PREFIX, dtype=positions.dtype)
+        assert torch.isin(window, positions[:, 0]).all()  # the window stays
+    original = [layer.tensors["positions"] for layer in before.layers]
+    moved = sum(int((~torch.isin(p[:, 0], o[:, 0])).sum()) for p, o in zip(refreshed[-1], original))
+    assert moved > 0  # the verifications asked for other positions
+    # Steering edits the request's own copy: the prefix's shared compressed KV is unchanged.
+    after = engine.compressed_prefix_kv(_prompt()[:PREFIX], compressor).to_state()
+    assert after.equals(before)
+
+
+def test_the_long_context_engine_steers_over_the_full_kv_it_loads(tiny_engine):
+    engine = tiny_engine()
+    compressor = SnapKV(ratio=4, window=8)
+    long_context = LongContextEngine(engine.runner, None, long_context=LongContextConfig())
+    try:
+        (steered,) = long_context.generate([_request(compressor, steer_every=2)])
+    finally:
+        long_context.close()
+    (full,) = engine.generate([_request()])
+    assert steered.token_ids == full.token_ids
+
+
+def test_attention_mass_ranks_the_key_a_query_points_at():
+    keys = torch.zeros(5, 1, 4)
+    keys[3, 0, 0] = 10.0  # [P=5, Hkv=1, D=4]
+    queries = torch.zeros(2, 3, 4)
+    queries[:, :, 0] = 1.0  # [n=2, Hq=3, D]: three heads of one group
+    mass = attention_mass(queries, keys)
+    assert mass.shape == (1, 5) and int(mass.argmax()) == 3
+    assert float(mass.sum()) == pytest.approx(2 * 3)  # each row and head's softmax sums to one
+
+
+@pytest.mark.parametrize(
+    ("compressor", "mode", "words"),
+    [
+        (KIVI(bits=4), DecodeMode.VERICACHE, "not kivi"),
+        (H2O(ratio=4), DecodeMode.VERICACHE, "not h2o"),
+        (build_compressor("snapkv+kivi"), DecodeMode.VERICACHE, r"not snapkv\+kivi"),
+        (SnapKV(ratio=4), DecodeMode.LOSSY, "mode 'vericache' only"),
+    ],
+)
+def test_only_a_dropper_that_keeps_its_tokens_once_is_steered(compressor, mode, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        Request(_prompt(), PREFIX, GREEDY, mode, compressor, steer_every=2)
+    with pytest.raises(InvalidRequestError, match=">= 0"):
+        Request(_prompt(), PREFIX, GREEDY, DecodeMode.VERICACHE, SnapKV(), steer_every=-1)
