@@ -29,6 +29,16 @@ def tokens(engine, batch) -> list[list[int]]:
     return [out.token_ids for out in engine.generate(batch)]
 
 
+def long_context_generate(engine, batch):
+    """`batch` on a long-context engine over `engine`'s model (full KV in host memory, loaded per
+    round)."""
+    long_context = LongContextEngine(engine.runner, None, long_context=LongContextConfig())
+    try:
+        return long_context.generate(batch)
+    finally:
+        long_context.close()
+
+
 @pytest.fixture(scope="module")
 def full_samples(tiny_engine):
     """Full-KV samples per temperature, computed once for the module."""
@@ -118,11 +128,7 @@ def test_the_long_context_engine_samples_what_full_kv_samples(tiny_engine):
     so its sampled output is the full-KV sample too."""
     engine = tiny_engine()
     (compressor, _) = pick("snapkv")
-    long_context = LongContextEngine(engine.runner, None, long_context=LongContextConfig())
-    try:
-        outputs = long_context.generate(requests(DecodeMode.VERICACHE, SAMPLING, compressor))
-    finally:
-        long_context.close()
+    outputs = long_context_generate(engine, requests(DecodeMode.VERICACHE, SAMPLING, compressor))
     assert [out.token_ids for out in outputs] == tokens(engine, requests(DecodeMode.FULL))
 
 

@@ -13,9 +13,7 @@ import pytest
 import torch
 
 from tests.compressor_table import pick
-from tests.test_engine_sampling import requests
-from vericache.engine.long_context import LongContextEngine
-from vericache.engine.long_context_config import LongContextConfig
+from tests.test_engine_sampling import long_context_generate, requests
 from vericache.engine.request import DecodeMode, SamplingParams
 
 MAX_NEW = 20
@@ -92,9 +90,5 @@ def test_rejection_coupling_reports_the_verifiers_distribution(tiny_engine):
 def test_the_long_context_engine_reports_them_too(tiny_engine):
     engine = tiny_engine()
     (compressor, _) = pick("snapkv")
-    long_context = LongContextEngine(engine.runner, None, long_context=LongContextConfig())
-    try:
-        outputs = long_context.generate(requests(DecodeMode.VERICACHE, GREEDY, compressor))
-    finally:
-        long_context.close()
+    outputs = long_context_generate(engine, requests(DecodeMode.VERICACHE, GREEDY, compressor))
     assert _reported(outputs) == _reported(engine.generate(requests(DecodeMode.FULL, GREEDY)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -22,39 +23,33 @@ openai = pytest.importorskip("openai")
 CONTEXT = "You answer in short sentences. Python is a programming language."
 
 
+@dataclass(frozen=True)
+class Api:
+    url: str  # the OpenAI API's base URL
+    client: object  # the openai client on it
+    prefix_id: str  # a prefix of CONTEXT, the system turn of `_messages_here`
+
+
 @pytest.fixture(scope="module")
-def server(tiny_chat_checkpoint, tmp_path_factory):
+def api(tiny_chat_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("logprobs")
-    with start_server(tiny_chat_checkpoint, root, http=HttpSettings(0, MODEL)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def prefix_id(server) -> str:
-    with Client(server.target, timeout=120) as client:
-        return client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
-
-
-@pytest.fixture(scope="module")
-def base_url(server) -> str:
-    return f"http://{server.host}:{server.http_port}/v1"
-
-
-@pytest.fixture(scope="module")
-def oai(base_url):
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
-        yield client
+    with start_server(tiny_chat_checkpoint, root, http=HttpSettings(0, MODEL)) as server:
+        url = f"http://{server.host}:{server.http_port}/v1"
+        with Client(server.target, timeout=120) as grpc_client:
+            prefix_id = grpc_client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+            yield Api(url, client, prefix_id)
 
 
 def _messages_here() -> list[dict]:
     return [{"role": "system", "content": CONTEXT}, {"role": "user", "content": "What is it?"}]
 
 
-def _chat(oai, prefix_id, mode: str, stream: bool = False, **options):
-    return oai.chat.completions.create(
+def _chat(api: Api, mode: str, stream: bool = False, **options):
+    return api.client.chat.completions.create(
         model=MODEL, messages=_messages_here(), max_tokens=16, logprobs=True,
         stream=stream, **{"top_logprobs": 3} | options,
-        extra_body={"vericache": {"mode": mode, "prefix_id": prefix_id, "draft_len": 4}},
+        extra_body={"vericache": {"mode": mode, "prefix_id": api.prefix_id, "draft_len": 4}},
     )  # fmt: skip
 
 
@@ -76,9 +71,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_mode_reports_full_decodings_logprobs(oai, prefix_id, case):
+def test_every_mode_reports_full_decodings_logprobs(api, case):
     options = CASES[case]
-    reference = _chat(oai, prefix_id, "full_local", **options).choices[0]
+    reference = _chat(api, "full_local", **options).choices[0]
     content = reference.logprobs.content
     # Each token reported, the end token included (as vLLM reports it), text as it decodes.
     assert "".join(entry.token for entry in content).startswith(reference.message.content)
@@ -89,22 +84,22 @@ def test_every_mode_reports_full_decodings_logprobs(oai, prefix_id, case):
             assert entry.top_logprobs[0].token == entry.token
             assert entry.top_logprobs[0].logprob == entry.logprob
     for mode in ("vericache", "full_remote"):
-        served = _chat(oai, prefix_id, mode, **options).choices[0]
+        served = _chat(api, mode, **options).choices[0]
         assert served.message.content == reference.message.content, mode
         assert _entries(served.logprobs.content) == _entries(content), mode
     streamed = []
-    for chunk in _chat(oai, prefix_id, "vericache", stream=True, **options):
+    for chunk in _chat(api, "vericache", stream=True, **options):
         for choice in chunk.choices:
             if choice.logprobs is not None:
                 streamed += choice.logprobs.content
     assert _entries(streamed) == _entries(content)
 
 
-def test_a_grammar_masks_what_it_forbids(oai, prefix_id):
+def test_a_grammar_masks_what_it_forbids(api):
     """Under a JSON schema the first token must open the object: the few tokens that do share
     all the probability, every other one is masked (-inf, reported as vLLM's -9999.0)."""
     options = CASES["json_schema"] | {"top_logprobs": 20}
-    reply = _chat(oai, prefix_id, "vericache", **options).choices[0]
+    reply = _chat(api, "vericache", **options).choices[0]
     alternatives = reply.logprobs.content[0].top_logprobs
     admitted = [top for top in alternatives if top.logprob > -9999.0]
     assert 0 < len(admitted) < len(alternatives) == 20
@@ -112,12 +107,12 @@ def test_a_grammar_masks_what_it_forbids(oai, prefix_id):
     assert sum(math.exp(top.logprob) for top in admitted) == pytest.approx(1, abs=1e-4)
 
 
-def test_completions_report_tokens_offsets_and_alternatives(base_url, prefix_id):
+def test_completions_report_tokens_offsets_and_alternatives(api):
     body = {
         "model": MODEL, "prompt": "Python is", "max_tokens": 10, "temperature": 0,
-        "logprobs": 2, "vericache": {"prefix_id": prefix_id, "mode": "vericache"},
+        "logprobs": 2, "vericache": {"prefix_id": api.prefix_id, "mode": "vericache"},
     }  # fmt: skip
-    whole = httpx.post(f"{base_url}/completions", json=body, timeout=120).json()["choices"][0]
+    whole = httpx.post(f"{api.url}/completions", json=body, timeout=120).json()["choices"][0]
     logprobs = whole["logprobs"]
     assert "".join(logprobs["tokens"]) == whole["text"]
     offsets = [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(logprobs["tokens"]))]
@@ -127,13 +122,13 @@ def test_completions_report_tokens_offsets_and_alternatives(base_url, prefix_id)
     ):
         assert top[token] == value == max(top.values()) and len(top) == 2
     reference = httpx.post(
-        f"{base_url}/completions",
-        json=body | {"vericache": {"prefix_id": prefix_id, "mode": "full_local"}},
+        f"{api.url}/completions",
+        json=body | {"vericache": {"prefix_id": api.prefix_id, "mode": "full_local"}},
         timeout=120,
     ).json()["choices"][0]
     assert reference["logprobs"] == logprobs
     with httpx.stream(
-        "POST", f"{base_url}/completions", json=body | {"stream": True}, timeout=120
+        "POST", f"{api.url}/completions", json=body | {"stream": True}, timeout=120
     ) as reply:
         chunks = [
             json.loads(line.removeprefix("data: "))
@@ -148,10 +143,10 @@ def test_completions_report_tokens_offsets_and_alternatives(base_url, prefix_id)
     assert streamed == logprobs
 
 
-def test_no_logprobs_unless_asked(oai, prefix_id):
-    reply = oai.chat.completions.create(
+def test_no_logprobs_unless_asked(api):
+    reply = api.client.chat.completions.create(
         model=MODEL, messages=_messages_here(), max_tokens=4,
-        extra_body={"vericache": {"prefix_id": prefix_id}},
+        extra_body={"vericache": {"prefix_id": api.prefix_id}},
     )  # fmt: skip
     assert reply.choices[0].logprobs is None
 
@@ -164,9 +159,9 @@ def test_no_logprobs_unless_asked(oai, prefix_id):
         ("completions", {"logprobs": 21}, "logprobs"),
     ],
 )
-def test_bad_bounds_are_400s_naming_the_field(base_url, path, fields, named):
+def test_bad_bounds_are_400s_naming_the_field(api, path, fields, named):
     body = {"model": MODEL, "max_tokens": 2} | fields
     body |= {"messages": _messages()} if path.startswith("chat") else {"prompt": "Hi"}
-    reply = httpx.post(f"{base_url}/{path}", json=body, timeout=60)
+    reply = httpx.post(f"{api.url}/{path}", json=body, timeout=60)
     assert reply.status_code == 400
     assert named in reply.json()["error"]["message"]

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from tests.test_conformance import PREFIX, _prompt
+from tests.test_engine_sampling import long_context_generate
 from vericache.compress import H2O, KIVI, KVzip, PyramidKV, SnapKV, build_compressor
 from vericache.compress.steering import attention_mass
-from vericache.engine.long_context import LongContextEngine
-from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.errors import InvalidRequestError
 
@@ -77,11 +76,7 @@ def test_a_refresh_keeps_the_budget_and_window_and_moves_positions(tiny_engine, 
 def test_the_long_context_engine_steers_over_the_full_kv_it_loads(tiny_engine):
     engine = tiny_engine()
     compressor = SnapKV(ratio=4, window=8)
-    long_context = LongContextEngine(engine.runner, None, long_context=LongContextConfig())
-    try:
-        (steered,) = long_context.generate([_request(compressor, steer_every=2)])
-    finally:
-        long_context.close()
+    (steered,) = long_context_generate(engine, [_request(compressor, steer_every=2)])
     (full,) = engine.generate([_request()])
     assert steered.token_ids == full.token_ids
 
