@@ -17,6 +17,7 @@ import time
 import torch
 
 from vericache.bench.common import compressor_from_label, environment, pyplot
+from vericache.bench.decode_speed_tiny import run_tiny
 from vericache.bench.workloads import long_code_context
 from vericache.engine.engine import Engine
 from vericache.engine.request import DecodeMode, Request, SamplingParams
@@ -35,6 +36,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compressors", default="streamingllm-4x,kivi-4bit")
     parser.add_argument("--batch", type=int, default=8, help="requests in the batched comparison")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both models run there)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the host's overhead per step instead, on a 2-layer random model (decode_speed_tiny)",
+    )
 
 
 def _synchronize(device: torch.device) -> None:
@@ -138,6 +144,8 @@ def engine_vs_transformers(engine: Engine, model: str, ids: list[int], steps: in
 
 
 def run(args) -> dict:
+    if args.tiny:
+        return run_tiny(args)
     steps = args.steps or (12 if args.quick else 32)
     rounds = args.rounds or (3 if args.quick else 5)
     engine = Engine.from_pretrained(args.model, device=args.device)

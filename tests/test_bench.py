@@ -54,3 +54,21 @@ def test_progress_passes_items_through_and_takes_updates():
     with progress(description="tokens", total=10, unit="tok") as bar:
         bar.update(4)
         assert bar.disable
+
+
+def test_the_tiny_step_counts_one_host_wait_and_its_operators(tmp_path):
+    """decode-speed --tiny: a greedy step waits for the device once (its tokens); a layer costs
+    the same operators whatever the depth, so two layers' count less one layer's is one layer's."""
+    from vericache.bench.decode_speed_tiny import counted_syncs, time_steps, tiny_model
+    from vericache.engine.engine import Engine
+
+    with counted_syncs() as counts:
+        torch.ones(3).tolist()
+        int(torch.ones(()))
+    assert counts == {"tolist": 1, "__int__": 1}
+    engines = [Engine.from_pretrained(str(tiny_model(tmp_path / f"l{n}", n))) for n in (1, 2, 3)]
+    steps = [time_steps(engine, "draft", 1) for engine in engines]
+    assert [step["syncs"] for step in steps] == [1, 1, 1]
+    one, two, three = (step["operators"] for step in steps)
+    assert three - two == two - one > 0
+    assert steps[1]["host_us_quartiles"][0] <= steps[1]["host_us"] > 0
