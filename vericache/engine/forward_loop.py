@@ -25,7 +25,7 @@ import torch
 
 from vericache.engine.constraint import TokenConstraint
 from vericache.engine.request import TokenLogprob
-from vericache.engine.sampling import SequenceSampler, token_logprobs
+from vericache.engine.sampling import SequenceSampler
 from vericache.kv.cache import KVCache
 from vericache.model.runner import ModelRunner, SequenceInput
 
@@ -85,9 +85,8 @@ class Job:
         choice = self.sampler.choose(rows, self.choices, fed_after_first_row)
         if self.keeps_processed:
             self.processed.append(choice.processed)
-        num_top = self.sampler.num_top_logprobs
-        if self.reports_logprobs and num_top is not None:
-            self.logprobs += token_logprobs(choice.processed, choice.tokens, num_top)
+        if self.reports_logprobs:
+            self.logprobs += self.sampler.reported(choice.processed, choice.tokens)
         return choice.tokens
 
     def advance(self, chosen: list[int]) -> None:
@@ -132,11 +131,7 @@ def choose_first(
     if sampler is None:
         return FirstToken(int(rows[-1].argmax()), ())
     choice = sampler.choose(rows)
-    num_top = sampler.num_top_logprobs
-    if num_top is None:
-        return FirstToken(choice.tokens[0], ())
-    logprobs = token_logprobs(choice.processed, choice.tokens, num_top)
-    return FirstToken(choice.tokens[0], tuple(logprobs))
+    return FirstToken(choice.tokens[0], sampler.reported(choice.processed, choice.tokens))
 
 
 def greedy(logits: list[torch.Tensor]) -> list[list[int]]:

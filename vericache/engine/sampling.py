@@ -165,10 +165,13 @@ class SequenceSampler:
         positions = len(self.prompt_ids) + first + torch.arange(rows.shape[0], device=rows.device)
         return Choice(seeded_sample(processed, self.seed, positions).tolist(), processed)
 
-    @property
-    def num_top_logprobs(self) -> int | None:
-        """The alternatives each reported position lists; None: no log-probabilities."""
-        return self.params.logprobs
+    def reported(self, processed: torch.Tensor, tokens: Sequence[int]) -> tuple[TokenLogprob, ...]:
+        """The log-probabilities of `tokens` chosen from `processed` [n, V] as the request asks
+        for them (`token_logprobs`); () where it asks for none."""
+        num_top = self.params.logprobs
+        if num_top is None:
+            return ()
+        return tuple(token_logprobs(processed, tokens, num_top))
 
 
 def token_logprobs(
@@ -188,10 +191,12 @@ def token_logprobs(
     num_at_least = (logprobs >= kth).sum(-1).tolist()
     rows = zip(best.indices.tolist(), best.values.tolist(), num_at_least)
     reported = []
-    for row, (token, value, (ids, values, at_least)) in enumerate(zip(tokens, chosen, rows)):
+    for row, (token, value, (top_ids, top_values, at_least)) in enumerate(
+        zip(tokens, chosen, rows)
+    ):
         if at_least > num_top:
-            ids, values = _lowest_ids_at_ties(logprobs[row], num_top, values[-1])
-        ranked = sorted(zip(ids, values), key=lambda pair: (-pair[1], pair[0]))
+            top_ids, top_values = _lowest_ids_at_ties(logprobs[row], num_top, top_values[-1])
+        ranked = sorted(zip(top_ids, top_values), key=lambda pair: (-pair[1], pair[0]))
         reported.append(TokenLogprob(token, value, tuple(ranked)))
     return reported
 
@@ -263,11 +268,7 @@ def rejection_verdict(
     generator = round_generator(sampler.seed, position)
     outcome = rejection_sample(drafts, draft_probs.to(target_probs.device), target_probs, generator)
     tokens = [*drafts[: outcome.num_accepted], outcome.next_token]
-    num_top = sampler.num_top_logprobs
-    if num_top is None:
-        return Verdict(tokens)
-    rows = target_processed[: len(tokens)]
-    return Verdict(tokens, tuple(token_logprobs(rows, tokens, num_top)))
+    return Verdict(tokens, sampler.reported(target_processed[: len(tokens)], tokens))
 
 
 def round_generator(seed: int, position: int) -> torch.Generator:
