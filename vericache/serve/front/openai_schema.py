@@ -120,11 +120,6 @@ class _GenerateBody(_Body):
     vericache: VeriCacheOptions | None = None
 
     @property
-    def num_logprobs(self) -> int | None:
-        """The alternatives each output token reports with its log-probability; None: none."""
-        raise NotImplementedError
-
-    @property
     def timeout_s(self) -> float | None:
         return self.vericache.timeout_s if self.vericache else None
 
@@ -143,7 +138,9 @@ class _GenerateBody(_Body):
             for i in range(self.n)
         ]
 
-    def _call(self, max_tokens: int | None, **prompt) -> GenerateCall:
+    def _call(self, max_tokens: int | None, logprobs: int | None, **prompt) -> GenerateCall:
+        """logprobs: the alternatives each output token reports with its log-probability (None:
+        none), as each endpoint asks for them (`num_logprobs`)."""
         options = self.vericache or VeriCacheOptions()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
@@ -151,7 +148,7 @@ class _GenerateBody(_Body):
             temperature=temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, coupling=self.coupling,
-            logprobs=self.num_logprobs,
+            logprobs=logprobs,
         )  # fmt: skip
         return GenerateCall(
             prefix_id=options.prefix_id,
@@ -178,7 +175,9 @@ class CompletionRequest(_GenerateBody):
         return self.logprobs
 
     def generate_call(self, tool_parser: ToolParser | None = None) -> GenerateCall:
-        return self._call(self.max_tokens, prompt=self.prompt, continues_text=True)
+        return self._call(
+            self.max_tokens, self.num_logprobs, prompt=self.prompt, continues_text=True
+        )
 
 
 class TextPart(_Body):
@@ -283,7 +282,7 @@ class ChatCompletionRequest(_GenerateBody):
         max_tokens = self.max_completion_tokens or self.max_tokens
         messages = tuple(message.turn() for message in self.messages)
         tools = tuple(spec.tool() for spec in self.tools or ())
-        call = self._call(max_tokens, prompt="", messages=messages, tools=tools)
+        call = self._call(max_tokens, self.num_logprobs, prompt="", messages=messages, tools=tools)
         forced = self._forced_tools(tools)
         if forced:
             if call.constraint is not None:
