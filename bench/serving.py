@@ -98,11 +98,11 @@ class Router:
             ]
             pool = self.pools[choose_pool(options, self.num_tokens)]
             self._in_flight[pool.mode] += 1
-            held = self._held[pool.mode]
-            if prefix_id in held:
-                held.remove(prefix_id)
-            held.append(prefix_id)
-            if pool.prefix_capacity is not None:
+            if pool.prefix_capacity is not None:  # a pool that holds every prefix keeps no count
+                held = self._held[pool.mode]
+                if prefix_id in held:
+                    held.remove(prefix_id)
+                held.append(prefix_id)
                 del held[: max(0, len(held) - pool.prefix_capacity)]
             return pool.mode
 
