@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vericache.serve.config import CoordinatorConfig, DrafterConfig, VerifierConfig
@@ -49,6 +50,29 @@ def start_server(
         access=access or Access(),
         http=http,
     )
+
+
+def start_openai_server(model: Path, root: Path, **options) -> BackgroundServer:
+    """`start_server` with the OpenAI-compatible HTTP API too, on a free port, answering to
+    SERVED_MODEL."""
+    return start_server(model, root, http=HttpSettings(0, SERVED_MODEL), **options)
+
+
+def openai_server_fixture(name: str):
+    """A module's fixture `server`: a server with the OpenAI API (`start_openai_server`) over the
+    tiny chat model, for the module's tests alone."""
+
+    @pytest.fixture(scope="module")
+    def server(tiny_chat_checkpoint, tmp_path_factory):
+        with start_openai_server(tiny_chat_checkpoint, tmp_path_factory.mktemp(name)) as running:
+            yield running
+
+    return server
+
+
+def http_url(server) -> str:
+    """The root of a running server's HTTP API (`/v1/...`, `/health`, `/metrics` under it)."""
+    return f"http://{server.host}:{server.http_port}"
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> bool:

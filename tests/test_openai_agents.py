@@ -11,14 +11,13 @@ import json
 
 import pytest
 
-from tests.serve_fixtures import CONTEXT, start_server
+from tests.serve_fixtures import CONTEXT, http_url, openai_server_fixture
 from tests.serve_fixtures import SERVED_MODEL as MODEL
 from tests.test_serve_openai import _messages
 from vericache.bench.workloads import bfcl_tool_cases
 from vericache.client import Client
 from vericache.serve.api_types import FunctionTool
 from vericache.serve.front.tools import render_catalogue
-from vericache.serve.launch.server import HttpSettings
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -39,11 +38,7 @@ def case():
     return bfcl_tool_cases("simple_python", 1)[0]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat_checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("agents")
-    with start_server(tiny_chat_checkpoint, root, http=HttpSettings(0, MODEL)) as running:
-        yield running
+server = openai_server_fixture("agents")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +56,7 @@ def served(server, grpc_client, case):
         f"{SYSTEM}\n\n{render_catalogue(tools)}", compressor="streamingllm", ratio=4
     )
     plain = grpc_client.put_prefix(SYSTEM, compressor="streamingllm", ratio=4)
-    return f"http://{server.host}:{server.http_port}/v1", with_tools, plain
+    return f"{http_url(server)}/v1", with_tools, plain
 
 
 @pytest.fixture(scope="module")

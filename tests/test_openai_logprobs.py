@@ -13,11 +13,10 @@ import httpx
 import pytest
 
 from tests.serve_fixtures import SERVED_MODEL as MODEL
-from tests.serve_fixtures import start_server
+from tests.serve_fixtures import http_url, start_openai_server
 from tests.test_openai_agents import FORECAST
 from tests.test_serve_openai import _messages
 from vericache.client import Client
-from vericache.serve.launch.server import HttpSettings
 
 openai = pytest.importorskip("openai")
 CONTEXT = "You answer in short sentences. Python is a programming language."
@@ -33,8 +32,8 @@ class Api:
 @pytest.fixture(scope="module")
 def api(tiny_chat_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("logprobs")
-    with start_server(tiny_chat_checkpoint, root, http=HttpSettings(0, MODEL)) as server:
-        url = f"http://{server.host}:{server.http_port}/v1"
+    with start_openai_server(tiny_chat_checkpoint, root) as server:
+        url = f"{http_url(server)}/v1"
         with Client(server.target, timeout=120) as grpc_client:
             prefix_id = grpc_client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
         with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.serve_fixtures import CONTEXT, start_server, wait_for
+from tests.serve_fixtures import CONTEXT, http_url, start_openai_server, wait_for
 from tests.serve_fixtures import SERVED_MODEL as MODEL
 from tests.test_serve_auth import KEY_A, KEY_B, keys_file
 from vericache.client import Client, InvalidRequestError
 from vericache.engine.prompt import build_chat_prompt
 from vericache.serve.config import CoordinatorConfig
 from vericache.serve.front.auth import Access
-from vericache.serve.launch.server import HttpSettings
 
 PROMPT = "Which function multiplies by three?"
 MIN_TOKENS = 40
@@ -26,9 +25,7 @@ def server(tiny_chat_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("auto-prefix")
     config = CoordinatorConfig(auto_prefix_min_tokens=MIN_TOKENS, auto_prefix_max_per_tenant=1)
     access = Access(api_keys=keys_file(root / "keys.json"))
-    with start_server(
-        tiny_chat_checkpoint, root, config=config, access=access, http=HttpSettings(0, MODEL)
-    ) as running:
+    with start_openai_server(tiny_chat_checkpoint, root, config=config, access=access) as running:
         yield running
 
 
@@ -49,7 +46,7 @@ def _chat(server, key: str, system: str, **vericache) -> dict:
     }  # fmt: skip
     if vericache:
         body["vericache"] = vericache
-    url = f"http://{server.host}:{server.http_port}/v1/chat/completions"
+    url = f"{http_url(server)}/v1/chat/completions"
     reply = httpx.post(url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()

@@ -15,31 +15,28 @@ import pytest
 from tests.serve_fixtures import (
     CONTEXT,
     a_tenth_of_its_time,
+    http_url,
     open_sessions,
-    start_server,
+    openai_server_fixture,
+    start_openai_server,
     wait_for,
 )
 from tests.serve_fixtures import SERVED_MODEL as MODEL
 from tests.test_serve_auth import KEY_A, KEY_B, keys_file
 from vericache.client import Client
 from vericache.serve.front.auth import Access
-from vericache.serve.launch.server import HttpSettings
 
 openai = pytest.importorskip("openai")
 
 PROMPT = "Which function multiplies by three?"
 
 
-@pytest.fixture(scope="module")
-def server(tiny_chat_checkpoint, tmp_path_factory):
-    root = tmp_path_factory.mktemp("openai")
-    with start_server(tiny_chat_checkpoint, root, http=HttpSettings(0, MODEL)) as running:
-        yield running
+server = openai_server_fixture("openai")
 
 
 @pytest.fixture(scope="module")
 def base_url(server) -> str:
-    return f"http://{server.host}:{server.http_port}"
+    return http_url(server)
 
 
 @pytest.fixture(scope="module")
@@ -359,12 +356,12 @@ def test_a_client_that_goes_away_stops_its_request(server, base_url, prefix_id):
 def keyed(tiny_chat_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("openai-keys")
     access = Access(api_keys=keys_file(root / "keys.json"))
-    with start_server(tiny_chat_checkpoint, root, access=access, http=HttpSettings(0, MODEL)) as s:
+    with start_openai_server(tiny_chat_checkpoint, root, access=access) as s:
         yield s
 
 
 def test_api_keys_and_tenants(keyed):
-    url = f"http://{keyed.host}:{keyed.http_port}/v1"
+    url = f"{http_url(keyed)}/v1"
     for key in (None, "not-a-key-of-anyone"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         reply = httpx.get(f"{url}/models", headers=headers)
@@ -394,7 +391,7 @@ def test_api_keys_and_tenants(keyed):
 
 
 def test_refusals_are_logged_with_the_tenant_and_request_id(keyed, caplog):
-    url = f"http://{keyed.host}:{keyed.http_port}/v1/chat/completions"
+    url = f"{http_url(keyed)}/v1/chat/completions"
     headers = {"Authorization": f"Bearer {KEY_A}", "content-type": "application/json"}
     with caplog.at_level(logging.INFO, logger="vericache.serve"):
         bad = httpx.post(url, content=b"\xff\xff", headers=headers, timeout=60)
