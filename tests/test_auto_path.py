@@ -88,13 +88,28 @@ def test_measurements_correct_the_model_path_by_path():
 
     def observe(slower: float) -> None:  # FULL_LOCAL measured `slower` times the model's
         measured = summary(prior.setup_s, 1 / (slower * prior.seconds_per_token))
-        auto.observe(auto.choose([option], SHAPE), measured, load=1)
+        choice = auto.choose([option], SHAPE)
+        auto.observe(choice, measured, load=1)
+        auto.finished(choice)
 
+    vericache = options()[1]
+    vericache_prior = auto.estimate(vericache, SHAPE)
     observe(3.0)  # the first measurement replaces the prior at once
     corrected = auto.estimate(option, SHAPE)
     assert corrected.seconds_per_token == pytest.approx(3 * prior.seconds_per_token, rel=0.01)
     assert corrected.setup_s == pytest.approx(prior.setup_s, rel=0.01)
-    # VeriCache is not corrected by FULL_LOCAL's measurements: it now wins alone.
+    # A path not yet measured takes the device's correction of steps, not its setup's...
+    unmeasured = auto.estimate(vericache, SHAPE)
+    assert unmeasured.seconds_per_token == pytest.approx(
+        3 * vericache_prior.seconds_per_token, rel=0.01
+    )
+    assert unmeasured.setup_s == pytest.approx(vericache_prior.setup_s, rel=0.01)
+    assert auto.choose(options(), SHAPE).path is LOCAL
+    # ...until its own requests are measured: VeriCache at its prior now wins alone.
+    measured = summary(vericache_prior.setup_s, 1 / vericache_prior.seconds_per_token)
+    choice = auto.choose([vericache], SHAPE)
+    auto.observe(choice, measured, load=1)
+    auto.finished(choice)
     assert auto.choose(options(), SHAPE).path is VERICACHE
     for _ in range(30):  # later ones move a moving average
         observe(1.5)

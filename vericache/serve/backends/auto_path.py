@@ -14,16 +14,22 @@ the one the server measured (the share of its drafts accepted), from a prior of 
 compressors accept on code and tool calls. A path none of whose workers is alive is never
 offered.
 
-A prior can be far off on a machine the profile does not describe (VeriCache's rounds on a
-2-core CPU run at half the prior's speed), and every request that takes a path before its
-measurements come back is priced by it alone. So a path takes one request at a time, its probe,
-until PROBES of its requests were measured: while a probe runs, the others choose among the rest.
-One request pays for a wrong prior, not a whole wave. The acceptance is pooled over drafts, not
-requests (`_AcceptedShare`), so one lucky measurement does not swing it.
+A prior can be far off on a machine the profile does not describe (on a 2-core Intel Xeon every
+path's steps take about three times the bundled CPU profile's, calibrated on an AMD EPYC), and a
+path is priced by the prior until its own requests are measured. Most of that error is the
+device's, common to every path: a path not yet measured takes the mean correction of the
+measured paths' seconds per token (its setup, mostly link bytes on a remote path, keeps its
+own), so a fast prior does not send a request to a slow path. Else, on that Xeon, `auto` sent a
+quarter of a short stream to FULL_REMOTE, priced at a third of what it took. And a path takes
+one request at a time, its probe, until PROBES of its requests were measured: while a probe runs,
+the others choose among the rest. One request pays for a wrong prior, not a whole wave. The
+acceptance is pooled over drafts, not requests (`_AcceptedShare`), so one lucky measurement does
+not swing it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -49,6 +55,8 @@ DRAFTS_KEPT = 0.8
 # 2-core CPU three probes of VeriCache at x=30, which runs there at half full decoding's speed,
 # cost a 24-request stream a third of its throughput (bench/README.md, remote-prefix).
 PROBES = 1
+
+logger = logging.getLogger(__name__)
 
 _SERVED_AS = {
     ServingPath.VERICACHE: ServeMode.VERICACHE,
@@ -114,6 +122,10 @@ class _Correction:
         return self._log_ratio.count
 
     @property
+    def log_ratio(self) -> float:
+        return self._log_ratio.value
+
+    @property
     def ratio(self) -> float:
         return math.exp(self._log_ratio.value)
 
@@ -148,6 +160,11 @@ class AutoPaths:
             chosen = open_now[estimates.index(choose_path(estimates, shape.num_tokens))]
             is_probe = not self._is_measured(chosen.path)
             self._probes[chosen.path] += is_probe
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "auto: %s%s over %s, of %s", chosen.path.value, " (probe)" * is_probe,
+                shape.prefix_id, _described(estimates, shape.num_tokens),
+            )  # fmt: skip
         return PathChoice(chosen, shape, is_probe)
 
     def finished(self, choice: PathChoice) -> None:
@@ -159,10 +176,19 @@ class AutoPaths:
     def _is_measured(self, path: ServingPath) -> bool:
         return self._per_token[path].count >= PROBES
 
+    def _per_token_ratio(self, path: ServingPath) -> float:
+        """The path's correction of its seconds per token; before any of its requests was
+        measured, the device's: the mean of the measured paths' (in logs), or none."""
+        own = self._per_token[path]
+        if own.count:
+            return own.ratio
+        measured = [c.log_ratio for c in self._per_token.values() if c.count]
+        return math.exp(sum(measured) / len(measured)) if measured else 1.0
+
     def estimate(self, option: PathOption, shape: RequestShape) -> PathEstimate:
         prior = self.costs.estimate(option, shape, self.accepted_share)
         setup_s = prior.setup_s * self._setup[option.path].ratio
-        per_token = prior.seconds_per_token * self._per_token[option.path].ratio
+        per_token = prior.seconds_per_token * self._per_token_ratio(option.path)
         return PathEstimate(option.path, option.worker, setup_s, per_token, slowed=prior.slowed)
 
     def observe(
@@ -187,6 +213,21 @@ class AutoPaths:
             others = max(0.0, load - 1)
             predicted = costs.seconds_per_token(option, shape, accepted_share, others, co_runners)
             self._per_token[option.path].observe(1.0 / summary.tokens_per_s, predicted)
+        logger.debug(
+            "auto: %s measured: ttft %.3f s (prior %.3f), %.1f ms/token (prior %.1f), load %.2f, "
+            "co-runners %.2f", option.path.value, summary.ttft_s, predicted_setup_s,
+            1e3 / summary.tokens_per_s, predicted * 1e3, load, co_runners,
+        )  # fmt: skip
+
+
+def _described(estimates: list[PathEstimate], num_tokens: int) -> str:
+    """The estimates as the debug log gives them: each path's setup, seconds per token and cost
+    (its finish and the delay it adds to others')."""
+    return "; ".join(
+        f"{e.path.value}@{e.worker}: setup {e.setup_s:.3f} s, {e.seconds_per_token * 1e3:.1f} "
+        f"ms/token, cost {e.cost_s(num_tokens):.2f} s"
+        for e in estimates
+    )
 
 
 def served_as(path: ServingPath) -> ServeMode:
