@@ -13,9 +13,16 @@ import torch
 from tests.test_conformance import PREFIX, _prompt
 from tests.test_engine_sampling import long_context_generate
 from vericache.compress import H2O, KIVI, KVzip, PyramidKV, SnapKV, build_compressor
-from vericache.compress.steering import attention_mass
+from vericache.compress.kept_set import (
+    apply_refresh,
+    kept_positions,
+    refreshed_positions,
+    stored_kept_positions,
+)
+from vericache.compress.steering import KeptSetSteering, attention_mass
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.errors import InvalidRequestError
+from vericache.kv.prefixed import shared_clone
 
 MAX_NEW = 32
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
@@ -105,3 +112,71 @@ def test_only_a_dropper_that_keeps_its_tokens_once_is_steered(compressor, mode, 
         Request(_prompt(), PREFIX, GREEDY, mode, compressor, steer_every=2)
     with pytest.raises(InvalidRequestError, match=">= 0"):
         Request(_prompt(), PREFIX, GREEDY, DecodeMode.VERICACHE, SnapKV(), steer_every=-1)
+
+
+def _planned(engine, compressor, base_version: int = 0):
+    """A steering over the tiny model's compressed prefix, fed random verification queries, and
+    the refresh it plans from `base_version`; the full and the compressed prefix."""
+    prefix = _prompt()[:PREFIX]
+    full = engine.prefix_kv(prefix)
+    compressed = engine.compressed_prefix_kv(prefix, compressor)
+    steering = KeptSetSteering.of(1, compressed, PREFIX, compressor)
+    _observe_queries(engine, steering, len(compressed.layers), seed=0)
+    assert steering.round_done()
+    return steering, steering.plan(full, base_version), full, compressed
+
+
+def _observe_queries(engine, steering: KeptSetSteering, num_layers: int, seed: int) -> None:
+    """Random verification queries [7, Hq, D] for every layer, as the runner's hook gives them."""
+    generator = torch.Generator().manual_seed(seed)
+    config = engine.runner.config
+    for index in range(num_layers):
+        queries = torch.randn(7, config.num_heads, config.head_dim, generator=generator)
+        steering.observe(index, None, queries, None)
+
+
+def test_a_refresh_carries_what_changes_and_makes_the_set_it_planned(tiny_engine):
+    engine, compressor = tiny_engine(), SnapKV(ratio=4, window=8)
+    steering, refresh, full, compressed = _planned(engine, compressor)
+    base = kept_positions(compressed, PREFIX)
+    stored = stored_kept_positions(compressed.to_state())
+    assert all(torch.equal(a, b) for a, b in zip(stored, base))
+    assert refresh.version == 1 and refresh.base_version == 0 and refresh.num_changed > 0
+    # It carries the changed entries alone: a position and a row each, not the whole set.
+    whole = sum(p.numel() for p in base if p is not None)
+    assert refresh.num_changed < whole
+    session = shared_clone(compressed, compressed.num_tokens + 16)
+    apply_refresh(session, PREFIX, refresh)
+    made = kept_positions(session, PREFIX)
+    for got, planned in zip(made, refreshed_positions(base, refresh)):
+        assert torch.equal(got, planned)
+    for layer in refresh.layers:  # each added entry holds the full KV's row at its position
+        kept = session.layers[layer.index].shared
+        positions = kept.positions()
+        keys, _ = kept.slots(0, kept.num_slots)
+        full_keys, _ = full.layers[layer.index].keys_values()
+        for head, added in zip(layer.heads.tolist(), layer.added.tolist()):
+            slot = int((positions[:, head] == added).nonzero())
+            assert torch.equal(keys[slot, head], full_keys[added, head].to(keys.dtype))
+    # The prefix's shared compressed KV is as it was.
+    assert all(torch.equal(a, b) for a, b in zip(kept_positions(compressed, PREFIX), base))
+
+
+def test_a_refresh_is_checked_where_it_arrives(tiny_engine):
+    engine = tiny_engine()
+    steering, refresh, _, compressed = _planned(engine, SnapKV(ratio=4, window=8))
+    sealed = refresh.sealed()
+    assert sealed.is_intact() and not refresh.is_intact()  # unsealed: nothing to check
+    layer = sealed.layers[0]
+    damaged_keys = layer.keys.clone()
+    damaged_keys.view(torch.uint8)[0] ^= 1  # one bit flipped on the way
+    damaged = dataclasses.replace(
+        sealed, layers=(dataclasses.replace(layer, keys=damaged_keys), *sealed.layers[1:])
+    )
+    assert not damaged.is_intact()
+    # A drafter that lost refresh 1 still holds set 0: the next refresh is planned from it.
+    assert steering.holds(0)
+    _observe_queries(engine, steering, len(compressed.layers), seed=1)
+    again = steering.plan(engine.prefix_kv(_prompt()[:PREFIX]), 0)
+    assert (again.version, again.base_version) == (2, 0)
+    apply_refresh(shared_clone(compressed, compressed.num_tokens + 4), PREFIX, again)

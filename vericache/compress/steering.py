@@ -17,6 +17,12 @@ Scores are the queries' attention over the prefix alone (softmax over the prefix
 tokens after it): a ranking of prefix positions, which the positions after it do not change.
 Layers the dropper keeps dense are steered (SnapKV, PyramidKV, KVzip); a quantized layer (a
 composition) is not: its packed groups would need quantizing again.
+
+Where the drafter is remote, the verifier plans each refresh against the kept set the drafter last
+said it holds (its version, which the drafts carry) and sends only what changes
+(compress/kept_set.py `KeptSetRefresh`, serve/workers/steered_sessions.py). Where the full KV is
+beside the drafter (the engine, the long-context engine, a warm drafter node), each refresh is
+planned and applied at once, with no link bytes.
 """
 
 from __future__ import annotations
@@ -25,57 +31,108 @@ import math
 
 import torch
 
-from vericache.kv.cache import DenseLayerKV, KVCache
-from vericache.kv.compressed import CompressedKV
+from vericache.compress.kept_set import (
+    KeptPositions,
+    KeptSetRefresh,
+    LayerRefresh,
+    apply_refresh,
+    kept_positions,
+    refreshed_positions,
+)
+from vericache.kv.cache import KVCache
 from vericache.kv.prefixed import PrefixedLayerKV
+
+# Kept sets a steering keeps besides the newest: those a drafter may still hold (a refresh on its
+# way, or lost on the way).
+_VERSIONS_KEPT = 2
 
 
 class KeptSetSteering:
-    """One sequence's steering: the verification queries since the last refresh, by layer."""
+    """One sequence's steering: the verification queries since the last refresh, by layer, and
+    the kept sets it made, by version (0: the dropper's own)."""
 
-    def __init__(self, every: int, num_prefix_tokens: int, window: int, storage_dtype=None):
+    def __init__(
+        self, every: int, num_prefix_tokens: int, window: int, kept: KeptPositions,
+        storage_dtype: torch.dtype | None = None,
+    ):  # fmt: skip
         self.every = every  # rounds between refreshes
         self.num_prefix_tokens = num_prefix_tokens
         self.window = window  # the prefix's last tokens always kept
         self.storage_dtype = storage_dtype  # the kept slots' dtype (None: the full KV's)
         self._queries: dict[int, list[torch.Tensor]] = {}  # layer -> [n, Hq, D] per forward
+        self._kept: dict[int, KeptPositions] = {0: kept}
+        self.version = 0  # the newest kept set
+        self.num_rounds = 0
         self.num_refreshes = 0
         self.num_changed = 0  # kept (layer, head, position) entries replaced, over all refreshes
+
+    @classmethod
+    def of(cls, every: int, compressed: KVCache, num_prefix_tokens: int, compressor):
+        """The steering of a sequence drafting over `compressed` (its copy of the prefix kept by
+        `compressor`, a token dropper)."""
+        kept = kept_positions(compressed, num_prefix_tokens)
+        return cls(
+            every, num_prefix_tokens, compressor.observation_window, kept,
+            compressor.storage_dtype,
+        )  # fmt: skip
 
     def observe(self, layer_index: int, positions, queries: torch.Tensor, layer_kv) -> None:
         """The runner's hook on a verification: the rows' rotated queries [n, Hq, D]."""
         self._queries.setdefault(layer_index, []).append(queries.detach())
 
-    def is_due(self, num_rounds: int) -> bool:
-        return bool(self._queries) and num_rounds % self.every == 0
+    def round_done(self) -> bool:
+        """Counts a verified round; whether a refresh is due after it."""
+        self.num_rounds += 1
+        return bool(self._queries) and self.num_rounds % self.every == 0
 
-    def refresh(self, compressed: CompressedKV, full: KVCache) -> int:
-        """Chooses the kept prefix slots again from the recorded queries; returns how many
-        (layer, head, position) entries changed. The records are cleared."""
+    def drop_queries(self) -> None:
+        """Forgets the queries recorded since the last refresh (none can be planned now)."""
+        self._queries = {}
+
+    def refresh(self, compressed: KVCache, full: KVCache) -> int:
+        """In-process: chooses the kept prefix slots again and applies the change to
+        `compressed` at once; returns how many entries changed."""
+        planned = self.plan(full, self.version)
+        apply_refresh(compressed, self.num_prefix_tokens, planned)
+        return planned.num_changed
+
+    def plan(self, full: KVCache, base_version: int) -> KeptSetRefresh:
+        """The refresh from kept set `base_version` (the one the drafter holds) to the set the
+        recorded queries (cleared) choose, with the added positions' rows from `full`."""
         queries, self._queries = self._queries, {}
-        changed = 0
-        for index, layer in enumerate(compressed.layers):
-            if index not in queries or not getattr(layer, "is_dense", False):
-                continue
-            prefix_keys, prefix_values = _prefix_kv(full.layers[index], self.num_prefix_tokens)
-            scores = attention_mass(torch.cat(queries[index]), prefix_keys)  # [Hkv, P]
-            changed += self._refresh_layer(compressed, index, scores, prefix_keys, prefix_values)
+        base = self._kept[base_version]
+        layers = []
+        for index, positions in enumerate(base):
+            if index in queries and positions is not None:
+                layers.append(self._layer(index, positions, torch.cat(queries[index]), full))
+        refresh = KeptSetRefresh(self.version + 1, base_version, tuple(layers))
+        self.version += 1
+        self._kept[self.version] = refreshed_positions(base, refresh)
+        # The drafter holds `base_version` or a later set: older ones are never asked for again.
+        stale = self.version - _VERSIONS_KEPT
+        for old in [v for v in self._kept if v < base_version or (v < stale and v != base_version)]:
+            del self._kept[old]
         self.num_refreshes += 1
-        self.num_changed += changed
-        return changed
+        self.num_changed += refresh.num_changed
+        return refresh
 
-    def _refresh_layer(self, compressed, index, scores, prefix_keys, prefix_values) -> int:
-        layer = compressed.layers[index]
-        kept, tail = _split(layer, self.num_prefix_tokens)
-        old_positions = kept.positions().long()  # [k, H]
-        chosen = self._chosen(scores, old_positions.shape[0])  # [k, H] ascending
-        heads = torch.arange(chosen.shape[1], device=chosen.device)
-        keys, values = prefix_keys[chosen, heads], prefix_values[chosen, heads]  # [k, H, D]
-        dtype = self.storage_dtype or kept.slots(0, 0)[0].dtype
-        new = DenseLayerKV.from_tensors(keys.to(dtype), values.to(dtype), chosen.to(torch.int32))
-        _replace_prefix(compressed, index, new, tail)
-        same = (chosen.unsqueeze(1) == old_positions.to(chosen.device).unsqueeze(0)).any(1)
-        return int((~same).sum())
+    def holds(self, version: int) -> bool:
+        """Whether a refresh can be planned from kept set `version`."""
+        return version in self._kept
+
+    def _layer(
+        self, index: int, base: torch.Tensor, queries: torch.Tensor, full: KVCache
+    ) -> LayerRefresh:
+        """Layer `index`'s entries whose positions leave the kept set `base` [k, H], each paired
+        with one that enters it in the same head, and the entering ones' keys and values."""
+        prefix_keys, prefix_values = _prefix_kv(full.layers[index], self.num_prefix_tokens)
+        scores = attention_mass(queries, prefix_keys)  # [Hkv, P]
+        chosen = self._chosen(scores, base.shape[0]).to(base.device)  # [k, H] ascending
+        heads, removed, added = _exchanged(base, chosen)
+        dtype = self.storage_dtype or prefix_keys.dtype
+        at = (added.long().to(prefix_keys.device), heads.to(prefix_keys.device))
+        keys, values = prefix_keys[at].to(dtype), prefix_values[at].to(dtype)  # [m, D]
+        return LayerRefresh(index, heads, removed, added, keys, values)
 
     def _chosen(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """Per head, `budget` prefix positions [budget, H] ascending: the last `window` ones,
@@ -85,7 +142,22 @@ class KeptSetSteering:
         ranked = scores.clone()
         ranked[:, num_prefix - window :] = math.inf
         top = ranked.topk(budget, dim=-1).indices  # [H, budget]
-        return top.sort(dim=-1).values.T.contiguous()
+        return top.sort(dim=-1).values.T.contiguous().to(torch.int32)
+
+
+def _exchanged(
+    base: torch.Tensor, chosen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per head, the positions of `base` [k, H] that `chosen` [k, H] lacks, each paired with one
+    of `chosen` that `base` lacks (as many: both keep k): heads [m], removed [m], added [m]."""
+    heads, removed, added = [], [], []
+    for head in range(base.shape[1]):
+        old, new = base[:, head], chosen[:, head]
+        leaving, entering = old[~torch.isin(old, new)], new[~torch.isin(new, old)]
+        heads.append(torch.full((leaving.numel(),), head, dtype=torch.long))
+        removed.append(leaving.sort().values.to(torch.int32).cpu())
+        added.append(entering.sort().values.to(torch.int32).cpu())
+    return torch.cat(heads), torch.cat(removed), torch.cat(added)
 
 
 def attention_mass(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -104,26 +176,3 @@ def _prefix_kv(layer, num_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.shared.slots(0, num_prefix)
     keys, values = layer.keys_values()
     return keys[:num_prefix], values[:num_prefix]
-
-
-def _split(layer, num_prefix: int) -> tuple[DenseLayerKV, DenseLayerKV | None]:
-    """A compressed dense layer's kept prefix slots and, in a layer of its own, what follows
-    them (None where a prefixed layer keeps that apart already)."""
-    if isinstance(layer, PrefixedLayerKV):
-        return layer.shared, None
-    positions = layer.positions()  # [slots, H]
-    num_kept = int((positions[:, 0] < num_prefix).sum())  # as many for every head
-    keys, values = layer.slots(0, layer.num_slots)
-    kept = DenseLayerKV.from_tensors(keys[:num_kept], values[:num_kept], positions[:num_kept])
-    tail = DenseLayerKV.from_tensors(keys[num_kept:], values[num_kept:], positions[num_kept:])
-    return kept, tail
-
-
-def _replace_prefix(compressed: CompressedKV, index: int, new: DenseLayerKV, tail) -> None:
-    layer = compressed.layers[index]
-    if isinstance(layer, PrefixedLayerKV):
-        layer.shared = new  # the session's own copy now: the shared one stays as it was
-        return
-    keys, values = tail.slots(0, tail.num_slots)
-    new.append(keys, values, tail.positions())
-    compressed.layers[index] = new

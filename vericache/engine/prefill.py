@@ -91,14 +91,12 @@ class SequenceStarter:
             seq.constraint = TokenConstraint.build(
                 request.constraint, self.prefiller.tokenizer, vocab_size, end_ids
             )
-        if request.steer_every:
-            compressor = request.compressor
-            split = min(request.num_prefix_tokens, len(request.prompt_ids) - 1)
-            seq.steering = KeptSetSteering(
-                request.steer_every, split, compressor.observation_window,
-                compressor.storage_dtype,
-            )  # fmt: skip
         first = choose_first(self._prefill(seq), seq.sampler(), seq.constraint)
+        if request.steer_every:
+            split = min(request.num_prefix_tokens, len(request.prompt_ids) - 1)
+            seq.steering = KeptSetSteering.of(
+                request.steer_every, seq.compressed_cache, split, request.compressor
+            )
         seq.stats.prefill_s = time.perf_counter() - seq.started_at
         seq.commit([first.token_id], first.logprobs)
         return seq

@@ -112,7 +112,7 @@ class SequenceForward:
             compressed.truncate(min(compressed.num_tokens, num_kept))
         seq.request.compressor.update(compressed)
         steering = seq.steering
-        if steering is not None and steering.is_due(seq.stats.rounds):
+        if steering is not None and steering.round_done():
             steering.refresh(compressed, seq.full_cache)
 
 
