@@ -156,6 +156,31 @@ def test_a_full_fetch_lands_in_the_host_tier_and_warms_the_node(warm_server):
     assert warm.token_ids[:24] == reference.token_ids
 
 
+def test_a_steered_request_is_steered_on_its_node_after_the_switch(warm_server, monkeypatch):
+    from vericache.compress.steering import KeptSetSteering
+    from vericache.serve.workers.handles import DrafterHandle
+
+    unseen = property(lambda handle: frozenset(), lambda handle, value: None)
+    monkeypatch.setattr(DrafterHandle, "warm_prefixes", unseen, raising=False)
+    server, client, prefix_id = warm_server()
+    reference = client.generate(PROMPT, prefix_id=prefix_id, mode="full_local", max_tokens=48)
+    client.generate(PROMPT, prefix_id=prefix_id, mode="vericache", max_tokens=4)
+    (drafter,) = server.coordinator.backend.drafters
+    assert wait_for(lambda: drafter.worker._warm.is_warm(prefix_id), timeout_s=30)
+    applied = []  # refreshes planned and applied in one place: the node's, over its host tier
+    real_refresh = KeptSetSteering.refresh
+
+    def refresh(self, compressed, full):
+        applied.append(real_refresh(self, compressed, full))
+        return applied[-1]
+
+    monkeypatch.setattr(KeptSetSteering, "refresh", refresh)
+    moved = client.generate(PROMPT, prefix_id=prefix_id, steer_every=1, **VERICACHE)
+    assert moved.token_ids == reference.token_ids
+    assert moved.stats["local_rounds"] == moved.stats["rounds"] - 1 >= 2
+    assert len(applied) >= moved.stats["local_rounds"] - 1
+
+
 def test_a_seeded_sampled_stream_is_unchanged_across_the_switch(warm_server):
     server, client, prefix_id = warm_server()
     options = {"max_tokens": 40, "temperature": 0.8, "seed": 11, "draft_len": 4}

@@ -81,7 +81,7 @@ def generate_call(
     request = generate_request(
         prompt, get("prefix_id"), get("mode"), get("max_tokens"), get("stop", ()),
         get("draft_len"), get("stop_token_ids", ()), sampling,
-        prefix_compressor(get("compressor"), get("ratio"), get("bits")),
+        prefix_compressor(get("compressor"), get("ratio"), get("bits")), get("steer_every"),
     )  # fmt: skip
     return request, get("timeout")
 
@@ -96,6 +96,7 @@ def generate_request(
     stop_token_ids: Sequence[int] = (),
     sampling: Mapping[str, Any] | None = None,
     compressor: vericache_pb2.Compressor | None = None,
+    steer_every: int | None = None,
 ) -> vericache_pb2.GenerateRequest:
     if not isinstance(prompt, str):
         raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -105,6 +106,8 @@ def generate_request(
         _check_count("max_tokens", max_tokens)
     if draft_len is not None:
         _check_count("draft_len", draft_len)
+    if steer_every is not None:
+        _check_count("steer_every", steer_every)
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string, not its letters
     if not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequestError(f"stop must hold non-empty strings, got {stop!r}")
@@ -118,6 +121,7 @@ def generate_request(
         draft_len=draft_len,
         stop_token_ids=stop_token_ids,
         compressor=compressor,
+        steer_every=steer_every,
         **_sampling_fields(sampling or {}),
     )
 

@@ -44,7 +44,10 @@ class GenerateOptions(Sampling, total=False):
     `stop_token_ids` (end tokens besides the model's EOS, kept in the output). `compressor` (with
     `ratio` or `bits`) asks for the prefix's compressor: a named prefix must have been registered
     with it, and without `prefix_id` only the prefixes registered with it are looked up (None:
-    any). `timeout`: seconds for the call (None: the client's). The sampling keywords
+    any). `steer_every` (vericache over a token dropper's prefix: snapkv, pyramidkv, kvzip): the
+    verifier refreshes the drafter's kept prefix positions every this many rounds, from the
+    attention its verifications pay them (None: never; the output is the same either way).
+    `timeout`: seconds for the call (None: the client's). The sampling keywords
     (`Sampling`); none given: greedy decoding."""
 
     prefix_id: str | None
@@ -56,6 +59,7 @@ class GenerateOptions(Sampling, total=False):
     compressor: str | None
     ratio: float | None
     bits: int | None
+    steer_every: int | None
     timeout: float | None
 
 

@@ -154,6 +154,10 @@ class GenerateCall:
     # A grammar every output token is chosen under (engine/constraint.py), in every mode: the
     # output is constrained full-KV decoding's. None: free text.
     constraint: OutputConstraint | None = None
+    # VERICACHE over a token dropper's prefix: the verifier refreshes the drafter's kept set
+    # every this many rounds from the attention its verifications pay (compress/steering.py).
+    # 0: never.
+    steer_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,10 @@ class GenerateSummary:
     seed: int | None = None  # the sampling seed (the request's, or one drawn); None: greedy
     prompt_tokens: int = 0  # the prompt's, its prefix's included
     local_rounds: int = 0  # of the rounds, those its warm drafter node verified itself
+    # Refreshes of its drafter's kept set (`GenerateCall.steer_every`): taken in by the drafter,
+    # and lost on the way (dropped: the drafter kept its set).
+    kept_set_refreshes: int = 0
+    kept_set_refreshes_dropped: int = 0
     path: str = ""  # how it was served (scheduler/path_choice.py ServingPath), chosen or named
     # Prompt tokens whose KV it did not compute: its prefix's, and those a finished turn's kept
     # KV held (serve/workers/turn_cache.py); OpenAI's usage.prompt_tokens_details.cached_tokens.

@@ -118,7 +118,7 @@ class DeletePrefixResponse(_message.Message):
     def __init__(self, deleted: bool = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prefix_id", "prompt", "max_tokens", "stop", "mode", "draft_len", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "coupling", "compressor")
+    __slots__ = ("prefix_id", "prompt", "max_tokens", "stop", "mode", "draft_len", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "coupling", "compressor", "steer_every")
     PREFIX_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class GenerateRequest(_message.Message):
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     COUPLING_FIELD_NUMBER: _ClassVar[int]
     COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
+    STEER_EVERY_FIELD_NUMBER: _ClassVar[int]
     prefix_id: str
     prompt: str
     max_tokens: int
@@ -151,7 +152,8 @@ class GenerateRequest(_message.Message):
     presence_penalty: float
     coupling: Coupling
     compressor: Compressor
-    def __init__(self, prefix_id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., draft_len: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., coupling: _Optional[_Union[Coupling, str]] = ..., compressor: _Optional[_Union[Compressor, _Mapping]] = ...) -> None: ...
+    steer_every: int
+    def __init__(self, prefix_id: _Optional[str] = ..., prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., mode: _Optional[_Union[Mode, str]] = ..., draft_len: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., coupling: _Optional[_Union[Coupling, str]] = ..., compressor: _Optional[_Union[Compressor, _Mapping]] = ..., steer_every: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "stats")
@@ -170,7 +172,7 @@ class TokenChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("finish_reason", "num_tokens", "rounds", "mean_accepted_per_round", "accepted_per_round", "link_bytes", "store_bytes", "link_wait_s", "store_wait_s", "ttft_s", "tokens_per_s", "total_s", "seed", "prompt_tokens", "local_rounds", "path", "cached_tokens")
+    __slots__ = ("finish_reason", "num_tokens", "rounds", "mean_accepted_per_round", "accepted_per_round", "link_bytes", "store_bytes", "link_wait_s", "store_wait_s", "ttft_s", "tokens_per_s", "total_s", "seed", "prompt_tokens", "local_rounds", "path", "cached_tokens", "kept_set_refreshes", "kept_set_refreshes_dropped")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +190,8 @@ class GenerateStats(_message.Message):
     LOCAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_SET_REFRESHES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_SET_REFRESHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     num_tokens: int
     rounds: int
@@ -205,4 +209,6 @@ class GenerateStats(_message.Message):
     local_rounds: int
     path: str
     cached_tokens: int
-    def __init__(self, finish_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., link_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., link_wait_s: _Optional[float] = ..., store_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., seed: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., local_rounds: _Optional[int] = ..., path: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    kept_set_refreshes: int
+    kept_set_refreshes_dropped: int
+    def __init__(self, finish_reason: _Optional[str] = ..., num_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., mean_accepted_per_round: _Optional[float] = ..., accepted_per_round: _Optional[_Iterable[int]] = ..., link_bytes: _Optional[int] = ..., store_bytes: _Optional[int] = ..., link_wait_s: _Optional[float] = ..., store_wait_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., total_s: _Optional[float] = ..., seed: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., local_rounds: _Optional[int] = ..., path: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kept_set_refreshes: _Optional[int] = ..., kept_set_refreshes_dropped: _Optional[int] = ...) -> None: ...

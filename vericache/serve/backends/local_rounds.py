@@ -44,7 +44,7 @@ async def go_local(
     the prefix, which changes nothing."""
     call = OpenLocal(
         served.session_id, served.history, exact, served.opening_sampler, needs_first_token,
-        served.grammar,
+        served.grammar, served.plan.request.steer_every,
     )  # fmt: skip
     local = await drafter.open_local(call)
     if not local.is_local:

@@ -191,6 +191,12 @@ class ServeMetrics:
         self._local_rounds = self._counter(
             "local_rounds", "VERICACHE rounds a warm drafter node verified itself."
         )
+        self._kept_set_refreshes = self._counter(
+            "kept_set_refreshes",
+            "Refreshes of steered drafters' kept sets, by outcome: taken in, or dropped (damaged "
+            "or made for another set on the way).",
+            ("outcome",),
+        )
         self._auto_paths = self._counter(
             "auto_paths", "Paths `mode: auto` chose for its requests.", ("path",)
         )
@@ -230,6 +236,10 @@ class ServeMetrics:
     def round_calls_made(self, num_calls: int, num_local_rounds: int = 0) -> None:
         self._round_calls.labels(self.model_name).inc(num_calls)
         self._local_rounds.labels(self.model_name).inc(num_local_rounds)
+
+    def kept_set_refreshed(self, num_taken: int, num_dropped: int) -> None:
+        self._kept_set_refreshes.labels(self.model_name, "taken").inc(num_taken)
+        self._kept_set_refreshes.labels(self.model_name, "dropped").inc(num_dropped)
 
     def auto_path_chosen(self, path: str) -> None:
         self._auto_paths.labels(self.model_name, path).inc()
@@ -384,6 +394,8 @@ async def metered(metrics: ServeMetrics, served, events: AsyncIterator) -> Async
         for drafted, accepted in zip(stats.drafted_per_round, stats.accepted_per_round):
             metrics.round_verified(drafted, accepted)
         metrics.round_calls_made(served.num_round_calls, served.num_local_rounds)
+        refreshes = served.kept_set_refreshes
+        metrics.kept_set_refreshed(refreshes.taken, refreshes.dropped)
         metrics.requests_migrated(served.num_migrations)
         metrics.turn_cache_hit(served.reused_tokens)
         traffic = served.traffic

@@ -36,7 +36,7 @@ from vericache.serve.backends.local_rounds import (
     may_verify_on,
     same_arithmetic,
 )
-from vericache.serve.backends.served_round import KVHandover
+from vericache.serve.backends.served_round import KeptSetRefreshes, KVHandover
 from vericache.serve.workers.worker_api import (
     DecodeCall,
     DrafterAPI,
@@ -86,6 +86,7 @@ class ServedRequest:
     may_go_local: bool = False
     # The verifier's exact KV that its next draft call carries (served_round.py).
     handover: KVHandover = KVHandover()
+    kept_set_refreshes: KeptSetRefreshes = field(default_factory=KeptSetRefreshes)
     # Where it was placed: the mean count of requests on its decoding worker over its life, it
     # included (auto_path.py, worker_load.py), and whether that drafter was warm for its prefix
     # (a FULL_REMOTE request then reads its tier).
@@ -197,6 +198,8 @@ class ServedRequest:
             seed=self.seq.seed,
             prompt_tokens=len(self.seq.request.prompt_ids),
             local_rounds=self.num_local_rounds,
+            kept_set_refreshes=self.kept_set_refreshes.taken,
+            kept_set_refreshes_dropped=self.kept_set_refreshes.dropped,
             path=self.path.value if self.path else self.plan.mode.value,
             cached_tokens=self.plan.request.num_prefix_tokens + self.reused_tokens,
         )
@@ -239,6 +242,7 @@ async def _open_verifier(
     call = OpenVerifier(
         served.session_id, served.history, served.plan.prefix_id, served.capacity, for_drafter,
         served.opening_sampler, grammar=served.grammar,
+        steer_every=served.plan.request.steer_every if for_drafter else 0,
     )  # fmt: skip
     opened = await verifier.open(call)
     served.add(opened.traffic)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vericache.compress.kept_set import KeptSetRefresh
 from vericache.kv.exact import ExactKV
 from vericache.serve.workers.worker_api import (
     DraftAnswer,
@@ -35,16 +36,33 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class KVHandover:
-    """The verifier's exact KV of the tokens it committed since the drafter's last draft, for the
-    next draft call; on an emulated link it has crossed the link's bandwidth `link_delay_s` after
-    the verification answered."""
+    """The verifier's exact KV of the tokens it committed since the drafter's last draft, and its
+    refresh of the drafter's kept set where one is due, for the next draft call; on an emulated
+    link they have crossed the link's bandwidth `link_delay_s` after the verification answered."""
 
     exact: ExactKV | None = None
     link_delay_s: float = 0.0
+    kept_set: KeptSetRefresh | None = None
 
     @classmethod
     def of(cls, answer: VerifierOpened | Verified) -> KVHandover:
-        return cls(answer.exact, answer.link_delay_s)
+        kept_set = answer.kept_set if isinstance(answer, Verified) else None
+        return cls(answer.exact, answer.link_delay_s, kept_set)
+
+
+@dataclass
+class KeptSetRefreshes:
+    """A steered request's refreshes of its drafter's kept set (compress/steering.py): those its
+    drafter took in, and those lost on the way (damaged, or made for another set: dropped)."""
+
+    taken: int = 0
+    dropped: int = 0
+
+    def count(self, taken: bool) -> None:
+        if taken:
+            self.taken += 1
+        else:
+            self.dropped += 1
 
 
 @dataclass
@@ -54,6 +72,7 @@ class ServedRound:
     served: ServedRequest
     drafting: asyncio.Task[Drafted] | None  # None: no drafts (the budget leaves one token)
     drafts: tuple[int, ...] | DraftAnswer  # the draft call's answer, for the verifier
+    kept_set_sent: int | None = None  # the version of the kept-set refresh its call carries
 
     @classmethod
     def begin(
@@ -73,7 +92,8 @@ class ServedRound:
         served.num_round_calls += 1
         in_flight = drafter.draft_ahead(_draft_call(served, num_drafts, handover))
         drafting = asyncio.ensure_future(_drafted(in_flight, observe_step))
-        return cls(served, drafting, in_flight.answer)
+        sent = handover.kept_set.version if handover.kept_set is not None else None
+        return cls(served, drafting, in_flight.answer, sent)
 
     async def verify(self, verifier: VerifierAPI, load_first: bool = False) -> Verified:
         """The round's verifier call, made while its draft call may still run; sets the round's
@@ -98,6 +118,8 @@ class ServedRound:
             drafted = await drafting
             served.seq.draft_ids = list(drafted.tokens)
             served.drafter_is_warm = drafted.is_warm
+            if self.kept_set_sent is not None:  # the drafts say which kept set they read
+                served.kept_set_refreshes.count(drafted.kept_set_version == self.kept_set_sent)
         return verified
 
     def finish(self, verified: Verified) -> list[int]:
@@ -129,4 +151,5 @@ def _draft_call(served: ServedRequest, num_drafts: int, handover: KVHandover) ->
     return DraftCall(
         served.session_id, served.pending, num_drafts, served.end_ids, handover.exact,
         sampler=served.seq.sampler(), arrives_in_s=handover.link_delay_s, grammar=served.grammar,
+        kept_set=handover.kept_set,
     )  # fmt: skip

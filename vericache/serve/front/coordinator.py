@@ -263,7 +263,9 @@ class Coordinator:
         self.metrics.auto_path_chosen(choice.path.value)
         mode = served_as(choice.path)
         if mode.decode_mode is DecodeMode.FULL:
-            request = dataclasses.replace(request, mode=DecodeMode.FULL, compressor=None)
+            request = dataclasses.replace(
+                request, mode=DecodeMode.FULL, compressor=None, steer_every=0
+            )
         return dataclasses.replace(plan, mode=mode, request=request), choice
 
     @property
@@ -314,6 +316,7 @@ class Coordinator:
             draft_len=draft_len,
             request_id=session_id,
             constraint=call.constraint,
+            steer_every=call.steer_every,
         )
         prefix_id = record.prefix_id if record else None
         share = record.compressed_kv_bytes / record.full_kv_bytes if record else 1.0

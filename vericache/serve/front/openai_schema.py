@@ -5,11 +5,11 @@ Bodies are pydantic models that forbid unknown fields, as OpenAI's API does: a m
 a 400 naming it, never silently ignored. Sampling fields follow vLLM's OpenAI server: OpenAI's
 `temperature`, `top_p`, `seed`, `presence_penalty`, and vLLM's extras `top_k`, `min_p`,
 `repetition_penalty`, with VeriCache's `coupling`. VeriCache's own options ride in a `vericache`
-object (`{"mode", "draft_len", "prefix_id", "compressor", "ratio" | "bits", "timeout_s"}`), which
-the openai client sends with `extra_body`. Chat takes OpenAI's function tools (`tools`,
-`tool_choice` "none", "auto", "required" or a named function, `parallel_tool_calls`), `tool`
-turns and assistant turns with `tool_calls` (tools.py renders them, and forces calls as a
-grammar). `response_format` (json_object, json_schema) constrains the output
+object (`{"mode", "draft_len", "prefix_id", "compressor", "ratio" | "bits", "steer_every",
+"timeout_s"}`), which the openai client sends with `extra_body`. Chat takes OpenAI's function
+tools (`tools`, `tool_choice` "none", "auto", "required" or a named function,
+`parallel_tool_calls`), `tool` turns and assistant turns with `tool_calls` (tools.py renders them,
+and forces calls as a grammar). `response_format` (json_object, json_schema) constrains the output
 (engine/constraint.py).
 """
 
@@ -56,6 +56,8 @@ class VeriCacheOptions(_Body):
     compressor: str | None = Field(None, min_length=1)
     ratio: float | None = Field(None, gt=0)  # token dropping
     bits: int | None = Field(None, ge=1)  # quantization
+    # Rounds between the verifier's refreshes of the drafter's kept set: GenerateCall.steer_every.
+    steer_every: int | None = Field(None, ge=0)
     # Seconds the request may take; past them it stops and answers 504 (or, once streaming, an
     # error event), as a gRPC deadline does.
     timeout_s: float | None = Field(None, gt=0)
@@ -159,6 +161,7 @@ class _GenerateBody(_Body):
             sampling=sampling,
             compressor=options.compressor_choice(),
             constraint=self.response_format.constraint() if self.response_format else None,
+            steer_every=options.steer_every or 0,
             **prompt,
         )
 

@@ -116,6 +116,7 @@ def generate_call(message: pb.GenerateRequest) -> GenerateCall:
         compressor=(
             compressor_choice(message.compressor) if message.HasField("compressor") else None
         ),
+        steer_every=message.steer_every,
     )
 
 
@@ -142,6 +143,8 @@ def _stats(summary: GenerateSummary) -> pb.GenerateStats:
         seed=summary.seed,
         prompt_tokens=summary.prompt_tokens,
         local_rounds=summary.local_rounds,
+        kept_set_refreshes=summary.kept_set_refreshes,
+        kept_set_refreshes_dropped=summary.kept_set_refreshes_dropped,
         path=summary.path,
         cached_tokens=summary.cached_tokens,
     )

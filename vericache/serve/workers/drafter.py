@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vericache.compress.kept_set import KeptSetRefresh, apply_refresh
+from vericache.compress.steering import KeptSetSteering
 from vericache.engine.calibration import time_draft_step
 from vericache.engine.device_memory import prefix_budget_left
 from vericache.engine.forward_loop import Job, choose_first
@@ -83,6 +85,10 @@ class _Session:
     is_closed: bool = False  # its request ended while a call used it: release when that ends
     # FULL: its tokens after the prefix, for a later turn to reuse its KV (turn_cache.py).
     history: TurnTokens | None = None
+    # DRAFT: the kept set its cache holds (compress/kept_set.py; 0: its prefix's own), and, once
+    # its node verifies it, the steering of that set there (compress/steering.py).
+    kept_set_version: int = 0
+    steering: KeptSetSteering | None = None
 
 
 class Drafter:
@@ -211,6 +217,8 @@ class Drafter:
         with self._using(call.session_id) as session:
             if call.exact is not None:
                 _take_exact(session.cache, call.exact)
+            if call.kept_set is not None:
+                _take_kept_set(session, call.kept_set)
             drafted = self._draft(session, call)
         return drafted
 
@@ -218,8 +226,9 @@ class Drafter:
         """Up to `num_drafts` tokens after `pending`, batched with the other sessions' steps;
         says whether the node is warm for the session's prefix."""
         warm = self._warm is not None and self._warm.is_warm(session.prefix_id)
+        version = session.kept_set_version
         if call.num_drafts == 0:
-            return Drafted((), 0.0, is_warm=warm)
+            return Drafted((), 0.0, is_warm=warm, kept_set_version=version)
         rejects = checks_by_rejection(call.sampler)
         job = Job(
             session.cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids,
@@ -230,7 +239,7 @@ class Drafter:
         tokens = self._loop.run(job)
         step_s = (time.perf_counter() - started) / job.steps
         distributions = torch.cat(job.processed).softmax(-1).cpu() if rejects else None
-        return Drafted(tuple(tokens), step_s, distributions, warm)
+        return Drafted(tuple(tokens), step_s, distributions, warm, version)
 
     def open_local(self, call: OpenLocal) -> LocalOpened:
         """Puts the session's verification on this node, which must be warm for its prefix: its
@@ -253,6 +262,11 @@ class Drafter:
             if session.cache.num_tokens < len(call.history):
                 exact = ExactKV.of(opened.cache, session.cache.num_tokens, len(call.history))
                 _take_exact(session.cache, exact)
+            if call.steer_every:
+                num_prefix = session.prefix.cache.num_tokens
+                session.steering = KeptSetSteering.of(
+                    call.steer_every, session.cache, num_prefix, session.cache.compressor
+                )
         first = opened.first
         if first is None:
             return LocalOpened(True, None, opened.reused_tokens)
@@ -265,8 +279,14 @@ class Drafter:
         with self._using(call.session_id) as session:
             drafted = self._draft(session, call)
             grammar = self._grammars.constraint(call.session_id, call.grammar)
-            done = self._warm.verify(call.session_id, call.pending, drafted, call.sampler, grammar)
+            steering = session.steering
+            done = self._warm.verify(
+                call.session_id, call.pending, drafted, call.sampler, grammar,
+                steering.observe if steering is not None else None,
+            )  # fmt: skip
             _take_exact(session.cache, done.exact)
+            if steering is not None and steering.round_done():  # the full KV is beside it
+                steering.refresh(session.cache, self._warm.full_cache(call.session_id))
         return LocalRound(
             drafted.tokens, done.tokens, done.num_accepted, done.forward_s, done.logprobs
         )
@@ -368,6 +388,20 @@ def _take_exact(cache: KVCache, exact: ExactKV) -> None:
     cache.truncate(exact.start)
     cache.append_exact(exact)
     _update(cache)
+
+
+def _take_kept_set(session: _Session, refresh: KeptSetRefresh) -> None:
+    """The verifier's refresh of the session's kept set, where it arrived intact and was made
+    for the set the session holds; else dropped (the next drafts say which set they read, and
+    the coordinator counts the refresh lost)."""
+    if not refresh.is_intact():
+        log.warning("session %s: a kept-set refresh arrived damaged; dropped", session.session_id)
+        return
+    if refresh.base_version != session.kept_set_version:
+        log.warning("session %s: a kept-set refresh for another set; dropped", session.session_id)
+        return
+    apply_refresh(session.cache, session.prefix.cache.num_tokens, refresh)
+    session.kept_set_version = refresh.version
 
 
 def _update(cache: KVCache) -> None:

@@ -6,6 +6,7 @@ implementation, so both give a round the same tokens and the same exact KV, bit 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vericache.engine.constraint import TokenConstraint
@@ -37,10 +38,12 @@ def verify_round(
     drafted: Drafted,
     sampler: SequenceSampler | None,
     constraint: TokenConstraint | None = None,
+    observe: Callable | None = None,
 ) -> Verification:
     """One forward over [pending + drafts] with the full KV (batched with the loop's other jobs):
     the full-KV choice after each (under the request's grammar, where it has one: each position's
-    mask follows the drafts before it); keeps the KV of pending and the accepted drafts."""
+    mask follows the drafts before it); keeps the KV of pending and the accepted drafts.
+    `observe`: the runner's hook on the rows' queries (a steered session's, steered_sessions.py)."""
     drafts = drafted.tokens
     rejects = checks_by_rejection(sampler)
     before = cache.num_tokens
@@ -54,6 +57,7 @@ def verify_round(
         keeps_processed=rejects,
         reports_logprobs=not rejects,
         constraint=constraint,
+        observe=observe,
     )
     started = time.perf_counter()
     tokens = loop.run(job)

@@ -41,6 +41,7 @@ from vericache.serve.workers.batching import BatchLoop
 from vericache.serve.workers.kv_transfer import KVKind, KVTransferService, TransferServer
 from vericache.serve.workers.prefixes import PrefixRegistry
 from vericache.serve.workers.residency import ResidentSessions, Session
+from vericache.serve.workers.steered_sessions import SteeredSessions
 from vericache.serve.workers.turn_cache import TurnCache, TurnTokens
 from vericache.serve.workers.verification import verify_round
 from vericache.serve.workers.worker import (
@@ -92,6 +93,7 @@ class Verifier:
         )  # fmt: skip
         self._loop = BatchLoop(self.runner, "verifier-batch")
         self._grammars = session_grammars(model)
+        self._steered = SteeredSessions(self.prefixes.compressed_state)
         log.info("verifier prefix cache: %.2f GiB", budget / 2**30)
         service = KVTransferService(
             self._kv_for_drafter, self.info.fingerprint, self.link, required(config.secret),
@@ -146,6 +148,7 @@ class Verifier:
 
     def delete_prefix(self, prefix_id: str) -> PrefixRecord:
         record = self.prefixes.delete(prefix_id)
+        self._steered.forget_prefix(prefix_id)
         # Sessions using it keep its copy until they close; no new one gets it.
         self._prefix_copies.retire((record.tenant, record.token_ids))
         return record
@@ -171,6 +174,10 @@ class Verifier:
         )
         self._sessions.add(call.session_id, session)
         try:
+            if call.steer_every:
+                if record is None or not call.for_drafter:
+                    raise InvalidRequestError("steering needs a prefix and a drafter")
+                self._steered.open(call.session_id, record, call.steer_every)
             shared = self._hold_prefix(session) if prefix else Traffic()
             with self._sessions.using(call.session_id) as (session, loaded):
                 start = _num_cached(session)  # the tokens a kept turn gave it
@@ -183,7 +190,7 @@ class Verifier:
                 exact, delay = None, 0.0
                 if call.for_drafter:
                     exact = ExactKV.of(session.cache, len(prefix), len(prompt))
-                    delay = self._hand_over(exact)
+                    delay = self._hand_over(exact.nbytes)
         except BaseException:
             self.close_session(call.session_id)
             raise
@@ -205,14 +212,19 @@ class Verifier:
             session.history.feed(_num_cached(session), call.pending)
             grammar = self._grammars.constraint(call.session_id, call.grammar)
             done = verify_round(
-                self._loop, session.cache, call.pending, drafted, call.sampler, grammar
-            )
+                self._loop, session.cache, call.pending, drafted, call.sampler, grammar,
+                self._steered.observer(call.session_id),
+            )  # fmt: skip
             session.history.commit(done.tokens[: done.num_accepted + 1])  # the rest: rejected
-        delay = self._hand_over(done.exact)
-        traffic = loaded + self._found() + Traffic(link_bytes=done.exact.nbytes)
+            refresh = self._steered.after_round(
+                call.session_id, session.cache, drafted.kept_set_version
+            )
+        nbytes = done.exact.nbytes + (refresh.nbytes if refresh is not None else 0)
+        delay = self._hand_over(nbytes)
+        traffic = loaded + self._found() + Traffic(link_bytes=nbytes)
         return Verified(
             done.tokens, done.num_accepted, done.exact, delay, traffic, done.forward_s,
-            done.logprobs,
+            done.logprobs, refresh,
         )  # fmt: skip
 
     def _drafted(self, call: VerifyCall) -> Drafted:
@@ -248,6 +260,7 @@ class Verifier:
         # Its prefix stays pinned until a call still using the session ends.
         self._sessions.remove(session_id)
         self._grammars.drop(session_id)
+        self._steered.close(session_id)
 
     @property
     def num_sessions(self) -> int:
@@ -321,10 +334,11 @@ class Verifier:
         finally:
             self._prefix_copies.release(held)
 
-    def _hand_over(self, exact: ExactKV) -> float:
-        """Books the drafter's copy of `exact` on the link toward the drafters; returns the
-        seconds until it has crossed. The call that carries it pays the link's latency."""
-        return self.link.schedule(exact.nbytes, first=False)
+    def _hand_over(self, nbytes: int) -> float:
+        """Books `nbytes` for a drafter (exact KV, a kept-set refresh) on the link toward the
+        drafters; returns the seconds until they have crossed. The call that carries them pays
+        the link's latency."""
+        return self.link.schedule(nbytes, first=False)
 
 
 def _num_cached(session: Session) -> int:

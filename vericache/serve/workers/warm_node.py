@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -166,21 +167,33 @@ class WarmNode:
         drafted: Drafted,
         sampler: SequenceSampler | None,
         constraint: TokenConstraint | None = None,
+        observe: Callable | None = None,
     ) -> Verification:
-        """The round's verification (verification.py), as a verifier beside the store runs it."""
-        with self._lock:
-            session = self._sessions.get(session_id)
-        if session is None:
-            raise SessionNotFoundError(f"the drafter verifies no session {session_id!r}")
+        """The round's verification (verification.py), as a verifier beside the store runs it
+        (`observe`: the runner's hook on its queries, a steered session's)."""
+        session = self._session(session_id)
         num_prefix = session.prefix.cache.num_tokens
         session.history.feed(session.cache.num_tokens - num_prefix, pending)
         try:
-            done = verify_round(self._loop, session.cache, pending, drafted, sampler, constraint)
+            done = verify_round(
+                self._loop, session.cache, pending, drafted, sampler, constraint, observe
+            )
         except BaseException:
             session.history.forget()  # what its cache holds now is not known
             raise
         session.history.commit(done.tokens[: done.num_accepted + 1])  # the rest: rejected
         return done
+
+    def full_cache(self, session_id: str) -> KVCache:
+        """The full KV of a session the node verifies (over its tier's copy of the prefix)."""
+        return self._session(session_id).cache
+
+    def _session(self, session_id: str) -> _LocalSession:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(f"the drafter verifies no session {session_id!r}")
+        return session
 
     def close(self, session_id: str) -> None:
         """Keeps the session's full KV after its prefix as a finished turn, then drops it and

@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from vericache.compress.kept_set import KeptSetRefresh
 from vericache.engine.link import LinkSpec
 from vericache.engine.request import GrammarState, TokenLogprob
 from vericache.engine.sampling import SequenceSampler
@@ -139,6 +140,8 @@ class OpenVerifier:
     for_drafter: bool  # hand the prompt's exact KV after the prefix to a drafter
     sampler: SequenceSampler | None = None  # None: greedy
     grammar: GrammarState | None = None  # a constrained request's grammar and output so far
+    # Rounds between refreshes of the drafter's kept set (compress/steering.py); 0: never.
+    steer_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,9 @@ class DraftCall:
     # link's latency, and the time `exact` takes to cross its bandwidth); 0 on a real network.
     arrives_in_s: float = 0.0
     grammar: GrammarState | None = None  # a constrained request's grammar and output so far
+    # The verifier's refresh of the session's kept set, to take in before drafting (where intact
+    # and made for the set it holds; else dropped).
+    kept_set: KeptSetRefresh | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,9 @@ class Drafted:
     # The node holds the session's prefix's full KV in its host tier: it can verify the
     # session's rounds itself from the next round on (`DrafterAPI.open_local`).
     is_warm: bool = False
+    # The kept set the session drafted over (`KeptSetRefresh.version`; 0: its prefix's own), for
+    # the verifier's next refresh; None: not said.
+    kept_set_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +230,9 @@ class OpenLocal:
     sampler: SequenceSampler | None = None  # of the token after `history`; None: greedy
     needs_first_token: bool = False  # nothing committed yet: the prompt's prefill chooses it
     grammar: GrammarState | None = None  # a constrained request's grammar and output so far
+    # Rounds between refreshes of the session's kept set, now planned and applied on the node
+    # from its host tier's full KV (no link bytes); 0: never.
+    steer_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -294,6 +306,8 @@ class Verified:
     traffic: Traffic
     forward_s: float = 0.0  # the batch's verification forward, without waiting for loads
     logprobs: tuple[TokenLogprob, ...] = ()  # of its tokens, where the request asks
+    # A refresh of the drafter's kept set, for its next round (crosses the link with `exact`).
+    kept_set: KeptSetRefresh | None = None
 
 
 @dataclass(frozen=True)
