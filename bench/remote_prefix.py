@@ -133,6 +133,10 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--many-drafter-kv", type=float, default=2.0, help="its drafters' budget, full prefixes"
     )
+    parser.add_argument(
+        "--steer-every", type=int, default=0,
+        help="also serve the headline cell with its kept set steered every K rounds (0: not)",
+    )  # fmt: skip
 
 
 def stream_spec(args) -> StreamSpec:
@@ -157,6 +161,7 @@ def stream_spec(args) -> StreamSpec:
         many_prefix_tokens=pick(args.many_prefix_tokens, (3000, 3500), (1600, 2000)),
         many_requests=pick(args.many_requests, 24, 8),
         many_drafter_kv_prefixes=args.many_drafter_kv,
+        steer_every=args.steer_every,
     )
 
 
@@ -221,6 +226,7 @@ class Bench:
             and cell.mode == "vericache"
             and cell.workload == FEW
             and not cell.latency_s
+            and not cell.steer_every
         )
 
     @staticmethod
@@ -253,11 +259,15 @@ class Bench:
             # of closed sessions to reuse, prefixes in the drafters' LRU as far as it holds them,
             # AUTO's first measurement of each path).
             warm = stream.jobs[: spec.concurrency]
-            serve_stream(server.target, warm, mode, spec.max_tokens, draft_len, spec.concurrency)
+            serve_stream(
+                server.target, warm, mode, spec.max_tokens, draft_len, spec.concurrency,
+                cell.steer_every,
+            )  # fmt: skip
             before = _server_counts(server)
             wall_s, results, cpu_s, routed = serve_stream(
-                server.target, stream.jobs, mode, spec.max_tokens, draft_len, spec.concurrency
-            )
+                server.target, stream.jobs, mode, spec.max_tokens, draft_len, spec.concurrency,
+                cell.steer_every,
+            )  # fmt: skip
             sample = stream_record(wall_s, results, cpu_s)
             sample |= {k: v - before[k] for k, v in _server_counts(server).items()}
         if cell.mode == "full_both":

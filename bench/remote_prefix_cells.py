@@ -39,6 +39,9 @@ class StreamSpec:
     many_prefix_tokens: tuple[int, int] = (3000, 3500)
     many_requests: int = 24
     many_drafter_kv_prefixes: float = 2.0
+    # The headline VERICACHE cell served again with its drafter's kept set steered every this
+    # many rounds (compress/steering.py), its refreshes on the link; 0: not served.
+    steer_every: int = 0
 
     def __post_init__(self):
         counts = (*self.draft_lens, *self.drafter_counts, self.num_prefixes, self.num_requests)
@@ -62,6 +65,7 @@ class Cell:
     scheduling: str = "per-request"
     latency_s: float = 0.0  # one way, on the link toward the drafters
     workload: str = FEW
+    steer_every: int = 0  # VERICACHE: rounds between refreshes of the drafter's kept set
 
     @property
     def name(self) -> str:
@@ -71,7 +75,8 @@ class Cell:
         if self.mode != "vericache":
             return f"{stream}{self.mode} d={self.num_drafters}"
         latency = f" rtt={2e3 * self.latency_s:g}ms" if self.latency_s else ""
-        drafters = f"d={self.num_drafters} {self.scheduling}{latency}"
+        steered = f" steer={self.steer_every}" if self.steer_every else ""
+        drafters = f"d={self.num_drafters} {self.scheduling}{latency}{steered}"
         return f"{stream}vericache x={self.draft_len} {drafters}"
 
 
@@ -86,7 +91,8 @@ def request_stream(prefix_ids: list[str], num_requests: int) -> list[tuple[str, 
 
 def vericache_cells(spec: StreamSpec) -> list[tuple[Cell, ...]]:
     """The VERICACHE cells, each alone or (with latency on) the cell of the latency comparison
-    with its twin over a link with latency, served in turn."""
+    with its twin over a link with latency, served in turn; with `steer_every`, the headline
+    cell's steered twin too, in turn with it."""
     groups = []
     for drafters in spec.drafter_counts:
         for scheduling in spec.schedulings:
@@ -96,6 +102,10 @@ def vericache_cells(spec: StreamSpec) -> list[tuple[Cell, ...]]:
                     groups.append((cell, replace(cell, latency_s=spec.rtt_latency_s)))
                 else:
                     groups.append((cell,))
+    if spec.steer_every:  # the headline cell's group, and its steered twin in turn with it
+        headline = Cell("vericache", **HEADLINE)
+        steered = replace(headline, steer_every=spec.steer_every)
+        groups = [(*g, steered) if headline in g else g for g in groups]
     return groups
 
 

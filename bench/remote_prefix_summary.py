@@ -39,6 +39,9 @@ DEFINITIONS = {
     "share, the machine's speed cancelled",
     "reference_cpu_s_per_token_range": "per draft length, the lowest and highest part of an "
     "in-process reference in the run: how far the machine's speed moved",
+    "steered_over_unsteered": "with --steer-every: the headline VERICACHE cell's tokens/s with its "
+    "drafters' kept sets steered over without, each sample over the one served just before it; "
+    "the median (steering_link_bytes_per_token and steering_accepted_per_round beside it)",
 }
 
 
@@ -80,6 +83,7 @@ def summarize(cells: list[dict], spec: StreamSpec) -> dict:
         "verifier_serving_overhead": max(serving.values()) if serving else None,
         "verifier_serving_overhead_by_cell": serving,
         **_auto_summary(by_name, best_full),
+        **_steering_summary(by_name, spec),
         "identical": all(c["outputs_match"] for c in cells if c["mode"] != "lossy")
         and all(all(c.get("reference_outputs_match", [True])) for c in cells),
     }
@@ -116,6 +120,31 @@ def _auto_summary(by_name: dict[str, dict], best_full) -> dict:
         "auto_over_best_everywhere": min(over_best.values()) if over_best else None,
         "auto_over_best_by_cell": over_best,
         "auto_paths": {cell["name"]: _paths(cell) for cell in auto},
+    }
+
+
+def _steering_summary(by_name: dict[str, dict], spec: StreamSpec) -> dict:
+    """The headline cell steered against itself unsteered, served in turn: tokens/s, the link
+    bytes per output token (the refreshes ride on the link with the rounds' exact KV) and the
+    drafts accepted per round."""
+    plain = Cell("vericache", **HEADLINE)
+    steered = replace(plain, steer_every=spec.steer_every)
+    if not spec.steer_every or steered.name not in by_name:
+        return {}
+    pair = {"unsteered": by_name[plain.name], "steered": by_name[steered.name]}
+    samples = zip(pair["steered"]["samples"], pair["unsteered"]["samples"])
+    return {
+        "steered_over_unsteered": statistics.median(
+            s["tokens_per_s"] / u["tokens_per_s"] for s, u in samples
+        ),
+        "steering_link_bytes_per_token": {
+            name: statistics.median(s["link_bytes"] / s["num_tokens"] for s in cell["samples"])
+            for name, cell in pair.items()
+        },
+        "steering_accepted_per_round": {
+            name: statistics.median(s["mean_accepted_per_round"] for s in cell["samples"])
+            for name, cell in pair.items()
+        },
     }
 
 

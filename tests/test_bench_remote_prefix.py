@@ -59,6 +59,24 @@ def test_the_sweep_covers_every_cell_and_the_latency_pair():
     assert len({cell.name for cell in cells}) == len(cells)
 
 
+def test_a_steered_twin_of_the_headline_is_served_and_set_against_it():
+    spec = remote_prefix.stream_spec(_args("--steer-every", "4"))
+    (group,) = [g for g in vericache_cells(spec) if any(c.steer_every for c in g)]
+    headline, *_, steered = group  # in turn with the headline cell (and its latency twin)
+    assert steered == dataclasses.replace(headline, steer_every=4)
+    assert steered.name == "vericache x=30 d=1 per-request steer=4"
+    plain = _cell(headline, 20, 30)
+    twin = _cell(steered, 22, 27)
+    for cell, (link_bytes, accepted) in ((plain, (100, 20.0)), (twin, (150, 22.0))):
+        for sample in cell["samples"]:
+            sample |= {"link_bytes": link_bytes, "mean_accepted_per_round": accepted}
+    summary = summarize([*_table()[:5], plain, twin], spec)
+    assert summary["steered_over_unsteered"] == pytest.approx((1.1 + 0.9) / 2)
+    assert summary["steering_link_bytes_per_token"] == {"unsteered": 10, "steered": 15}
+    assert summary["steering_accepted_per_round"] == {"unsteered": 20.0, "steered": 22.0}
+    assert "steered_over_unsteered" not in summarize(_table(), remote_prefix.stream_spec(_args()))
+
+
 def test_streams_that_share_a_prefix_are_refused():
     # A text registered twice is one prefix: its second stream would measure no full-KV bytes.
     remote_prefix._check_disjoint({FEW: [{"prefix_id": "a"}], MANY: [{"prefix_id": "b"}]})
