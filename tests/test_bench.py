@@ -57,8 +57,9 @@ def test_progress_passes_items_through_and_takes_updates():
 
 
 def test_the_tiny_step_counts_one_host_wait_and_its_operators(tmp_path):
-    """decode-speed --tiny: a greedy step waits for the device once (its tokens); a layer costs
-    the same operators whatever the depth, so two layers' count less one layer's is one layer's."""
+    """decode-speed --tiny: a draft step waits for nothing, its whole draft once (its tokens), a
+    verification once; a layer costs the same operators whatever the depth, so two layers' count
+    less one layer's is one layer's."""
     from vericache.bench.decode_speed_tiny import counted_syncs, time_steps, tiny_model
     from vericache.engine.engine import Engine
 
@@ -68,7 +69,9 @@ def test_the_tiny_step_counts_one_host_wait_and_its_operators(tmp_path):
     assert counts == {"tolist": 1, "__int__": 1}
     engines = [Engine.from_pretrained(str(tiny_model(tmp_path / f"l{n}", n))) for n in (1, 2, 3)]
     steps = [time_steps(engine, "draft", 1) for engine in engines]
-    assert [step["syncs"] for step in steps] == [1, 1, 1]
+    assert [step["syncs"] for step in steps] == [0, 0, 0]
+    assert [step["syncs_to_done"] for step in steps] == [1, 1, 1]
+    assert time_steps(engines[0], "verify", 1)["syncs"] == 1
     one, two, three = (step["operators"] for step in steps)
     assert three - two == two - one > 0
     assert steps[1]["host_us_quartiles"][0] <= steps[1]["host_us"] > 0

@@ -51,10 +51,19 @@ class Job:
     # Called with each layer's queries of its rows (the runner's `observe`): a verification's,
     # where its sequence steers its drafter's kept set (compress/steering.py).
     observe: Callable | None = None
+    # A greedy, unconstrained run of steps (a worker's whole draft) whose choices stay on the
+    # device until its last step: the host waits once for them all, not once a step. An end id
+    # does not stop it early then; its choices are cut after the first one.
+    defers_choices: bool = False
     processed: list[torch.Tensor] = field(default_factory=list)  # per step [n, V] float32
     choices: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(choices)] where reported
     steps: int = 0
+    _deferred: list[torch.Tensor] = field(default_factory=list)  # per step [1] on the device
+
+    def __post_init__(self):
+        if self.defers_choices and (self.sampler is not None or self.constraint is not None):
+            raise ValueError("only a greedy, unconstrained job's choices can stay on the device")
 
     @property
     def is_done(self) -> bool:
@@ -66,7 +75,10 @@ class Job:
         observe = self.observe
         if observe is None and getattr(cache, "records_queries", False):
             observe = cache.observe
-        ids = torch.tensor(self.feed, dtype=torch.long)
+        if self._deferred:  # the last choice, fed where it lies
+            ids = self._deferred[-1]
+        else:
+            ids = torch.tensor(self.feed, dtype=torch.long)
         num_logits = self.num_logits if self.steps == 0 else 1
         return SequenceInput(ids, cache, num_logits, observe, fast_attention=not self.is_full_kv)
 
@@ -89,24 +101,45 @@ class Job:
             self.logprobs += self.sampler.reported(choice.processed, choice.tokens)
         return choice.tokens
 
-    def advance(self, chosen: list[int]) -> None:
-        """Records one step's choices; the last one is fed next."""
-        self.choices.extend(chosen)
-        self.feed = chosen[-1:]
+    def advance(self, chosen: list[int] | torch.Tensor) -> None:
+        """Records one step's choices (a deferring job's: [1] on the device); the last one is fed
+        next."""
         self.steps += 1
+        if self.defers_choices:
+            self._deferred.append(chosen)
+            if self.steps >= self.max_steps:
+                self._take_deferred()
+        else:
+            self.choices.extend(chosen)
+            self.feed = chosen[-1:]
         if self.after_step is not None:
             self.after_step()
 
+    def restart(self, feed: list[int]) -> None:
+        """Back to before its first step, fed `feed` (its cache is the caller's to truncate)."""
+        self.feed, self.steps, self.choices, self._deferred = list(feed), 0, [], []
+        self.processed, self.logprobs = [], []
 
-def choose(jobs: list[Job], logits: list[torch.Tensor]) -> list[list[int]]:
+    def _take_deferred(self) -> None:
+        """A deferring job's choices, read in one wait, up to its first end id."""
+        tokens = torch.cat(self._deferred).tolist()
+        self._deferred = []
+        ends = [i for i, token in enumerate(tokens) if token in self.end_ids]
+        self.choices = tokens[: ends[0] + 1] if ends else tokens
+        self.feed = self.choices[-1:]
+
+
+def choose(jobs: list[Job], logits: list[torch.Tensor]) -> list[list[int] | torch.Tensor]:
     """Each job's tokens from its logits: through its sampler where it has one, the plain argmax
-    (in one batch) where not."""
+    (in one batch) where not; a deferring job's stay on the device ([1])."""
     logits = [job.allowed(rows) for job, rows in zip(jobs, logits)]
-    greedy_rows = [rows for job, rows in zip(jobs, logits) if job.sampler is None]
-    greedy_chosen = iter(greedy(greedy_rows) if greedy_rows else [])
+    is_greedy = [job.sampler is None for job in jobs]
+    greedy_rows = [rows for rows, plain in zip(logits, is_greedy) if plain]
+    deferring = [job.defers_choices for job, plain in zip(jobs, is_greedy) if plain]
+    greedy_chosen = iter(greedy(greedy_rows, deferring) if greedy_rows else [])
     return [
-        next(greedy_chosen) if job.sampler is None else job.choose(rows)
-        for job, rows in zip(jobs, logits)
+        next(greedy_chosen) if plain else job.choose(rows)
+        for job, rows, plain in zip(jobs, logits, is_greedy)
     ]
 
 
@@ -134,16 +167,23 @@ def choose_first(
     return FirstToken(choice.tokens[0], sampler.reported(choice.processed, choice.tokens))
 
 
-def greedy(logits: list[torch.Tensor]) -> list[list[int]]:
-    """Greedy tokens per sequence from its logits [n_i, vocab], with one device sync.
+def greedy(
+    logits: list[torch.Tensor], on_device: list[bool] | None = None
+) -> list[list[int] | torch.Tensor]:
+    """Greedy tokens per sequence from its logits [n_i, vocab], in one argmax; read on the host
+    in one wait, but for the sequences `on_device` marks, whose tokens stay there ([n_i]). None
+    wait where every sequence's stay.
 
     argmax returns the first maximum: ties go to the lowest token id."""
-    chosen = torch.cat(logits).argmax(dim=-1).tolist()
-    out, start = [], 0
-    for rows in logits:
-        out.append(chosen[start : start + rows.shape[0]])
-        start += rows.shape[0]
-    return out
+    on_device = on_device or [False] * len(logits)
+    chosen = torch.cat(logits).argmax(dim=-1)  # [sum n_i]
+    parts = chosen.split([rows.shape[0] for rows in logits])
+    read = [part for part, stays in zip(parts, on_device) if not stays]
+    host = iter(torch.cat(read).tolist() if read else [])
+    return [
+        part if stays else [next(host) for _ in range(part.shape[0])]
+        for part, stays in zip(parts, on_device)
+    ]
 
 
 class ForwardLoop:

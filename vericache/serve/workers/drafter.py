@@ -230,10 +230,13 @@ class Drafter:
         if call.num_drafts == 0:
             return Drafted((), 0.0, is_warm=warm, kept_set_version=version)
         rejects = checks_by_rejection(call.sampler)
+        grammar = self._grammars.constraint(call.session_id, call.grammar)
         job = Job(
             session.cache, list(call.pending), max_steps=call.num_drafts, end_ids=call.end_ids,
-            sampler=call.sampler, keeps_processed=rejects,
-            constraint=self._grammars.constraint(call.session_id, call.grammar),
+            sampler=call.sampler, keeps_processed=rejects, constraint=grammar,
+            # A greedy draft's tokens stay on the device until its last step: one host wait a
+            # draft, none a step.
+            defers_choices=call.sampler is None and grammar is None,
         )  # fmt: skip
         started = time.perf_counter()
         tokens = self._loop.run(job)
