@@ -204,3 +204,29 @@ def test_c_is_the_wire_bytes_share_of_the_bf16_full_kv(tiny_chat_checkpoint):
     }
     assert shares["snapkv-4x"] < 2 / 4  # a quarter of the fp32 slots, and the codec's zstd
     assert 0 < shares["snapkv-4x+kivi-4bit"] < min(shares["snapkv-4x"], shares["kivi-4bit"])
+
+
+def test_the_frontier_reads_the_best_within_each_c_and_steerings_gain(tmp_path):
+    from vericache.bench.acceptance_frontier import frontier_summary
+
+    records = [
+        _record("code", "snapkv-8x-bf16", [20, 22]),
+        _record("code", "snapkv-8x-bf16 steered/2", [24, 26]),
+        _record("code", "snapkv-16x-bf16", [10, 12]),
+        _record("code", "kivi-4bit", [30, 30]),  # accepts the most, but c is a quarter
+        _record("tools", "snapkv-16x-bf16", [8, 8]),
+    ]
+    args = argparse.Namespace(draft_kv="verifier", quick=True, draft_lens=[30], model="m",
+                              dtype="float32")  # fmt: skip
+    labels = ["snapkv-8x-bf16", "snapkv-8x-bf16 steered/2", "snapkv-16x-bf16", "kivi-4bit"]
+    shares = {"snapkv-8x-bf16": 0.11, "snapkv-16x-bf16": 0.06, "kivi-4bit": 0.26}
+    result = acceptance._result(records, labels, args, 64, 3) | {"c": shares}
+    summary = frontier_summary(result["table"]["verifier"], shares)
+    eighth, sixteenth = summary["best_accepted_at_c_1_8"], summary["best_accepted_at_c_1_16"]
+    assert eighth["code"]["label"] == "snapkv-8x-bf16 steered/2"
+    assert eighth["code"]["mean"] == pytest.approx(25.0) and eighth["code"]["c"] == 0.11
+    assert sixteenth["code"]["label"] == "snapkv-16x-bf16" and sixteenth["tools"]["mean"] == 8
+    gains = summary["steering_gain_at_c_1_8"]
+    assert gains == {"code": {"snapkv-8x-bf16 steered/2": pytest.approx(25 / 21)}}
+    acceptance.plot(result, tmp_path / "acceptance.png")
+    assert (tmp_path / "acceptance_frontier.png").stat().st_size > 1000

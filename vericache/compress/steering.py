@@ -104,7 +104,9 @@ class KeptSetSteering:
         layers = []
         for index, positions in enumerate(base):
             if index in queries and positions is not None:
-                layers.append(self._layer(index, positions, torch.cat(queries[index]), full))
+                layer = self._layer(index, positions, torch.cat(queries[index]), full)
+                if layer.heads.numel():  # a layer whose set stays carries nothing
+                    layers.append(layer)
         refresh = KeptSetRefresh(self.version + 1, base_version, tuple(layers))
         self.version += 1
         self._kept[self.version] = refreshed_positions(base, refresh)

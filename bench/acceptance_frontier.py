@@ -1,0 +1,97 @@
+"""The acceptance benchmark's frontier: drafts accepted per round at x=30 against c, the draft KV's
+share of the full KV's bytes (bench/acceptance.py `compressed_share`), and the summary keys read off
+it: the most a configuration of c <= 1/8 (and <= 1/16) accepts per workload, and what the
+verifier's steering adds to a compressor of c <= 1/8."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vericache.bench.acceptance_report import TARGET_KINDS, _half_width
+from vericache.bench.common import pyplot
+
+X = "30"
+# Today's best at 4x (bench/results/acceptance_4x.json), which c <= 1/8 is to match.
+BEST_AT_4X = {"code": 24.9, "tools": 24.4}
+AT_SIXTEENTH = 20.0  # what c <= 1/16 is to accept at least
+STEERED = " steered/"
+
+
+def base_label(label: str) -> str:
+    """The compressor of a run's label ("snapkv-8x-bf16 steered/2" -> "snapkv-8x-bf16")."""
+    return label.partition(STEERED)[0]
+
+
+def frontier_summary(table: dict, shares: dict[str, float]) -> dict:
+    """`table`: the run's replayed cells by kind and label (greedy); `shares`: c by compressor."""
+    return {
+        "best_accepted_at_c_1_8": _best_within(table, shares, 1 / 8),
+        "best_accepted_at_c_1_16": _best_within(table, shares, 1 / 16),
+        "steering_gain_at_c_1_8": _steering_gains(table, shares, 1 / 8),
+    }
+
+
+def _best_within(table: dict, shares: dict[str, float], largest_c: float) -> dict:
+    """Per workload kind: the configuration (steered or not) of c <= largest_c that accepts the
+    most at x=30, its mean, interval and c."""
+    best = {}
+    for kind in TARGET_KINDS:
+        cells = {
+            label: by_x[X]
+            for label, by_x in table.get(kind, {}).items()
+            if X in by_x and shares.get(base_label(label), 1.0) <= largest_c
+        }
+        if cells:
+            label = max(cells, key=lambda name: cells[name]["mean"])
+            best[kind] = {
+                "label": label, "mean": cells[label]["mean"], "ci95": cells[label]["ci95"],
+                "c": shares[base_label(label)],
+            }  # fmt: skip
+    return best
+
+
+def _steering_gains(table: dict, shares: dict[str, float], largest_c: float) -> dict:
+    """Per workload kind and steered compressor of c <= largest_c: its accepted per round at x=30
+    over the same compressor's unsteered."""
+    gains = {}
+    for kind in TARGET_KINDS:
+        cells = table.get(kind, {})
+        for label, by_x in cells.items():
+            plain = cells.get(base_label(label), {}).get(X)
+            if STEERED not in label or X not in by_x or not plain or plain["mean"] <= 0:
+                continue
+            if shares.get(base_label(label), 1.0) <= largest_c:
+                gains.setdefault(kind, {})[label] = by_x[X]["mean"] / plain["mean"]
+    return gains
+
+
+def plot_frontier(result: dict, path: Path) -> None:
+    """Accepted per round at x=30 against c, a panel per workload kind, a point per configuration
+    with its 95% interval (steered: hollow), c = 1/8 and 1/16 marked, and the targets."""
+    plt = pyplot()
+    table = result["table"][result["summary"]["draft_kv"]]
+    shares = result["c"]
+    kinds = [kind for kind in TARGET_KINDS if kind in table]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), squeeze=False)
+    for axis, kind in zip(axes[0], kinds):
+        for index, (label, by_x) in enumerate(sorted(table[kind].items())):
+            if X not in by_x or base_label(label) not in shares:
+                continue
+            steered = STEERED in label
+            axis.errorbar(
+                [shares[base_label(label)]], [by_x[X]["mean"]], yerr=[_half_width(by_x[X])],
+                marker="o", markerfacecolor="none" if steered else f"C{index % 10}",
+                color=f"C{index % 10}", capsize=2, label=label, linestyle="none",
+            )  # fmt: skip
+        for c in (1 / 8, 1 / 16):
+            axis.axvline(c, color="grey", linestyle=":", linewidth=1)
+        axis.axhline(BEST_AT_4X[kind], color="red", linestyle="--", linewidth=1)
+        axis.axhline(AT_SIXTEENTH, color="red", linestyle=":", linewidth=1)
+        axis.set(title=kind, xlabel="c (draft KV bytes / full KV bytes)", xscale="log",
+                 ylabel=f"accepted per round, x={X}", ylim=(0, int(X) + 1))  # fmt: skip
+        axis.legend(fontsize=7)
+    title = ("dotted verticals: c = 1/16, 1/8; dashed: today's best at 4x; dotted: 20 (the target "
+             "at 1/16); bars: 95% CI over prompts; hollow: steered")  # fmt: skip
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
