@@ -74,14 +74,15 @@ def plot_frontier(result: dict, path: Path) -> None:
     kinds = [kind for kind in TARGET_KINDS if kind in table]
     fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), squeeze=False)
     for axis, kind in zip(axes[0], kinds):
-        for index, (label, by_x) in enumerate(sorted(table[kind].items())):
+        bases = sorted({base_label(label) for label in table[kind]})
+        for label, by_x in sorted(table[kind].items()):
             if X not in by_x or base_label(label) not in shares:
                 continue
-            steered = STEERED in label
+            color = f"C{bases.index(base_label(label)) % 10}"  # a compressor's, steered or not
             axis.errorbar(
                 [shares[base_label(label)]], [by_x[X]["mean"]], yerr=[_half_width(by_x[X])],
-                marker="o", markerfacecolor="none" if steered else f"C{index % 10}",
-                color=f"C{index % 10}", capsize=2, label=label, linestyle="none",
+                marker="o", markerfacecolor="none" if STEERED in label else color, color=color,
+                capsize=2, label=label, linestyle="none",
             )  # fmt: skip
         for c in (1 / 8, 1 / 16):
             axis.axvline(c, color="grey", linestyle=":", linewidth=1)
