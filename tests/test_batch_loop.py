@@ -63,6 +63,12 @@ def test_a_deferring_draft_chooses_the_same_tokens_with_one_wait(tiny_engine):
     deferred, deferred_waits = draft(True)
     assert deferred == stepped and len(stepped) == 12
     assert (waits, deferred_waits) == (12, 1)
+    # Drafts that end in one step are read together: one wait for them all.
+    jobs = [Job(full.clone(64), [7], 12, defers_choices=True) for _ in range(3)]
+    with counted_syncs() as syncs:
+        while not all(job.is_done for job in jobs):
+            loop.step(jobs)
+    assert sum(syncs.values()) == 1 and all(job.choices == stepped for job in jobs)
     # An end token stops a stepped draft; a deferring one's tokens are cut after it.
     end = frozenset({stepped[4]})
     assert draft(True, end)[0] == draft(False, end)[0] == stepped[: stepped.index(stepped[4]) + 1]

@@ -106,9 +106,7 @@ class Job:
         next."""
         self.steps += 1
         if self.defers_choices:
-            self._deferred.append(chosen)
-            if self.steps >= self.max_steps:
-                self._take_deferred()
+            self._deferred.append(chosen)  # read once its last step is done (`take_deferred`)
         else:
             self.choices.extend(chosen)
             self.feed = chosen[-1:]
@@ -120,13 +118,31 @@ class Job:
         self.feed, self.steps, self.choices, self._deferred = list(feed), 0, [], []
         self.processed, self.logprobs = [], []
 
-    def _take_deferred(self) -> None:
-        """A deferring job's choices, read in one wait, up to its first end id."""
-        tokens = torch.cat(self._deferred).tolist()
+    @property
+    def has_deferred_to_take(self) -> bool:
+        """A deferring job whose last step is done and whose choices are still on the device."""
+        return self.defers_choices and self.steps >= self.max_steps and bool(self._deferred)
+
+    def take(self, tokens: list[int]) -> None:
+        """A deferring job's choices, read: kept up to its first end id."""
         self._deferred = []
         ends = [i for i, token in enumerate(tokens) if token in self.end_ids]
         self.choices = tokens[: ends[0] + 1] if ends else tokens
         self.feed = self.choices[-1:]
+
+
+def take_deferred(jobs: list[Job]) -> None:
+    """The device-held choices of the deferring jobs whose last step is done, read in one wait
+    for them all."""
+    done = [job for job in jobs if job.has_deferred_to_take]
+    if not done:
+        return
+    parts = [torch.cat(job._deferred) for job in done]
+    tokens = torch.cat(parts).tolist()
+    start = 0
+    for job, part in zip(done, parts):
+        job.take(tokens[start : start + part.shape[0]])
+        start += part.shape[0]
 
 
 def choose(jobs: list[Job], logits: list[torch.Tensor]) -> list[list[int] | torch.Tensor]:
@@ -209,6 +225,7 @@ class ForwardLoop:
         elapsed, cpu_s = time.perf_counter() - start, time.thread_time() - start_cpu
         for job, job_chosen in zip(jobs, chosen):
             job.advance(job_chosen)
+        take_deferred(jobs)
         self.num_steps += 1
         self.max_batch = max(self.max_batch, len(jobs))
         num_fed = [seq.token_ids.numel() for seq in inputs]
