@@ -6,6 +6,17 @@ from __future__ import annotations
 from vericache.bench.common import pyplot, save_figure
 
 
+def _measured_frontier_row(runs: dict | None, band: list[float]) -> list[str]:
+    """Pipeline 1 at the measured frontier's best point of c <= 1/8 (bench acceptance on the
+    embedded model), a row per workload, if the run had one."""
+    return [
+        f"| Pipeline 1 at the measured c <= 1/8 point, {kind}: {run['label']}, "
+        f"c={run['kv_budget']:.3f}, {run['x30']:.1f} of 30 accepted | {band[0]}-{band[1]}x | "
+        f"{run['speedup']:.2f}x | | |"
+        for kind, run in (runs or {}).items()
+    ]
+
+
 def markdown_table(result: dict) -> str:
     p1, p2, stagger = result["pipeline1"], result["pipeline2"], result["stagger"]
     paper = result["paper"]
@@ -21,6 +32,7 @@ def markdown_table(result: dict) -> str:
         f"{band2[0]}-{band2[1]}x | {p2['paper_config']['speedup']:.2f}x "
         f"(best full KV: {p2['paper_config']['best_full']}) | {best2['speedup']:.2f}x | "
         f"x={best2['draft_len']}, {best2['num_verifiers']} verifier, {best2['scheduling']} |",
+        *_measured_frontier_row(p1.get("at_measured_frontier"), band1),
         f"| Staggered over lock-step, Mistral-24B example | > 1 | "
         f"{stagger['staggered_over_lockstep']:.2f}x | | |",
     ]

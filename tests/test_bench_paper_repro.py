@@ -55,6 +55,21 @@ def test_the_sweeps_move_what_they_name(quick):
     assert variants["staggered"]["vericache_tokens_per_s"] <= 1.05 * bound
 
 
+def test_pipeline1_runs_again_at_the_measured_frontier_s_best_point(quick):
+    result, folder = quick
+    runs = result["pipeline1"]["at_measured_frontier"]
+    committed = json.loads(paper_repro.ACCEPTANCE_FRONTIER.read_text())["summary"]
+    best = committed["best_accepted_at_c_1_8"]
+    assert set(runs) == set(best) == {"code", "tools"}
+    for kind, run in runs.items():
+        assert run["kv_budget"] == best[kind]["c"] <= 1 / 8
+        assert run["sources"]["acceptance"].startswith("measured")
+    assert result["summary"]["pipeline1_at_measured_frontier"] == {
+        kind: run["speedup"] for kind, run in runs.items()
+    }
+    assert "| Pipeline 1 at the measured c <= 1/8 point, code" in (folder / "table.md").read_text()
+
+
 def test_the_table_and_the_figure_are_written(quick, tmp_path):
     result, folder = quick
     table = (folder / "table.md").read_text()
