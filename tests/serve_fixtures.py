@@ -52,6 +52,17 @@ def start_server(
     )
 
 
+@contextlib.contextmanager
+def serving_one_prefix(model: Path, root: Path, compressor: str, ratio: float = 4):
+    """A server with one drafter, a client of it and CONTEXT registered with `compressor` at
+    `ratio`: (server, client, prefix id)."""
+    from vericache.client import Client
+
+    with start_server(model, root, num_drafters=1) as server:
+        with Client(server.target, timeout=120) as client:
+            yield server, client, client.put_prefix(CONTEXT, compressor=compressor, ratio=ratio)
+
+
 def start_openai_server(model: Path, root: Path, **options) -> BackgroundServer:
     """`start_server` with the OpenAI-compatible HTTP API too, on a free port, answering to
     SERVED_MODEL."""

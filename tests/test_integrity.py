@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from tests.damage import DAMAGES
-from tests.serve_fixtures import CONTEXT, counts, start_server
+from tests.serve_fixtures import CONTEXT, counts, serving_one_prefix, start_server
 from vericache.client import Client, DataLossError
 
 PROMPT = "Which function multiplies by three?"
@@ -35,10 +35,8 @@ def generate_twice(client: Client, prefix_id: str, tokens: dict) -> None:
 def registered(tiny_chat_checkpoint, tmp_path_factory):
     """A root holding one registered prefix, and the tokens each mode gave on it undisturbed."""
     root = tmp_path_factory.mktemp("registered")
-    with start_server(tiny_chat_checkpoint, root, num_drafters=1) as server:
-        with Client(server.target, timeout=120) as client:
-            prefix_id = client.put_prefix(CONTEXT, compressor="streamingllm", ratio=4)
-            tokens = generate_all(client, prefix_id)
+    with serving_one_prefix(tiny_chat_checkpoint, root, "streamingllm") as (_, client, prefix_id):
+        tokens = generate_all(client, prefix_id)
     assert len(set(tokens.values())) == 1  # every mode gives full decoding's tokens
     return root, prefix_id, tokens
 

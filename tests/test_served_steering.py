@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from tests.serve_fixtures import CONTEXT, start_server
-from vericache.client import Client, InvalidRequestError
+from tests.serve_fixtures import CONTEXT, serving_one_prefix
+from vericache.client import InvalidRequestError
 from vericache.serve.workers.steered_sessions import SteeredSessions
 
 PROMPT = "Which function multiplies by seven, and what does it return?"
@@ -21,13 +21,11 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def served(tiny_chat_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("steering")
-    with start_server(tiny_chat_checkpoint, root, num_drafters=1) as server:
-        with Client(server.target, timeout=120) as client:
-            prefix_id = client.put_prefix(CONTEXT, compressor="snapkv", ratio=4)
-            # The drafter fetches the compressed KV once, here: the tests' link bytes are the
-            # rounds' alone.
-            _generate(client, prefix_id, mode="vericache")
-            yield server, client, prefix_id
+    with serving_one_prefix(tiny_chat_checkpoint, root, "snapkv") as (server, client, prefix_id):
+        # The drafter fetches the compressed KV once, here: the tests' link bytes are the
+        # rounds' alone.
+        _generate(client, prefix_id, mode="vericache")
+        yield server, client, prefix_id
 
 
 def _generate(client, prefix_id, **options):
