@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache.compress.kept_set import KeptSetRefresh, apply_refresh
 from vericache.compress.steering import KeptSetSteering
 from vericache.engine.calibration import time_draft_step
 from vericache.engine.device_memory import prefix_budget_left
@@ -36,7 +35,6 @@ from vericache.engine.forward_loop import Job, choose_first
 from vericache.engine.sampling import checks_by_rejection
 from vericache.errors import InvalidRequestError
 from vericache.kv.cache import KVCache
-from vericache.kv.compressed import CompressedKV
 from vericache.kv.exact import ExactKV
 from vericache.kv.pool import BufferPool
 from vericache.kv.prefixed import shared_clone
@@ -44,6 +42,7 @@ from vericache.kv.shared_prefix import HeldPrefix, SharedPrefixes
 from vericache.serve.cluster_secret import required
 from vericache.serve.config import DrafterConfig
 from vericache.serve.workers.batching import BatchLoop
+from vericache.serve.workers.draft_cache import take_exact, take_kept_set, update_compressed
 from vericache.serve.workers.kv_transfer import KVFetcher, KVKind, fetch_kind
 from vericache.serve.workers.turn_cache import TurnCache, TurnTokens
 from vericache.serve.workers.warm_node import WarmNode
@@ -161,7 +160,7 @@ class Drafter:
                 logits = self.runner.prefill(suffix, cache, chunk_size=self.config.prefill_chunk)
                 grammar = self._grammars.constraint(call.session_id, call.grammar)
                 first = choose_first(logits, call.sampler, grammar)
-                _update(cache)
+                update_compressed(cache)
         except BaseException:
             copies.release(held)
             raise
@@ -216,9 +215,12 @@ class Drafter:
         time.sleep(call.arrives_in_s)  # an emulated link: the call is on its way until then
         with self._using(call.session_id) as session:
             if call.exact is not None:
-                _take_exact(session.cache, call.exact)
+                take_exact(session.cache, call.exact)
             if call.kept_set is not None:
-                _take_kept_set(session, call.kept_set)
+                session.kept_set_version = take_kept_set(
+                    session.session_id, session.cache, session.prefix.cache.num_tokens,
+                    session.kept_set_version, call.kept_set,
+                )  # fmt: skip
             drafted = self._draft(session, call)
         return drafted
 
@@ -261,10 +263,10 @@ class Drafter:
             if opened is None:
                 return LocalOpened(is_local=False)
             if call.exact is not None:
-                _take_exact(session.cache, call.exact)
+                take_exact(session.cache, call.exact)
             if session.cache.num_tokens < len(call.history):
                 exact = ExactKV.of(opened.cache, session.cache.num_tokens, len(call.history))
-                _take_exact(session.cache, exact)
+                take_exact(session.cache, exact)
             if call.steer_every:
                 num_prefix = session.prefix.cache.num_tokens
                 session.steering = KeptSetSteering.of(
@@ -287,7 +289,7 @@ class Drafter:
                 call.session_id, call.pending, drafted, call.sampler, grammar,
                 steering.observe if steering is not None else None,
             )  # fmt: skip
-            _take_exact(session.cache, done.exact)
+            take_exact(session.cache, done.exact)
             if steering is not None and steering.round_done():  # the full KV is beside it
                 steering.refresh(session.cache, self._warm.full_cache(call.session_id))
         return LocalRound(
@@ -308,7 +310,7 @@ class Drafter:
                 max_steps=call.max_tokens,
                 end_ids=call.end_ids,
                 is_full_kv=is_full,
-                after_step=None if is_full else (lambda: _update(cache)),
+                after_step=None if is_full else (lambda: update_compressed(cache)),
                 sampler=call.sampler,
                 reports_logprobs=True,
                 constraint=self._grammars.constraint(call.session_id, call.grammar),
@@ -383,32 +385,3 @@ class Drafter:
         if address not in fetchers:
             fetchers[address] = KVFetcher(address, self.info.fingerprint, copies, self.runner.rope)
         return fetchers[address]
-
-
-def _take_exact(cache: KVCache, exact: ExactKV) -> None:
-    """The verifier's KV of the tokens committed since the last draft, in place of what this
-    cache drafted for them (the drafts: uncommitted, never compressed)."""
-    cache.truncate(exact.start)
-    cache.append_exact(exact)
-    _update(cache)
-
-
-def _take_kept_set(session: _Session, refresh: KeptSetRefresh) -> None:
-    """The verifier's refresh of the session's kept set, where it arrived intact and was made
-    for the set the session holds; else dropped (the next drafts say which set they read, and
-    the coordinator counts the refresh lost)."""
-    if not refresh.is_intact():
-        log.warning("session %s: a kept-set refresh arrived damaged; dropped", session.session_id)
-        return
-    if refresh.base_version != session.kept_set_version:
-        log.warning("session %s: a kept-set refresh for another set; dropped", session.session_id)
-        return
-    apply_refresh(session.cache, session.prefix.cache.num_tokens, refresh)
-    session.kept_set_version = refresh.version
-
-
-def _update(cache: KVCache) -> None:
-    """An online compressor's update after its cache took new tokens (token dropping's eviction,
-    quantization of a full residual group)."""
-    if isinstance(cache, CompressedKV):
-        cache.compressor.update(cache)
