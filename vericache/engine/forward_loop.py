@@ -123,6 +123,10 @@ class Job:
         """A deferring job whose last step is done and whose choices are still on the device."""
         return self.defers_choices and self.steps >= self.max_steps and bool(self._deferred)
 
+    def deferred_choices(self) -> torch.Tensor:  # [steps] on the device
+        """A deferring job's choices still on the device, in step order."""
+        return torch.cat(self._deferred)
+
     def take(self, tokens: list[int]) -> None:
         """A deferring job's choices, read: kept up to its first end id."""
         self._deferred = []
@@ -137,7 +141,7 @@ def take_deferred(jobs: list[Job]) -> None:
     done = [job for job in jobs if job.has_deferred_to_take]
     if not done:
         return
-    parts = [torch.cat(job._deferred) for job in done]
+    parts = [job.deferred_choices() for job in done]
     tokens = torch.cat(parts).tolist()
     start = 0
     for job, part in zip(done, parts):
