@@ -77,9 +77,7 @@ class KeptSetRefresh:
 def kept_positions(cache: KVCache, num_prefix: int) -> KeptPositions:
     """A compressed cache's kept prefix positions, per layer [k, H] (None: not dense)."""
     return tuple(
-        _kept_part(layer, num_prefix).positions().clone()
-        if getattr(layer, "is_dense", False)
-        else None
+        _kept_prefix_positions(layer, num_prefix) if getattr(layer, "is_dense", False) else None
         for layer in cache.layers
     )
 
@@ -140,12 +138,25 @@ def _slots_of(positions: torch.Tensor, refresh: LayerRefresh) -> torch.Tensor:
     return matches.int().argmax(0)
 
 
+def _kept_prefix_positions(layer, num_prefix: int) -> torch.Tensor:  # [k, H]
+    """A compressed dense layer's kept prefix positions, read without copying its slots."""
+    if isinstance(layer, PrefixedLayerKV):
+        return layer.shared.positions().clone()
+    positions = layer.positions()  # [slots, H]
+    return positions[: _num_kept(positions, num_prefix)].clone()
+
+
+def _num_kept(positions: torch.Tensor, num_prefix: int) -> int:
+    """How many of a layer's slots [slots, H] hold prefix positions (as many for every head)."""
+    return int((positions[:, 0] < num_prefix).sum())
+
+
 def _kept_part(layer, num_prefix: int) -> DenseLayerKV:
     """A compressed dense layer's kept prefix slots, in a layer of their own."""
     if isinstance(layer, PrefixedLayerKV):
         return layer.shared
     positions = layer.positions()  # [slots, H]
-    num_kept = int((positions[:, 0] < num_prefix).sum())  # as many for every head
+    num_kept = _num_kept(positions, num_prefix)
     keys, values = layer.slots(0, num_kept)
     return DenseLayerKV.from_tensors(keys, values, positions[:num_kept])
 
@@ -156,7 +167,7 @@ def _replace_kept(cache: KVCache, index: int, num_prefix: int, new: DenseLayerKV
         layer.shared = new  # the session's own copy now: the shared one stays as it was
         return
     positions = layer.positions()
-    num_kept = int((positions[:, 0] < num_prefix).sum())
+    num_kept = _num_kept(positions, num_prefix)
     keys, values = layer.slots(num_kept, layer.num_slots)
     new.append(keys, values, positions[num_kept:])
     cache.layers[index] = new
