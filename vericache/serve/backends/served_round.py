@@ -100,9 +100,10 @@ class ServedRound:
         drafts. Where the draft call failed, raises its error, not the verification's (which
         failed waiting for it)."""
         served, drafting = self.served, self.drafting
+        seq = served.seq
         call = VerifyCall(
-            served.session_id, served.pending, self.drafts, load_first, served.seq.sampler(),
-            served.grammar,
+            served.session_id, served.pending, self.drafts, load_first, seq.sampler(),
+            served.grammar, seq.drafts_wanted(seq.num_remaining), tuple(served.end_ids),
         )  # fmt: skip
         served.num_round_calls += 1
         try:

@@ -215,10 +215,13 @@ class Verifier:
                 self._loop, session.cache, call.pending, drafted, call.sampler, grammar,
                 self._steered.observer(call.session_id),
             )  # fmt: skip
-            session.history.commit(done.tokens[: done.num_accepted + 1])  # the rest: rejected
-            refresh = self._steered.after_round(
-                call.session_id, session.cache, drafted.kept_set_version
-            )
+            committed = done.tokens[: done.num_accepted + 1]  # the rest: rejected
+            session.history.commit(committed)
+            refresh = None  # where no draft call follows, nothing would carry it
+            if call.is_followed_by_drafts(committed):
+                refresh = self._steered.after_round(
+                    call.session_id, session.cache, drafted.kept_set_version
+                )
         nbytes = done.exact.nbytes + (refresh.nbytes if refresh is not None else 0)
         delay = self._hand_over(nbytes)
         traffic = loaded + self._found() + Traffic(link_bytes=nbytes)

@@ -17,7 +17,7 @@ comes from (seed, position), so drafter and verifier draw the same wherever they
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -293,6 +293,18 @@ class VerifyCall:
     load_first: bool = False  # bring the full KV onto the device while the drafts come
     sampler: SequenceSampler | None = None  # None: greedy
     grammar: GrammarState | None = None  # a constrained request's grammar and output so far
+    # Whether a draft call follows this round, where the coordinator says (only one carries a
+    # kept-set refresh): the drafts the next round could make were this one to commit nothing
+    # (its budget's and context's), and the request's end ids.
+    drafts_after: int | None = None
+    end_ids: tuple[int, ...] = ()
+
+    def is_followed_by_drafts(self, committed: Sequence[int]) -> bool:
+        """Whether a round with drafts follows this one once it commits `committed` (a stop
+        string may end the request too, unseen here)."""
+        if self.drafts_after is not None and self.drafts_after - len(committed) < 1:
+            return False
+        return not any(token in self.end_ids for token in committed)
 
 
 @dataclass(frozen=True)
