@@ -21,19 +21,22 @@ decoding.
 
 from __future__ import annotations
 
-import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from vericache.bench import acceptance_report
+from vericache.bench.acceptance_checkpoint import Checkpoint
+from vericache.bench.acceptance_coupling import (
+    SEEDED_OVER_REJECTION,
+    pooled_seeded_over_rejection,
+    seeded_over_rejection,
+)
 from vericache.bench.acceptance_frontier import frontier_summary, plot_frontier
 from vericache.bench.acceptance_report import (
     TARGET_KINDS,
     TARGET_X30,
     best_at_4x,
     markdown,
-    prompt_mean,
     replay_table,
 )
 from vericache.bench.common import (
@@ -226,50 +229,6 @@ def _traces(
     return records
 
 
-class Checkpoint:
-    """Finished work in a JSON-lines file, each line with the run's settings: the full-KV
-    references of a sampling setting, or a compressor's records for one draft KV source. A long
-    run that stops keeps what it finished."""
-
-    def __init__(self, path: Path | None, settings: dict):
-        self.path, self.settings = path, settings
-        self._done: dict[tuple[str, str], list[dict]] = {}
-        self._references: dict[str, list[tuple[int, ...]]] = {}
-        if path is not None and path.is_file():
-            for line in path.read_text().splitlines():
-                self._load(json.loads(line))
-
-    def _load(self, entry: dict) -> None:
-        if entry["settings"] != self.settings:
-            raise ValueError(
-                f"{self.path} holds records of other settings ({entry['settings']}): "
-                "give another checkpoint file"
-            )
-        if "references" in entry:
-            self._references[entry["references"]] = [tuple(ids) for ids in entry["token_ids"]]
-        else:
-            self._done[entry["compressor"], entry["draft_kv"]] = entry["records"]
-
-    def records(self, label: str, draft_kv: str) -> list[dict] | None:
-        return self._done.get((label, draft_kv))
-
-    def references(self, label: str) -> list[tuple[int, ...]] | None:
-        return self._references.get(label)
-
-    def add(self, label: str, draft_kv: str, records: list[dict]) -> None:
-        self._done[label, draft_kv] = records
-        self._append({"compressor": label, "draft_kv": draft_kv, "records": records})
-
-    def add_references(self, label: str, token_ids: list[tuple[int, ...]]) -> None:
-        self._references[label] = token_ids
-        self._append({"references": label, "token_ids": [list(ids) for ids in token_ids]})
-
-    def _append(self, entry: dict) -> None:
-        if self.path is not None:
-            with self.path.open("a") as file:
-                file.write(json.dumps({"settings": self.settings, **entry}) + "\n")
-
-
 def _request(compressor, item, reference, params: SamplingParams, steer_every: int = 0) -> Request:
     """A round stops drafting after its first draft the reference rejects (expected_ids): it
     commits the same tokens and tells the same first mismatch as one that drafts all 64. Not
@@ -369,8 +328,6 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
     }
 
 
-SEEDED_OVER_REJECTION = 0.75  # seeded coupling's accepted per round over rejection's, at T=0.7
-
 DEFINITIONS = {
     "first_mismatch": f"per round at x={MAX_DRAFT_LEN}: the first draft the full KV rejects "
     f"({MAX_DRAFT_LEN}: none)",
@@ -396,64 +353,6 @@ DEFINITIONS = {
     "the same compressor's unsteered (target: 1.1); traced at x=64, where the kept set is "
     "refreshed every k rounds of 64 drafts, and replayed at x=30",
 }
-
-
-def seeded_over_rejection(table: dict, labels: list[str]) -> dict:
-    """Per temperature sampled with both couplings: the least, over the 4x compressors and the
-    code and tool kinds, of seeded coupling's accepted per round at x=30 over rejection
-    coupling's (target: at least SEEDED_OVER_REJECTION at T=0.7)."""
-    ratios: dict[str, list[float]] = {}
-    for kind in TARGET_KINDS:
-        cells = table.get(kind, {})
-        for label in labels:
-            for seeded_label, cell in cells.items():
-                prefix = f"{label} T="
-                if not (seeded_label.startswith(prefix) and seeded_label.endswith(" seeded")):
-                    continue
-                temperature = seeded_label[len(prefix) : -len(" seeded")]
-                rejection = cells.get(f"{label} T={temperature} rejection", {}).get("30")
-                if rejection and rejection["mean"] > 0 and "30" in cell:
-                    ratio = cell["30"]["mean"] / rejection["mean"]
-                    ratios.setdefault(temperature, []).append(ratio)
-    return {temperature: min(values) for temperature, values in ratios.items()}
-
-
-def pooled_seeded_over_rejection(
-    records: list[dict], labels: list[str], x: int = 30, draws: int = 2000
-) -> dict:
-    """Per temperature sampled with both couplings: the sum over prompts of seeded coupling's
-    per-prompt accepted per round at x over rejection coupling's, over the 4x compressors and
-    the code and tool kinds; its interval resamples prompts (a prompt's two couplings together:
-    the same prompt and seed)."""
-    by_label: dict[str, list[dict]] = {}
-    for record in records:
-        if record["kind"] in TARGET_KINDS:
-            by_label.setdefault(record["compressor"], []).append(record)
-    pooled = {}
-    for temperature in sorted({r.get("temperature") for r in records if r.get("temperature")}):
-        pairs = []  # (seeded, rejection) per prompt
-        for label in labels:
-            seeded = by_label.get(f"{label} T={temperature:g} seeded", [])
-            rejection = by_label.get(f"{label} T={temperature:g} rejection", [])
-            for one, other in zip(seeded, rejection):  # prompt by prompt, in the run's order
-                if one["first_mismatch"] and other["first_mismatch"]:
-                    pairs.append((prompt_mean(one, x), prompt_mean(other, x)))
-        if not pairs:
-            continue
-        rng = random.Random(0)
-        resampled = sorted(
-            _ratio([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(draws)
-        )
-        pooled[f"{temperature:g}"] = {
-            "ratio": _ratio(pairs),
-            "ci95": [resampled[int(0.025 * draws)], resampled[int(0.975 * draws) - 1]],
-            "num_prompts": len(pairs),
-        }
-    return pooled
-
-
-def _ratio(pairs: list[tuple[float, float]]) -> float:
-    return sum(s for s, _ in pairs) / max(1e-9, sum(r for _, r in pairs))
 
 
 def _meets_target(best: dict) -> bool | None:

@@ -7,7 +7,12 @@ import argparse
 
 import pytest
 
-from vericache.bench import acceptance, acceptance_report
+from vericache.bench import (
+    acceptance,
+    acceptance_checkpoint,
+    acceptance_coupling,
+    acceptance_report,
+)
 from vericache.bench.acceptance_report import best_at_4x, mean_ci95, replay_table
 
 
@@ -104,17 +109,17 @@ def test_a_run_that_samples_more_than_one_way_plots_them_side_by_side_at_x30(tmp
 def test_a_checkpoint_keeps_finished_compressors_for_the_next_run(tmp_path):
     path = tmp_path / "acceptance.jsonl"
     settings = {"max_tokens": 256, "num_prompts": 48, "model": "m", "dtype": "float32"}
-    first = acceptance.Checkpoint(path, settings)
+    first = acceptance_checkpoint.Checkpoint(path, settings)
     assert first.records("kivi-4bit", "verifier") is None and first.references("full") is None
     first.add_references("full", [(1, 2, 3), (4,)])
     first.add("kivi-4bit", "verifier", [_record("code", "kivi-4bit", [64, 3])])
-    resumed = acceptance.Checkpoint(path, settings)  # a later run with the same settings
+    resumed = acceptance_checkpoint.Checkpoint(path, settings)  # a later run with the same settings
     assert resumed.records("kivi-4bit", "verifier") == [_record("code", "kivi-4bit", [64, 3])]
     assert resumed.records("kivi-4bit", "drafter") is None
     assert resumed.references("full") == [(1, 2, 3), (4,)]
     assert resumed.references("full T=0.7 seeded") is None
     with pytest.raises(ValueError, match="other settings"):
-        acceptance.Checkpoint(path, {**settings, "max_tokens": 64})
+        acceptance_checkpoint.Checkpoint(path, {**settings, "max_tokens": 64})
 
 
 def test_sampled_settings_are_labelled_and_compared_by_coupling():
@@ -130,7 +135,7 @@ def test_sampled_settings_are_labelled_and_compared_by_coupling():
         _record("tools", "kivi-4bit T=0.7 rejection", [30, 30]),
     ]
     table = replay_table(records, [30])["verifier"]
-    ratios = acceptance.seeded_over_rejection(table, ["kivi-4bit"])
+    ratios = acceptance_coupling.seeded_over_rejection(table, ["kivi-4bit"])
     assert ratios == {"0.7": pytest.approx(0.8)}  # the code cells: 20 / 25
 
 
@@ -145,7 +150,7 @@ def test_the_pooled_ratio_sums_prompts_of_every_cell_and_resamples_them():
         sampled("tools", "seeded", [30, 30]), sampled("tools", "rejection", [30, 30]),
         sampled("math", "seeded", [1]), sampled("math", "rejection", [30]),  # not a target kind
     ]  # fmt: skip
-    (pooled,) = acceptance.pooled_seeded_over_rejection(records, ["kivi-4bit"]).values()
+    (pooled,) = acceptance_coupling.pooled_seeded_over_rejection(records, ["kivi-4bit"]).values()
     assert pooled["ratio"] == pytest.approx((20 + 10 + 30) / (25 + 15 + 30))
     assert pooled["num_prompts"] == 3
     low, high = pooled["ci95"]
