@@ -31,7 +31,7 @@ from vericache.bench.acceptance_coupling import (
     pooled_seeded_over_rejection,
     seeded_over_rejection,
 )
-from vericache.bench.acceptance_frontier import frontier_summary, plot_frontier
+from vericache.bench.acceptance_frontier import STEERED, WHOLE, frontier_summary, plot_frontier
 from vericache.bench.acceptance_report import (
     TARGET_KINDS,
     TARGET_X30,
@@ -71,6 +71,14 @@ def add_arguments(parser) -> None:
         default=0,
         help="also run each token dropper that keeps its tokens once with its kept set steered by "
         "the verifier every this many rounds (compress/steering.py); 0: not",
+    )
+    parser.add_argument(
+        "--whole-rounds",
+        type=int,
+        default=0,
+        help="draft whole rounds of this many drafts, each verified whole as a served round is, "
+        "in place of rounds of 64 cut at the first rejected draft; their cells are given at this "
+        "x alone (a steered kept set is refreshed by round, so rounds of 64 do not replay it)",
     )
     parser.add_argument("--batch-size", type=int, default=8, help="requests decoded together")
     parser.add_argument(
@@ -119,20 +127,18 @@ def run(args) -> dict:
         for source in sources:
             config = EngineConfig(draft_kv_source=source, prefix_cache_bytes=16 << 30)
             engine = Engine(engine.runner, engine.tokenizer, config, engine.prefix_store)
-            for compressor, steer_every in _runs(compressors, args.steer_every):
-                label = sampling.label(_label(compressor, steer_every))
+            for one in _runs(compressors, args.steer_every, args.whole_rounds):
+                label = sampling.label(one.label)
                 done = checkpoint.records(label, source.value)
                 if done is None:
-                    done = _traces(
-                        engine, compressor, source, prompts, references, params, args, steer_every
-                    )
+                    done = _traces(engine, one, source, prompts, references, params, args)
                     done = [{**r, **sampling.record_fields(), "compressor": label} for r in done]
                     checkpoint.add(label, source.value, done)
                 records += done
                 print(f"[acceptance] {label}, draft_kv={source.value}: done")
-                if compressor.label not in shares:
-                    shares[compressor.label] = compressed_share(engine, compressor, prompts)
-    run_labels = [_label(c, k) for c, k in _runs(compressors, args.steer_every)]
+                if one.compressor.label not in shares:
+                    shares[one.compressor.label] = compressed_share(engine, one.compressor, prompts)
+    run_labels = [one.label for one in _runs(compressors, args.steer_every, args.whole_rounds)]
     result = _result(records, run_labels, args, max_tokens, len(prompts)) | {"c": shares}
     summary = result["summary"]
     summary |= frontier_summary(result["table"][summary["draft_kv"]], shares)
@@ -192,52 +198,68 @@ def _references(engine, prompts, params, checkpoint, label: str) -> list[tuple[i
     return references
 
 
-def _runs(compressors, steer_every: int) -> list[tuple[object, int]]:
-    """(compressor, steer_every) of each run: every compressor as it is, and where asked each
-    steerable one steered too."""
-    runs = [(compressor, 0) for compressor in compressors]
+@dataclass(frozen=True)
+class Run:
+    """One compressor's traces: steered every `steer_every` rounds (0: not), in rounds of 64
+    cut at the first rejected draft (`whole_rounds` 0), or in whole rounds of that many drafts,
+    each verified whole as a served round is."""
+
+    compressor: object
+    steer_every: int = 0
+    whole_rounds: int = 0
+
+    @property
+    def label(self) -> str:
+        """The compressor's label, with its steering and its rounds where they are not the
+        default ("snapkv-8x-bf16 steered/1 whole/30")."""
+        label = self.compressor.label
+        if self.steer_every:
+            label += f"{STEERED}{self.steer_every}"
+        return f"{label}{WHOLE}{self.whole_rounds}" if self.whole_rounds else label
+
+    @property
+    def draft_len(self) -> int:
+        return self.whole_rounds or MAX_DRAFT_LEN
+
+
+def _runs(compressors, steer_every: int, whole_rounds: int = 0) -> list[Run]:
+    """Every compressor as it is, and where asked each steerable one steered too."""
+    runs = [Run(compressor, 0, whole_rounds) for compressor in compressors]
     if steer_every:
-        runs += [(c, steer_every) for c in compressors if c.is_steerable]
+        runs += [Run(c, steer_every, whole_rounds) for c in compressors if c.is_steerable]
     return runs
 
 
-def _label(compressor, steer_every: int) -> str:
-    """The compressor's label, with its steering where it is steered."""
-    return f"{compressor.label} steered/{steer_every}" if steer_every else compressor.label
-
-
-def _traces(
-    engine, compressor, source, prompts, references, params, args, steer_every: int = 0
-) -> list[dict]:
-    """Every prompt decoded with drafts over `compressor` (prompt i with params[i]): one trace
-    record each. Rejection coupling samples the model's distribution but not the full-KV
+def _traces(engine, run: Run, source, prompts, references, params, args) -> list[dict]:
+    """Every prompt decoded with drafts over the run's compressor (prompt i with params[i]): one
+    trace record each. Rejection coupling samples the model's distribution but not the full-KV
     sample: its outputs are not compared (`identical` None)."""
     outputs = []
     chunks = range(0, len(prompts), args.batch_size)
-    for start in progress(chunks, f"{compressor.label}, x={MAX_DRAFT_LEN}", unit="batch"):
+    for start in progress(chunks, f"{run.label}, x={run.draft_len}", unit="batch"):
         end = start + args.batch_size
         chunk = zip(prompts[start:end], references[start:end], params[start:end])
-        outputs += engine.generate(
-            [_request(compressor, *item, steer_every=steer_every) for item in chunk]
-        )
+        outputs += engine.generate([_request(run, *item) for item in chunk])
     records = []
     for (kind, name, prompt), reference, out, p in zip(prompts, references, outputs, params):
-        record = trace_record(kind, name, compressor, out.stats, source.value)
+        record = trace_record(kind, name, run.compressor, out.stats, source.value, run.draft_len)
         record["identical"] = None if p.is_rejection_coupled else tuple(out.token_ids) == reference
         record["context_tokens"] = prompt.num_prefix_tokens
+        if run.whole_rounds:
+            record["whole_rounds"] = run.whole_rounds
         records.append(record)
     return records
 
 
-def _request(compressor, item, reference, params: SamplingParams, steer_every: int = 0) -> Request:
-    """A round stops drafting after its first draft the reference rejects (expected_ids): it
-    commits the same tokens and tells the same first mismatch as one that drafts all 64. Not
-    under rejection coupling, whose output is not the reference's."""
+def _request(run: Run, item, reference, params: SamplingParams) -> Request:
+    """A traced round stops drafting after its first draft the reference rejects (expected_ids):
+    it commits the same tokens and tells the same first mismatch as one that drafts all 64. Not
+    under rejection coupling, whose output is not the reference's, nor in whole rounds."""
     *_, prompt = item
-    expected = None if params.is_rejection_coupled else reference
+    expected = None if params.is_rejection_coupled or run.whole_rounds else reference
     return Request(
-        prompt.token_ids, prompt.num_prefix_tokens, params, DecodeMode.VERICACHE, compressor,
-        MAX_DRAFT_LEN, expected_ids=expected, steer_every=steer_every,
+        prompt.token_ids, prompt.num_prefix_tokens, params, DecodeMode.VERICACHE, run.compressor,
+        run.draft_len, expected_ids=expected, steer_every=run.steer_every,
     )  # fmt: skip
 
 
@@ -264,7 +286,9 @@ def _prompts(tokenizer, quick: bool, per_kind: int):
     ]
 
 
-def trace_record(kind: str, workload: str, compressor, stats, draft_kv: str) -> dict:
+def trace_record(
+    kind: str, workload: str, compressor, stats, draft_kv: str, draft_len: int = MAX_DRAFT_LEN
+) -> dict:
     params = compressor.spec()["params"]
     return {
         "kind": kind,
@@ -276,7 +300,7 @@ def trace_record(kind: str, workload: str, compressor, stats, draft_kv: str) -> 
         "drafted_per_round": stats.drafted_per_round,
         "accepted_per_round": stats.accepted_per_round,
         "first_mismatch": first_mismatches(
-            stats.drafted_per_round, stats.accepted_per_round, MAX_DRAFT_LEN
+            stats.drafted_per_round, stats.accepted_per_round, draft_len
         ),
     }
 

@@ -5,6 +5,7 @@ verifier's steering adds to a compressor of c <= 1/8."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from vericache.bench.acceptance_report import TARGET_KINDS, _half_width
@@ -15,11 +16,19 @@ X = "30"
 BEST_AT_4X = {"code": 24.9, "tools": 24.4}
 AT_SIXTEENTH = 20.0  # what c <= 1/16 is to accept at least
 STEERED = " steered/"
+WHOLE = " whole/"  # a run in whole rounds of that many drafts, each verified whole
 
 
 def base_label(label: str) -> str:
-    """The compressor of a run's label ("snapkv-8x-bf16 steered/2" -> "snapkv-8x-bf16")."""
-    return label.partition(STEERED)[0]
+    """The compressor of a run's label ("snapkv-8x-bf16 steered/2 whole/30" ->
+    "snapkv-8x-bf16")."""
+    return label.partition(" ")[0]
+
+
+def unsteered_label(label: str) -> str:
+    """The label of the same run unsteered ("snapkv-8x-bf16 steered/2 whole/30" ->
+    "snapkv-8x-bf16 whole/30")."""
+    return re.sub(rf"{STEERED}\d+", "", label)
 
 
 def frontier_summary(table: dict, shares: dict[str, float]) -> dict:
@@ -57,7 +66,7 @@ def _steering_gains(table: dict, shares: dict[str, float], largest_c: float) -> 
     for kind in TARGET_KINDS:
         cells = table.get(kind, {})
         for label, by_x in cells.items():
-            plain = cells.get(base_label(label), {}).get(X)
+            plain = cells.get(unsteered_label(label), {}).get(X)
             if STEERED not in label or X not in by_x or not plain or plain["mean"] <= 0:
                 continue
             if shares.get(base_label(label), 1.0) <= largest_c:

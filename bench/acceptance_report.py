@@ -7,6 +7,7 @@ import statistics
 from collections import defaultdict
 
 from vericache.bench.common import pyplot
+from vericache.sim.workload import MAX_DRAFT_LEN
 
 TARGET_X30 = 20.0
 TARGET_KINDS = ("code", "tools")
@@ -40,7 +41,7 @@ def replay_table(records: list[dict], draft_lens: list[int]) -> dict:
     for (source, kind, label), group in sorted(groups.items()):
         cells = {}
         for x in draft_lens:
-            per_prompt = [prompt_mean(r, x) for r in group if r["first_mismatch"]]
+            per_prompt = [prompt_mean(r, x) for r in group if r["first_mismatch"] and replays(r, x)]
             if not per_prompt:
                 continue
             mean, ci = mean_ci95(per_prompt)
@@ -52,6 +53,13 @@ def replay_table(records: list[dict], draft_lens: list[int]) -> dict:
             }
         table.setdefault(source, {}).setdefault(kind, {})[label] = cells
     return table
+
+
+def replays(record: dict, x: int) -> bool:
+    """Whether a record's rounds tell what a round at x accepts: rounds of 64 cut at the first
+    rejected draft tell it at any x <= 64, whole rounds (`whole_rounds`) at their own x alone."""
+    whole = record.get("whole_rounds")
+    return x == whole if whole else x <= MAX_DRAFT_LEN
 
 
 def prompt_mean(record: dict, x: int) -> float:

@@ -235,3 +235,38 @@ def test_the_frontier_reads_the_best_within_each_c_and_steerings_gain(tmp_path):
     assert gains == {"code": {"snapkv-8x-bf16 steered/2": pytest.approx(25 / 21)}}
     acceptance.plot(result, tmp_path / "acceptance.png")
     assert (tmp_path / "acceptance_frontier.png").stat().st_size > 1000
+
+
+def test_whole_rounds_replay_at_their_own_x_and_steering_gains_compare_like_with_like():
+    from vericache.bench.acceptance_frontier import frontier_summary
+
+    def whole(kind, label, mismatches):
+        return {**_record(kind, label, mismatches), "whole_rounds": 30}
+
+    records = [
+        _record("code", "snapkv-8x-bf16", [20, 22]),  # rounds of 64: any x <= 64
+        whole("code", "snapkv-8x-bf16 whole/30", [18, 20]),
+        whole("code", "snapkv-8x-bf16 steered/1 whole/30", [24, 30]),
+    ]
+    table = replay_table(records, [10, 30, 64])["verifier"]["code"]
+    assert set(table["snapkv-8x-bf16"]) == {"10", "30", "64"}
+    assert set(table["snapkv-8x-bf16 whole/30"]) == {"30"}  # a round of 30 tells nothing at 64
+    summary = frontier_summary({"code": table}, {"snapkv-8x-bf16": 0.09})
+    # The steered whole rounds over the unsteered whole rounds, not over the traced ones.
+    gains = summary["steering_gain_at_c_1_8"]["code"]
+    assert gains == {"snapkv-8x-bf16 steered/1 whole/30": pytest.approx(27 / 19)}
+
+
+def test_a_whole_round_run_drafts_every_round_to_its_length_and_verifies_it_whole():
+    from vericache.bench.common import compressor_from_label
+    from vericache.engine.request import SamplingParams
+
+    prompt = type("Prompt", (), {"token_ids": list(range(40)), "num_prefix_tokens": 32})()
+    compressor = compressor_from_label("snapkv-8x-bf16")
+    params = SamplingParams(max_new_tokens=8)
+    traced = acceptance._request(acceptance.Run(compressor), ("code", "w", prompt), (1,), params)
+    whole_run = acceptance.Run(compressor, steer_every=1, whole_rounds=30)
+    whole = acceptance._request(whole_run, ("code", "w", prompt), (1,), params)
+    assert (traced.draft_len, traced.expected_ids) == (64, (1,))
+    assert (whole.draft_len, whole.expected_ids, whole.steer_every) == (30, None, 1)
+    assert whole_run.label == "snapkv-8x-bf16 steered/1 whole/30"

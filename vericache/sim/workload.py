@@ -119,6 +119,7 @@ def trace_from_bench(result: dict, kind: str, compressor: str, draft_kv: str = "
         for r in result.get("records", ())
         if (r.get("kind"), r.get("compressor"), r.get("draft_kv")) == (kind, compressor, draft_kv)
         and "first_mismatch" in r
+        and not r.get("whole_rounds")  # rounds of their own length, not first mismatches at 64
     ]
     rounds = tuple(p for r in records for p in r["first_mismatch"])
     if not rounds:
