@@ -29,9 +29,21 @@ def row_blocks(request, monkeypatch) -> bool:
     return request.param
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """Runs a test on one torch thread (as each worker of `make test`) and on two: a library may
+    split a product among threads otherwise for another row count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (512, 64), (200, 48)])
-def test_linear_rows_do_not_depend_on_the_row_count(shape, onednn, monkeypatch, row_blocks):
+def test_linear_rows_do_not_depend_on_the_row_count(
+    shape, onednn, monkeypatch, row_blocks, threads
+):
     monkeypatch.setenv("VERICACHE_DISABLE_ONEDNN", "0" if onednn else "1")
     torch.manual_seed(0)
     layer = Linear(torch.randn(shape), torch.randn(shape[0]))

@@ -11,8 +11,8 @@ model, with the same bits. So:
   whose numerics then match transformers' to within 1e-4 on the 30-layer embedded model, where
   oneDNN's large-product kernels drift to about 1.3e-4).
 Without oneDNN (other builds, or VERICACHE_DISABLE_ONEDNN=1) the fast set is F.linear and the
-invariant set computes weight @ x^T with rows padded to a multiple of ROW_ALIGN, where MKL is
-row-invariant. On CUDA the invariant set runs F.linear on fixed blocks of CUDA_ROW_BLOCK rows.
+invariant set computes weight @ x^T on blocks of ROW_ALIGN rows, one shape for every call, where
+MKL is row-invariant whatever its thread count. On CUDA the invariant set runs F.linear on fixed blocks of CUDA_ROW_BLOCK rows.
 tests/test_batch_invariance.py checks whichever path runs.
 """
 
@@ -65,6 +65,7 @@ class Linear:
         self.uses_onednn = _onednn_runs(weight)
         # The weight in oneDNN's layout (a second copy in host memory; F.linear keeps the first).
         self._onednn_weight = _packed(weight) if self.uses_onednn else None
+        self._pad_row: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         rows = x.shape[0]
@@ -72,16 +73,24 @@ class Linear:
             linear = lambda block: F.linear(block, self.weight, self.bias)  # noqa: E731
             return map_row_blocks(linear, x, CUDA_ROW_BLOCK)
         if self.uses_onednn and (invariant or rows <= SMALL_BATCH_ROWS):
-            padded = pad_rows(x, 2) if invariant and rows == 1 else x
+            padded = torch.cat([x, self._zero_row(x)]) if invariant and rows == 1 else x
             out = torch.ops.mkldnn._linear_pointwise(
                 padded, self._onednn_weight, self.bias, "none", [], ""
             )
             return out[:rows]
         if not invariant:
             return F.linear(x, self.weight, self.bias)
-        # weight @ x^T: for few rows MKL runs this tall-skinny product near matrix-vector speed.
-        out = torch.mm(self.weight, pad_rows(x, ROW_ALIGN).T).T[:rows].contiguous()
+        # weight @ x^T on blocks of ROW_ALIGN rows: for few rows MKL runs this tall-skinny product
+        # near matrix-vector speed, and one shape a call keeps a row's bits whatever the row
+        # count (with two threads, MKL splits a 100-row product otherwise than a 16-row one).
+        out = map_row_blocks(lambda block: torch.mm(self.weight, block.T).T, x, ROW_ALIGN)
         return out if self.bias is None else out + self.bias
+
+    def _zero_row(self, x: torch.Tensor) -> torch.Tensor:  # [1, in]
+        """A zero row in x's dtype, made once: the pad of a lone invariant row."""
+        if self._pad_row is None or self._pad_row.dtype != x.dtype:
+            self._pad_row = x.new_zeros(1, x.shape[1])
+        return self._pad_row
 
     @property
     def nbytes(self) -> int:
