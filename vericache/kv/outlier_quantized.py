@@ -103,12 +103,8 @@ class OutlierQuantizedLayerKV(QuantizedLayerKV):
 
 def rotate(rope, x: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
     """RoPE (or its inverse) of x [T, H, D] at per-head positions [T, H]."""
-    cos, sin = rope.cos[positions.long()], rope.sin[positions.long()]  # [T, H, D]
-    if inverse:
-        sin = -sin
-    half = x.shape[-1] // 2
-    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + turned * sin).to(x.dtype)
+    cos, signed_sin = rope.angles(positions.long())  # [T, H, D]
+    return rope.turn(x, cos, -signed_sin if inverse else signed_sin).to(x.dtype)
 
 
 def split_outliers(x: torch.Tensor, fraction: float, dims: tuple[int, ...]):

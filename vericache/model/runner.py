@@ -84,37 +84,56 @@ class ModelRunner:
             raise ValueError(
                 f"position {last} exceeds the model's {self.config.max_position_embeddings}"
             )
-        token_ids = torch.cat([seq.token_ids for seq in batch]).to(self.device)
-        positions = torch.cat(
+        token_ids = self._joined([seq.token_ids for seq in batch])  # [N]
+        positions = self._joined(
             [
                 torch.arange(s.cache.num_tokens, s.cache.num_tokens + n)
                 for s, n in zip(batch, counts)
             ]
-        ).to(self.device)
+        )  # [N]
         hidden = self.weights.embed[token_ids]  # [N, hidden]
+        cos, signed_sin = (t.unsqueeze(1) for t in self.rope.angles(positions))  # [N, 1, D] each
         for index, layer in enumerate(self.weights.layers):
-            hidden = self._layer(index, layer, hidden, positions, batch, counts, invariant)
+            hidden = self._layer(
+                index, layer, hidden, positions, (cos, signed_sin), batch, counts, invariant
+            )
         for seq, n in zip(batch, counts):
             seq.cache.advance(n)
         return self._logits(hidden, batch, counts, invariant)
 
-    def _layer(self, index, layer, hidden, positions, batch, counts, invariant) -> torch.Tensor:
+    def _layer(
+        self, index, layer, hidden, positions, angles, batch, counts, invariant
+    ) -> torch.Tensor:
         c = self.config
         x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps, invariant)
-        q, k, v = layer.qkv(x, invariant).split(self._qkv_split, dim=-1)
-        q = q.view(-1, c.num_heads, c.head_dim)  # [N, Hq, D]
-        k = k.view(-1, c.num_kv_heads, c.head_dim)  # [N, Hkv, D]
-        v = v.view(-1, c.num_kv_heads, c.head_dim)  # [N, Hkv, D]
-        if c.qk_norm:
-            q = rms_norm(q, layer.q_norm, c.rms_norm_eps, invariant)
-            k = rms_norm(k, layer.k_norm, c.rms_norm_eps, invariant)
-        q, k = self.rope(q, positions), self.rope(k, positions)
+        q, k, v = self._rotated_qkv(layer, x, angles, invariant)
         self._append(index, batch, counts, k, v, positions)
         attended = self._attention(index, q, positions, batch, counts, invariant)
         hidden = hidden + layer.o_proj(attended, invariant)
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
         gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
         return hidden + layer.down(silu(gate) * up, invariant)
+
+    def _rotated_qkv(self, layer, x, angles, invariant) -> tuple[torch.Tensor, ...]:
+        """The layer's queries [N, Hq, D] and keys [N, Hkv, D], rotated, and values
+        [N, Hkv, D]. Queries and keys lie side by side in the product's rows: without a norm
+        of their own between, one rotation turns them both (views of its result)."""
+        c = self.config
+        qkv = layer.qkv(x, invariant)  # [N, (Hq + 2 Hkv) D]
+        num_qk_heads = c.num_heads + c.num_kv_heads
+        v = qkv[:, num_qk_heads * c.head_dim :].view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k, _ = qkv.split(self._qkv_split, dim=-1)
+            q = rms_norm(
+                q.view(-1, c.num_heads, c.head_dim), layer.q_norm, c.rms_norm_eps, invariant
+            )
+            k = rms_norm(
+                k.view(-1, c.num_kv_heads, c.head_dim), layer.k_norm, c.rms_norm_eps, invariant
+            )
+            return self.rope.turn(q, *angles), self.rope.turn(k, *angles), v
+        qk = qkv[:, : num_qk_heads * c.head_dim].view(-1, num_qk_heads, c.head_dim)
+        qk = self.rope.turn(qk, *angles)
+        return qk[:, : c.num_heads], qk[:, c.num_heads :], v
 
     def _attention(self, index, q, positions, batch, counts, invariant) -> torch.Tensor:
         """Every sequence's attention in layer `index` over its cache, which holds its new
@@ -182,12 +201,20 @@ class ModelRunner:
             return False
         return window is None if invariant else n == 1 and window_mask is None
 
+    def _joined(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The sequences' parts in one tensor on the device (a lone part as it is: each operator
+        spared is host time spared, every step)."""
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return joined if joined.device == self.device else joined.to(self.device)
+
     def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
-        rows, start = [], 0
-        for seq, n in zip(batch, counts):
-            rows.append(torch.arange(start + n - seq.num_logits, start + n))
-            start += n
-        selected = hidden[torch.cat(rows).to(self.device)]
+        selected = hidden  # [rows, hidden]: every row's logits are wanted (decode steps)
+        if any(seq.num_logits != n for seq, n in zip(batch, counts)):
+            rows, start = [], 0
+            for seq, n in zip(batch, counts):
+                rows.append(torch.arange(start + n - seq.num_logits, start + n))
+                start += n
+            selected = hidden[self._joined(rows)]
         if selected.shape[0] == 0:
             return [
                 selected.new_empty(0, self.config.vocab_size, dtype=torch.float32) for _ in batch
