@@ -75,7 +75,8 @@ def test_the_tiny_step_counts_one_host_wait_and_its_operators(tmp_path):
     one, two, three = (step["operators"] for step in steps)
     assert three - two == two - one > 0
     # A full decode step's operators per layer (bench/README.md gives them by kind); 179 before
-    # the forward gathered its rotation once and turned queries and keys in one operator.
+    # the forward gathered its rotation once, turned queries and keys in one operator and carried
+    # one spare row for a lone row's products.
     full_steps = [time_steps(engine, "full", 1)["operators"] for engine in engines[:2]]
-    assert full_steps[1] - full_steps[0] <= 125
+    assert full_steps[1] - full_steps[0] <= 112
     assert steps[1]["host_us_quartiles"][0] <= steps[1]["host_us"] > 0

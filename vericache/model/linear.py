@@ -12,7 +12,8 @@ model, with the same bits. So:
   oneDNN's large-product kernels drift to about 1.3e-4).
 Without oneDNN (other builds, or VERICACHE_DISABLE_ONEDNN=1) the fast set is F.linear and the
 invariant set computes weight @ x^T on blocks of ROW_ALIGN rows, one shape for every call, where
-MKL is row-invariant whatever its thread count. On CUDA the invariant set runs F.linear on fixed blocks of CUDA_ROW_BLOCK rows.
+MKL is row-invariant whatever its thread count. On CUDA the invariant set runs F.linear on fixed
+blocks of CUDA_ROW_BLOCK rows.
 tests/test_batch_invariance.py checks whichever path runs.
 """
 
@@ -73,11 +74,9 @@ class Linear:
             linear = lambda block: F.linear(block, self.weight, self.bias)  # noqa: E731
             return map_row_blocks(linear, x, CUDA_ROW_BLOCK)
         if self.uses_onednn and (invariant or rows <= SMALL_BATCH_ROWS):
-            padded = torch.cat([x, self._zero_row(x)]) if invariant and rows == 1 else x
-            out = torch.ops.mkldnn._linear_pointwise(
-                padded, self._onednn_weight, self.bias, "none", [], ""
-            )
-            return out[:rows]
+            if self.pads_lone_row(x, invariant):
+                return self._onednn(torch.cat([x, self._zero_row(x)]))[:1]
+            return self._onednn(x)
         if not invariant:
             return F.linear(x, self.weight, self.bias)
         # weight @ x^T on blocks of ROW_ALIGN rows: for few rows MKL runs this tall-skinny product
@@ -85,6 +84,14 @@ class Linear:
         # count (with two threads, MKL splits a 100-row product otherwise than a 16-row one).
         out = map_row_blocks(lambda block: torch.mm(self.weight, block.T).T, x, ROW_ALIGN)
         return out if self.bias is None else out + self.bias
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._onednn_weight, self.bias, "none", [], "")
+
+    def pads_lone_row(self, x: torch.Tensor, invariant: bool) -> bool:
+        """Whether the batch-invariant product pads x [M, in] of one row to two (oneDNN runs a
+        lone row on another path)."""
+        return invariant and x.shape[0] == 1 and self.uses_onednn and not uses_row_blocks(x)
 
     def _zero_row(self, x: torch.Tensor) -> torch.Tensor:  # [1, in]
         """A zero row in x's dtype, made once: the pad of a lone invariant row."""

@@ -60,6 +60,7 @@ class ModelRunner:
         )
         c = config
         self._cpu_kernel = cpu_attention.accepts(self.device, self.dtype, config.head_dim)
+        self._zero_rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._qkv_split = [
             c.num_heads * c.head_dim,
             c.num_kv_heads * c.head_dim,
@@ -92,6 +93,11 @@ class ModelRunner:
             ]
         )  # [N]
         hidden = self.weights.embed[token_ids]  # [N, hidden]
+        if self.weights.layers[0].qkv.pads_lone_row(hidden, invariant):
+            # A spare zero row that every product carries (rows are computed apart): one pad a
+            # forward and one a layer, where each product would pad its own lone row.
+            hidden = torch.cat([hidden, self._zero_row(hidden)])  # [2, hidden]
+            positions = positions.repeat(2)  # the spare row's: any position serves
         cos, signed_sin = (t.unsqueeze(1) for t in self.rope.angles(positions))  # [N, 1, D] each
         for index, layer in enumerate(self.weights.layers):
             hidden = self._layer(
@@ -108,7 +114,7 @@ class ModelRunner:
         x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps, invariant)
         q, k, v = self._rotated_qkv(layer, x, angles, invariant)
         self._append(index, batch, counts, k, v, positions)
-        attended = self._attention(index, q, positions, batch, counts, invariant)
+        attended = self._attention(index, q, positions, batch, counts, invariant, hidden.shape[0])
         hidden = hidden + layer.o_proj(attended, invariant)
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
         gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
@@ -135,9 +141,12 @@ class ModelRunner:
         qk = self.rope.turn(qk, *angles)
         return qk[:, : c.num_heads], qk[:, c.num_heads :], v
 
-    def _attention(self, index, q, positions, batch, counts, invariant) -> torch.Tensor:
+    def _attention(
+        self, index, q, positions, batch, counts, invariant, num_rows: int
+    ) -> torch.Tensor:
         """Every sequence's attention in layer `index` over its cache, which holds its new
-        tokens already: q [N, Hq, D] -> [N, Hq * D]. Sequences that one kernel call serves
+        tokens already: q [N, Hq, D] -> [num_rows, Hq * D] (a spare zero row after the N where
+        the forward carries one). Sequences that one kernel call serves
         together wait for it: on CPU those `_uses_cpu_kernel` picks, on CUDA those over one
         shared prefix (read once for all their rows)."""
         window = self.config.layer_windows[index]
@@ -172,7 +181,9 @@ class ModelRunner:
                 attended = attend(q, [rows for _, rows, _ in group], [kv for *_, kv in group])
                 for (i, _, _), out in zip(group, attended):
                     outputs[i] = out
-        return torch.cat(outputs)
+        if num_rows > start:
+            outputs.append(self._zero_row(outputs[0]))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _append(self, index, batch, counts, k, v, positions) -> None:
         """Appends each sequence's new tokens (k, v: [N, Hkv, D]; positions: [N]) to its cache's
@@ -207,8 +218,16 @@ class ModelRunner:
         joined = parts[0] if len(parts) == 1 else torch.cat(parts)
         return joined if joined.device == self.device else joined.to(self.device)
 
+    def _zero_row(self, like: torch.Tensor) -> torch.Tensor:  # [1, width]
+        """A zero row of `like`'s width and dtype, made once."""
+        key = (like.shape[1], like.dtype)
+        if key not in self._zero_rows:
+            self._zero_rows[key] = like.new_zeros(1, like.shape[1])
+        return self._zero_rows[key]
+
     def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
-        selected = hidden  # [rows, hidden]: every row's logits are wanted (decode steps)
+        # [rows, hidden]: every row's logits are wanted (decode steps; a spare row's are cut)
+        selected = hidden
         if any(seq.num_logits != n for seq, n in zip(batch, counts)):
             rows, start = [], 0
             for seq, n in zip(batch, counts):
@@ -221,6 +240,8 @@ class ModelRunner:
             ]
         normed = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps, invariant)
         logits = self.weights.lm_head(normed.float(), invariant)
+        if logits.shape[0] > sum(counts):
+            return [logits[: counts[0]]]  # the spare row's cut
         return list(logits.split([seq.num_logits for seq in batch]))
 
     def prefill(
