@@ -196,6 +196,9 @@ def greedy(
 
     argmax returns the first maximum: ties go to the lowest token id."""
     on_device = on_device or [False] * len(logits)
+    if len(logits) == 1:  # as below, in the two operators a lone sequence needs
+        chosen = logits[0].argmax(dim=-1)  # [n]
+        return [chosen if on_device[0] else chosen.tolist()]
     chosen = torch.cat(logits).argmax(dim=-1)  # [sum n_i]
     parts = chosen.split([rows.shape[0] for rows in logits])
     read = [part for part, stays in zip(parts, on_device) if not stays]
