@@ -43,6 +43,18 @@ def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
 
 
+_ZERO_ROWS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def zero_row(like: torch.Tensor) -> torch.Tensor:  # [1, width]
+    """A zero row of `like`'s width, dtype and device, made once: the pad of a lone
+    batch-invariant row (an allocation and a fill spared, every step)."""
+    key = (like.shape[-1], like.dtype, like.device)
+    if key not in _ZERO_ROWS:
+        _ZERO_ROWS[key] = like.new_zeros(1, like.shape[-1])
+    return _ZERO_ROWS[key]
+
+
 def uses_row_blocks(x: torch.Tensor) -> bool:
     """Whether the batch-invariant set runs on fixed blocks of rows here: on CUDA."""
     return x.is_cuda
@@ -66,7 +78,6 @@ class Linear:
         self.uses_onednn = _onednn_runs(weight)
         # The weight in oneDNN's layout (a second copy in host memory; F.linear keeps the first).
         self._onednn_weight = _packed(weight) if self.uses_onednn else None
-        self._pad_row: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         rows = x.shape[0]
@@ -75,7 +86,7 @@ class Linear:
             return map_row_blocks(linear, x, CUDA_ROW_BLOCK)
         if self.uses_onednn and (invariant or rows <= SMALL_BATCH_ROWS):
             if self.pads_lone_row(x, invariant):
-                return self._onednn(torch.cat([x, self._zero_row(x)]))[:1]
+                return self._onednn(torch.cat([x, zero_row(x)]))[:1]
             return self._onednn(x)
         if not invariant:
             return F.linear(x, self.weight, self.bias)
@@ -92,12 +103,6 @@ class Linear:
         """Whether the batch-invariant product pads x [M, in] of one row to two (oneDNN runs a
         lone row on another path)."""
         return invariant and x.shape[0] == 1 and self.uses_onednn and not uses_row_blocks(x)
-
-    def _zero_row(self, x: torch.Tensor) -> torch.Tensor:  # [1, in]
-        """A zero row in x's dtype, made once: the pad of a lone invariant row."""
-        if self._pad_row is None or self._pad_row.dtype != x.dtype:
-            self._pad_row = x.new_zeros(1, x.shape[1])
-        return self._pad_row
 
     @property
     def nbytes(self) -> int:

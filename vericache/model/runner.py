@@ -28,6 +28,7 @@ from vericache.model.kernels import (
     rms_norm,
     silu,
 )
+from vericache.model.linear import zero_row
 from vericache.model.rope import RotaryEmbedding
 from vericache.model.weights import ModelWeights
 
@@ -60,7 +61,6 @@ class ModelRunner:
         )
         c = config
         self._cpu_kernel = cpu_attention.accepts(self.device, self.dtype, config.head_dim)
-        self._zero_rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._qkv_split = [
             c.num_heads * c.head_dim,
             c.num_kv_heads * c.head_dim,
@@ -96,7 +96,7 @@ class ModelRunner:
         if self.weights.layers[0].qkv.pads_lone_row(hidden, invariant):
             # A spare zero row that every product carries (rows are computed apart): one pad a
             # forward and one a layer, where each product would pad its own lone row.
-            hidden = torch.cat([hidden, self._zero_row(hidden)])  # [2, hidden]
+            hidden = torch.cat([hidden, zero_row(hidden)])  # [2, hidden]
             positions = positions.repeat(2)  # the spare row's: any position serves
         cos, signed_sin = (t.unsqueeze(1) for t in self.rope.angles(positions))  # [N, 1, D] each
         for index, layer in enumerate(self.weights.layers):
@@ -182,7 +182,7 @@ class ModelRunner:
                 for (i, _, _), out in zip(group, attended):
                     outputs[i] = out
         if num_rows > start:
-            outputs.append(self._zero_row(outputs[0]))
+            outputs.append(zero_row(outputs[0]))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _append(self, index, batch, counts, k, v, positions) -> None:
@@ -217,13 +217,6 @@ class ModelRunner:
         spared is host time spared, every step)."""
         joined = parts[0] if len(parts) == 1 else torch.cat(parts)
         return joined if joined.device == self.device else joined.to(self.device)
-
-    def _zero_row(self, like: torch.Tensor) -> torch.Tensor:  # [1, width]
-        """A zero row of `like`'s width and dtype, made once."""
-        key = (like.shape[1], like.dtype)
-        if key not in self._zero_rows:
-            self._zero_rows[key] = like.new_zeros(1, like.shape[1])
-        return self._zero_rows[key]
 
     def _logits(self, hidden, batch, counts, invariant) -> list[torch.Tensor]:
         # [rows, hidden]: every row's logits are wanted (decode steps; a spare row's are cut)
@@ -335,8 +328,8 @@ def _attend_by_cpu_kernel(
         keys.append(own_keys)
         values.append(own_values)
     counts = [end - start for start, end in spans]
-    out = cpu_attention.attention(queries, keys, values, counts, prefixes, prefix_of)
-    return list(out.flatten(1).split(counts))
+    out = cpu_attention.attention(queries, keys, values, counts, prefixes, prefix_of).flatten(1)
+    return [out] if len(counts) == 1 else list(out.split(counts))
 
 
 def _window_mask(window: int, key_positions: torch.Tensor, query_positions: torch.Tensor):
