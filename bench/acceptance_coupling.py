@@ -3,9 +3,7 @@ with rejection coupling's, per temperature (bench/acceptance.py runs both where 
 
 from __future__ import annotations
 
-import random
-
-from vericache.bench.acceptance_report import TARGET_KINDS, prompt_mean
+from vericache.bench.acceptance_report import TARGET_KINDS, paired_ratio, prompt_mean
 
 SEEDED_OVER_REJECTION = 0.75  # seeded coupling's accepted per round over rejection's, at T=0.7
 
@@ -50,19 +48,6 @@ def pooled_seeded_over_rejection(
             for one, other in zip(seeded, rejection):  # prompt by prompt, in the run's order
                 if one["first_mismatch"] and other["first_mismatch"]:
                     pairs.append((prompt_mean(one, x), prompt_mean(other, x)))
-        if not pairs:
-            continue
-        rng = random.Random(0)
-        resampled = sorted(
-            _ratio([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(draws)
-        )
-        pooled[f"{temperature:g}"] = {
-            "ratio": _ratio(pairs),
-            "ci95": [resampled[int(0.025 * draws)], resampled[int(0.975 * draws) - 1]],
-            "num_prompts": len(pairs),
-        }
+        if pairs:
+            pooled[f"{temperature:g}"] = paired_ratio(pairs, draws)
     return pooled
-
-
-def _ratio(pairs: list[tuple[float, float]]) -> float:
-    return sum(s for s, _ in pairs) / max(1e-9, sum(r for _, r in pairs))

@@ -8,7 +8,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from vericache.bench.acceptance_report import TARGET_KINDS, _half_width
+from vericache.bench.acceptance_report import (
+    TARGET_KINDS,
+    _half_width,
+    paired_ratio,
+    prompt_mean,
+    replays,
+)
 from vericache.bench.common import pyplot
 
 X = "30"
@@ -71,6 +77,30 @@ def _steering_gains(table: dict, shares: dict[str, float], largest_c: float) -> 
                 continue
             if shares.get(base_label(label), 1.0) <= largest_c:
                 gains.setdefault(kind, {})[label] = by_x[X]["mean"] / plain["mean"]
+    return gains
+
+
+def paired_steering_gains(records: list[dict], shares: dict[str, float], largest_c: float) -> dict:
+    """Per workload kind and steered run of c <= largest_c: its accepted per round at x=30 over
+    the same run's unsteered, prompt by prompt (the same prompts, in the run's order), with a 95%
+    bootstrap interval over prompts."""
+    by_label: dict[str, list[dict]] = {}
+    for record in records:
+        by_label.setdefault(record["compressor"], []).append(record)
+    gains: dict = {}
+    for label, steered in by_label.items():
+        plain = by_label.get(unsteered_label(label))
+        if STEERED not in label or plain is None or shares.get(base_label(label), 1.0) > largest_c:
+            continue
+        for kind in TARGET_KINDS:
+            pairs = [
+                (prompt_mean(one, int(X)), prompt_mean(other, int(X)))
+                for one, other in zip(steered, plain)
+                if one["kind"] == kind and one["first_mismatch"] and other["first_mismatch"]
+                and replays(one, int(X)) and replays(other, int(X))
+            ]  # fmt: skip
+            if pairs:
+                gains.setdefault(kind, {})[label] = paired_ratio(pairs)
     return gains
 
 

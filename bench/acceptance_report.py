@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections import defaultdict
 
@@ -65,6 +66,24 @@ def replays(record: dict, x: int) -> bool:
 def prompt_mean(record: dict, x: int) -> float:
     """A prompt's accepted drafts per round at x, replayed from its rounds' first mismatches."""
     return statistics.fmean(min(p, x) for p in record["first_mismatch"])
+
+
+def paired_ratio(pairs: list[tuple[float, float]], draws: int = 2000) -> dict:
+    """Sum over prompts of the first of each pair over the second's (each a prompt's accepted per
+    round under two settings), with a 95% bootstrap interval that resamples prompts."""
+    rng = random.Random(0)
+    resampled = sorted(
+        _ratio([pairs[rng.randrange(len(pairs))] for _ in pairs]) for _ in range(draws)
+    )
+    return {
+        "ratio": _ratio(pairs),
+        "ci95": [resampled[int(0.025 * draws)], resampled[int(0.975 * draws) - 1]],
+        "num_prompts": len(pairs),
+    }
+
+
+def _ratio(pairs: list[tuple[float, float]]) -> float:
+    return sum(s for s, _ in pairs) / max(1e-9, sum(r for _, r in pairs))
 
 
 def best_at_4x(x30: dict) -> dict | None:

@@ -270,3 +270,23 @@ def test_a_whole_round_run_drafts_every_round_to_its_length_and_verifies_it_whol
     assert (traced.draft_len, traced.expected_ids) == (64, (1,))
     assert (whole.draft_len, whole.expected_ids, whole.steer_every) == (30, None, 1)
     assert whole_run.label == "snapkv-8x-bf16 steered/1 whole/30"
+
+
+def test_the_paired_steering_gain_compares_each_prompt_with_itself():
+    from vericache.bench.acceptance_frontier import paired_steering_gains
+
+    def whole(label, mismatches, kind="code"):
+        return {**_record(kind, label, mismatches), "whole_rounds": 30}
+
+    records = [
+        whole("snapkv-8x-bf16 whole/30", [10, 10]),
+        whole("snapkv-8x-bf16 whole/30", [20, 20]),
+        whole("snapkv-8x-bf16 steered/1 whole/30", [12, 12]),
+        whole("snapkv-8x-bf16 steered/1 whole/30", [24, 24]),
+    ]
+    gains = paired_steering_gains(records, {"snapkv-8x-bf16": 0.09}, 1 / 8)
+    gain = gains["code"]["snapkv-8x-bf16 steered/1 whole/30"]
+    assert gain["ratio"] == pytest.approx(36 / 30) and gain["num_prompts"] == 2
+    low, high = gain["ci95"]
+    assert low == pytest.approx(1.2) and high == pytest.approx(1.2)  # both prompts gain 20%
+    assert paired_steering_gains(records, {"snapkv-8x-bf16": 0.2}, 1 / 8) == {}
