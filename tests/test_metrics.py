@@ -166,10 +166,12 @@ def test_a_served_request_is_metered(tiny_chat_checkpoint, tmp_path):
         metrics = server.coordinator.metrics
         loads = "vericache:prefix_cache_loads"
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # until a probe after the request reported
+        sessions = "vericache:prefix_cache_sessions"
+        while time.monotonic() < deadline:  # until a probe after the request's sessions closed
             values = _values(metrics)
             reported = {dict(k[1]).get("worker"): v for k, v in values.items() if k[0] == loads}
-            if reported.get("verifier-0") and sum(reported.values()) == 2:
+            reading = [v for k, v in values.items() if k[0] == sessions]
+            if reported.get("verifier-0") and sum(reported.values()) == 2 and not any(reading):
                 break
             time.sleep(0.1)
     # The verifier and the drafter that served the request each loaded the prefix once and hold
