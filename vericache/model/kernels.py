@@ -44,11 +44,10 @@ def rms_norm(
     """Normalises the last axis in float32, like the reference implementation."""
     if invariant and linear.uses_row_blocks(x):
         return map_row_blocks(lambda block: rms_norm(block, weight, eps), x, CUDA_ROW_BLOCK)
-    if x.dtype == torch.float32:  # no conversions: each is an operator a step pays for
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    x32 = x.float()
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+    is_float32 = x.dtype == torch.float32  # then no conversions: each is an operator a step pays
+    x32 = x if is_float32 else x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (normed if is_float32 else normed.to(x.dtype))
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

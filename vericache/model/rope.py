@@ -48,10 +48,9 @@ class RotaryEmbedding:
         freqs = torch.outer(positions, inv_freq)  # [P, D/2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [P, D]
         self.cos = angles.cos().to(device=device, dtype=dtype)
-        self.sin = angles.sin().to(device=device, dtype=dtype)
         sign = torch.ones(head_dim, dtype=dtype)
         sign[: head_dim // 2] = -1
-        self.signed_sin = self.sin * sign.to(device)  # [P, D] sin'
+        self.signed_sin = angles.sin().to(device=device, dtype=dtype) * sign.to(device)  # [P, D]
         self.max_positions = max_positions
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
