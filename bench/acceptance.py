@@ -7,9 +7,13 @@ question about the module), tools (BFCL function catalogues of 3k+ tokens, BFCL 
 
 Every request decodes `--max-tokens` (256) tokens at x = 64, the longest draft the simulator
 replays, and every round records the position of its first draft that the full KV rejects (64 when
-none is): a round at any x <= 64 would have accepted min(first mismatch, x), since the drafts before
-the first mismatch do not depend on how many follow. A round cut short (by the token budget or an
-end token) with every draft accepted tells no first mismatch and is left out. Each record also keeps
+none is). The drafts before the first mismatch do not depend on how many follow, so the rounds lay
+out where along the output a draft matches and where the run breaks, and rounds at any x replay
+them in order (sim/workload.py `replayed_rounds`). A round cut short (by the token budget or an
+end token) with every draft accepted tells no first mismatch and is left out. Rounds replayed at
+x < 64 still read a little low: a whole round at x re-reads the exact KV of what it commits every
+x + 1 tokens, and drafts deeper in a round of 64 run over more of their own drafted KV
+(`--whole-rounds` measures rounds at x as served). Each record also keeps
 the prompt kind, the compressor and its ratio or bits, and the context length. Since the full-KV
 output is decoded first (the reference), a round drafts only up to its first rejected draft: the
 drafts after it would be thrown away, and skipping them makes the run two to three times cheaper
@@ -21,34 +25,17 @@ decoding.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from vericache.bench import acceptance_report
 from vericache.bench.acceptance_checkpoint import Checkpoint
-from vericache.bench.acceptance_coupling import (
-    SEEDED_OVER_REJECTION,
-    pooled_seeded_over_rejection,
-    seeded_over_rejection,
-)
-from vericache.bench.acceptance_frontier import (
-    STEERED,
-    WHOLE,
-    frontier_summary,
-    paired_steering_gains,
-    plot_frontier,
-)
-from vericache.bench.acceptance_report import (
-    TARGET_KINDS,
-    TARGET_X30,
-    best_at_4x,
-    markdown,
-    replay_table,
-)
+from vericache.bench.acceptance_frontier import STEERED, WHOLE, plot_frontier
+from vericache.bench.acceptance_result import SAMPLED, report_again, reported
 from vericache.bench.common import (
     compressor_from_label,
     compressor_labels,
-    environment,
     int_list,
     progress,
 )
@@ -106,6 +93,12 @@ def add_arguments(parser) -> None:
         "as it finishes, and a run given the file again skips them (same settings)",
     )
     parser.add_argument(
+        "--from-json",
+        type=Path,
+        help="an earlier acceptance result: its records reported again by this code (table, "
+        "summary, figures), nothing decoded",
+    )
+    parser.add_argument(
         "--dtype",
         default="float32",
         help="model dtype; outputs are bit-exact in float32, and "
@@ -114,6 +107,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
+    if args.from_json is not None:
+        return report_again(json.loads(args.from_json.read_text()))
     max_tokens = args.max_tokens or (64 if args.quick else 256)
     per_kind = args.prompts_per_kind or (2 if args.quick else 20)
     labels = compressor_labels(args.compressors or "all-4x")
@@ -145,12 +140,7 @@ def run(args) -> dict:
                 if one.compressor.label not in shares:
                     shares[one.compressor.label] = compressed_share(engine, one.compressor, prompts)
     run_labels = [one.label for one in _runs(compressors, args.steer_every, args.whole_rounds)]
-    result = _result(records, run_labels, args, max_tokens, len(prompts)) | {"c": shares}
-    summary = result["summary"]
-    summary |= frontier_summary(result["table"][summary["draft_kv"]], shares)
-    default_records = [r for r in records if r["draft_kv"] == summary["draft_kv"]]
-    summary["steering_gain_at_c_1_8_paired"] = paired_steering_gains(default_records, shares, 1 / 8)
-    return result
+    return reported(records, run_labels, args, max_tokens, len(prompts), shares)
 
 
 def plot(result: dict, path) -> None:
@@ -180,7 +170,7 @@ class Sampling:
         """The compressor's label, with the sampling where it samples."""
         if self.temperature == 0:
             return compressor_label
-        return f"{compressor_label} T={self.temperature:g} {self.coupling}"
+        return f"{compressor_label}{SAMPLED}{self.temperature:g} {self.coupling}"
 
     def record_fields(self) -> dict:
         return {"temperature": self.temperature, "coupling": self.coupling}
@@ -311,88 +301,3 @@ def trace_record(
             stats.drafted_per_round, stats.accepted_per_round, draft_len
         ),
     }
-
-
-def _result(records, labels, args, max_tokens, num_prompts) -> dict:
-    table = replay_table(records, args.draft_lens)
-    checked = [r["identical"] for r in records if r["identical"] is not None]
-    default = (
-        DraftKVSource.VERIFIER.value if DraftKVSource.VERIFIER.value in table else args.draft_kv
-    )
-
-    def at_x30(kind):
-        cells = table[default].get(kind, {})
-        return {label: cells[label]["30"] for label in labels if "30" in cells.get(label, {})}
-
-    best = {kind: best_at_4x(at_x30(kind)) for kind in TARGET_KINDS}
-    summary = {
-        "x30": {label: cell["mean"] for label, cell in at_x30("code").items()},
-        "x30_tools": {label: cell["mean"] for label, cell in at_x30("tools").items()},
-        "x30_math": {label: cell["mean"] for label, cell in at_x30("math").items()},
-        "best_4x_x30": best,
-        "identical": all(checked),
-        "identical_rate": sum(checked) / max(1, len(checked)),
-        "seeded_over_rejection_x30": seeded_over_rejection(table[default], labels),
-        "seeded_over_rejection_x30_pooled": pooled_seeded_over_rejection(
-            [r for r in records if r["draft_kv"] == default], labels
-        ),
-        "dtype": args.dtype,
-        "draft_kv": default,
-        "meets_target": _meets_target(best),
-    }
-    return {
-        "benchmark": "acceptance",
-        "summary": summary,
-        "definitions": DEFINITIONS,
-        "config": {
-            "max_tokens": max_tokens,
-            "num_prompts": num_prompts,
-            "quick": args.quick,
-            "trace_draft_len": MAX_DRAFT_LEN,
-            "draft_lens": args.draft_lens,
-            "model": args.model,
-            "dtype": args.dtype,
-        },  # fmt: skip
-        "environment": environment(),
-        "table": table,
-        "table_markdown": markdown(table, args.draft_lens),
-        "records": records,
-    }
-
-
-DEFINITIONS = {
-    "first_mismatch": f"per round at x={MAX_DRAFT_LEN}: the first draft the full KV rejects "
-    f"({MAX_DRAFT_LEN}: none)",
-    "x30": "mean accepted per round at x=30, replayed from the traces (min(first mismatch, 30)), "
-    "code contexts",
-    "ci95": "95% confidence interval of the mean over prompts (t distribution)",
-    "best_4x_x30": "per workload kind, the 4x (4-bit) compressor with the most x30; `separated`: "
-    "its interval lies above the runner-up's",
-    "target": f"best_4x_x30 >= {TARGET_X30:g} on code and on tools (3k+ token contexts)",
-    "seeded_over_rejection_x30": "per temperature, the least over 4x compressors and the code and "
-    "tool kinds of seeded coupling's x30 over rejection coupling's (target at T=0.7: >= "
-    f"{SEEDED_OVER_REJECTION:g})",
-    "seeded_over_rejection_x30_pooled": "per temperature, seeded coupling's accepted per round at "
-    "x=30 over rejection coupling's, pooled over the 4x compressors and the code and tool "
-    "prompts (each prompt's mean over its rounds), with a 95% bootstrap interval over prompts",
-    "c": "per compressor: its draft KV's bytes over the full KV's in bf16, the mean over the "
-    "prompts' prefixes (what a drafter holds and a link carries)",
-    "best_accepted_at_c_1_8": "per workload kind, the configuration (steered or not) of c <= 1/8 "
-    "with the most x30: its label, mean, interval and c (target: today's best at 4x, 24.9 on "
-    "code and 24.4 on tools, within the intervals)",
-    "best_accepted_at_c_1_16": "the same at c <= 1/16 (target: 20)",
-    "steering_gain_at_c_1_8": "per workload kind and steered run of c <= 1/8: its x30 over the "
-    "same run's unsteered (target: 1.1); in traced rounds the kept set is refreshed every k "
-    "rounds of 64 drafts cut at the first mismatch, in whole rounds (`whole/30`) every k rounds "
-    "of 30 verified whole, as served",
-    "steering_gain_at_c_1_8_paired": "the same, prompt by prompt: the sum over prompts of the "
-    "steered run's accepted per round over the unsteered's, with a 95% bootstrap interval over "
-    "prompts",
-}
-
-
-def _meets_target(best: dict) -> bool | None:
-    """None when the run did not measure a 4x compressor on both kinds."""
-    if any(best[kind] is None for kind in TARGET_KINDS):
-        return None
-    return all(best[kind]["x30"] >= TARGET_X30 for kind in TARGET_KINDS)

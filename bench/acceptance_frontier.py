@@ -18,8 +18,9 @@ from vericache.bench.acceptance_report import (
 from vericache.bench.common import pyplot
 
 X = "30"
-# Today's best at 4x (bench/results/acceptance_4x.json), which c <= 1/8 is to match.
-BEST_AT_4X = {"code": 24.9, "tools": 24.4}
+# Today's best at 4x (bench/results/acceptance_4x.json, replayed in order), which c <= 1/8 is to
+# match; each recorded round drawn alone, it read 24.9 and 24.4.
+BEST_AT_4X = {"code": 25.1, "tools": 24.9}
 AT_SIXTEENTH = 20.0  # what c <= 1/16 is to accept at least
 STEERED = " steered/"
 WHOLE = " whole/"  # a run in whole rounds of that many drafts, each verified whole

@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 
 from vericache.bench.common import pyplot
-from vericache.sim.workload import MAX_DRAFT_LEN
+from vericache.sim.workload import MAX_DRAFT_LEN, replayed_rounds
 
 TARGET_X30 = 20.0
 TARGET_KINDS = ("code", "tools")
@@ -64,8 +64,11 @@ def replays(record: dict, x: int) -> bool:
 
 
 def prompt_mean(record: dict, x: int) -> float:
-    """A prompt's accepted drafts per round at x, replayed from its rounds' first mismatches."""
-    return statistics.fmean(min(p, x) for p in record["first_mismatch"])
+    """A prompt's accepted drafts per round at x: its whole rounds' as they were, or those its
+    rounds of 64 replay in order (sim/workload.py `replayed_rounds`)."""
+    if record.get("whole_rounds"):
+        return statistics.fmean(record["first_mismatch"])
+    return statistics.fmean(replayed_rounds(record["first_mismatch"], x))
 
 
 def paired_ratio(pairs: list[tuple[float, float]], draws: int = 2000) -> dict:

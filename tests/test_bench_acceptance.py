@@ -1,5 +1,6 @@
-"""The acceptance benchmark's traces: first mismatches from rounds at x=64, replayed at any
-x <= 64 with a 95% interval over prompts; the ranking says whether it is told apart from noise."""
+"""The acceptance benchmark's traces: first mismatches from rounds at x=64, replayed in order at
+any x <= 64 with a 95% interval over prompts; the ranking says whether it is told apart from
+noise; an earlier result's records are reported again by this code."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from vericache.bench import (
     acceptance_checkpoint,
     acceptance_coupling,
     acceptance_report,
+    acceptance_result,
 )
 from vericache.bench.acceptance_report import best_at_4x, mean_ci95, replay_table
 
@@ -29,20 +31,30 @@ def _record(kind, label, mismatches, source="verifier"):
             "first_mismatch": mismatches}  # fmt: skip
 
 
-def test_the_replay_is_the_mean_over_prompts_of_min_first_mismatch_and_x():
+def test_the_replay_is_the_mean_over_prompts_of_their_rounds_replayed_in_order():
     records = [
-        _record("code", "kivi-4bit", [64, 10]),  # at x=30: (30 + 10) / 2 = 20
-        _record("code", "kivi-4bit", [20, 40]),  # (20 + 30) / 2 = 25
+        # 64 kept, then 10 and a mismatch: a run of 75 matches. At x=30: 30, 30 (each round's
+        # verifier token takes the next position), then the 13 left before the break.
+        _record("code", "kivi-4bit", [64, 10]),
+        # 20 and a mismatch, then 40 and a mismatch: 20, then 30 of the 40, then the 9 left.
+        _record("code", "kivi-4bit", [20, 40]),
         _record("code", "kivi-4bit", []),  # no round told a mismatch: not counted
     ]
     table = replay_table(records, [10, 30, 64])
     cells = table["verifier"]["code"]["kivi-4bit"]
-    assert cells["10"]["mean"] == pytest.approx(10.0)
-    assert cells["30"]["mean"] == pytest.approx(22.5) and cells["30"]["num_prompts"] == 2
-    assert cells["64"]["mean"] == pytest.approx((37 + 30) / 2)
+    assert cells["10"]["mean"] == pytest.approx((69 / 7 + 56 / 6) / 2)
+    assert cells["30"]["mean"] == pytest.approx((73 / 3 + 59 / 3) / 2)
+    assert cells["30"]["num_prompts"] == 2
+    assert cells["64"]["mean"] == pytest.approx((37 + 30) / 2)  # the recorded rounds themselves
     low, high = cells["30"]["ci95"]
-    assert low < 22.5 < high
+    assert low < 22 < high
     assert cells["30"]["num_rounds"] == 4
+
+
+def test_whole_rounds_are_taken_as_they_were_at_their_own_draft_length():
+    whole = {**_record("code", "snapkv-8x-bf16 whole/30", [30, 30, 13, 30]), "whole_rounds": 30}
+    assert acceptance_report.prompt_mean(whole, 30) == pytest.approx(103 / 4)
+    assert not acceptance_report.replays(whole, 8)
 
 
 def test_the_interval_narrows_with_more_prompts_and_uses_t_quantiles():
@@ -78,16 +90,37 @@ def test_the_result_summarizes_replayed_cells_and_plots(tmp_path):
     ]
     args = argparse.Namespace(draft_kv="verifier", quick=True, draft_lens=[10, 30], model="m",
                               dtype="float32")  # fmt: skip
-    result = acceptance._result(records, ["kivi-4bit", "streamingllm-4x"], args, 64, 3)
+    result = acceptance_result._result(records, ["kivi-4bit", "streamingllm-4x"], args, 64, 3)
     summary = result["summary"]
-    assert summary["x30"] == {"kivi-4bit": pytest.approx(22.5), "streamingllm-4x": 17.5}
+    assert summary["x30"] == {"kivi-4bit": pytest.approx(22.0), "streamingllm-4x": 17.5}
     assert summary["x30_tools"] == {"kivi-4bit": pytest.approx(2.5)}
     assert summary["best_4x_x30"]["code"]["label"] == "kivi-4bit"
     assert summary["meets_target"] is False  # tools: the best 4x accepts 2.5
-    assert "| code | kivi-4bit | 10.0 (10.0-10.0) | 22.5 (" in result["table_markdown"]
+    assert "| code | kivi-4bit | 9.6 (" in result["table_markdown"]
     assert result["config"]["trace_draft_len"] == 64
     acceptance.plot(result, tmp_path / "acceptance.png")
     assert (tmp_path / "acceptance.png").stat().st_size > 1000
+
+
+def test_an_earlier_result_is_reported_again_from_its_records():
+    records = [
+        _record("code", "snapkv-8x-bf16", [64, 10]),
+        _record("code", "snapkv-8x-bf16 T=0.7 seeded", [20, 40]),
+        _record("tools", "snapkv-8x-bf16", [0, 5]),
+    ]
+    args = argparse.Namespace(draft_kv="verifier", quick=False, draft_lens=[8, 30], model="m",
+                              dtype="float32")  # fmt: skip
+    shares = {"snapkv-8x-bf16": 0.09}
+    now = acceptance_result.reported(records, ["snapkv-8x-bf16"], args, 256, 3, shares)
+    earlier = {**now, "environment": {"cpu": "the run's"}, "environment_steered": {"cpu": "x"}}
+    earlier["table"] = {}  # as an older replay left it: the records alone are the measurement
+    earlier["summary"] = {"x30": {"snapkv-8x-bf16": 20.0}}
+    again = acceptance_result.report_again(earlier)
+    assert again["table"] == now["table"] and again["summary"] == now["summary"]
+    assert again["summary"]["x30"] == {"snapkv-8x-bf16": pytest.approx(73 / 3)}
+    assert again["summary"]["best_accepted_at_c_1_8"]["code"]["c"] == 0.09
+    assert again["environment"] == {"cpu": "the run's"} and "reported_environment" in again
+    assert again["environment_steered"] == {"cpu": "x"} and again["records"] == records
 
 
 def test_a_run_that_samples_more_than_one_way_plots_them_side_by_side_at_x30(tmp_path, monkeypatch):
@@ -99,7 +132,7 @@ def test_a_run_that_samples_more_than_one_way_plots_them_side_by_side_at_x30(tmp
     args = argparse.Namespace(draft_kv="verifier", quick=True, draft_lens=[10, 30], model="m",
                               dtype="float32")  # fmt: skip
     labels = ["kivi-4bit", "kivi-4bit T=0.7 seeded", "kivi-4bit T=0.7 rejection"]
-    result = acceptance._result(records, labels, args, 64, 3)
+    result = acceptance_result._result(records, labels, args, 64, 3)
     drawn = []
     monkeypatch.setattr(acceptance_report, "plot_draft_lengths", lambda *a: drawn.append("x"))
     acceptance.plot(result, tmp_path / "sampled.png")
@@ -225,7 +258,7 @@ def test_the_frontier_reads_the_best_within_each_c_and_steerings_gain(tmp_path):
                               dtype="float32")  # fmt: skip
     labels = ["snapkv-8x-bf16", "snapkv-8x-bf16 steered/2", "snapkv-16x-bf16", "kivi-4bit"]
     shares = {"snapkv-8x-bf16": 0.11, "snapkv-16x-bf16": 0.06, "kivi-4bit": 0.26}
-    result = acceptance._result(records, labels, args, 64, 3) | {"c": shares}
+    result = acceptance_result._result(records, labels, args, 64, 3) | {"c": shares}
     summary = frontier_summary(result["table"]["verifier"], shares)
     eighth, sixteenth = summary["best_accepted_at_c_1_8"], summary["best_accepted_at_c_1_16"]
     assert eighth["code"]["label"] == "snapkv-8x-bf16 steered/2"

@@ -101,13 +101,15 @@ def test_the_simulation_is_deterministic_and_its_decisions_are_the_schedulers(mo
         simulate_vericache(_qwen(), StaggeredScheduler)
 
 
-# Pinned: a change to the event core, the cost model, the schedulers or the engine's round
-# (engine/sequence.py, which decodes every simulated request) moves these on purpose.
+# Pinned: a change to the event core, the cost model, the schedulers, the acceptance replay or
+# the engine's round (engine/sequence.py, which decodes every simulated request) moves these on
+# purpose. Eight requests of 64 tokens are a small sample: the trace's seed alone moves the
+# staggered and lock-step runs by a fifth (5 to 8: 280-369 and 305-372 tokens/s).
 GOLDEN = {
-    "mistral staggered": 357.4503189389567,
-    "mistral lockstep": 305.1071926346208,
+    "mistral staggered": 280.2683517501585,
+    "mistral lockstep": 372.4073112097283,
     "mistral full": 494.29737358385864,
-    "qwen staggered": 46.4351596334602,
+    "qwen staggered": 42.30756054132192,
     "qwen full": 32.57614512076114,
 }
 

@@ -137,10 +137,10 @@ def test_a_small_scenario_gives_its_golden_result_and_bad_input_is_refused():
 
 
 # Pinned: a change to the event core, the batch loop, the cost model, the workers' memory, the
-# engine's round (engine/sequence.py, which decodes every simulated request) or placement
-# (scheduler/placement.py) moves these on purpose.
+# engine's round (engine/sequence.py, which decodes every simulated request), the acceptance
+# replay or placement (scheduler/placement.py) moves these on purpose.
 GOLDEN = {
-    "vericache": 391.8899667609891,
+    "vericache": 378.02175679678163,
     "full_local": 498.64111747244243,
     "full_remote": 372.5611570599033,
     "full_both": 614.8488934493964,

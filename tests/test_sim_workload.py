@@ -14,27 +14,41 @@ from vericache.sim.workload import (
     OutputLengths,
     poisson_arrivals,
     rate_for_mean_accepted,
+    replayed_rounds,
     trace_arrivals,
 )
 
 
-def test_a_recorded_round_replays_at_any_shorter_draft_length():
+def test_recorded_rounds_replay_in_order_at_any_draft_length():
+    # Positions: a break at 0; 3 matches and a break; 10 matches and a break; 64 matches and the
+    # verifier's token (a match: the run goes on). At x=5 the run of 10 gives a round of 5, the
+    # verifier's token, then the 4 left; the run of 65 gives thirteen rounds of 5.
     trace = AcceptanceTrace("measured: test", (0, 3, 10, MAX_DRAFT_LEN))
-    assert [trace.mean_accepted(x) for x in (1, 5, 64)] == [0.75, 3.25, (0 + 3 + 10 + 64) / 4]
+    assert replayed_rounds(trace.first_mismatch, 5) == [0, 3, 5, 4] + [5] * 11
+    assert replayed_rounds(trace.first_mismatch, MAX_DRAFT_LEN) == [0, 3, 10, 64]
+    assert trace.mean_accepted(5) == pytest.approx(67 / 15)
+    assert trace.mean_accepted(64) == (0 + 3 + 10 + 64) / 4
     rng = random.Random(1)
     drawn = {trace.accepted(5, rng) for _ in range(200)}
-    assert drawn == {0, 3, 5}  # a round that matched 10 or 64 accepts all 5 at x=5
+    assert drawn == {0, 3, 4, 5}
     with pytest.raises(InvalidRequestError):
         trace.accepted(-1, rng)
 
 
-def test_a_round_past_the_recorded_length_goes_on_as_a_fresh_round():
-    """A round that kept all MAX_DRAFT_LEN recorded drafts tells nothing of the next: a longer
-    round draws again for the rest."""
+def test_a_long_run_is_several_rounds_at_a_shorter_draft_length_not_one():
+    """A run of 75 matches (64 kept, then 10) is two rounds of 30 and one of 13 at x=30; drawn
+    one recorded round at a time it read as 30 and 10."""
+    assert replayed_rounds([MAX_DRAFT_LEN, 10], 30) == [30, 30, 13]
+    # The last round, cut by the record's end before a break or x, tells nothing.
+    assert replayed_rounds([MAX_DRAFT_LEN], 30) == [30, 30]
+
+
+def test_a_round_past_the_recorded_length_goes_on_along_the_run():
+    """A staggered scheduler may draft past MAX_DRAFT_LEN: a run goes on across recorded rounds
+    that kept all their drafts, to its break or x."""
     trace = AcceptanceTrace("measured: test", (MAX_DRAFT_LEN, 5))
     rng = random.Random(2)
-    drawn = {trace.accepted(100, rng) for _ in range(300)}
-    assert drawn == {5, MAX_DRAFT_LEN + 5, 100}
+    assert {trace.accepted(100, rng) for _ in range(50)} == {MAX_DRAFT_LEN + 1 + 5}
     always = AcceptanceTrace("measured: test", (MAX_DRAFT_LEN,))
     assert always.accepted(3 * MAX_DRAFT_LEN + 1, rng) == 3 * MAX_DRAFT_LEN + 1
     for bad in ((), (-1,), (MAX_DRAFT_LEN + 1,)):

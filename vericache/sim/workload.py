@@ -2,16 +2,21 @@
 round accepts.
 
 Acceptance replays recorded rounds. A round is recorded at the longest draft, MAX_DRAFT_LEN, as
-the position of its first draft that the full KV rejects (MAX_DRAFT_LEN when none is), so that a
-round at any x <= MAX_DRAFT_LEN accepts min(first mismatch, x): the drafts before the first
-mismatch do not depend on how many follow them. Rounds are drawn independently: a request's
-rounds at another x would start at other positions, which the replay treats as a fresh draw from
-the same kind of request. Traces come from `bench acceptance` (measured) or from a published
-acceptance rate (labelled so); every result says which.
+the position of its first draft that the full KV rejects (MAX_DRAFT_LEN when none is): the drafts
+before the first mismatch do not depend on how many follow them. Rounds at another x start at
+other positions, so they are replayed in order, position by position (`replayed_rounds`): the
+recorded rounds mark, along the output, where a draft would match and where it breaks, and a
+round at x starting at any position accepts the matches up to the next break or x, whichever
+comes first. Drawing each recorded round as one round at x (min(first mismatch, x)) reads long
+runs of matches as one round where they are several, and read a SnapKV 8x drafter's 22.8 accepted
+drafts per round at x=30 (measured whole) as 21.0; replayed in order, 22.3. Traces come from
+`bench acceptance` (measured) or from a published acceptance rate (labelled so); every result
+says which.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from collections.abc import Sequence
@@ -28,9 +33,10 @@ class AcceptanceTrace:
     """Recorded rounds of one kind of request (prompt kind, compressor, context length)."""
 
     source: str  # "measured: ..." or "published: ..."
-    first_mismatch: tuple[int, ...]  # per round, in [0, MAX_DRAFT_LEN]
-    # Rounds that kept every draft they made, fewer than the longest (a token budget cut them
-    # short): the drafts each kept, a lower bound on where its first mismatch would have been.
+    first_mismatch: tuple[int, ...]  # per round, in [0, MAX_DRAFT_LEN], in decoding order
+    # Rounds served at their own x that kept every draft they made, fewer than the longest (a
+    # token budget cut them short): the drafts each kept, a lower bound on where its first
+    # mismatch would have been. Such a trace's rounds are out of order and drawn one by one.
     kept_all: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -40,12 +46,15 @@ class AcceptanceTrace:
             raise InvalidRequestError(f"first mismatches lie in [0, {MAX_DRAFT_LEN}]")
 
     def accepted(self, draft_len: int, rng: random.Random) -> int:
-        """The drafts one round of `draft_len` accepts, a recorded round drawn at random. Past
-        MAX_DRAFT_LEN no round tells anything: a round that keeps its first MAX_DRAFT_LEN drafts
-        goes on as a fresh round (a staggered scheduler drafts on while a load is under way, and
-        can exceed it)."""
+        """The drafts one round of `draft_len` accepts: one of the rounds the recorded ones replay
+        at that length, drawn at random (a staggered scheduler drafts on while a load is under
+        way, and can exceed MAX_DRAFT_LEN: runs of matches go on across recorded rounds). With
+        lower bounds, a recorded round drawn at random; past MAX_DRAFT_LEN a round that keeps its
+        first MAX_DRAFT_LEN drafts goes on as a fresh round."""
         if draft_len < 0:
             raise InvalidRequestError(f"a draft length is >= 0, got {draft_len}")
+        if not self.kept_all:
+            return rng.choice(self._replayed(draft_len))
         kept = 0
         while True:
             wanted = min(draft_len - kept, MAX_DRAFT_LEN)
@@ -74,9 +83,23 @@ class AcceptanceTrace:
         """(position, whether a lower bound) of every round, built once: drawn from per round."""
         return [(p, False) for p in self.first_mismatch] + [(c, True) for c in self.kept_all]
 
+    def _replayed(self, draft_len: int) -> list[int]:
+        """The rounds at `draft_len` the recorded ones replay in order, worked out once a length."""
+        replays = self._replays
+        if draft_len not in replays:
+            replays[draft_len] = replayed_rounds(self.first_mismatch, draft_len)
+        return replays[draft_len]
+
+    @cached_property
+    def _replays(self) -> dict[int, list[int]]:
+        return {}
+
     def mean_accepted(self, draft_len: int) -> float:
-        """Per round at `draft_len`, rounds that kept all their drafts counted at those (a lower
-        bound)."""
+        """Per round at `draft_len`, replayed in order; with lower bounds, per recorded round,
+        rounds that kept all their drafts counted at those."""
+        if not self.kept_all:
+            replayed = self._replayed(draft_len)
+            return sum(replayed) / len(replayed)
         rounds = self.first_mismatch + self.kept_all
         return sum(min(p, draft_len) for p in rounds) / len(rounds)
 
@@ -94,6 +117,42 @@ class AcceptanceTrace:
                 position += 1
             rounds.append(position)
         return cls(f"published: {source}", tuple(rounds))
+
+
+def replayed_rounds(first_mismatch: Sequence[int], draft_len: int) -> list[int]:
+    """The drafts each round at `draft_len` accepts, replayed in order over consecutive rounds
+    recorded at MAX_DRAFT_LEN (their first mismatches).
+
+    The recorded rounds lay out the output's positions: a round's drafts before its first mismatch
+    match, and its mismatch breaks the run; a round that kept all MAX_DRAFT_LEN drafts has its
+    verifier's token match too (the drafter, fed the same tokens, would most likely have drafted
+    it), so its run goes on into the next round. A round at x starting at position q accepts the
+    matches from q up to the next break, at most x; the verifier's token then takes the next
+    position, where the next round starts. The last round, cut by the record's end before a break
+    or x, tells nothing and is left out; a record that never breaks replays every round whole."""
+    if draft_len < 0:
+        raise InvalidRequestError(f"a draft length is >= 0, got {draft_len}")
+    breaks, end = [], 0  # breaks: positions of mismatches, in order; end: positions known
+    for matched in first_mismatch:
+        end += matched
+        if matched < MAX_DRAFT_LEN:
+            breaks.append(end)
+        end += 1
+    rounds, start = [], 0
+    while start < end:
+        next_break = bisect.bisect_left(breaks, start)
+        run = (breaks[next_break] if next_break < len(breaks) else end) - start
+        if run >= draft_len:
+            rounds.append(draft_len)
+            start += draft_len + 1
+        elif next_break < len(breaks):
+            rounds.append(run)
+            start += run + 1
+        else:
+            break
+    if first_mismatch and not rounds:
+        return [draft_len]
+    return rounds
 
 
 def first_mismatches(drafted: list[int], accepted: list[int], draft_len: int) -> list[int]:

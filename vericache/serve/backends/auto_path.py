@@ -41,8 +41,9 @@ from vericache.serve.backends.path_costs import PathCosts, PathOption, RequestSh
 # Weight of each new request in the moving averages, past the first five: the last ten or so
 # requests of a path count.
 ALPHA = 0.2
-# The share of its drafts a VeriCache round accepts before any is measured here: the least of
-# bench/results/acceptance_4x.json's (18.6 of 30 at 4x compression, code and tool calls) is 0.62.
+# The share of its drafts a VeriCache round accepts before any is measured here, below the least
+# of bench/results/acceptance_4x.json's (21.3 of 30 at 4x compression, code and tool calls: 0.71)
+# for prompts less like its own.
 PRIOR_ACCEPTED_SHARE = 0.6
 # A correction is a ratio within these: one request far off (a stall) cannot swing a path away.
 MAX_CORRECTION = 8.0
