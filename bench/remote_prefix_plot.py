@@ -26,7 +26,8 @@ def plot(result: dict, path) -> None:
     over = summary["vericache_over_best_full_by_cell"] | summary.get(
         "vericache_over_best_full_many_prefixes_by_cell", {}
     )
-    best_full = summary["best_full_tokens_per_s"]  # of the first stream, by drafter count
+    # Of the first stream, by drafter count: int keys as the run made them, str once in JSON.
+    best_full = {str(n): rate for n, rate in summary["best_full_tokens_per_s"].items()}
     auto = {
         cell["name"]: cell["tokens_per_s"] / best_full[str(cell["num_drafters"])]
         for cell in cells
