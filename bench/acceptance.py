@@ -57,6 +57,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft-lens", type=int_list, default=[10, 20, 30, 40, 64])
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (256; quick 64)")
     parser.add_argument("--prompts-per-kind", type=int, help="code and tool prompts (20; quick 2)")
+    parser.add_argument(
+        "--context-tokens",
+        type=int,
+        help="cut each code and tool context to at most this many tokens (whole: 3-4k)",
+    )
     parser.add_argument("--draft-kv", choices=["verifier", "drafter", "both"], default="verifier")
     parser.add_argument(
         "--steer-every",
@@ -116,10 +121,12 @@ def run(args) -> dict:
     engine = Engine.from_pretrained(
         args.model, dtype=args.dtype, config=EngineConfig(prefix_cache_bytes=16 << 30)
     )
-    prompts = _prompts(engine.tokenizer, args.quick, per_kind)
+    prompts = _prompts(engine.tokenizer, args.quick, per_kind, args.context_tokens)
     sources = list(DraftKVSource) if args.draft_kv == "both" else [DraftKVSource(args.draft_kv)]
     settings = {"max_tokens": max_tokens, "num_prompts": len(prompts), "model": args.model,
                 "dtype": args.dtype}  # fmt: skip
+    if args.context_tokens is not None:  # other prompts: another checkpoint's records
+        settings["context_tokens"] = args.context_tokens
     checkpoint = Checkpoint(args.checkpoint, settings)
     records, shares = [], {}
     for sampling in sampling_settings(args.temperature, args.coupling):
@@ -275,11 +282,11 @@ def compressed_share(engine: Engine, compressor, prompts) -> float:
     return sum(shares) / len(shares)
 
 
-def _prompts(tokenizer, quick: bool, per_kind: int):
+def _prompts(tokenizer, quick: bool, per_kind: int, context_tokens: int | None = None):
     """(kind, workload name, prompt ids) of every prompt."""
     return [
         (workload.kind, workload.name, build_chat_prompt(tokenizer, workload.context, prompt))
-        for workload in standard_workloads(tokenizer, quick, per_kind)
+        for workload in standard_workloads(tokenizer, quick, per_kind, context_tokens)
         for prompt in workload.prompts
     ]
 

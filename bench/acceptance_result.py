@@ -39,6 +39,7 @@ def report_again(earlier: dict) -> dict:
     args = argparse.Namespace(
         draft_lens=config["draft_lens"], draft_kv=DraftKVSource.VERIFIER.value,
         dtype=config.get("dtype", "float32"), quick=config["quick"], model=config["model"],
+        context_tokens=config.get("context_tokens"),
     )  # fmt: skip
     labels = list(dict.fromkeys(r["compressor"].split(SAMPLED)[0] for r in records))
     shares = earlier.get("c", {})
@@ -98,6 +99,7 @@ def _result(records, labels, args, max_tokens, num_prompts) -> dict:
             "draft_lens": args.draft_lens,
             "model": args.model,
             "dtype": args.dtype,
+            "context_tokens": vars(args).get("context_tokens"),  # None: whole contexts
         },  # fmt: skip
         "environment": environment(),
         "table": table,

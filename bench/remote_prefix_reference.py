@@ -117,6 +117,9 @@ def _requests(tokenizer, prefixes: list[dict], jobs, spec) -> list[Request]:
     requests = []
     for prefix_id, prompt in jobs:
         ids = build_chat_prompt(tokenizer, text_by_id[prefix_id], prompt)
-        request = Request(ids.token_ids, ids.num_prefix_tokens, params, compressor=compressor)
+        # Unsteered, as the cells it is the reference of are served.
+        request = Request(
+            ids.token_ids, ids.num_prefix_tokens, params, compressor=compressor, steer_every=0
+        )
         requests.append(request)
     return requests

@@ -123,10 +123,11 @@ def serve_stream(
     max_tokens: int,
     draft_len: int,
     concurrency: int,
-    steer_every: int = 0,
+    steer_every: int | None = 0,
 ):
     """Submits every request, `concurrency` at a time, in `mode` (or where `mode` routes each;
-    VERICACHE's kept sets steered every `steer_every` rounds, 0: not): the wall time, each
+    VERICACHE's kept sets steered every `steer_every` rounds, 0: not, whatever the server's
+    default; None: the server's default): the wall time, each
     Result, the mode each ran in, and the CPU seconds spent meanwhile (`cpu_seconds` keys)."""
     router = mode if isinstance(mode, Router) else None
     with Client(target) as client:
@@ -137,7 +138,7 @@ def serve_stream(
             try:
                 result = client.generate(
                     prompt, prefix_id=prefix_id, mode=chosen, max_tokens=max_tokens,
-                    draft_len=draft_len, steer_every=steer_every or None,
+                    draft_len=draft_len, steer_every=steer_every,
                 )  # fmt: skip
             finally:
                 if router:

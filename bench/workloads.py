@@ -369,14 +369,15 @@ def math_workload() -> Workload:
 
 
 def standard_workloads(
-    tokenizer, quick: bool, prompts_per_kind: int | None = None
+    tokenizer, quick: bool, prompts_per_kind: int | None = None, context_tokens: int | None = None
 ) -> list[Workload]:
     """The acceptance benchmark's workloads: stdlib modules of 3-4k tokens, each asked one HumanEval
     prompt and one prompt about the module; BFCL catalogues of 3k+ tokens, each asked questions.
     3 code + 2 tools workloads of two prompts each, or 1 + 1 when quick (the first of each of the
     full set); or, with `prompts_per_kind`, as many code prompts (two per module) and as many tool
     prompts (over up to the 4 catalogues BFCL has, one per 5 prompts); and the short math
-    problems (4 when quick)."""
+    problems (4 when quick). With `context_tokens`, each code and tool context is cut at a line
+    boundary to at most that many tokens (the same prompts over shorter prefixes)."""
     if prompts_per_kind is None:
         num_code, num_tools = (1, 1) if quick else (3, 2)
         per_catalogue = 2
@@ -384,15 +385,19 @@ def standard_workloads(
         num_code = math.ceil(prompts_per_kind / 2)
         num_tools = min(4, max(1, prompts_per_kind // 5))
         per_catalogue = math.ceil(prompts_per_kind / num_tools)
+
+    def cut(text: str) -> str:
+        return text if context_tokens is None else _cut_at_line(tokenizer, text, context_tokens)
+
     contexts = code_contexts(tokenizer, 3000, 4000, count=num_code)
     humaneval = humaneval_prompts(num_code, seed=0)
     workloads = []
     for i, ctx in enumerate(contexts):
         prompts = (humaneval[i], CONTEXT_PROMPTS[i % len(CONTEXT_PROMPTS)])
-        workloads.append(Workload(f"code:{ctx.name}", "code", ctx.text, prompts))
+        workloads.append(Workload(f"code:{ctx.name}", "code", cut(ctx.text), prompts))
     for tools in tool_contexts(tokenizer, 3000, count=num_tools):
         prompts = tools.questions[:per_catalogue]
-        workloads.append(Workload(f"tools:{tools.name}", "tools", tools.context, prompts))
+        workloads.append(Workload(f"tools:{tools.name}", "tools", cut(tools.context), prompts))
     math_set = math_workload()
     if quick:
         math_set = Workload(math_set.name, math_set.kind, math_set.context, math_set.prompts[:4])

@@ -198,7 +198,7 @@ def test_a_sampled_run_end_to_end(monkeypatch, tiny_chat_checkpoint, tmp_path):
     from vericache.cli.bench import parse_benchmark_args
     from vericache.engine.prompt import build_chat_prompt
 
-    def prompts(tokenizer, quick, per_kind):
+    def prompts(tokenizer, quick, per_kind, context_tokens=None):
         context = "def add(a, b):\n    return a + b\n" * 10
         return [
             (kind, f"{kind}:tiny", build_chat_prompt(tokenizer, context, question))

@@ -138,6 +138,23 @@ def test_json_contract_and_vericache_equals_full(capsys, tmp_path, tiny_chat_che
     assert stats["rounds"] >= 1 and stats["draft_tokens"] >= stats["accepted_tokens"]
     assert stats["tokens_per_round"] == pytest.approx(stats["mean_accepted_per_round"] + 1)
     assert results["full"]["stats"]["draft_tokens"] == 0
+    assert results["vericache"]["steer_every"] == 0  # kivi keeps no token set to steer
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--compressor", "kivi", "--bits", "4", "--steer-every", "2"], "not kivi"),
+        (["--compressor", "snapkv", "--steer-every", "-1"], "steer_every must be >= 0"),
+    ],
+)
+def test_steering_what_cannot_be_steered_is_one_line(
+    capsys, tmp_path, tiny_chat_checkpoint, args, message
+):
+    argv = [*tiny_generate_argv(tmp_path, tiny_chat_checkpoint), "--mode", "vericache", *args]
+    code, out, err = run_cli(argv, capsys)
+    assert code != 0 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
 
 
 def test_sampling_on_the_command_line_keeps_full_decodings_sample(

@@ -12,6 +12,7 @@ import pytest
 
 from tests.serve_fixtures import CONTEXT, serving_one_prefix
 from vericache.client import InvalidRequestError
+from vericache.engine import request as request_module
 from vericache.serve.workers.steered_sessions import SteeredSessions
 
 PROMPT = "Which function multiplies by seven, and what does it return?"
@@ -111,5 +112,21 @@ def test_steering_what_cannot_be_steered_is_refused(served):
     kivi = client.put_prefix(CONTEXT, compressor="kivi", bits=4)
     with pytest.raises(InvalidRequestError, match="not kivi"):
         _generate(client, kivi, mode="vericache", steer_every=2)
-    with pytest.raises(InvalidRequestError, match="steer_every must be an integer >= 1"):
-        _generate(client, prefix_id, mode="vericache", steer_every=0)
+    with pytest.raises(InvalidRequestError, match="steer_every must be an integer >= 0"):
+        _generate(client, prefix_id, mode="vericache", steer_every=-1)
+
+
+def test_a_request_that_does_not_choose_is_steered_over_a_long_prefix_alone(served, monkeypatch):
+    """Unset, `steer_every` is the engine's default: every round where the prefix has
+    STEERED_PREFIX_TOKENS tokens or more (here lowered below the tiny prefix's length, then
+    raised above it); 0 turns steering off whatever the prefix."""
+    server, client, prefix_id = served
+    reference = _generate(client, prefix_id, mode="full_local")
+    monkeypatch.setattr(request_module, "STEERED_PREFIX_TOKENS", 8)
+    long_enough = _generate(client, prefix_id, mode="vericache")
+    off = _generate(client, prefix_id, mode="vericache", steer_every=0)
+    monkeypatch.setattr(request_module, "STEERED_PREFIX_TOKENS", 1 << 20)
+    too_short = _generate(client, prefix_id, mode="vericache")
+    assert long_enough.token_ids == off.token_ids == too_short.token_ids == reference.token_ids
+    assert long_enough.stats["kept_set_refreshes"] >= 1
+    assert off.stats["kept_set_refreshes"] == too_short.stats["kept_set_refreshes"] == 0

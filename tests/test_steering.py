@@ -20,7 +20,13 @@ from vericache.compress.kept_set import (
     stored_kept_positions,
 )
 from vericache.compress.steering import KeptSetSteering, attention_mass
-from vericache.engine.request import DecodeMode, Request, SamplingParams
+from vericache.engine.request import (
+    DEFAULT_STEER_EVERY,
+    STEERED_PREFIX_TOKENS,
+    DecodeMode,
+    Request,
+    SamplingParams,
+)
 from vericache.errors import InvalidRequestError
 from vericache.kv.prefixed import shared_clone
 
@@ -112,6 +118,20 @@ def test_only_a_dropper_that_keeps_its_tokens_once_is_steered(compressor, mode, 
         Request(_prompt(), PREFIX, GREEDY, mode, compressor, steer_every=2)
     with pytest.raises(InvalidRequestError, match=">= 0"):
         Request(_prompt(), PREFIX, GREEDY, DecodeMode.VERICACHE, SnapKV(), steer_every=-1)
+
+
+def test_a_request_that_does_not_choose_is_steered_where_the_prefix_is_long():
+    long_prompt, long_prefix = tuple(range(1, STEERED_PREFIX_TOKENS + 40)), STEERED_PREFIX_TOKENS
+    snapkv = SnapKV()
+
+    def default(prefix=long_prefix, mode=DecodeMode.VERICACHE, compressor=snapkv, **chosen):
+        return Request(long_prompt, prefix, GREEDY, mode, compressor, **chosen).steer_every
+
+    assert default() == DEFAULT_STEER_EVERY == 1
+    assert default(prefix=STEERED_PREFIX_TOKENS - 1) == 0  # a short system turn: it loses there
+    assert default(compressor=KIVI(bits=4)) == default(compressor=H2O(ratio=4)) == 0
+    assert default(mode=DecodeMode.LOSSY) == default(mode=DecodeMode.FULL, compressor=None) == 0
+    assert default(steer_every=0) == 0 and default(steer_every=3) == 3  # its own choice stands
 
 
 def _planned(engine, compressor, base_version: int = 0):

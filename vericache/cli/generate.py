@@ -58,6 +58,13 @@ def add_parser(commands) -> None:
         help="16-bit storage of the kept tokens (token dropping; default: the model's dtype)",
     )
     parser.add_argument(
+        "--steer-every",
+        type=int,
+        help="vericache over snapkv, pyramidkv or kvzip: the verifier refreshes the drafter's kept "
+        "prefix positions every K rounds (0: never; default: every round over a prefix of 1024 "
+        "tokens or more)",
+    )
+    parser.add_argument(
         "--draft-len",
         type=parse_draft_len,
         default=30,
@@ -197,6 +204,7 @@ def build_request(args, tokenizer) -> Request:
         compressor,
         draft_len,
         adaptive_draft_len=is_adaptive,
+        steer_every=args.steer_every,
     )
 
 
@@ -206,6 +214,7 @@ def output_json(args, request: Request, out: RequestOutput) -> dict:
         "mode": request.mode.value,
         "compressor": request.compressor.label if request.compressor else None,
         "draft_len": AUTO_DRAFT_LEN if request.adaptive_draft_len else request.draft_len,
+        "steer_every": request.steer_every,
         "prompt_tokens": len(request.prompt_ids),
         "prefix_tokens": request.num_prefix_tokens,
         "text": out.text,
@@ -310,7 +319,8 @@ def run_on_server(args, params: SamplingParams) -> int:
     with Client(args.server, **connection_options(args)) as client:
         stream = client.stream(
             args.prompt, prefix_id=args.prefix_id, mode=mode, max_tokens=args.max_tokens,
-            stop=args.stop, draft_len=args.draft_len, **_sampling_keywords(params),
+            stop=args.stop, draft_len=args.draft_len, steer_every=args.steer_every,
+            **_sampling_keywords(params),
         )  # fmt: skip
         with stream:
             for delta in stream:

@@ -106,8 +106,8 @@ def generate_request(
         _check_count("max_tokens", max_tokens)
     if draft_len is not None:
         _check_count("draft_len", draft_len)
-    if steer_every is not None:
-        _check_count("steer_every", steer_every)
+    if steer_every is not None:  # 0: never; None: the server's default
+        _check_count("steer_every", steer_every, least=0)
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())  # one string, not its letters
     if not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequestError(f"stop must hold non-empty strings, got {stop!r}")
@@ -156,9 +156,9 @@ def _sampling_fields(sampling: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _check_count(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= _INT32_MAX:
-        raise InvalidRequestError(f"{name} must be an integer >= 1, got {value!r}")
+def _check_count(name: str, value: int, least: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not least <= value <= _INT32_MAX:
+        raise InvalidRequestError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 def _check_token_ids(token_ids: Sequence[int]) -> list[int]:

@@ -46,7 +46,8 @@ class GenerateOptions(Sampling, total=False):
     with it, and without `prefix_id` only the prefixes registered with it are looked up (None:
     any). `steer_every` (vericache over a token dropper's prefix: snapkv, pyramidkv, kvzip): the
     verifier refreshes the drafter's kept prefix positions every this many rounds, from the
-    attention its verifications pay them (None: never; the output is the same either way).
+    attention its verifications pay them (0: never; None: the server's default, every round
+    over a prefix of 1024 tokens or more; the output is the same either way).
     `timeout`: seconds for the call (None: the client's). The sampling keywords
     (`Sampling`); none given: greedy decoding."""
 

@@ -156,8 +156,9 @@ class GenerateCall:
     constraint: OutputConstraint | None = None
     # VERICACHE over a token dropper's prefix: the verifier refreshes the drafter's kept set
     # every this many rounds from the attention its verifications pay (compress/steering.py).
-    # 0: never.
-    steer_every: int = 0
+    # 0: never; None: the engine's default, every round over a long enough prefix
+    # (engine/request.py `Request.default_steer_every`).
+    steer_every: int | None = None
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ class _GenerateBody(_Body):
             sampling=sampling,
             compressor=options.compressor_choice(),
             constraint=self.response_format.constraint() if self.response_format else None,
-            steer_every=options.steer_every or 0,
+            steer_every=options.steer_every,
             **prompt,
         )
 

@@ -116,7 +116,7 @@ def generate_call(message: pb.GenerateRequest) -> GenerateCall:
         compressor=(
             compressor_choice(message.compressor) if message.HasField("compressor") else None
         ),
-        steer_every=message.steer_every,
+        steer_every=_optional(message, "steer_every"),  # None: the default
     )
 
 
