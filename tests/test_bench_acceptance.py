@@ -26,6 +26,13 @@ def test_a_round_tells_its_first_mismatch_unless_cut_short_with_every_draft_kept
     assert acceptance.first_mismatches(drafted, accepted, 64) == [64, 10, 3]
 
 
+def _args(draft_lens: list[int], quick: bool = True) -> argparse.Namespace:
+    """What a run's result is built from besides its records."""
+    return argparse.Namespace(
+        draft_kv="verifier", quick=quick, draft_lens=draft_lens, model="m", dtype="float32"
+    )
+
+
 def _record(kind, label, mismatches, source="verifier"):
     return {"kind": kind, "compressor": label, "draft_kv": source, "identical": True,
             "first_mismatch": mismatches}  # fmt: skip
@@ -88,8 +95,7 @@ def test_the_result_summarizes_replayed_cells_and_plots(tmp_path):
         _record("tools", "kivi-4bit", [0, 5]),
         _record("code", "streamingllm-4x", [17, 18]),
     ]
-    args = argparse.Namespace(draft_kv="verifier", quick=True, draft_lens=[10, 30], model="m",
-                              dtype="float32")  # fmt: skip
+    args = _args([10, 30])
     result = acceptance_result._result(records, ["kivi-4bit", "streamingllm-4x"], args, 64, 3)
     summary = result["summary"]
     assert summary["x30"] == {"kivi-4bit": pytest.approx(22.0), "streamingllm-4x": 17.5}
@@ -108,8 +114,7 @@ def test_an_earlier_result_is_reported_again_from_its_records():
         _record("code", "snapkv-8x-bf16 T=0.7 seeded", [20, 40]),
         _record("tools", "snapkv-8x-bf16", [0, 5]),
     ]
-    args = argparse.Namespace(draft_kv="verifier", quick=False, draft_lens=[8, 30], model="m",
-                              dtype="float32")  # fmt: skip
+    args = _args([8, 30], quick=False)
     shares = {"snapkv-8x-bf16": 0.09}
     now = acceptance_result.reported(records, ["snapkv-8x-bf16"], args, 256, 3, shares)
     earlier = {**now, "environment": {"cpu": "the run's"}, "environment_steered": {"cpu": "x"}}
@@ -129,8 +134,7 @@ def test_a_run_that_samples_more_than_one_way_plots_them_side_by_side_at_x30(tmp
         _record("code", "kivi-4bit T=0.7 seeded", [20, 40]),
         _record("tools", "kivi-4bit T=0.7 rejection", [0, 5]),
     ]
-    args = argparse.Namespace(draft_kv="verifier", quick=True, draft_lens=[10, 30], model="m",
-                              dtype="float32")  # fmt: skip
+    args = _args([10, 30])
     labels = ["kivi-4bit", "kivi-4bit T=0.7 seeded", "kivi-4bit T=0.7 rejection"]
     result = acceptance_result._result(records, labels, args, 64, 3)
     drawn = []
@@ -254,8 +258,7 @@ def test_the_frontier_reads_the_best_within_each_c_and_steerings_gain(tmp_path):
         _record("code", "kivi-4bit", [30, 30]),  # accepts the most, but c is a quarter
         _record("tools", "snapkv-16x-bf16", [8, 8]),
     ]
-    args = argparse.Namespace(draft_kv="verifier", quick=True, draft_lens=[30], model="m",
-                              dtype="float32")  # fmt: skip
+    args = _args([30])
     labels = ["snapkv-8x-bf16", "snapkv-8x-bf16 steered/2", "snapkv-16x-bf16", "kivi-4bit"]
     shares = {"snapkv-8x-bf16": 0.11, "snapkv-16x-bf16": 0.06, "kivi-4bit": 0.26}
     result = acceptance_result._result(records, labels, args, 64, 3) | {"c": shares}
