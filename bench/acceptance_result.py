@@ -37,7 +37,8 @@ def report_again(earlier: dict) -> dict:
             "recorded): it cannot be reported again"
         )
     args = argparse.Namespace(
-        draft_lens=config["draft_lens"], draft_kv=DraftKVSource.VERIFIER.value,
+        draft_lens=config["draft_lens"],
+        draft_kv=earlier["summary"].get("draft_kv", DraftKVSource.VERIFIER.value),
         dtype=config.get("dtype", "float32"), quick=config["quick"], model=config["model"],
         context_tokens=config.get("context_tokens"),
     )  # fmt: skip

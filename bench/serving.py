@@ -123,11 +123,11 @@ def serve_stream(
     max_tokens: int,
     draft_len: int,
     concurrency: int,
-    steer_every: int | None = 0,
+    steer_every: int = 0,
 ):
     """Submits every request, `concurrency` at a time, in `mode` (or where `mode` routes each;
     VERICACHE's kept sets steered every `steer_every` rounds, 0: not, whatever the server's
-    default; None: the server's default): the wall time, each
+    default): the wall time, each
     Result, the mode each ran in, and the CPU seconds spent meanwhile (`cpu_seconds` keys)."""
     router = mode if isinstance(mode, Router) else None
     with Client(target) as client:

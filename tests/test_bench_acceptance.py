@@ -126,6 +126,11 @@ def test_an_earlier_result_is_reported_again_from_its_records():
     assert again["summary"]["best_accepted_at_c_1_8"]["code"]["c"] == 0.09
     assert again["environment"] == {"cpu": "the run's"} and "reported_environment" in again
     assert again["environment_steered"] == {"cpu": "x"} and again["records"] == records
+    # A run whose drafts read the drafter's own KV alone is reported from that source again.
+    drafted = [_record("code", "snapkv-8x-bf16", [64, 10], source="drafter")]
+    args.draft_kv = "drafter"
+    by_drafter = acceptance_result.reported(drafted, ["snapkv-8x-bf16"], args, 256, 1, shares)
+    assert acceptance_result.report_again(by_drafter)["table"] == by_drafter["table"]
 
 
 def test_a_run_that_samples_more_than_one_way_plots_them_side_by_side_at_x30(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from vericache.engine.long_context_config import LongContextConfig
 from vericache.engine.prompt import build_chat_prompt
 from vericache.engine.request import (
     COUPLINGS,
+    STEERED_PREFIX_TOKENS,
     DecodeMode,
     Request,
     RequestOutput,
@@ -61,8 +62,8 @@ def add_parser(commands) -> None:
         "--steer-every",
         type=int,
         help="vericache over snapkv, pyramidkv or kvzip: the verifier refreshes the drafter's kept "
-        "prefix positions every K rounds (0: never; default: every round over a prefix of 1024 "
-        "tokens or more)",
+        f"prefix positions every K rounds (0: never; default: every round over a prefix of "
+        f"{STEERED_PREFIX_TOKENS} tokens or more)",
     )
     parser.add_argument(
         "--draft-len",
