@@ -307,4 +307,12 @@ def trace_record(
         "first_mismatch": first_mismatches(
             stats.drafted_per_round, stats.accepted_per_round, draft_len
         ),
-    }
+    } | _refreshes(stats)
+
+
+def _refreshes(stats) -> dict:
+    """A steered trace's kept set: its entries, and those each refresh replaced (what a remote
+    drafter's refreshes cost the link, sim/steering_link.py)."""
+    if not stats.kept_entries:
+        return {}
+    return {"kept_entries": stats.kept_entries, "changed_per_refresh": stats.changed_per_refresh}

@@ -6,11 +6,13 @@ verifier's steering adds to a compressor of c <= 1/8."""
 from __future__ import annotations
 
 import re
+import statistics
 from pathlib import Path
 
 from vericache.bench.acceptance_report import (
     TARGET_KINDS,
     _half_width,
+    mean_ci95,
     paired_ratio,
     prompt_mean,
     replays,
@@ -103,6 +105,23 @@ def paired_steering_gains(records: list[dict], shares: dict[str, float], largest
             if pairs:
                 gains.setdefault(kind, {})[label] = paired_ratio(pairs)
     return gains
+
+
+def refresh_shares(records: list[dict]) -> dict:
+    """Per steered run and workload kind: the share of its kept set's entries a refresh replaces,
+    the mean over prompts of each prompt's mean over its refreshes, with a 95% interval."""
+    shares: dict = {}
+    for record in records:
+        changed = record.get("changed_per_refresh")
+        if changed:
+            share = statistics.fmean(changed) / record["kept_entries"]
+            shares.setdefault(record["compressor"], {}).setdefault(record["kind"], []).append(share)
+    return {
+        label: {
+            kind: dict(zip(("mean", "ci95"), mean_ci95(values))) for kind, values in kinds.items()
+        }
+        for label, kinds in shares.items()
+    }
 
 
 def plot_frontier(result: dict, path: Path) -> None:

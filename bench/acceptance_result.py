@@ -11,7 +11,11 @@ from vericache.bench.acceptance_coupling import (
     pooled_seeded_over_rejection,
     seeded_over_rejection,
 )
-from vericache.bench.acceptance_frontier import frontier_summary, paired_steering_gains
+from vericache.bench.acceptance_frontier import (
+    frontier_summary,
+    paired_steering_gains,
+    refresh_shares,
+)
 from vericache.bench.acceptance_report import (
     TARGET_KINDS,
     TARGET_X30,
@@ -58,6 +62,7 @@ def reported(records, labels, args, max_tokens, num_prompts, shares) -> dict:
     summary |= frontier_summary(result["table"][summary["draft_kv"]], shares)
     default_records = [r for r in records if r["draft_kv"] == summary["draft_kv"]]
     summary["steering_gain_at_c_1_8_paired"] = paired_steering_gains(default_records, shares, 1 / 8)
+    summary["steering_refresh_share"] = refresh_shares(default_records)
     return result
 
 
@@ -136,6 +141,9 @@ DEFINITIONS = {
     "steering_gain_at_c_1_8_paired": "the same, prompt by prompt: the sum over prompts of the "
     "steered run's accepted per round over the unsteered's, with a 95% bootstrap interval over "
     "prompts",
+    "steering_refresh_share": "per steered run and workload kind: the share of the kept set's "
+    "(layer, head, position) entries a refresh replaces, the mean over prompts with its 95% "
+    "interval (what a remote drafter's refreshes cost the link)",
 }
 
 

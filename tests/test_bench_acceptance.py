@@ -331,3 +331,28 @@ def test_the_paired_steering_gain_compares_each_prompt_with_itself():
     low, high = gain["ci95"]
     assert low == pytest.approx(1.2) and high == pytest.approx(1.2)  # both prompts gain 20%
     assert paired_steering_gains(records, {"snapkv-8x-bf16": 0.2}, 1 / 8) == {}
+
+
+def test_the_refresh_share_is_the_mean_over_prompts_of_the_entries_a_refresh_replaces():
+    from vericache.bench.acceptance_frontier import refresh_shares
+
+    steered = "snapkv-8x-bf16 steered/1 whole/30"
+
+    def refreshed(kept, changed):
+        return {
+            **_record("code", steered, [10]),
+            "kept_entries": kept,
+            "changed_per_refresh": changed,
+        }
+
+    records = [
+        refreshed(100, [30, 10]),  # 20 of 100 a refresh
+        refreshed(200, [20]),  # 10 of 200
+        _record("code", "snapkv-8x-bf16 whole/30", [10]),  # unsteered: no refreshes
+    ]
+    shares = refresh_shares(records)
+    assert list(shares) == [steered]
+    cell = shares[steered]["code"]
+    assert cell["mean"] == pytest.approx((0.2 + 0.1) / 2)
+    low, high = cell["ci95"]
+    assert low < 0.1 and high > 0.2

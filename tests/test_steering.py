@@ -81,6 +81,12 @@ def test_a_refresh_keeps_the_budget_and_window_and_moves_positions(tiny_engine, 
     original = [layer.tensors["positions"] for layer in before.layers]
     moved = sum(int((~torch.isin(p[:, 0], o[:, 0])).sum()) for p, o in zip(refreshed[-1], original))
     assert moved > 0  # the verifications asked for other positions
+    # The request's stats tell the set's size and what each refresh replaced (a remote drafter's
+    # link bytes, sim/steering_link.py).
+    stats = steered.stats
+    assert stats.kept_entries == sum(int(p.numel()) for p in refreshed[0])
+    assert len(stats.changed_per_refresh) == len(refreshed)
+    assert 0 < max(stats.changed_per_refresh) <= stats.kept_entries
     # Steering edits the request's own copy: the prefix's shared compressed KV is unchanged.
     after = engine.compressed_prefix_kv(_prompt()[:PREFIX], compressor).to_state()
     assert after.equals(before)

@@ -76,6 +76,13 @@ class KeptSetSteering:
             compressor.storage_dtype,
         )  # fmt: skip
 
+    @property
+    def num_kept_entries(self) -> int:
+        """The (layer, head, position) entries of a kept set: every set it makes keeps as many."""
+        return sum(
+            positions.numel() for positions in self._kept[self.version] if positions is not None
+        )
+
     def observe(self, layer_index: int, positions, queries: torch.Tensor, layer_kv) -> None:
         """The runner's hook on a verification: the rows' rotated queries [n, Hq, D]."""
         self._queries.setdefault(layer_index, []).append(queries.detach())

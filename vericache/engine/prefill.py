@@ -97,6 +97,7 @@ class SequenceStarter:
             seq.steering = KeptSetSteering.of(
                 request.steer_every, seq.compressed_cache, split, request.compressor
             )
+            seq.stats.kept_entries = seq.steering.num_kept_entries
         seq.stats.prefill_s = time.perf_counter() - seq.started_at
         seq.commit([first.token_id], first.logprobs)
         return seq

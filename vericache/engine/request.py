@@ -252,6 +252,10 @@ class RequestStats:
     verify_s: float = 0.0
     decode_s: float = 0.0  # single-token steps of the full and lossy modes
     total_s: float = 0.0
+    # Where the verifier steers the drafter's kept set (compress/steering.py): the set's
+    # (layer, head, position) entries, and how many of them each refresh replaced.
+    kept_entries: int = 0
+    changed_per_refresh: list[int] = field(default_factory=list)
 
     @property
     def draft_tokens(self) -> int:
@@ -292,6 +296,8 @@ class RequestStats:
             "tokens_per_round": self.tokens_per_round,
             "accepted_per_round": list(self.accepted_per_round),
             "drafted_per_round": list(self.drafted_per_round),
+            "kept_entries": self.kept_entries,
+            "changed_per_refresh": list(self.changed_per_refresh),
         }
 
     def timing_dict(self) -> dict:

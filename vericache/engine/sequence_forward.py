@@ -113,7 +113,7 @@ class SequenceForward:
         seq.request.compressor.update(compressed)
         steering = seq.steering
         if steering is not None and steering.round_done():
-            steering.refresh(compressed, seq.full_cache)
+            seq.stats.changed_per_refresh.append(steering.refresh(compressed, seq.full_cache))
 
 
 def _decode_step(seq: Sequence, job: Job, elapsed: float) -> None:
