@@ -130,3 +130,15 @@ def test_a_request_that_does_not_choose_is_steered_over_a_long_prefix_alone(serv
     assert long_enough.token_ids == off.token_ids == too_short.token_ids == reference.token_ids
     assert long_enough.stats["kept_set_refreshes"] >= 1
     assert off.stats["kept_set_refreshes"] == too_short.stats["kept_set_refreshes"] == 0
+
+
+def test_a_compositions_regrouped_refreshes_cross_to_the_drafter(served, monkeypatch):
+    """snapkv+kivi: each refresh carries the drafter's leading KIVI groups quantized again."""
+    server, client, _ = served
+    composed = client.put_prefix(CONTEXT, compressor="snapkv+kivi", ratio=4, bits=4)
+    reference = _generate(client, composed, mode="full_local")
+    sent, _ = _watch_the_link(monkeypatch)
+    steered = _generate(client, composed, mode="vericache", steer_every=1)
+    assert steered.token_ids == reference.token_ids
+    assert steered.stats["kept_set_refreshes"] == len(sent) >= 1
+    assert steered.stats["kept_set_refreshes_dropped"] == 0

@@ -13,7 +13,9 @@ import torch
 from tests.test_conformance import PREFIX, _prompt
 from tests.test_engine_sampling import long_context_generate
 from vericache.compress import H2O, KIVI, KVzip, PyramidKV, SnapKV, build_compressor
+from vericache.compress.composed import Composed
 from vericache.compress.kept_set import (
+    LayerRegrouped,
     apply_refresh,
     kept_positions,
     refreshed_positions,
@@ -29,11 +31,14 @@ from vericache.engine.request import (
 )
 from vericache.errors import InvalidRequestError
 from vericache.kv.prefixed import shared_clone
+from vericache.kv.quantized import quantized_groups
 
 MAX_NEW = 32
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
 SAMPLED = dataclasses.replace(GREEDY, temperature=0.8, top_p=0.9, seed=3)
 DROPPERS = [SnapKV(ratio=4, window=8), PyramidKV(ratio=4), KVzip(ratio=4, chunk_size=64)]
+# SnapKV's 75 kept slots of the 300-token prefix: two whole KIVI groups of 32, and 11 past them.
+COMPOSED = Composed(SnapKV(ratio=4, window=8), KIVI(bits=4))
 
 
 def _request(compressor=None, params=GREEDY, steer_every=0, seed=3) -> Request:
@@ -44,7 +49,7 @@ def _request(compressor=None, params=GREEDY, steer_every=0, seed=3) -> Request:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("compressor", DROPPERS, ids=lambda c: c.name)
+@pytest.mark.parametrize("compressor", [*DROPPERS, COMPOSED], ids=lambda c: c.name)
 def test_a_steered_drafter_still_gives_full_decodings_output(tiny_engine, compressor, params):
     engine = tiny_engine()
     full, plain, steered = engine.generate(
@@ -52,6 +57,7 @@ def test_a_steered_drafter_still_gives_full_decodings_output(tiny_engine, compre
     )
     assert plain.token_ids == full.token_ids == steered.token_ids
     assert steered.stats.rounds < MAX_NEW
+    assert sum(steered.stats.changed_per_refresh) > 0  # its kept set did move
 
 
 def test_a_refresh_keeps_the_budget_and_window_and_moves_positions(tiny_engine, monkeypatch):
@@ -92,9 +98,9 @@ def test_a_refresh_keeps_the_budget_and_window_and_moves_positions(tiny_engine, 
     assert after.equals(before)
 
 
-def test_the_long_context_engine_steers_over_the_full_kv_it_loads(tiny_engine):
+@pytest.mark.parametrize("compressor", [SnapKV(ratio=4, window=8), COMPOSED], ids=lambda c: c.name)
+def test_the_long_context_engine_steers_over_the_full_kv_it_loads(tiny_engine, compressor):
     engine = tiny_engine()
-    compressor = SnapKV(ratio=4, window=8)
     (steered,) = long_context_generate(engine, [_request(compressor, steer_every=2)])
     (full,) = engine.generate([_request()])
     assert steered.token_ids == full.token_ids
@@ -115,7 +121,7 @@ def test_attention_mass_ranks_the_key_a_query_points_at():
     [
         (KIVI(bits=4), DecodeMode.VERICACHE, "not kivi"),
         (H2O(ratio=4), DecodeMode.VERICACHE, "not h2o"),
-        (build_compressor("snapkv+kivi"), DecodeMode.VERICACHE, r"not snapkv\+kivi"),
+        (build_compressor("snapkv+kvquant"), DecodeMode.VERICACHE, r"not snapkv\+kvquant"),
         (SnapKV(ratio=4), DecodeMode.LOSSY, "mode 'vericache' only"),
     ],
 )
@@ -206,3 +212,42 @@ def test_a_refresh_is_checked_where_it_arrives(tiny_engine):
     again = steering.plan(engine.prefix_kv(_prompt()[:PREFIX]), 0)
     assert (again.version, again.base_version) == (2, 0)
     apply_refresh(shared_clone(compressed, compressed.num_tokens + 4), PREFIX, again)
+
+
+def test_a_compositions_refresh_quantizes_its_leading_groups_again_from_the_full_kv(tiny_engine):
+    engine = tiny_engine()
+    steering, refresh, full, compressed = _planned(engine, COMPOSED)
+    base = kept_positions(compressed, PREFIX)
+    assert all(
+        torch.equal(a, b) for a, b in zip(stored_kept_positions(compressed.to_state()), base)
+    )
+    assert refresh.num_changed > 0 and all(
+        isinstance(layer, LayerRegrouped) for layer in refresh.layers
+    )
+    session = compressed.clone()
+    apply_refresh(session, PREFIX, refresh)
+    made = kept_positions(session, PREFIX)
+    for got, planned, before in zip(made, refreshed_positions(base, refresh), base):
+        assert torch.equal(got, planned)
+        assert got.shape == before.shape  # the same number of slots per head
+        assert torch.equal(got[64:], before[64:])  # the 11 past the two groups stay
+        assert bool((got[1:] > got[:-1]).all())  # ascending per head, below those 11
+    for layer in refresh.layers:  # the groups as compressing with those positions stores them
+        grouped = layer.groups["positions"]
+        full_keys, full_values = full.layers[layer.index].keys_values()
+        heads = torch.arange(grouped.shape[1])
+        at = (grouped.long(), heads)
+        expected = quantized_groups(full_keys[at], full_values[at], grouped, 4, 32)
+        stored = session.layers[layer.index].to_state().tensors
+        for name, tensor in expected.items():
+            rows = tensor.shape[0]
+            assert torch.equal(stored[name][:rows], tensor), name
+    # The prefix's own compressed KV is as it was; a damaged refresh is told apart.
+    assert all(torch.equal(a, b) for a, b in zip(kept_positions(compressed, PREFIX), base))
+    sealed = refresh.sealed()
+    layer = sealed.layers[0]
+    codes = layer.groups["key_codes"].clone()
+    codes[0, 0, 0] ^= 1
+    groups = layer.groups | {"key_codes": codes}
+    damaged = dataclasses.replace(sealed, layers=(LayerRegrouped(layer.index, 1, groups),))
+    assert sealed.is_intact() and not damaged.is_intact()

@@ -44,7 +44,8 @@ class GenerateOptions(Sampling, total=False):
     `stop_token_ids` (end tokens besides the model's EOS, kept in the output). `compressor` (with
     `ratio` or `bits`) asks for the prefix's compressor: a named prefix must have been registered
     with it, and without `prefix_id` only the prefixes registered with it are looked up (None:
-    any). `steer_every` (vericache over a token dropper's prefix: snapkv, pyramidkv, kvzip): the
+    any). `steer_every` (vericache over a token dropper's prefix: snapkv, pyramidkv, kvzip, alone
+    or composed with kivi): the
     verifier refreshes the drafter's kept prefix positions every this many rounds, from the
     attention its verifications pay them (0: never; None: the server's default, every round
     over a prefix of 1024 tokens or more; the output is the same either way).

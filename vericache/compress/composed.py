@@ -73,6 +73,19 @@ class Composed(Compressor):
     def kept_token_ratio(self) -> float:
         return self.dropper.ratio
 
+    @property
+    def is_steerable(self) -> bool:
+        """Steered as its dropper is, its KIVI groups quantized again (compress/steering.py)."""
+        return self.dropper.is_steerable and self.quantizer.regroups
+
+    @property
+    def observation_window(self) -> int:
+        return self.dropper.observation_window
+
+    @property
+    def storage_dtype(self) -> None:
+        return None  # the kept slots are quantized
+
     def compress(self, full: KVCache, context=None) -> CompressedKV:
         kept = self.dropper.compress(full, context)
         quantized = self.quantizer.compress(kept, context)

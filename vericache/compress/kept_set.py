@@ -9,6 +9,13 @@ drafter takes it only where its own set is that base (a refresh lost on the way 
 older one, which it tells the verifier with its next drafts), and only where its digest holds (a
 refresh damaged on the way is dropped, and counted there). Applied, each head's slots are in
 ascending position order again, on whichever side applies it, so both sides agree on the set.
+
+A composition's quantized layer (`snapkv+kivi`) keeps its prefix slots in whole groups, keys
+quantized per channel over each group: one entry cannot be swapped alone. Its refresh
+(`LayerRegrouped`) carries the layer's leading groups whole, quantized again from the full KV's
+exact keys and values at the new positions: what compressing the prefix keeping those positions
+would have stored, so no error builds up over refreshes. The slots past the last whole group
+(fewer than a group: each head's newest kept positions) stay as they are.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import torch
 
 from vericache.kv.cache import DenseLayerKV, KVCache
 from vericache.kv.prefixed import PrefixedLayerKV
+from vericache.kv.quantized import QUANTIZED_TENSORS
 from vericache.kv.state import CacheState
 
-# Per layer: the kept prefix positions [k, H] of a dense layer (None: a layer steering leaves as
-# it is, a quantized one).
+# Per layer: the kept prefix positions [k, H] of a dense layer or a regrouped quantized one (None:
+# a layer steering leaves as it is).
 KeptPositions = tuple[torch.Tensor | None, ...]
 
 
@@ -39,18 +47,34 @@ class LayerRefresh:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.heads, self.removed, self.added, self.keys, self.values)
 
+    @property
+    def num_changed(self) -> int:
+        return self.heads.numel()
+
+
+@dataclass(frozen=True, eq=False)
+class LayerRegrouped:
+    """A quantized layer's leading whole groups, quantized again at the positions they keep."""
+
+    index: int  # the layer
+    num_changed: int  # (head, position) entries it brings in
+    groups: dict[str, torch.Tensor]  # kv/quantized.py `quantized_groups`: positions [n, H], codes
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.groups[name] for name in QUANTIZED_TENSORS)
+
 
 @dataclass(frozen=True)
 class KeptSetRefresh:
     version: int  # the kept set it makes
     base_version: int  # the kept set it applies to
-    layers: tuple[LayerRefresh, ...]
+    layers: tuple[LayerRefresh | LayerRegrouped, ...]
     digest: str = field(default="", compare=False)  # of everything above, `sealed()`
 
     @property
     def num_changed(self) -> int:
         """(layer, head, position) entries it replaces."""
-        return sum(layer.heads.numel() for layer in self.layers)
+        return sum(layer.num_changed for layer in self.layers)
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +91,7 @@ class KeptSetRefresh:
     def _computed_digest(self) -> str:
         digest = hashlib.sha256(f"{self.version}:{self.base_version}".encode())
         for layer in self.layers:
-            digest.update(f"|{layer.index}".encode())
+            digest.update(f"|{type(layer).__name__}:{layer.index}".encode())
             for tensor in layer.tensors():
                 digest.update(f":{tensor.dtype}:{tuple(tensor.shape)}:".encode())
                 digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
@@ -75,19 +99,29 @@ class KeptSetRefresh:
 
 
 def kept_positions(cache: KVCache, num_prefix: int) -> KeptPositions:
-    """A compressed cache's kept prefix positions, per layer [k, H] (None: not dense)."""
+    """A compressed cache's kept prefix positions, per layer [k, H] (None: not steered)."""
     return tuple(
-        _kept_prefix_positions(layer, num_prefix) if getattr(layer, "is_dense", False) else None
+        _kept_prefix_positions(layer, num_prefix) if _is_steered(layer) else None
         for layer in cache.layers
     )
 
 
+def _is_steered(layer) -> bool:
+    return getattr(layer, "is_dense", False) or getattr(layer, "regroups", False)
+
+
 def stored_kept_positions(state: CacheState) -> KeptPositions:
-    """A stored compressed prefix's kept positions, per layer [k, H] (None: not dense)."""
-    return tuple(
-        layer.tensors["positions"].clone() if layer.kind == "dense" else None
-        for layer in state.layers
-    )
+    """A stored compressed prefix's kept positions, per layer [k, H] (None: not steered)."""
+    return tuple(_stored_positions(layer) for layer in state.layers)
+
+
+def _stored_positions(layer) -> torch.Tensor | None:
+    tensors = layer.tensors
+    if layer.kind == "dense":
+        return tensors["positions"].clone()
+    if layer.kind == "quantized":  # its groups, then the slots past them
+        return torch.cat([tensors["positions"], tensors["residual_positions"]])
+    return None
 
 
 def refreshed_positions(base: KeptPositions, refresh: KeptSetRefresh) -> KeptPositions:
@@ -95,6 +129,10 @@ def refreshed_positions(base: KeptPositions, refresh: KeptSetRefresh) -> KeptPos
     positions = list(base)
     for layer in refresh.layers:
         base_positions = base[layer.index]
+        if isinstance(layer, LayerRegrouped):
+            grouped = layer.groups["positions"].to(base_positions.device)
+            positions[layer.index] = torch.cat([grouped, base_positions[grouped.shape[0] :]])
+            continue
         slots = _slots_of(base_positions, layer)
         positions[layer.index], _ = _replaced(base_positions, layer, slots)
     return tuple(positions)
@@ -106,6 +144,11 @@ def apply_refresh(cache: KVCache, num_prefix: int, refresh: KeptSetRefresh) -> N
     for layer_refresh in refresh.layers:
         index = layer_refresh.index
         layer = cache.layers[index]
+        if isinstance(layer_refresh, LayerRegrouped):
+            if not getattr(layer, "regroups", False):
+                raise ValueError("a regrouping refresh for a layer that is not regrouped")
+            layer.replace_leading(layer_refresh.groups)
+            continue
         kept = _kept_part(layer, num_prefix)
         keys, values = (t.clone() for t in kept.slots(0, kept.num_slots))  # [k, H, D] each
         slots = _slots_of(kept.positions(), layer_refresh)
@@ -139,7 +182,7 @@ def _slots_of(positions: torch.Tensor, refresh: LayerRefresh) -> torch.Tensor:
 
 
 def _kept_prefix_positions(layer, num_prefix: int) -> torch.Tensor:  # [k, H]
-    """A compressed dense layer's kept prefix positions, read without copying its slots."""
+    """A compressed layer's kept prefix positions, read without copying its slots."""
     if isinstance(layer, PrefixedLayerKV):
         return layer.shared.positions().clone()
     positions = layer.positions()  # [slots, H]

@@ -27,6 +27,8 @@ class KIVI(Compressor):
     name: ClassVar[str] = "kivi"
     kind: ClassVar[CompressionKind] = CompressionKind.QUANTIZATION
     mode: ClassVar[CompressionMode] = CompressionMode.ONLINE
+    # A composition's kept groups may be quantized again from exact keys (compress/steering.py).
+    regroups: ClassVar[bool] = True
 
     bits: int = 4
     group_size: int = 32

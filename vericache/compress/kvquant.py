@@ -21,6 +21,8 @@ class KVQuant(KIVI):
     """
 
     name: ClassVar[str] = "kvquant"
+    # Its keys are quantized before RoPE with outliers apart: not regrouped from rotated keys.
+    regroups: ClassVar[bool] = False
 
     outlier_fraction: float = 0.01
 

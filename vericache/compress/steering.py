@@ -15,8 +15,10 @@ every round is still verified over the full KV, so the output is full decoding's
 
 Scores are the queries' attention over the prefix alone (softmax over the prefix's keys, not the
 tokens after it): a ranking of prefix positions, which the positions after it do not change.
-Layers the dropper keeps dense are steered (SnapKV, PyramidKV, KVzip); a quantized layer (a
-composition) is not: its packed groups would need quantizing again.
+Layers the dropper keeps dense are steered (SnapKV, PyramidKV, KVzip), and so are a composition's
+KIVI layers (`snapkv+kivi`): their leading whole groups are chosen again as a dense layer's slots
+are, within the positions below those the slots past them hold, and quantized again from the full
+KV's exact keys and values (compress/kept_set.py `LayerRegrouped`).
 
 Where the drafter is remote, the verifier plans each refresh against the kept set the drafter last
 said it holds (its version, which the drafts carry) and sends only what changes
@@ -31,16 +33,20 @@ import math
 
 import torch
 
+from vericache.compress.composed import Composed
 from vericache.compress.kept_set import (
     KeptPositions,
     KeptSetRefresh,
     LayerRefresh,
+    LayerRegrouped,
     apply_refresh,
     kept_positions,
     refreshed_positions,
 )
+from vericache.compress.kivi import KIVI
 from vericache.kv.cache import KVCache
 from vericache.kv.prefixed import PrefixedLayerKV
+from vericache.kv.quantized import quantized_groups
 
 # Kept sets a steering keeps besides the newest: those a drafter may still hold (a refresh on its
 # way, or lost on the way).
@@ -53,12 +59,13 @@ class KeptSetSteering:
 
     def __init__(
         self, every: int, num_prefix_tokens: int, window: int, kept: KeptPositions,
-        storage_dtype: torch.dtype | None = None,
+        storage_dtype: torch.dtype | None = None, quantizer: KIVI | None = None,
     ):  # fmt: skip
         self.every = every  # rounds between refreshes
         self.num_prefix_tokens = num_prefix_tokens
         self.window = window  # the prefix's last tokens always kept
         self.storage_dtype = storage_dtype  # the kept slots' dtype (None: the full KV's)
+        self.quantizer = quantizer  # a composition's: its layers' kept slots are quantized groups
         self._queries: dict[int, list[torch.Tensor]] = {}  # layer -> [n, Hq, D] per forward
         self._kept: dict[int, KeptPositions] = {0: kept}
         self.version = 0  # the newest kept set
@@ -73,7 +80,7 @@ class KeptSetSteering:
         kept = kept_positions(compressed, num_prefix_tokens)
         return cls(
             every, num_prefix_tokens, compressor.observation_window, kept,
-            compressor.storage_dtype,
+            compressor.storage_dtype, kept_quantizer(compressor),
         )  # fmt: skip
 
     @property
@@ -112,7 +119,7 @@ class KeptSetSteering:
         for index, positions in enumerate(base):
             if index in queries and positions is not None:
                 layer = self._layer(index, positions, torch.cat(queries[index]), full)
-                if layer.heads.numel():  # a layer whose set stays carries nothing
+                if layer is not None and layer.num_changed:  # a set that stays carries nothing
                     layers.append(layer)
         refresh = KeptSetRefresh(self.version + 1, base_version, tuple(layers))
         self.version += 1
@@ -131,9 +138,11 @@ class KeptSetSteering:
 
     def _layer(
         self, index: int, base: torch.Tensor, queries: torch.Tensor, full: KVCache
-    ) -> LayerRefresh:
+    ) -> LayerRefresh | LayerRegrouped | None:
         """Layer `index`'s entries whose positions leave the kept set `base` [k, H], each paired
         with one that enters it in the same head, and the entering ones' keys and values."""
+        if self.quantizer is not None:
+            return self._regrouped(index, base, queries, full)
         prefix_keys, prefix_values = _prefix_kv(full.layers[index], self.num_prefix_tokens)
         scores = attention_mass(queries, prefix_keys)  # [Hkv, P]
         chosen = self._chosen(scores, base.shape[0]).to(base.device)  # [k, H] ascending
@@ -143,13 +152,44 @@ class KeptSetSteering:
         keys, values = prefix_keys[at].to(dtype), prefix_values[at].to(dtype)  # [m, D]
         return LayerRefresh(index, heads, removed, added, keys, values)
 
-    def _chosen(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    def _regrouped(
+        self, index: int, base: torch.Tensor, queries: torch.Tensor, full: KVCache
+    ) -> LayerRegrouped | None:
+        """A quantized layer's leading whole groups of the kept set `base` [k, H], chosen again
+        below the positions its slots past them hold, and quantized again (None: no whole
+        group)."""
+        quantizer = self.quantizer
+        num_grouped = base.shape[0] // quantizer.group_size * quantizer.group_size
+        if not num_grouped:
+            return None
+        prefix_keys, prefix_values = _prefix_kv(full.layers[index], self.num_prefix_tokens)
+        scores = attention_mass(queries, prefix_keys)  # [Hkv, P]
+        held_past = base[num_grouped] if num_grouped < base.shape[0] else None  # [H]
+        chosen = self._chosen(scores, num_grouped, held_past)  # [n, H] ascending
+        at = (chosen.long().to(prefix_keys.device), torch.arange(chosen.shape[1]))
+        keys, values = prefix_keys[at], prefix_values[at]  # [n, H, D]
+        groups = quantized_groups(keys, values, chosen, quantizer.bits, quantizer.group_size)
+        old = base[:num_grouped].to(chosen.device)
+        entering = sum(
+            int((~torch.isin(chosen[:, head], old[:, head])).sum()) for head in range(base.shape[1])
+        )
+        return LayerRegrouped(index, entering, groups)
+
+    def _chosen(
+        self, scores: torch.Tensor, budget: int, below: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Per head, `budget` prefix positions [budget, H] ascending: the last `window` ones,
-        then the best scored of the rest."""
+        then the best scored of the rest; where `below` [H] is given, only positions below
+        each head's."""
         num_prefix = scores.shape[1]
         window = min(self.window, budget, num_prefix)
         ranked = scores.clone()
         ranked[:, num_prefix - window :] = math.inf
+        if below is not None:  # the positions from there on are held past the groups
+            past = (
+                torch.arange(num_prefix, device=ranked.device) >= below.to(ranked.device)[:, None]
+            )
+            ranked[past] = -math.inf
         top = ranked.topk(budget, dim=-1).indices  # [H, budget]
         return top.sort(dim=-1).values.T.contiguous().to(torch.int32)
 
@@ -185,3 +225,9 @@ def _prefix_kv(layer, num_prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.shared.slots(0, num_prefix)
     keys, values = layer.keys_values()
     return keys[:num_prefix], values[:num_prefix]
+
+
+def kept_quantizer(compressor) -> KIVI | None:
+    """The quantizer a steered compressor's kept slots are grouped by (a composition's), or
+    None (a dropper's dense slots)."""
+    return compressor.quantizer if isinstance(compressor, Composed) else None

@@ -237,7 +237,7 @@ class Request:
         if not compressor.is_steerable:
             raise InvalidRequestError(
                 f"steer_every steers a token dropper that keeps its tokens once (snapkv, "
-                f"pyramidkv, kvzip), not {compressor.name}"
+                f"pyramidkv, kvzip, alone or composed with kivi), not {compressor.name}"
             )
 
 

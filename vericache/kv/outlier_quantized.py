@@ -27,6 +27,8 @@ class OutlierQuantizedLayerKV(QuantizedLayerKV):
     kind = "quantized_outliers"
     # Outliers and the RoPE rotation are applied after dequantization, outside the fused kernel.
     attends_packed = False
+    # Its keys are quantized before RoPE with outliers apart: not regrouped from rotated keys.
+    regroups = False
 
     def __init__(
         self,

@@ -38,6 +38,9 @@ QUANTIZED_TENSORS = (
 class QuantizedLayerKV:
     # Attention may read the packed codes directly (`attend`) instead of `keys_values`.
     attends_packed = True
+    # Its leading groups may be quantized again from exact keys and values (`replace_leading`):
+    # a steered kept set's (compress/kept_set.py).
+    regroups = True
 
     def __init__(self, num_kv_heads: int, head_dim: int, dtype, device, bits: int, group_size: int):
         if head_dim % codes_per_byte(bits):
@@ -98,20 +101,30 @@ class QuantizedLayerKV:
         self.residual.retain(remaining.unsqueeze(1).expand(-1, keys.shape[1]))
 
     def _quantize_and_store(self, keys, values, positions) -> None:
-        num_groups = keys.shape[0] // self.group_size
-        grouped = keys.reshape(num_groups, self.group_size, *keys.shape[1:])  # [G, S, H, D]
-        key_codes, key_scale, key_zero = quantize(grouped, self.bits, dim=1)
-        value_codes, value_scale, value_zero = quantize(values, self.bits, dim=-1)
-        new = {
-            "key_codes": pack(key_codes.flatten(0, 1), self.bits),
-            "key_scale": key_scale.squeeze(1),
-            "key_zero": key_zero.squeeze(1),
-            "value_codes": pack(value_codes, self.bits),
-            "value_scale": value_scale,
-            "value_zero": value_zero,
-            "positions": positions,
-        }
+        new = quantized_groups(keys, values, positions, self.bits, self.group_size)
         self._q = {name: torch.cat([self._q[name], new[name]]) for name in QUANTIZED_TENSORS}
+
+    def quantized_positions(self) -> torch.Tensor:
+        """The quantized slots' positions [T, H]."""
+        return self._q["positions"]
+
+    def replace_leading(self, groups: dict[str, torch.Tensor]) -> None:
+        """Its first quantized slots replaced by `groups` (`quantized_groups`' output, as many
+        whole groups as it holds there): a steered kept set's (compress/kept_set.py). The
+        tensors are replaced, not written, so a clone sharing them keeps its own."""
+        num_slots = groups["positions"].shape[0]
+        if num_slots % self.group_size or num_slots > self.num_quantized:
+            raise CacheStateError(
+                f"{num_slots} slots are not whole groups of the {self.num_quantized} quantized"
+            )
+        per_group = {"key_scale", "key_zero"}  # one row a group, not a slot
+        self._q = {
+            name: torch.cat([
+                groups[name].to(self._q[name].device),
+                self._q[name][num_slots // self.group_size if name in per_group else num_slots :],
+            ])
+            for name in QUANTIZED_TENSORS
+        }  # fmt: skip
 
     def keys_values(self, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         num_quantized, total = self.num_quantized, self.num_slots
@@ -183,3 +196,23 @@ class QuantizedLayerKV:
         twin = copy.copy(self)
         twin.residual = self.residual.clone(capacity - self.num_quantized, pool)
         return twin
+
+
+def quantized_groups(
+    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, bits: int, group_size: int
+) -> dict[str, torch.Tensor]:
+    """Keys and values [T, H, D] at `positions` [T, H] (T whole groups of `group_size`) quantized
+    as a `QuantizedLayerKV` stores them: keys per channel over each group, values per token."""
+    num_groups = keys.shape[0] // group_size
+    grouped = keys.reshape(num_groups, group_size, *keys.shape[1:])  # [G, S, H, D]
+    key_codes, key_scale, key_zero = quantize(grouped, bits, dim=1)
+    value_codes, value_scale, value_zero = quantize(values, bits, dim=-1)
+    return {
+        "key_codes": pack(key_codes.flatten(0, 1), bits),
+        "key_scale": key_scale.squeeze(1),
+        "key_zero": key_zero.squeeze(1),
+        "value_codes": pack(value_codes, bits),
+        "value_scale": value_scale,
+        "value_zero": value_zero,
+        "positions": positions,
+    }

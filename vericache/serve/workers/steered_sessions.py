@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 
 from vericache.compress.kept_set import KeptPositions, KeptSetRefresh, stored_kept_positions
-from vericache.compress.steering import KeptSetSteering
+from vericache.compress.steering import KeptSetSteering, kept_quantizer
 from vericache.kv.cache import KVCache
 from vericache.kv.state import CacheState
 from vericache.serve.store.catalog import PrefixRecord, compressor_of
@@ -39,7 +39,7 @@ class SteeredSessions:
                 self._kept[record.prefix_id] = kept
         steering = KeptSetSteering(
             every, len(record.token_ids), compressor.observation_window, kept,
-            compressor.storage_dtype,
+            compressor.storage_dtype, kept_quantizer(compressor),
         )  # fmt: skip
         with self._lock:
             self._sessions[session_id] = steering
