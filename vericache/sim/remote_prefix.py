@@ -272,7 +272,9 @@ class VeriCacheRequest:
         elif self.verifier is None:  # on its node: the committed tokens' KV is in place
             self._draft(num_drafts)
         else:
-            exact_bytes = exact_tokens * self.run.scenario.kv_bytes_per_token
+            scenario = self.run.scenario
+            exact_bytes = exact_tokens * scenario.kv_bytes_per_token
+            exact_bytes += scenario.refresh_bytes_due(self.seq.seq.stats.rounds)
             self.drafter.link.send(exact_bytes, lambda: self._draft(num_drafts))
 
     def _draft(self, num_drafts: int) -> None:

@@ -200,15 +200,17 @@ def _central_seconds_per_token(
 ) -> float:
     """A round drafted on `drafter` (a step: `draft_s`) and verified on the central verifier
     over `num_after` tokens past the prefix (`full`): the draft steps, the verification, the two
-    calls' latency and the committed tokens' exact KV across, behind the transfers queued on the
-    drafter's link (it moves one at a time: a round's few MB wait out a prefix fetched ahead, and
-    the fetches that keep a link busy now are taken to keep it so)."""
+    calls' latency and the committed tokens' exact KV across (and a steered kept set's
+    refreshes), behind the transfers queued on the drafter's link (it moves one at a time: a
+    round's few MB wait out a prefix fetched ahead, and the fetches that keep a link busy now are
+    taken to keep it so)."""
     scenario, mean = run.scenario, run.mean_accepted
     x = scenario.draft_len
     verify_row = scenario.row(x + 1, num_after, False, full)
     verify_s = _step_s(run, verifier, [verify_row], 0)
     link = drafter.link
-    exact_s = link.foreground_wait_s() + (mean + 1) * scenario.kv_bytes_per_token / link.bytes_per_s
+    round_bytes = (mean + 1) * scenario.kv_bytes_per_token + scenario.refresh_bytes_per_round()
+    exact_s = link.foreground_wait_s() + round_bytes / link.bytes_per_s
     overhead_s = 2 * scenario.network_latency_s + exact_s
     return round_seconds_per_token(x, draft_s, verify_s, overhead_s, mean)
 

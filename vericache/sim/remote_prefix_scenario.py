@@ -24,6 +24,7 @@ from vericache.errors import InvalidRequestError
 from vericache.kv.slots import own_full_kv_slots, reserved_full_kv_bytes
 from vericache.sim.cost import ForwardCost, Row, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile
+from vericache.sim.steering_link import refresh_bytes_per_round
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
 
 
@@ -100,6 +101,11 @@ class RemotePrefixScenario:
     # worker computing as it starts, as `mode: auto` prices it (serve/backends/path_costs.py).
     # False: each worker has its device's memory to itself (a GPU's).
     workers_share_memory: bool = False
+    # VERICACHE: every this many rounds a central verifier refreshes the drafter's kept set over
+    # the link (sim/steering_link.py); a warm node refreshes in place. 0: never.
+    steer_every: int = 0
+    # The kept tokens are a composition's quantized groups (snapkv+kivi): a refresh resends them.
+    compressed_groups: bool = False
 
     def __post_init__(self):
         counts = (self.num_verifiers, self.num_drafters, self.prefix_tokens, self.num_prefixes)
@@ -142,6 +148,8 @@ class RemotePrefixScenario:
     def _check_turns_and_tiers(self) -> None:
         if self.turns_per_session < 1 or self.prefill_chunk_tokens < 1:
             raise InvalidRequestError("turns_per_session and prefill_chunk_tokens must be >= 1")
+        if self.steer_every < 0:
+            raise InvalidRequestError("steer_every must be >= 0")
         longest = self.prefix_tokens + self.turns_per_session * self.suffix_tokens
         longest += (self.turns_per_session - 1) * max(self.output_lengths.lengths)
         if longest >= self.model.max_positions:
@@ -161,6 +169,19 @@ class RemotePrefixScenario:
     def prefix_bytes(self, compressed: bool) -> int:
         ratio = self.compressed_ratio if compressed else 1.0
         return int(self.prefix_tokens * self.kv_bytes_per_token * ratio)
+
+    def refresh_bytes_due(self, rounds_verified: int) -> float:
+        """The kept-set refresh a central verifier sends with a session's next draft call after
+        its `rounds_verified`-th round (0 bytes where none is due)."""
+        due = self.steer_every and rounds_verified and rounds_verified % self.steer_every == 0
+        return self.refresh_bytes_per_round() * self.steer_every if due else 0.0
+
+    def refresh_bytes_per_round(self) -> float:
+        """Those refreshes' bytes a round, on average."""
+        compressed, head_dim = self.prefix_bytes(compressed=True), self.model.head_dim
+        return refresh_bytes_per_round(
+            compressed, self.steer_every, head_dim, self.compressed_groups
+        )
 
     def row(
         self,

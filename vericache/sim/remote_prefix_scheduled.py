@@ -110,7 +110,9 @@ class _ScheduledRequest(VeriCacheRequest):
         if num_drafts == 0:  # the budget leaves one token: the verification chooses it
             self._ready()
             return
-        exact_bytes = self.exact_tokens * self.run.scenario.kv_bytes_per_token
+        scenario = self.run.scenario
+        exact_bytes = self.exact_tokens * scenario.kv_bytes_per_token
+        exact_bytes += scenario.refresh_bytes_due(self.seq.seq.stats.rounds)
         self.exact_tokens = 0
         self.drafter.link.send(exact_bytes, lambda: self._call_drafter(num_drafts))
 

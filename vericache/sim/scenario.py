@@ -48,6 +48,8 @@ Pipeline 2, remote prefix caching (per-request rounds, as the coordinator's defa
     shared_prefix_attention: false  # true: a forward reads a shared prefix once (cascade)
     warm_nodes: false               # true: drafter nodes verify once their host tier is warm
     turns_per_session: 1            # a session's sequential turns, each a request of its own
+    steer_every: 0                  # rounds between a central verifier's kept-set refreshes
+    compressed_groups: false        # true: the kept tokens are quantized groups (snapkv+kivi)
     mode: vericache                 # or auto: each request's path chosen, reported beside it
 
 Every field is checked, unknown ones refused. The result sets VeriCache against full-KV serving on
@@ -105,7 +107,7 @@ _FIELDS = {
         "tensor_parallel", "activation_reserve", "prefix_caching", "compressed_token_share",
         "verifier_prefix_cache_gb", "drafter_prefix_cache_gb", "prefixes_in_turn",
         "host_tier_gb", "recompute_prefixes", "shared_prefix_attention", "warm_nodes",
-        "turns_per_session", "mode",
+        "turns_per_session", "mode", "steer_every", "compressed_groups",
     },
 }  # fmt: skip
 
@@ -286,6 +288,8 @@ def _remote_prefix(data: dict) -> RemotePrefixScenario:
         shared_prefix_attention=_bool(data, "shared_prefix_attention", False),
         warm_nodes=_bool(data, "warm_nodes", False),
         turns_per_session=int(data.get("turns_per_session", 1)),
+        steer_every=int(data.get("steer_every", 0)),
+        compressed_groups=_bool(data, "compressed_groups", False),
     )
 
 

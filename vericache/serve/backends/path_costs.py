@@ -16,7 +16,8 @@ load now:
 - VERICACHE: a round of x draft steps over the compressed KV at the drafter's batch, one
   verification of x + 1 tokens (on the central verifier beside its full-KV decodes, or on a warm
   node beside its drafts), the two calls' latency and, from a central verifier, the committed
-  tokens' exact KV across the link, over the accepted drafts and the verifier's token.
+  tokens' exact KV across the link and, for a steered request, its share of a refresh of the
+  drafter's kept set (sim/steering_link.py), over the accepted drafts and the verifier's token.
 Every forward of a path's worker is slowed by the workers busy beside it on its memory system (a
 CPU machine's workers share its DRAM: the profile's measured co-runner slowdown, co_runners.py).
 A path slows the requests running now (scheduler/path_choice.py `Slowed`): its worker's
@@ -45,6 +46,7 @@ from vericache.serve.backends.co_runners import StartedBeside
 from vericache.serve.workers.worker_api import ModelInfo
 from vericache.sim.cost import Row, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile, datasheet_for, device_profile
+from vericache.sim.steering_link import refresh_bytes_per_round
 
 # The bundled prior for a CPU worker (vericache/sim/profiles/devices/cpu.json).
 CPU_PRIOR = "cpu"
@@ -61,6 +63,8 @@ class RequestShape:
     num_tokens: int  # output tokens it asks for
     draft_len: int
     compressed_share: float  # the prefix's compressed KV bytes over its full KV bytes
+    steer_every: int = 0  # VERICACHE: rounds between refreshes of the drafter's kept set
+    regrouped: bool = False  # its kept set is a composition's quantized groups, resent whole
 
 
 @dataclass(frozen=True)
@@ -188,9 +192,18 @@ class PathCosts:
             )
         decodes = [self._row(shape, 1, compressed=False).unshared()] * option.verifier_load
         verify_s = self._seconds([verify] + decodes)
-        calls_s = 2 * link.latency + link.transfer_s((mean_accepted + 1) * self.kv_bytes_per_token)
+        exact_bytes = (mean_accepted + 1) * self.kv_bytes_per_token
+        calls_s = 2 * link.latency + link.transfer_s(exact_bytes + self._refresh_bytes(shape))
         return round_seconds_per_token(
             x, draft_s * slowdown, verify_s * slowdown, calls_s, mean_accepted
+        )
+
+    def _refresh_bytes(self, shape: RequestShape) -> float:
+        """What the central verifier's refreshes of a steered drafter's kept set add to a round
+        on the link (sim/steering_link.py)."""
+        kept_bytes = shape.prefix_tokens * self.kv_bytes_per_token * shape.compressed_share
+        return refresh_bytes_per_round(
+            kept_bytes, shape.steer_every, self.model.head_dim, shape.regrouped
         )
 
     def _row(self, shape: RequestShape, num_new: int, compressed: bool) -> Row:

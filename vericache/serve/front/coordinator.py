@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 from vericache.compress import Compressor, build_compressor
+from vericache.compress.steering import kept_quantizer
 from vericache.engine.constraint import grammar_of
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 from vericache.engine.sequence import Sequence
@@ -384,5 +385,6 @@ def _shape(plan: RequestPlan) -> RequestShape:
         prefix_id=plan.prefix_id, prefix_tokens=request.num_prefix_tokens,
         after_prefix=len(request.prompt_ids) - request.num_prefix_tokens,
         num_tokens=request.params.max_new_tokens, draft_len=request.draft_len,
-        compressed_share=plan.compressed_share,
+        compressed_share=plan.compressed_share, steer_every=request.steer_every,
+        regrouped=kept_quantizer(request.compressor) is not None,
     )  # fmt: skip
