@@ -25,6 +25,10 @@ checked in seconds, nothing run for real); the result keeps the machine
 the measurements came from (`measured_environment`). Serve-stagger is predicted where the earlier
 run measured it; a CPU calibration from before the co-runner slowdown was measured takes the
 bundled CPU profile's (`calibration.co_runner` says so).
+With `--remote-prefix RESULT`, a full `bench remote-prefix` run's cells (its 3-prefix and
+8-prefix streams, several serves a cell) are simulated in place of the earlier run's quick ones,
+priced by the earlier run's profile: the two runs must come from one kind of machine, whose speed
+may have moved between them (`measured_environment` keeps both).
 
 Headline `cpu_prediction_error`: the largest |predicted / measured - 1| over the configurations
 (target <= 0.20). The committed H200 runs (long-context and stagger) are predicted too, from the
@@ -69,6 +73,12 @@ def add_arguments(parser) -> None:
         help="an earlier sim-validate result: its profile and measurements simulated again by "
         "the simulator as it is now, nothing run for real",
     )
+    parser.add_argument(
+        "--remote-prefix",
+        type=Path,
+        help="with --from-json: a full `bench remote-prefix` result, simulated in place of the "
+        "earlier run's quick one (its profile, from the same kind of machine, prices it)",
+    )
 
 
 def run(args) -> dict:
@@ -81,6 +91,12 @@ def run(args) -> dict:
             calibration = refit(calibration, model_profile(ARCH))
         measured = earlier["measured"]
         measured_on = earlier.get("measured_environment", earlier["environment"])
+        if args.remote_prefix is not None:
+            served = json.loads(args.remote_prefix.read_text())
+            measured = measured | {"remote-prefix": served}
+            measured_on = measured_on | {"remote_prefix": served["environment"]}
+    elif args.remote_prefix is not None:
+        raise ValueError("--remote-prefix simulates an earlier run's profile: give --from-json")
     else:
         calibration, measured = _measure(args)
         measured_on = environment()

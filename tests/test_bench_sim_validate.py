@@ -357,6 +357,33 @@ def test_an_earlier_runs_measurements_are_simulated_again(tmp_path, serve_stagge
     assert result["summary"]["cpu_prediction_error"] >= 0
 
 
+def test_a_full_remote_prefix_run_is_simulated_in_place_of_the_earlier_quick_one(tmp_path):
+    from vericache.cli.bench import parse_benchmark_args
+
+    measured = {"remote-prefix": REMOTE_PREFIX, "long-context": LONG_CONTEXT, "stagger": STAGGER}
+    earlier = {"profile": dataclasses.asdict(CPU), "measured": measured, "environment": {}}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    # The full run: its full-KV cells alone, served on another day.
+    full_cells = [c for c in REMOTE_PREFIX["cells"] if c["mode"] != "vericache"]
+    served = REMOTE_PREFIX | {"cells": full_cells, "environment": {"cpu": "the full run's"}}
+    (tmp_path / "full.json").write_text(json.dumps(served))
+    given = ["--from-json", str(tmp_path / "earlier.json")]
+    module, args = parse_benchmark_args(
+        "sim-validate", [*given, "--remote-prefix", str(tmp_path / "full.json")]
+    )
+    result = module.run(args)
+    remote = [
+        p["configuration"] for p in result["predictions"] if p["benchmark"] == "remote-prefix"
+    ]
+    assert remote == [c["name"] for c in full_cells]
+    assert result["measured_environment"]["remote_prefix"] == {"cpu": "the full run's"}
+    module, args = parse_benchmark_args(
+        "sim-validate", ["--remote-prefix", str(tmp_path / "full.json")]
+    )
+    with pytest.raises(ValueError, match="--from-json"):
+        module.run(args)
+
+
 def test_every_serve_stagger_policy_is_predicted(tokenizer):
     predictions = serve_stagger_predictions(SERVE_STAGGER, MODEL, CPU, tokenizer)
     assert [p.configuration for p in predictions] == list(POLICIES)
