@@ -48,7 +48,9 @@ class WorkerMemory:
     held, as VeriCache's workers bound them apart from their sessions' own KV
     (VerifierConfig.prefix_cache_bytes, DrafterConfig.kv_cache_bytes): a new prefix evicts
     unreferenced ones for room within it, and where the referenced ones leave none, the session
-    fetches a copy for itself alone, dropped when it ends, as SharedPrefixes serves it.
+    fetches a copy for itself alone, dropped when it ends, as SharedPrefixes serves it: from
+    `source` where there is one (a node's host tier holding the prefix reads it from there, as a
+    served drafter reads its tier's copy), else over the link.
 
     `source` (None: the link) fetches the prefixes it lacks and takes the ones it evicts.
     `clock` (None: not counted) times `blocked_s`, the seconds a session waited for room."""
@@ -188,10 +190,13 @@ class WorkerMemory:
         elif self._can_share(session):
             self._refs[session.prefix] = self._refs.get(session.prefix, 0) + 1
             self._ensure(session, then)
-        else:  # the referenced prefixes fill the budget
+        else:  # the referenced prefixes fill the budget: a copy of its own, brought as a miss is
             self._unshared[session] += 1
             self._own_bytes += session.prefix_bytes
-            self.link.send(session.prefix_bytes, then)
+            if self.source is not None:  # from the host tier where it holds the prefix
+                self.source.fetch(session.prefix, session.prefix_bytes, then)
+            else:
+                self.link.send(session.prefix_bytes, then)
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def _count_blocked(self) -> None:
