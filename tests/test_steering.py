@@ -142,6 +142,8 @@ def test_a_request_that_does_not_choose_is_steered_where_the_prefix_is_long():
     assert default() == DEFAULT_STEER_EVERY == 1
     assert default(prefix=STEERED_PREFIX_TOKENS - 1) == 0  # a short system turn: it loses there
     assert default(compressor=KIVI(bits=4)) == default(compressor=H2O(ratio=4)) == 0
+    # A composition steers when asked, not by default: it was measured to gain nothing.
+    assert default(compressor=COMPOSED) == 0 and default(compressor=COMPOSED, steer_every=1) == 1
     assert default(mode=DecodeMode.LOSSY) == default(mode=DecodeMode.FULL, compressor=None) == 0
     assert default(steer_every=0) == 0 and default(steer_every=3) == 3  # its own choice stands
 

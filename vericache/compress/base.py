@@ -70,6 +70,12 @@ class Compressor(abc.ABC):
         return False
 
     @property
+    def steers_by_default(self) -> bool:
+        """Whether a request that does not choose is steered over a long prefix
+        (engine/request.py `default_steer_every`): where steering was measured to pay."""
+        return self.is_steerable
+
+    @property
     def params(self) -> dict:
         return {field.name: getattr(self, field.name) for field in fields(self)}
 

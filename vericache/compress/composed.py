@@ -79,6 +79,14 @@ class Composed(Compressor):
         return self.dropper.is_steerable and self.quantizer.regroups
 
     @property
+    def steers_by_default(self) -> bool:
+        """Not by default: steering snapkv+kivi every round (4x and 8x, x=30, whole rounds,
+        10 code and 10 tool prompts of 3-4k tokens) gave -1% and +2% on code and tools
+        (bench/results/acceptance_steering_composed.json), where SnapKV alone gains 7-10%, and a
+        remote drafter's refresh carries its kept groups whole."""
+        return False
+
+    @property
     def observation_window(self) -> int:
         return self.dropper.observation_window
 

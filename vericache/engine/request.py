@@ -218,10 +218,11 @@ class Request:
 
     def default_steer_every(self) -> int:
         """The steering a request that does not choose gets: every round for VeriCache over a token
-        dropper that keeps its tokens once, where the prefix is long enough to pay; else never."""
+        dropper that keeps its tokens once (alone, not composed with a quantizer: the compressor's
+        `steers_by_default`), where the prefix is long enough to pay; else never."""
         steers = (
             self.mode is DecodeMode.VERICACHE
-            and self.compressor.is_steerable
+            and self.compressor.steers_by_default
             and self.num_prefix_tokens >= STEERED_PREFIX_TOKENS
         )
         return DEFAULT_STEER_EVERY if steers else 0
