@@ -19,6 +19,7 @@ from vericache.sim.remote_prefix_scheduled import simulate_vericache_scheduled
 from vericache.sim.scenario import build_remote_prefix
 from vericache.sim.steering_link import (
     ENTRY_INDEX_BYTES,
+    REFRESH_SHARE_GROWTH,
     STEERED_REFRESH_SHARE,
     refresh_bytes,
     refresh_bytes_per_round,
@@ -33,7 +34,11 @@ def test_a_refresh_carries_the_replaced_share_of_the_kept_set_and_its_indices():
     )
     assert refresh_bytes_per_round(kept, 0, 64) == 0.0  # not steered
     assert refresh_bytes(kept, 64, regrouped=True) == kept  # a composition's groups, whole
-    assert refresh_bytes_per_round(kept, 2, 64) == pytest.approx(refresh_bytes(kept, 64) / 2)
+    # Every 2 rounds a refresh replaces more, as measured, and is sent half as often.
+    every_two = refresh_bytes(kept, 64) * 2**REFRESH_SHARE_GROWTH
+    assert refresh_bytes(kept, 64, steer_every=2) == pytest.approx(every_two)
+    assert refresh_bytes_per_round(kept, 2, 64) == pytest.approx(every_two / 2)
+    assert refresh_bytes(kept, 64, steer_every=1000) == pytest.approx(kept * (256 + 16) / 256)
     with pytest.raises(ValueError, match="steer_every"):
         refresh_bytes_per_round(kept, -1, 64)
 

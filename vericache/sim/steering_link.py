@@ -16,9 +16,12 @@ from __future__ import annotations
 # The share of a kept set's entries one refresh replaces, steered every round: SnapKV 8x in bf16,
 # whole rounds at x=30 over 10 code and 10 tool prompts of contexts cut to 2048 tokens
 # (bench/results/acceptance_steering_prefix_2048.json, `steering_refresh_share`: 0.32 on code,
-# 0.36 on tools, their mean). Steered every k rounds, a refresh is taken to replace as many (not
-# measured: k rounds of queries may ask for more).
+# 0.36 on tools, their mean).
 STEERED_REFRESH_SHARE = 0.34
+# Steered every k rounds, a refresh replaces STEERED_REFRESH_SHARE * k ** this (at most all): the
+# same runs every 2 and 4 rounds replaced 0.40 and 0.55 (acceptance_steering_every_2.json, _4.json;
+# the fit gives 0.43 and 0.55).
+REFRESH_SHARE_GROWTH = 0.35
 # A replaced entry's bytes besides its key and value: its head (int64), the position it drops and
 # the one it keeps (int32 each).
 ENTRY_INDEX_BYTES = 16
@@ -34,13 +37,17 @@ def refresh_bytes_per_round(
         raise ValueError(f"steer_every >= 0 and head_dim >= 1, got {steer_every}, {head_dim}")
     if not steer_every:
         return 0.0
-    return refresh_bytes(compressed_prefix_bytes, head_dim, regrouped) / steer_every
+    return refresh_bytes(compressed_prefix_bytes, head_dim, regrouped, steer_every) / steer_every
 
 
-def refresh_bytes(compressed_prefix_bytes: float, head_dim: int, regrouped: bool = False) -> float:
-    """One refresh's bytes: the replaced share of the set's entries, each its key and value
-    (2 x head_dim elements) and its indices; a composition's, its groups whole."""
+def refresh_bytes(
+    compressed_prefix_bytes: float, head_dim: int, regrouped: bool = False, steer_every: int = 1
+) -> float:
+    """One refresh's bytes, every `steer_every` rounds: the replaced share of the set's entries,
+    each its key and value (2 x head_dim elements) and its indices; a composition's, its groups
+    whole."""
     if regrouped:
         return compressed_prefix_bytes
+    share = min(1.0, STEERED_REFRESH_SHARE * steer_every**REFRESH_SHARE_GROWTH)
     entry_bytes = 2 * head_dim * KEPT_ELEMENT_SIZE
-    return STEERED_REFRESH_SHARE * compressed_prefix_bytes * (1 + ENTRY_INDEX_BYTES / entry_bytes)
+    return share * compressed_prefix_bytes * (1 + ENTRY_INDEX_BYTES / entry_bytes)
