@@ -169,11 +169,8 @@ class KeptSetSteering:
         at = (chosen.long().to(prefix_keys.device), torch.arange(chosen.shape[1]))
         keys, values = prefix_keys[at], prefix_values[at]  # [n, H, D]
         groups = quantized_groups(keys, values, chosen, quantizer.bits, quantizer.group_size)
-        old = base[:num_grouped].to(chosen.device)
-        entering = sum(
-            int((~torch.isin(chosen[:, head], old[:, head])).sum()) for head in range(base.shape[1])
-        )
-        return LayerRegrouped(index, entering, groups)
+        entering, _, _ = _exchanged(base[:num_grouped], chosen.to(base.device))
+        return LayerRegrouped(index, entering.numel(), groups)
 
     def _chosen(
         self, scores: torch.Tensor, budget: int, below: torch.Tensor | None = None

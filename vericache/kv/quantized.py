@@ -104,10 +104,6 @@ class QuantizedLayerKV:
         new = quantized_groups(keys, values, positions, self.bits, self.group_size)
         self._q = {name: torch.cat([self._q[name], new[name]]) for name in QUANTIZED_TENSORS}
 
-    def quantized_positions(self) -> torch.Tensor:
-        """The quantized slots' positions [T, H]."""
-        return self._q["positions"]
-
     def replace_leading(self, groups: dict[str, torch.Tensor]) -> None:
         """Its first quantized slots replaced by `groups` (`quantized_groups`' output, as many
         whole groups as it holds there): a steered kept set's (compress/kept_set.py). The

@@ -193,10 +193,7 @@ class WorkerMemory:
         else:  # the referenced prefixes fill the budget: a copy of its own, brought as a miss is
             self._unshared[session] += 1
             self._own_bytes += session.prefix_bytes
-            if self.source is not None:  # from the host tier where it holds the prefix
-                self.source.fetch(session.prefix, session.prefix_bytes, then)
-            else:
-                self.link.send(session.prefix_bytes, then)
+            self._fetch(session.prefix, session.prefix_bytes, then)
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def _count_blocked(self) -> None:
@@ -261,10 +258,15 @@ class WorkerMemory:
         else:  # held from now on: its bytes are reserved while it arrives
             self._fetching[prefix] = [then]
             self._hold(prefix, session.prefix_bytes)
-            if self.source is not None:
-                self.source.fetch(prefix, session.prefix_bytes, lambda: self._arrived(prefix))
-            else:
-                self.link.send(session.prefix_bytes, lambda: self._arrived(prefix))
+            self._fetch(prefix, session.prefix_bytes, lambda: self._arrived(prefix))
+
+    def _fetch(self, prefix: Hashable, nbytes: int, then: Callable[[], None]) -> None:
+        """Brings a prefix the device lacks: from `source` (its host tier where it holds the
+        prefix), else over the link."""
+        if self.source is not None:
+            self.source.fetch(prefix, nbytes, then)
+        else:
+            self.link.send(nbytes, then)
 
     def _arrived(self, prefix: Hashable) -> None:
         for then in self._fetching.pop(prefix):

@@ -24,7 +24,7 @@ from vericache.errors import InvalidRequestError
 from vericache.kv.slots import own_full_kv_slots, reserved_full_kv_bytes
 from vericache.sim.cost import ForwardCost, Row, forward_cost
 from vericache.sim.profiles import DeviceProfile, ModelProfile
-from vericache.sim.steering_link import refresh_bytes_per_round
+from vericache.sim.steering_link import refresh_bytes, refresh_bytes_per_round
 from vericache.sim.workload import AcceptanceTrace, OutputLengths
 
 
@@ -174,7 +174,10 @@ class RemotePrefixScenario:
         """The kept-set refresh a central verifier sends with a session's next draft call after
         its `rounds_verified`-th round (0 bytes where none is due)."""
         due = self.steer_every and rounds_verified and rounds_verified % self.steer_every == 0
-        return self.refresh_bytes_per_round() * self.steer_every if due else 0.0
+        if not due:
+            return 0.0
+        compressed, head_dim = self.prefix_bytes(compressed=True), self.model.head_dim
+        return refresh_bytes(compressed, head_dim, self.compressed_groups, self.steer_every)
 
     def refresh_bytes_per_round(self) -> float:
         """Those refreshes' bytes a round, on average."""
