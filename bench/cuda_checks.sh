@@ -1,8 +1,11 @@
 #!/bin/bash
-# Every check this repository runs on a CUDA GPU, in one go, bounded in time: the CUDA tests
-# (kernels against their references, exactness, seeded sampling) and `vericache calibrate` for
-# the simulator's model profiles (the 135M engine whole, 24B and 32B whole, 70B as a slice).
-# Usage: bench/cuda_checks.sh OUTDIR   (writes run.log, pytest.log, calibrate_<gpu>_<arch>.json)
+# Every check this repository runs on a CUDA GPU, in one go, bounded in time (about 9 minutes),
+# most wanted first: `bench decode-speed --quick` (static forwards in CUDA graphs against the
+# dynamic forward and transformers), the CUDA tests (kernels against their references, exactness,
+# seeded sampling, CUDA graphs) and `vericache calibrate` for the simulator's model profiles (the
+# 135M engine whole, 24B and 32B whole, 70B as a slice).
+# Usage: bench/cuda_checks.sh OUTDIR
+#   (writes run.log, decode_speed_cuda_<gpu>.json, pytest.log, calibrate_<gpu>_<arch>.json)
 set -u
 out=${1:?usage: bench/cuda_checks.sh OUTDIR}
 mkdir -p "$out"
@@ -21,13 +24,17 @@ calibrate() {  # ARCH SECONDS
     --out "$out/calibrate_${gpu}_$1.json" >> "$log" 2>&1
   stamp "calibrate $1: exit $?"
 }
-calibrate smollm2-135m 100
+stamp decode-speed
+timeout 80 python3 -m vericache.cli.main bench decode-speed --quick --device cuda \
+  --json "$out/decode_speed_cuda_${gpu}.json" >> "$log" 2>&1
+stamp "decode-speed: exit $?"
 stamp pytest
-timeout 200 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_cuda_sampling.py \
-  tests/test_cuda.py tests/test_cuda_invariant.py tests/test_long_context_cuda.py \
-  > "$out/pytest.log" 2>&1
+timeout 200 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_cuda_graphs.py \
+  tests/test_cuda_sampling.py tests/test_cuda.py tests/test_cuda_invariant.py \
+  tests/test_long_context_cuda.py > "$out/pytest.log" 2>&1
 stamp "pytest: exit $?"
-calibrate mistral-small-24b 95
-calibrate qwen2.5-32b 95
-calibrate llama-3.1-70b 90
+calibrate smollm2-135m 70
+calibrate mistral-small-24b 65
+calibrate qwen2.5-32b 65
+calibrate llama-3.1-70b 60
 stamp end

@@ -104,6 +104,18 @@ def step_costs(runner: ModelRunner, full: KVCache, steps: int, args) -> tuple[di
     return step_ms, compressed_bytes, verify_ms
 
 
+def dynamic_step_costs(runner: ModelRunner, full: KVCache, steps: int) -> dict:
+    """Where the runner's forwards are static (captured in CUDA graphs), the same steps by its
+    dynamic forward: what the graphs save, same process and caches."""
+    headline = compressor_from_label(HEADLINE_LABEL).compress(full)
+    with runner.dynamic_only():
+        return {
+            "full_invariant": 1e3 * time_steps(runner, [full], steps, invariant=True),
+            f"draft_{HEADLINE_LABEL}": 1e3 * time_steps(runner, [headline], steps, False),
+            "verify_31_tokens": 1e3 * time_verification(runner, full, 31, repeats=3),
+        }
+
+
 def engine_vs_transformers(engine: Engine, model: str, ids: list[int], steps: int, rounds: int):
     """Decode tokens/s of the engine's full mode and of transformers generate, alternating."""
     from transformers import AutoModelForCausalLM
@@ -158,15 +170,21 @@ def run(args) -> dict:
     print(f"[decode-speed] prefill of {len(prefix)} tokens: {prefill_s:.1f}s")
     engine.runner.forward([SequenceInput(torch.tensor(ids[-1:]), full, 0)])
     step_ms, compressed_bytes, verify_ms = step_costs(engine.runner, full, steps, args)
+    dynamic_ms = None
+    if engine.runner.static is not None:
+        dynamic_ms = dynamic_step_costs(engine.runner, full, steps)
     throughput = engine_vs_transformers(engine, args.model, ids, steps, rounds)
     result = {
         "benchmark": "decode-speed",
-        "summary": _summary(step_ms, throughput, compressed_bytes, args.batch, context),
+        "summary": _summary(step_ms, throughput, compressed_bytes, args.batch, context)
+        | _static_summary(step_ms, verify_ms, dynamic_ms),
         "definitions": {
             "draft_over_full_step": f"median {HEADLINE_LABEL} draft step / median full-cache step, "
             "both with the fast kernels (target <= 0.6)",
             "runner_over_hf": "median engine full-mode decode tokens/s (batch-invariant kernels) / "
             "median transformers generate tokens/s, same prefilled context (target >= 1)",
+            "static_over_dynamic_*": "median step with static forwards (CUDA graphs on CUDA) / the "
+            "same step by the dynamic forward, same caches (only where static forwards are on)",
         },
         "config": {
             "model": args.model,
@@ -174,11 +192,13 @@ def run(args) -> dict:
             "rounds": rounds,
             "quick": args.quick,
             "device": args.device,
+            "static_shapes": engine.runner.static is not None,
         },  # fmt: skip
         "environment": environment(),
         "context": {"files": context.name, "tokens": context.num_tokens},
         "step_ms": step_ms,
         "verify_31_tokens_ms": verify_ms,
+        "dynamic_step_ms": dynamic_ms,
         "prefill_s": {
             "engine": prefill_s,
             "transformers": throughput.pop("transformers_prefill_s"),
@@ -206,6 +226,18 @@ def _summary(step_ms, throughput, compressed_bytes, batch, context) -> dict:
     for label in compressed_bytes:
         summary[f"draft_over_full_step_{label}"] = step_ms[f"draft_{label}"] / step_ms["full_fast"]
     return summary
+
+
+def _static_summary(step_ms: dict, verify_ms: float, dynamic_ms: dict | None) -> dict:
+    """Static forwards (CUDA graphs) over the dynamic forward, per kind of step: < 1 is faster."""
+    if dynamic_ms is None:
+        return {}
+    draft = f"draft_{HEADLINE_LABEL}"
+    return {
+        "static_over_dynamic_full_step": step_ms["full_invariant"] / dynamic_ms["full_invariant"],
+        "static_over_dynamic_draft_step": step_ms[draft] / dynamic_ms[draft],
+        "static_over_dynamic_verify": verify_ms / dynamic_ms["verify_31_tokens"],
+    }
 
 
 def plot(result: dict, path) -> None:

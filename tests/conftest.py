@@ -122,9 +122,8 @@ def tiny_engine(tiny_checkpoint):
     def get(config: EngineConfig = EngineConfig(), family: str = "llama"):
         if (config, family) not in engines:
             loaded = load_model(str(tiny_checkpoint(family)))
-            engines[config, family] = Engine(
-                ModelRunner(loaded.config, loaded.weights), None, config
-            )
+            runner = ModelRunner(loaded.config, loaded.weights, static_shapes=config.static_shapes)
+            engines[config, family] = Engine(runner, None, config)
         return engines[config, family]
 
     return get

@@ -48,6 +48,21 @@ def test_step_timing_restores_the_caches(tiny_checkpoint):
     assert torch.equal(caches[0].layers[0].keys_values()[0], keys_before)
 
 
+def test_static_runners_time_their_dynamic_steps_beside(tiny_checkpoint):
+    loaded = load_model(str(tiny_checkpoint("llama")))
+    runner = ModelRunner(loaded.config, loaded.weights, static_shapes=True)
+    full = runner.new_cache()
+    runner.prefill(torch.randint(3, 512, (300,)), full, num_logits=0)
+    before = runner.static.num_forwards
+    dynamic = decode_speed.dynamic_step_costs(runner, full, steps=2)
+    assert runner.static.num_forwards == before and runner.static is not None  # all dynamic
+    assert set(dynamic) == {"full_invariant", "draft_streamingllm-4x", "verify_31_tokens"}
+    step_ms = {"full_invariant": 2.0, "draft_streamingllm-4x": 1.0}
+    summary = decode_speed._static_summary(step_ms, 3.0, dict(dynamic, full_invariant=4.0))
+    assert summary["static_over_dynamic_full_step"] == 0.5
+    assert decode_speed._static_summary(step_ms, 3.0, None) == {}
+
+
 def test_progress_passes_items_through_and_takes_updates():
     # Silent here (stderr is not a terminal under pytest), and transparent.
     assert list(progress(range(4), "items")) == [0, 1, 2, 3]

@@ -68,11 +68,13 @@ class ScrambledKV(Compressor):
         return CompressedKV(layers, full.num_tokens, self)
 
 
+# Static forwards (model/static_forward.py; CUDA graphs on CUDA) and dynamic ones alike.
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("source", list(DraftKVSource), ids=lambda s: s.value)
 @pytest.mark.parametrize("draft_len", [1, 4, 30])
 @pytest.mark.parametrize("compressor", COMPRESSORS, ids=row_id)
-def test_vericache_equals_full(tiny_engine, full_outputs, compressor, draft_len, source):
-    engine = tiny_engine(EngineConfig(draft_kv_source=source))
+def test_vericache_equals_full(tiny_engine, full_outputs, compressor, draft_len, source, static):
+    engine = tiny_engine(EngineConfig(draft_kv_source=source, static_shapes=static))
     outputs = engine.generate(requests(DecodeMode.VERICACHE, compressor, draft_len))
     for out, expected in zip(outputs, full_outputs):
         assert out.token_ids == expected
@@ -142,12 +144,14 @@ def test_max_new_tokens_inside_a_draft(tiny_engine, full_outputs, max_new, ratio
             assert out.stats.rounds == (max_new > 1)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("mode", [DecodeMode.FULL, DecodeMode.VERICACHE])
-def test_batched_equals_one_by_one(tiny_engine, mode):
+def test_batched_equals_one_by_one(tiny_engine, mode, static):
     compressor = None if mode is DecodeMode.FULL else KIVI(bits=4, group_size=8, residual_length=8)
     batch = requests(mode, compressor, 4)
-    together = [out.token_ids for out in tiny_engine().generate(batch)]
-    alone = [tiny_engine().generate([request])[0].token_ids for request in batch]
+    engine = tiny_engine(EngineConfig(static_shapes=static))
+    together = [out.token_ids for out in engine.generate(batch)]
+    alone = [engine.generate([request])[0].token_ids for request in batch]
     assert together == alone
 
 

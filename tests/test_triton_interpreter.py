@@ -28,10 +28,13 @@ from tests.test_cuda_invariant import (  # noqa: E402  (after the skip: they imp
     check_prefix_read_by_one_launch,
     check_two_prefixes_in_one_forward,
 )
-from vericache.kernels import triton_invariant_attention  # noqa: E402
+from vericache.kernels import triton_invariant_attention, triton_kv_table  # noqa: E402
+from vericache.kernels.triton_kv_table import TableEntry  # noqa: E402
+from vericache.kv.cache import DenseLayerKV  # noqa: E402
+from vericache.kv.prefixed import shared_clone  # noqa: E402
 from vericache.model import kernels  # noqa: E402
 from vericache.model.loader import load_model  # noqa: E402
-from vericache.model.runner import ModelRunner  # noqa: E402
+from vericache.model.runner import ModelRunner, SequenceInput  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs under TRITON_INTERPRET=1"
@@ -109,3 +112,79 @@ def test_sessions_over_two_prefixes_read_each_once_with_their_own_bits(
     runner = ModelRunner(loaded.config, loaded.weights)
     runner._cpu_kernel = False
     check_two_prefixes_in_one_forward(runner, monkeypatch)
+
+
+# Static steps (model/static_step.py): the KV store and attention through tables
+
+
+@pytest.mark.parametrize("num_new", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_table_kernels_give_each_cache_its_own_launchs_bits(dtype, num_new):
+    generator = torch.Generator().manual_seed(num_new)
+    num_kv_heads, group, head_dim = 2, 3, 64
+    caches, twins = [], []
+    for resident in (3, 40, 70):
+        keys, values = torch.randn(2, resident, num_kv_heads, head_dim, generator=generator)
+        layer = DenseLayerKV.from_tensors(keys.to(dtype), values.to(dtype), torch.arange(resident))
+        caches.append(layer)
+        twins.append(layer.clone())
+    num_rows = len(caches) * num_new
+    keys, values = torch.randn(2, num_rows, num_kv_heads, head_dim, generator=generator).to(dtype)
+    positions = torch.arange(num_rows) + 100
+    table = torch.tensor(
+        [
+            TableEntry(k.data_ptr(), v.data_ptr(), p.data_ptr(), k.stride(0), first)
+            for k, v, p, first in (layer.reserve(num_new) for layer in caches)
+        ],
+        dtype=torch.int64,
+    )
+    row_seq = torch.arange(len(caches)).repeat_interleave(num_new).to(torch.int32)
+    row_offset = torch.arange(num_new).repeat(len(caches)).to(torch.int32)
+    triton_kv_table.store_kv(keys, values, positions, table, row_seq, row_offset)
+    q = torch.randn(num_rows, num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    like = caches[0].keys_values()[0]
+    out = triton_kv_table.attention(q, table, num_new, like, prefixed=False)
+    for index, (layer, twin) in enumerate(zip(caches, twins)):
+        rows = slice(index * num_new, (index + 1) * num_new)
+        twin.append(keys[rows], values[rows], positions[rows])
+        assert layer.to_state().tensors.keys() == twin.to_state().tensors.keys()
+        for name, tensor in layer.to_state().tensors.items():
+            assert torch.equal(tensor, twin.to_state().tensors[name]), name
+        expected = triton_invariant_attention.invariant_attention(
+            q[rows], *twin.keys_values(), twin.num_slots
+        )
+        assert torch.equal(out[rows], expected)
+
+
+def test_a_static_step_through_tables_has_the_dynamic_forwards_bits(tiny_checkpoint, monkeypatch):
+    """The CUDA static path's logic (tables, padding, groups) on CPU, without capture."""
+    monkeypatch.setattr(kernels, "_triton_runs", lambda q, invariant, keys_dtype: invariant)
+    loaded = load_model(str(tiny_checkpoint("llama")))
+    dynamic = ModelRunner(loaded.config, loaded.weights)
+    static = ModelRunner(loaded.config, loaded.weights, static_shapes=True)
+    static.static.tables = True
+    dynamic._cpu_kernel = static._cpu_kernel = False
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (40 + 9 * i,), generator=generator) for i in range(4)]
+    results = []
+    for runner in (dynamic, static):
+        # Two sessions of their own, two over one shared prefix (of 70 tokens: its last block
+        # straddles into theirs).
+        prefix = runner.new_cache()
+        runner.prefill(torch.arange(3, 73), prefix, invariant=True)
+        caches = [runner.new_cache(), runner.new_cache()]
+        caches += [shared_clone(prefix, capacity=400) for _ in range(2)]
+        for ids, cache in zip(prompts, caches):
+            runner.prefill(ids, cache, invariant=True)
+        logits, before = [], static.static.num_forwards
+        for rows in ([1, 1, 1, 1], [4, 1, 4, 1], [3, 4, 4, 6]):  # decode steps, verifications
+            batch = [
+                SequenceInput(torch.arange(3, 3 + n), cache, n) for n, cache in zip(rows, caches)
+            ]
+            logits += runner.forward(batch, invariant=True)
+        assert static.static.num_forwards - before == (3 if runner is static else 0)
+        results.append((logits, caches))
+    for mine, reference in zip(*(logits for logits, _ in results)):
+        assert torch.equal(mine, reference)
+    for mine, reference in zip(*(caches for _, caches in results)):
+        assert mine.to_state().equals(reference.to_state())

@@ -81,6 +81,12 @@ def add_parser(commands) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--draft-kv", choices=[s.value for s in DraftKVSource], default="verifier")
+    parser.add_argument(
+        "--static-shapes",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="decode steps over static buffers, in CUDA graphs on CUDA (auto: on CUDA only)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_long_context_arguments(parser)
     parser.set_defaults(handler=run)
@@ -291,7 +297,8 @@ def run(args) -> int:
 
 
 def build_engine(args, long_context: LongContextConfig | None) -> Engine | LongContextEngine:
-    config = EngineConfig(draft_kv_source=DraftKVSource(args.draft_kv))
+    static_shapes = {"auto": None, "on": True, "off": False}[args.static_shapes]
+    config = EngineConfig(draft_kv_source=DraftKVSource(args.draft_kv), static_shapes=static_shapes)
     if long_context is None:
         return Engine.from_pretrained(args.model, args.dtype, args.device, config)
     return LongContextEngine.from_pretrained(

@@ -62,7 +62,8 @@ class Engine:
         cls, model: str = DEFAULT_MODEL, dtype="float32", device="cpu", config=EngineConfig()
     ) -> Engine:
         loaded = load_model(model, dtype=dtype, device=device)
-        return cls(ModelRunner(loaded.config, loaded.weights, device), loaded.tokenizer, config)
+        runner = ModelRunner(loaded.config, loaded.weights, device, config.static_shapes)
+        return cls(runner, loaded.tokenizer, config)
 
     def generate(self, requests: Iterable[Request]) -> list[RequestOutput]:
         sequences = [self.starter.start(request) for request in requests]

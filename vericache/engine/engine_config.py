@@ -31,6 +31,10 @@ class EngineConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     # Full and compressed KV of prompt prefixes kept for reuse (0 turns reuse off).
     prefix_cache_bytes: int = 2 << 30
+    # Decode, draft and verification forwards over static buffers, captured in CUDA graphs
+    # (model/static_forward.py); None: on CUDA, off on CPU (where no capture pays for the
+    # padding).
+    static_shapes: bool | None = None
 
     def __post_init__(self):
         if self.prefill_chunk < 1 or self.prefix_cache_bytes < 0:

@@ -134,7 +134,7 @@ class LongContextEngine:
         long_context: LongContextConfig | None = None,
     ) -> LongContextEngine:
         loaded = load_model(model, dtype=dtype, device=device)
-        runner = ModelRunner(loaded.config, loaded.weights, device)
+        runner = ModelRunner(loaded.config, loaded.weights, device, config.static_shapes)
         return cls(runner, loaded.tokenizer, config, long_context)
 
     def close(self) -> None:

@@ -42,7 +42,7 @@ import torch
 from vericache.kernels.triton_ops import jit, online_softmax_step, pow2_at_least, tl, triton
 
 # The cascade's prefix pass covers whole blocks of this many slots, a multiple of every BLOCK_N
-# (`_block_n`), so the own passes' blocks, starting there, are those of one buffer.
+# (`block_n`), so the own passes' blocks, starting there, are those of one buffer.
 PREFIX_BLOCK = 64
 # Rows per program: fixed, so the kernel compiled for a step of one token is the verification's.
 BLOCK_R = 16
@@ -61,6 +61,7 @@ def _invariant_attention_kernel(
     state_sum_ptr,  # [M, Hq] float32
     state_acc_ptr,  # [M, Hq, D] float32, unnormalised
     out_ptr,  # [n, Hq, D], contiguous (unused in the prefix pass)
+    table_ptr,  # [S, TABLE_WIDTH] int64: each sequence's cache (with TABLE; triton_kv_table.py)
     num_new,
     num_slots,
     num_prefix,  # P, any length
@@ -81,6 +82,7 @@ def _invariant_attention_kernel(
     HAS_PREFIX: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     PASS: tl.constexpr,  # "whole", "prefix" or "own" (see `cascade_attention`)
+    TABLE: tl.constexpr,  # program_id(2) is a sequence whose cache its table entry gives
     PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -89,6 +91,29 @@ def _invariant_attention_kernel(
     kv_head, row_tile = tl.program_id(0), tl.program_id(1)
     compute_dtype = q_ptr.dtype.element_ty
     num_heads = GROUP * tl.num_programs(0)
+    if TABLE:
+        # A static step's sequence (model/static_step.py): its rows of q and out, and its cache's
+        # head-major buffers [H, capacity, D] with its slot count, found in its table entry. The
+        # loop below is the one a launch over that cache alone runs: the same bits.
+        seq = tl.program_id(2)
+        entry = table_ptr + seq * 9  # triton_kv_table.TableEntry's fields
+        keys_ptr = tl.load(entry).to(tl.pointer_type(keys_ptr.dtype.element_ty))
+        values_ptr = tl.load(entry + 1).to(tl.pointer_type(values_ptr.dtype.element_ty))
+        key_stride_head = tl.load(entry + 3)
+        value_stride_head = key_stride_head
+        key_stride_slot = HEAD_DIM
+        value_stride_slot = HEAD_DIM
+        num_slots = (tl.load(entry + 4) + num_new).to(tl.int32)
+        if HAS_PREFIX:  # its shared prefix's layer, head-major too
+            prefix_keys_ptr = tl.load(entry + 5).to(tl.pointer_type(keys_ptr.dtype.element_ty))
+            prefix_values_ptr = tl.load(entry + 6).to(tl.pointer_type(values_ptr.dtype.element_ty))
+            prefix_key_stride_head = tl.load(entry + 7)
+            prefix_value_stride_head = prefix_key_stride_head
+            prefix_key_stride_slot = HEAD_DIM
+            prefix_value_stride_slot = HEAD_DIM
+            num_prefix = tl.load(entry + 8).to(tl.int32)
+        q_ptr += seq.to(tl.int64) * num_new * q_stride_token
+        out_ptr += seq.to(tl.int64) * num_new * num_heads * HEAD_DIM
     rows = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)  # ordered (group member, token)
     row_ok = rows < GROUP * num_new
     tokens, q_heads = rows % num_new, kv_head * GROUP + rows // num_new
@@ -329,6 +354,7 @@ def _launch(
         state_sum,
         state_acc,
         out if out is not None else unread,
+        unread,
         num_new,
         num_slots,
         prefix_keys.shape[0] if prefix is not None else 0,
@@ -344,10 +370,11 @@ def _launch(
         HAS_PREFIX=prefix is not None,
         HAS_WINDOW=window is not None,
         PASS=pass_name,
+        TABLE=False,
         # Full fp32 products for fp32 models (TF32 would lose the CPU path's precision).
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_R=BLOCK_R,
-        BLOCK_N=_block_n(head_dim, q.dtype),
+        BLOCK_N=block_n(head_dim, q.dtype),
         BLOCK_D=pow2_at_least(head_dim, 16),
         num_warps=4,
     )
@@ -376,7 +403,7 @@ def _token_index(spans: tuple[tuple[int, int], ...], device: torch.device) -> to
     return rows.pin_memory().to(device, non_blocking=True)
 
 
-def _block_n(head_dim: int, dtype) -> int:
+def block_n(head_dim: int, dtype) -> int:
     """Slots per block, from the dtype and head size alone (see the module docstring): fp32
     products ("ieee") and wide heads take more registers. Each divides PREFIX_BLOCK."""
     return 32 if dtype == torch.float32 or head_dim > 128 else 64

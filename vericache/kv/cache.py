@@ -130,6 +130,10 @@ class DenseLayerKV:
     def capacity(self) -> int:
         return self._keys.shape[1]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._keys.dtype
+
     def _ensure_capacity(self, num_slots: int, to_fit: bool = False) -> None:
         """Room for num_slots; appends grow geometrically, `to_fit` grows to just what is asked."""
         if num_slots <= self.capacity:

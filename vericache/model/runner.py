@@ -2,14 +2,17 @@
 
 One forward serves many sequences with different cache lengths: their new tokens are concatenated
 into one [N, hidden] batch for the linear layers, and attention runs per sequence over its own
-cache (on CPU the sequences of a layer share one call of vericache/kernels/cpu_attention.py:
-every exact sequence, and every one-token draft step; on CUDA those over one shared prefix share
-one cascade call, which reads the prefix once for all of them).
-Caches are owned by the caller; the forward appends the new tokens' KV to them.
+cache (sequence_attention.py). Caches are owned by the caller; the forward appends the new tokens'
+KV to them.
+
+With static shapes (static_forward.py; on by default on CUDA), a forward whose sequences fit a
+bucket runs over preallocated buffers, captured once per bucket in a CUDA graph and replayed; on
+CPU the same static forward runs eagerly. Either way its bits are this forward's.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,18 +21,12 @@ import torch
 from vericache.kernels import cpu_attention
 from vericache.kv.cache import KVCache
 from vericache.kv.pool import BufferPool
-from vericache.kv.prefixed import PrefixedLayerKV
 from vericache.model.config import ModelConfig
-from vericache.model.kernels import (
-    attention,
-    attention_over_shared_prefix,
-    key_alignment,
-    reads_shared_prefix,
-    rms_norm,
-    silu,
-)
+from vericache.model.kernels import rms_norm, silu
 from vericache.model.linear import zero_row
 from vericache.model.rope import RotaryEmbedding
+from vericache.model.sequence_attention import LayerKVAccess, SequenceAttention
+from vericache.model.static_forward import StaticForward
 from vericache.model.weights import ModelWeights
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -51,7 +48,13 @@ class SequenceInput:
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, device="cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        device="cpu",
+        static_shapes: bool | None = None,
+    ):
         self.config = config
         self.weights = weights
         self.device = torch.device(device)
@@ -66,6 +69,12 @@ class ModelRunner:
             c.num_kv_heads * c.head_dim,
             c.num_kv_heads * c.head_dim,
         ]
+        # oneDNN runs a lone row on another path than two: a batch-invariant forward of one
+        # token carries a spare zero row.
+        self._pads_lone_invariant_row = weights.layers[0].qkv.pads_lone_row(weights.embed[:1], True)
+        if static_shapes is None:
+            static_shapes = self.device.type == "cuda"
+        self.static = StaticForward(self) if static_shapes else None
 
     def new_cache(self, capacity: int = 0, pool: BufferPool | None = None) -> KVCache:
         c = self.config
@@ -85,6 +94,25 @@ class ModelRunner:
             raise ValueError(
                 f"position {last} exceeds the model's {self.config.max_position_embeddings}"
             )
+        split = self.static.split(batch, invariant) if self.static is not None else None
+        if split is None:
+            return self._dynamic(batch, counts, invariant)
+        shape, chosen = split
+        if len(chosen) == len(batch):
+            return self.static.forward(batch, shape, invariant)
+        # Those it serves in a static forward, the others in a dynamic one beside it.
+        logits: list[torch.Tensor | None] = [None] * len(batch)
+        static_batch = [batch[i] for i in chosen]
+        for i, rows in zip(chosen, self.static.forward(static_batch, shape, invariant)):
+            logits[i] = rows
+        rest = [i for i in range(len(batch)) if logits[i] is None]
+        dynamic_batch, dynamic_counts = [batch[i] for i in rest], [counts[i] for i in rest]
+        for i, rows in zip(rest, self._dynamic(dynamic_batch, dynamic_counts, invariant)):
+            logits[i] = rows
+        return logits
+
+    def _dynamic(self, batch, counts: list[int], invariant: bool) -> list[torch.Tensor]:
+        """The forward of any batch: shapes as they come."""
         token_ids = self._joined([seq.token_ids for seq in batch])  # [N]
         positions = self._joined(
             [
@@ -92,30 +120,58 @@ class ModelRunner:
                 for s, n in zip(batch, counts)
             ]
         )  # [N]
-        hidden = self.weights.embed[token_ids]  # [N, hidden]
-        if self.weights.layers[0].qkv.pads_lone_row(hidden, invariant):
-            # A spare zero row that every product carries (rows are computed apart): one pad a
-            # forward and one a layer, where each product would pad its own lone row.
-            hidden = torch.cat([hidden, zero_row(hidden)])  # [2, hidden]
+        num_rows = self.rows_for(len(positions), invariant)
+        if num_rows > len(positions):
             positions = positions.repeat(2)  # the spare row's: any position serves
-        cos, signed_sin = (t.unsqueeze(1) for t in self.rope.angles(positions))  # [N, 1, D] each
-        for index, layer in enumerate(self.weights.layers):
-            hidden = self._layer(
-                index, layer, hidden, positions, (cos, signed_sin), batch, counts, invariant
-            )
+        spans, start = [], 0
+        for n in counts:
+            spans.append((start, start + n))
+            start += n
+        kv = SequenceAttention(self, batch, spans, positions, invariant, num_rows)
+        hidden = self.layers(self.embed(token_ids, num_rows), positions, kv, invariant)
         for seq, n in zip(batch, counts):
             seq.cache.advance(n)
         return self._logits(hidden, batch, counts, invariant)
 
-    def _layer(
-        self, index, layer, hidden, positions, angles, batch, counts, invariant
+    @contextlib.contextmanager
+    def dynamic_only(self):
+        """Inside the block every forward is dynamic: the baseline a benchmark compares static
+        forwards with, in the same process."""
+        static, self.static = self.static, None
+        try:
+            yield
+        finally:
+            self.static = static
+
+    def rows_for(self, num_tokens: int, invariant: bool) -> int:
+        """Rows a forward of num_tokens tokens computes: a batch-invariant lone row gets a spare
+        zero row that every product carries (rows are computed apart): one pad a forward and
+        one a layer, where each product would pad its own lone row."""
+        lone = num_tokens == 1 and invariant and self._pads_lone_invariant_row
+        return 2 if lone else num_tokens
+
+    def embed(self, token_ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """[num_rows, hidden]: the tokens' embeddings, then zero rows up to num_rows."""
+        hidden = self.weights.embed[token_ids]  # [N, hidden]
+        if num_rows > hidden.shape[0]:
+            hidden = torch.cat([hidden, zero_row(hidden)])  # [2, hidden]
+        return hidden
+
+    def layers(
+        self, hidden: torch.Tensor, positions: torch.Tensor, kv: LayerKVAccess, invariant: bool
     ) -> torch.Tensor:
+        """Every decoder layer over hidden [R, hidden] at positions [R], the KV through `kv`."""
+        cos, signed_sin = (t.unsqueeze(1) for t in self.rope.angles(positions))  # [R, 1, D] each
+        for index, layer in enumerate(self.weights.layers):
+            hidden = self._layer(index, layer, hidden, (cos, signed_sin), kv, invariant)
+        return hidden
+
+    def _layer(self, index, layer, hidden, angles, kv: LayerKVAccess, invariant) -> torch.Tensor:
         c = self.config
         x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps, invariant)
         q, k, v = self._rotated_qkv(layer, x, angles, invariant)
-        self._append(index, batch, counts, k, v, positions)
-        attended = self._attention(index, q, positions, batch, counts, invariant, hidden.shape[0])
-        hidden = hidden + layer.o_proj(attended, invariant)
+        kv.store(index, k, v)
+        hidden = hidden + layer.o_proj(kv.attend(index, q), invariant)
         x = rms_norm(hidden, layer.post_attention_norm, c.rms_norm_eps, invariant)
         gate, up = layer.gate_up(x, invariant).chunk(2, dim=-1)
         return hidden + layer.down(silu(gate) * up, invariant)
@@ -141,77 +197,6 @@ class ModelRunner:
         qk = self.rope.turn(qk, *angles)
         return qk[:, : c.num_heads], qk[:, c.num_heads :], v
 
-    def _attention(
-        self, index, q, positions, batch, counts, invariant, num_rows: int
-    ) -> torch.Tensor:
-        """Every sequence's attention in layer `index` over its cache, which holds its new
-        tokens already: q [N, Hq, D] -> [num_rows, Hq * D] (a spare zero row after the N where
-        the forward carries one). Sequences that one kernel call serves
-        together wait for it: on CPU those `_uses_cpu_kernel` picks, on CUDA those over one
-        shared prefix (read once for all their rows)."""
-        window = self.config.layer_windows[index]
-        outputs: list[torch.Tensor | None] = [None] * len(batch)
-        cpu_kernel: list[tuple[int, tuple[int, int], object]] = []  # (output, rows, layer)
-        by_prefix: dict[tuple[int, int], list[tuple[int, tuple[int, int], object]]] = {}
-        start = 0
-        for i, (seq, n) in enumerate(zip(batch, counts)):
-            end = start + n
-            layer_kv = seq.cache.layers[index]
-            if seq.observe is not None:
-                seq.observe(index, positions[start:end], q[start:end], layer_kv)
-            window_mask = None
-            # The window only hides keys once the newest token is `window` positions in.
-            if window is not None and seq.cache.num_tokens + n > window:
-                window_mask = _window_mask(window, layer_kv.positions(), positions[start:end])
-            row_invariant = invariant and not seq.fast_attention
-            if self._uses_cpu_kernel(layer_kv, window, window_mask, n, row_invariant):
-                cpu_kernel.append((i, (start, end), layer_kv))
-            elif _reads_prefix_apart(layer_kv, q, window_mask, row_invariant):
-                shared_keys, _ = layer_kv.shared.keys_values()
-                by_prefix.setdefault(_prefix_identity(shared_keys), []).append(
-                    (i, (start, end), layer_kv)
-                )
-            else:
-                outputs[i] = _attend(layer_kv, q[start:end], window_mask, row_invariant)
-            start = end
-        calls = [(_attend_by_cpu_kernel, cpu_kernel)]
-        calls += [(_attend_sharing_prefix, group) for group in by_prefix.values()]
-        for attend, group in calls:
-            if group:
-                attended = attend(q, [rows for _, rows, _ in group], [kv for *_, kv in group])
-                for (i, _, _), out in zip(group, attended):
-                    outputs[i] = out
-        if num_rows > start:
-            outputs.append(zero_row(outputs[0]))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-    def _append(self, index, batch, counts, k, v, positions) -> None:
-        """Appends each sequence's new tokens (k, v: [N, Hkv, D]; positions: [N]) to its cache's
-        layer `index`. With the CPU kernel, every dense layer takes them in one store call: a
-        draft step of 14 caches spent 257 us per layer appending them one by one, 27 in one call
-        (measured), some 7% of the step."""
-        stores, start = [], 0
-        for seq, n in zip(batch, counts):
-            layer_kv = seq.cache.layers[index]
-            if self._cpu_kernel and getattr(layer_kv, "is_dense", False):
-                stores.append((*layer_kv.reserve(n), start, n))
-            else:
-                end = start + n
-                layer_kv.append(k[start:end], v[start:end], positions[start:end])
-            start += n
-        if stores:
-            cpu_attention.store_kv(k, v, positions, stores)
-
-    def _uses_cpu_kernel(self, layer_kv, window, window_mask, n: int, invariant: bool) -> bool:
-        """Whether a sequence's attention in this layer joins the CPU kernel's call (over
-        full-precision slots only). Batch-invariant rows: all of them on a layer without a
-        sliding window, whatever n, since a token must take the same kernel decoded alone as
-        verified among others (the kernel is batch-invariant by construction). Fast rows:
-        one-token steps; longer runs (prefill) go to library attention."""
-        if not self._cpu_kernel or getattr(layer_kv, "attends_packed", False):
-            return False
-        return window is None if invariant else n == 1 and window_mask is None
-
     def _joined(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The sequences' parts in one tensor on the device (a lone part as it is: each operator
         spared is host time spared, every step)."""
@@ -231,11 +216,15 @@ class ModelRunner:
             return [
                 selected.new_empty(0, self.config.vocab_size, dtype=torch.float32) for _ in batch
             ]
-        normed = rms_norm(selected, self.weights.final_norm, self.config.rms_norm_eps, invariant)
-        logits = self.weights.lm_head(normed.float(), invariant)
+        logits = self.head(selected, invariant)
         if logits.shape[0] > sum(counts):
             return [logits[: counts[0]]]  # the spare row's cut
         return list(logits.split([seq.num_logits for seq in batch]))
+
+    def head(self, hidden: torch.Tensor, invariant: bool) -> torch.Tensor:
+        """float32 logits [R, vocab] of the final hidden states [R, hidden]."""
+        normed = rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps, invariant)
+        return self.weights.lm_head(normed.float(), invariant)
 
     def prefill(
         self,
@@ -265,73 +254,3 @@ class ModelRunner:
             wanted = max(0, min(chunk.numel(), start + chunk.numel() - (total - num_logits)))
             logits += self.forward([SequenceInput(chunk, cache, wanted)], invariant=invariant)
         return torch.cat(logits)
-
-
-def _attend(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> torch.Tensor:
-    """q [n, Hq, D] of the layer's newest n slots -> [n, Hq * D], over one buffer (a prefixed
-    layer's two parts copied into one, where `_reads_prefix_apart` does not hold)."""
-    if not invariant and getattr(layer_kv, "attends_packed", False):
-        # A quantized layer dequantizes block by block inside attention (fused on CUDA).
-        return layer_kv.attend(q, window_mask)
-    keys, values = layer_kv.keys_values(pad_to=key_alignment(q, invariant))
-    return attention(q, keys, values, layer_kv.num_slots, invariant, window_mask)
-
-
-def _reads_prefix_apart(layer_kv, q: torch.Tensor, window_mask, invariant: bool) -> bool:
-    """Whether this attention reads a prefixed layer's shared part in place (the Triton kernel),
-    so that sequences over the same prefix can share one read of it."""
-    if not isinstance(layer_kv, PrefixedLayerKV) or window_mask is not None:
-        return False
-    own_keys, _ = layer_kv.own.keys_values()
-    return reads_shared_prefix(q, invariant, own_keys.dtype)
-
-
-def _prefix_identity(shared_keys: torch.Tensor) -> tuple[int, int]:
-    """Which copy of a prefix a layer reads, from its shared keys [P, Hkv, D]: their address
-    and slots."""
-    return shared_keys.data_ptr(), shared_keys.shape[0]
-
-
-def _attend_sharing_prefix(
-    q: torch.Tensor, spans: list[tuple[int, int]], layers: list[PrefixedLayerKV]
-) -> list[torch.Tensor]:
-    """As `_attend_by_cpu_kernel`, for layers over one shared prefix on CUDA: the kernel reads
-    the prefix once for all their rows, then each layer's own slots."""
-    own = [(*layer_kv.own.keys_values(), layer_kv.own.num_slots) for layer_kv in layers]
-    return attention_over_shared_prefix(q, spans, own, layers[0].shared.keys_values())
-
-
-def _attend_by_cpu_kernel(
-    q: torch.Tensor, spans: list[tuple[int, int]], layers: list
-) -> list[torch.Tensor]:
-    """The rows start:end of q [N, Hq, D] for each span, over the layer beside it (whose newest
-    slots they are), in one kernel call -> [end - start, Hq * D] per span. A prefix that several
-    layers share goes to the kernel once, which reads it once for all their rows."""
-    if all(prev[1] == span[0] for prev, span in zip(spans, spans[1:])):
-        queries = q[spans[0][0] : spans[-1][1]]  # adjacent spans: one slice, no copy
-    else:
-        queries = torch.cat([q[start:end] for start, end in spans])
-    keys, values, prefix_of = [], [], []
-    prefixes: list[tuple[torch.Tensor, torch.Tensor]] = []
-    prefix_index: dict[tuple[int, int], int] = {}  # (first key's address, slots) -> its index
-    for layer_kv in layers:
-        own = layer_kv
-        if isinstance(layer_kv, PrefixedLayerKV):
-            own = layer_kv.own
-            shared_keys, shared_values = layer_kv.shared.keys_values()  # [P, Hkv, D]
-            where = _prefix_identity(shared_keys)
-            if where not in prefix_index:
-                prefix_index[where] = len(prefixes)
-                prefixes.append((shared_keys, shared_values))
-        prefix_of.append(prefix_index[where] if own is not layer_kv else -1)
-        own_keys, own_values = own.keys_values()
-        keys.append(own_keys)
-        values.append(own_values)
-    counts = [end - start for start, end in spans]
-    out = cpu_attention.attention(queries, keys, values, counts, prefixes, prefix_of).flatten(1)
-    return [out] if len(counts) == 1 else list(out.split(counts))
-
-
-def _window_mask(window: int, key_positions: torch.Tensor, query_positions: torch.Tensor):
-    """[Hkv, n, slots] bool: key_positions [slots, Hkv] within `window` of query_positions [n]."""
-    return key_positions.T.unsqueeze(1) > (query_positions.view(1, -1, 1) - window)

@@ -1,0 +1,166 @@
+"""The static forward (model/static_forward.py) on CPU: the same logits and caches, bit for bit, as
+the dynamic forward, whatever its buckets pad; the forwards it cannot serve go dynamic; and the
+engine's output with it is full decoding's (tests/test_cuda_graphs.py: the same under capture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_engine_exactness import make_prompts
+from vericache.compress import KIVI, PyramidKV, SnapKV, StreamingLLM
+from vericache.compress.context import ModelContext
+from vericache.engine.engine import Engine, EngineConfig
+from vericache.engine.request import DecodeMode, Request, SamplingParams
+from vericache.kv.cache import KVCache
+from vericache.kv.prefixed import PrefixedLayerKV, shared_clone
+from vericache.model.loader import load_model
+from vericache.model.runner import ModelRunner, SequenceInput
+from vericache.model.static_forward import StaticForward, bucket
+
+PROMPT = 70
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_checkpoint):
+    """A dynamic and a static runner over the same weights."""
+    loaded = load_model(str(tiny_checkpoint("llama")))
+    dynamic = ModelRunner(loaded.config, loaded.weights)
+    static = ModelRunner(loaded.config, loaded.weights, static_shapes=True)
+    assert dynamic.static is None and isinstance(static.static, StaticForward)
+    return dynamic, static
+
+
+def _ids(count: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 512, (count,), generator=torch.Generator().manual_seed(seed))
+
+
+_PREFIXES: dict[int, KVCache] = {}
+
+
+def _prefilled(runner: ModelRunner, seed: int, compressor=None) -> KVCache:
+    """A prompt's full KV, or compressed by `compressor`; "prefixed": a session's over a shared
+    prefix (one copy for every seed), its own tokens after it."""
+    if compressor == "prefixed":
+        if id(runner) not in _PREFIXES:
+            _PREFIXES[id(runner)] = prefix = runner.new_cache()
+            runner.prefill(_ids(PROMPT, 99), prefix)
+        session = shared_clone(_PREFIXES[id(runner)], capacity=PROMPT + 256)
+        runner.prefill(_ids(5 + seed, seed), session)
+        return session
+    cache, ids = runner.new_cache(), _ids(PROMPT + seed, seed)
+    runner.prefill(ids, cache)
+    if compressor is None:
+        return cache
+    return compressor.compress(cache, ModelContext(runner, ids.tolist()))
+
+
+# (tokens, logits, fast) per sequence, and the forward's kernel set
+BATCHES = {
+    "one exact token (a spare row)": ([(1, 1, False)], True),
+    "three decode steps (bucket 4)": ([(1, 1, False)] * 3, True),
+    "verifications and drafts": ([(5, 5, False), (1, 1, True), (5, 5, False), (1, 1, True)], True),
+    "draft steps alone": ([(1, 1, True)] * 5, False),
+    "verifications of 3 and 6 tokens (padded to 4 and 8)": ([(3, 3, False), (6, 6, False)], True),
+}
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [None, StreamingLLM(ratio=4), PyramidKV(ratio=4), "prefixed"],
+    ids=["full", "streamingllm", "pyramidkv", "prefixed"],
+)
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_a_static_forward_has_the_dynamic_forwards_bits(runners, name, compressor):
+    dynamic, static = runners
+    rows, invariant = BATCHES[name]
+    sources = [_prefilled(dynamic, seed, compressor) for seed in range(len(rows))]
+    results = []
+    for runner in (dynamic, static):
+        caches = [source.clone() for source in sources]
+        before = static.static.num_forwards
+        for step in range(3):  # the same buffers serve the next steps
+            batch = [
+                SequenceInput(_ids(n, 100 * step + i), cache, logits, fast_attention=fast)
+                for i, ((n, logits, fast), cache) in enumerate(zip(rows, caches))
+            ]
+            logits = runner.forward(batch, invariant=invariant)
+        results.append((logits, caches))
+        assert (static.static.num_forwards - before) == (3 if runner is static else 0)
+    (ours, our_caches), (theirs, their_caches) = results[1], results[0]
+    for mine, reference in zip(ours, theirs):
+        assert torch.equal(mine, reference)
+    for mine, reference in zip(our_caches, their_caches):
+        assert mine.num_tokens == reference.num_tokens
+        assert mine.to_state().equals(reference.to_state())
+
+
+def test_the_forwards_it_cannot_serve_go_dynamic(runners, tiny_checkpoint):
+    dynamic, static = runners
+
+    def shape(cache, n=1, **fields):
+        return static.static.split([SequenceInput(_ids(n, 0), cache, n, **fields)], True)
+
+    assert shape(_prefilled(dynamic, 0)) is not None
+    prefixed = _prefilled(dynamic, 0, "prefixed")
+    assert isinstance(prefixed.layers[0], PrefixedLayerKV) and shape(prefixed) is not None
+    quantized = KIVI(bits=4, group_size=8, residual_length=8).compress(_prefilled(dynamic, 0))
+    assert shape(quantized) is None  # packed layers
+    assert shape(_prefilled(dynamic, 0), n=600) is None  # a prefill chunk
+    prefill = SequenceInput(_ids(40, 0), _prefilled(dynamic, 0), 1)  # wants one token's logits
+    assert static.static.split([prefill], True) is None
+    assert shape(_prefilled(dynamic, 0), observe=lambda *args: None) is None
+    full = dynamic.new_cache()
+    dynamic.prefill(_ids(250, 0), full)
+    assert full.layers[0].capacity - full.layers[0].num_slots == 6  # a 256-slot buffer
+    # 5 tokens feed 8 (3 padding): no room.
+    assert shape(full, n=4) is not None and shape(full, n=5) is None
+    # Past the largest bucket, and beside one it cannot serve: those it can, the others dynamic.
+    too_many = [SequenceInput(_ids(1, i), full, 1) for i in range(65)]
+    shape, chosen = static.static.split([*too_many, SequenceInput(_ids(1, 0), quantized, 1)], True)
+    assert chosen == list(range(64)) and bucket(65) is None
+    windowed = load_model(str(tiny_checkpoint("mistral")))
+    windowed_runner = ModelRunner(windowed.config, windowed.weights, static_shapes=True)
+    cache = windowed_runner.new_cache()
+    windowed_runner.prefill(_ids(10, 0), cache)
+    assert windowed_runner.static.split([SequenceInput(_ids(1, 0), cache, 1)], True) is None
+
+
+@pytest.fixture(scope="module")
+def static_engine(tiny_checkpoint):
+    loaded = load_model(str(tiny_checkpoint("llama")))
+    runner = ModelRunner(loaded.config, loaded.weights, static_shapes=True)
+    return Engine(runner, None, EngineConfig())
+
+
+def _requests(mode, compressor=None, draft_len=6, params=SamplingParams(max_new_tokens=24)):
+    return [
+        Request(ids, prefix, params, mode, compressor, draft_len, request_id=str(i))
+        for i, (ids, prefix) in enumerate(make_prompts())
+    ]
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [StreamingLLM(ratio=4), SnapKV(ratio=4), KIVI(bits=4, group_size=8, residual_length=8)],
+    ids=["streamingllm", "snapkv", "kivi"],
+)
+def test_vericache_over_static_forwards_equals_full_decoding(
+    tiny_engine, static_engine, compressor
+):
+    reference = [out.token_ids for out in tiny_engine().generate(_requests(DecodeMode.FULL))]
+    before = static_engine.runner.static.num_forwards
+    full = static_engine.generate(_requests(DecodeMode.FULL))
+    vericache = static_engine.generate(_requests(DecodeMode.VERICACHE, compressor))
+    assert [out.token_ids for out in full] == reference
+    assert [out.token_ids for out in vericache] == reference
+    assert static_engine.runner.static.num_forwards > before
+
+
+def test_sampled_vericache_over_static_forwards_samples_what_full_kv_samples(
+    tiny_engine, static_engine
+):
+    params = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7)
+    reference = tiny_engine().generate(_requests(DecodeMode.FULL, params=params))
+    ours = static_engine.generate(_requests(DecodeMode.VERICACHE, StreamingLLM(ratio=4), 6, params))
+    assert [out.token_ids for out in ours] == [out.token_ids for out in reference]

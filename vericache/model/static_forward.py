@@ -1,0 +1,184 @@
+"""Static shapes: decode, draft and verification forwards over preallocated buffers, in buckets.
+
+At batch 1 a GPU step of a small model is bound by its host: Python, kernel launches,
+allocations (bench/results/decode_speed_cuda.json: 51 ms a step of the embedded model's
+architecture on an H200, whose kernels need a fraction of a millisecond). vLLM and SGLang capture
+their decode steps in CUDA graphs; this does the same for every forward whose sequences feed alike:
+- it serves forwards that want every new token's logits: decode and draft steps (one token),
+  verifications (1 + drafts); prefills go dynamic;
+- a forward's sequences fall into groups by new tokens, rounded up to a bucket (BUCKETS), and
+  attention (exact, or fast); a verification of 5 tokens feeds 3 padding tokens after its own,
+  whose KV lands past its slots and whose rows no real row sees (causal) nor is read;
+- each group's sequence count is rounded up to a bucket too; the padding sequences feed token 0
+  over a scratch cache and their rows are never read;
+- a `StepShape` (the groups' buckets) has its own buffers: token ids, positions and, on CUDA, a
+  table per layer of each sequence's cache buffers (addresses, capacity, first new slot), so that
+  one graph serves whichever caches a step holds, as vLLM's block tables do;
+- on CUDA the shape's forward is captured once in a CUDA graph and replayed: a step costs one
+  copy of its inputs to the device and one launch. The attention and the KV store read the
+  tables (kernels/triton_kv_table.py). Captured rather than `torch.compile(mode=
+  "reduce-overhead")`: the forward's kernels are already the batch-invariant set, which a
+  compiler's fusions would change, and a graph keeps their bits (the identity tests run with
+  graphs on and off);
+- on CPU the same forward runs eagerly over the same buffers, its attention and store by
+  sequence_attention.py (the CPU kernels, which take each cache's slots as they are).
+A forward that fits no shape (prefill, online compressors that observe, quantized or prefixed
+layers, sliding windows, a cache with no room left) runs the runner's dynamic forward.
+
+Exactness: every kernel of the batch-invariant set computes a row apart from the rows beside it,
+so a sequence's rows in a static forward, padding and all, have the bits they have in the dynamic
+forward (tests/test_static_forward.py checks it on CPU, tests/test_cuda_graphs.py under capture).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from vericache.kv.cache import DenseLayerKV
+from vericache.kv.prefixed import PrefixedLayerKV
+from vericache.model.sequence_attention import SequenceAttention
+from vericache.model.static_step import (
+    BUCKETS,
+    GroupShape,
+    StepBuffers,
+    StepShape,
+    TableAttention,
+    bucket,
+)
+
+MAX_SHAPES = 32  # shapes whose buffers (and graphs) are kept, least recently used dropped
+GroupKey = tuple[int, bool, bool]  # GroupShape's (tokens, exact, prefixed)
+
+
+def _layer_kind(layer, dtype: torch.dtype, tokens: int) -> str | None:
+    """ "dense" or "prefixed" for a layer that a static step serves (full-precision slots in the
+    model's dtype, with room for `tokens` more: a static step never grows a buffer), else None."""
+    own = layer
+    if type(layer) is PrefixedLayerKV:
+        if type(layer.shared) is not DenseLayerKV or layer.shared.dtype != dtype:
+            return None
+        own = layer.own
+    if type(own) is not DenseLayerKV or own.dtype != dtype:
+        return None
+    if own.num_slots + tokens > own.capacity:
+        return None
+    return "dense" if own is layer else "prefixed"
+
+
+class StaticForward:
+    """The runner's forwards of static shape (see the module docstring)."""
+
+    def __init__(self, runner, tables: bool | None = None):
+        self.runner = runner
+        # The KV through tables (the Triton kernels): on CUDA, and in tests of them on CPU under
+        # Triton's interpreter; captured in graphs on CUDA only.
+        self.tables = runner.device.type == "cuda" if tables is None else tables
+        self.captures = self.tables and runner.device.type == "cuda"
+        self._windowless = all(w is None for w in runner.config.layer_windows)
+        self._steps: OrderedDict[StepShape, StepBuffers] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle() if self.captures else None
+        self.num_forwards = 0  # forwards run static, captured or eager
+        self.num_captured = 0  # graphs captured
+
+    def split(self, batch, invariant: bool) -> tuple[StepShape, list[int]] | None:
+        """The shape that the sequences it can serve take, and their indices in `batch` (the
+        others run in a dynamic forward beside it: every row's bits are its own either way), or
+        None where it serves none of them."""
+        if not self._windowless:
+            return None
+        members: dict[GroupKey, list[int]] = {}
+        for i, seq in enumerate(batch):
+            key = self._group_key(seq, invariant)
+            if key is not None:
+                members.setdefault(key, []).append(i)
+        groups, chosen = [], []
+        for (tokens, exact, prefixed), indices in sorted(members.items()):
+            indices = indices[: BUCKETS[-1]]  # the rest go dynamic
+            groups.append(GroupShape(tokens, exact, prefixed, bucket(len(indices))))
+            chosen += indices
+        if not groups:
+            return None
+        return StepShape(tuple(groups), invariant), sorted(chosen)
+
+    def _group_key(self, seq, invariant: bool) -> GroupKey | None:
+        """The group of a sequence that a static forward serves, else None."""
+        n = seq.token_ids.numel()
+        tokens = bucket(n)
+        if seq.observe is not None or seq.num_logits != n or tokens is None:
+            return None
+        if seq.cache.num_tokens + tokens > self.runner.config.max_position_embeddings:
+            return None  # its padding tokens' positions
+        kinds = {_layer_kind(layer, self.runner.dtype, tokens) for layer in seq.cache.layers}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        return tokens, invariant and not seq.fast_attention, kinds.pop() == "prefixed"
+
+    @torch.no_grad()
+    def forward(self, batch, shape: StepShape, invariant: bool) -> list[torch.Tensor]:
+        """The dynamic forward's logits for `batch`, which fits `shape`, over its buffers."""
+        step = self._buffers(shape)
+        placed = step.place(batch)  # each sequence's (group, index in it)
+        if self.captures:
+            step.stage_with_tables(batch, placed)
+            if step.graph is None:
+                self._capture(step)
+            step.graph.replay()
+            logits = step.output.clone()  # the next replay overwrites the graph's
+        elif self.tables:
+            step.stage_with_tables(batch, placed)
+            logits = self._body(step, TableAttention(step))
+        else:
+            step.stage(batch, placed)
+            logits = self._eager(step, batch, placed)
+        for seq in batch:
+            seq.cache.advance(seq.token_ids.numel())
+        self.num_forwards += 1
+        spans = (step.rows(group, index, seq) for seq, (group, index) in zip(batch, placed))
+        return [logits[start:end] for start, end in spans]
+
+    def _buffers(self, shape: StepShape) -> StepBuffers:
+        step = self._steps.get(shape)
+        if step is None:
+            if len(self._steps) >= MAX_SHAPES:
+                self._steps.popitem(last=False)
+            step = self._steps[shape] = StepBuffers(self.runner, shape, self.tables)
+        self._steps.move_to_end(shape)
+        return step
+
+    def _eager(self, step: StepBuffers, batch, placed) -> torch.Tensor:
+        """The shape's forward on CPU: the caches read and written by the CPU kernels, padding
+        rows attended as zeros."""
+        runner, shape = self.runner, step.shape
+        ordered = sorted(range(len(batch)), key=lambda i: step.first_row(*placed[i]))
+        spans = [step.rows(*placed[i], batch[i]) for i in ordered]
+        kv = SequenceAttention(
+            runner, [batch[i] for i in ordered], spans, step.positions, shape.invariant,
+            step.num_rows,
+        )  # fmt: skip
+        return self._body(step, kv)
+
+    def _body(self, step: StepBuffers, kv) -> torch.Tensor:  # [logit rows, vocab] float32
+        runner, invariant = self.runner, step.shape.invariant
+        hidden = runner.embed(step.token_ids, step.num_rows)
+        hidden = runner.layers(hidden, step.positions, kv, invariant)
+        return runner.head(hidden[: step.shape.num_tokens], invariant)
+
+    def _capture(self, step: StepBuffers) -> None:
+        """Captures the shape's forward over its staged inputs. Warm-up runs first (Triton's
+        compiles, cuBLAS's workspaces), on a side stream as capture wants: they compute this
+        step's KV into the caches, which the replay then writes again, the same bits."""
+        kv = TableAttention(step)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._body(step, kv)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a worker's other threads (KV loads to the device) go on during capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            step.output = self._body(step, kv)
+        step.graph = graph
+        self.num_captured += 1

@@ -1,0 +1,241 @@
+"""The buffers of one static shape (static_forward.py), and its KV access on CUDA.
+
+Rows are laid out group by group, each group's sequences one after another with the padding
+sequences last: row = group's first row + index * tokens + offset, a sequence's own tokens
+first, then its padding tokens. Every input of a step lives in one int64
+tensor, [token ids | positions | tables], so that on CUDA a step's inputs reach the device in one
+copy, from a pinned host buffer (a ring of two, each reused only once its last copy is done).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vericache.kernels import triton_kv_table
+from vericache.kernels.triton_kv_table import TABLE_WIDTH, TableEntry
+from vericache.kv.cache import DenseLayerKV
+from vericache.kv.prefixed import PrefixedLayerKV
+from vericache.kv.slots import aligned
+
+HOST_RING = 2
+
+# Sequences per group, and new tokens per sequence (a verification of up to 63 drafts).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True, order=True)
+class GroupShape:
+    """Sequences of a static forward that feed alike: `batch` of them (a bucket, padding
+    included), up to `tokens` new tokens each (a bucket: padding tokens after a sequence's own),
+    over full KV by the batch-invariant kernels (`exact`) or by the fast ones, over a shared
+    prefix first (`prefixed`, kv/prefixed.py) or not."""
+
+    tokens: int
+    exact: bool
+    prefixed: bool
+    batch: int
+
+
+@dataclass(frozen=True)
+class StepShape:
+    groups: tuple[GroupShape, ...]
+    invariant: bool  # the forward's linear layers: the batch-invariant set
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(g.batch * g.tokens for g in self.groups)
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(g.batch for g in self.groups)
+
+
+def bucket(count: int) -> int | None:
+    return next((size for size in BUCKETS if size >= count), None)
+
+
+class StepBuffers:
+    def __init__(self, runner, shape, with_tables: bool):
+        self.shape = shape
+        self.device = runner.device
+        c = runner.config
+        self.num_rows = runner.rows_for(shape.num_tokens, shape.invariant)
+        self._first_rows, self._first_seqs = [], []
+        row = seq = 0
+        for g in shape.groups:
+            self._first_rows.append(row)
+            self._first_seqs.append(seq)
+            row, seq = row + g.batch * g.tokens, seq + g.batch
+        self._index = {(g.tokens, g.exact, g.prefixed): i for i, g in enumerate(shape.groups)}
+        tables = c.num_layers * shape.num_sequences * TABLE_WIDTH if with_tables else 0
+        size = 2 * self.num_rows + tables
+        self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self.token_ids = self.inputs[: self.num_rows]  # [R]
+        self.positions = self.inputs[self.num_rows : 2 * self.num_rows]  # [R]
+        self.tables = self.inputs[2 * self.num_rows :].view(c.num_layers, -1, TABLE_WIDTH)
+        row_seq, row_offset = self._row_owners()
+        self.row_seq, self.row_offset = row_seq.to(self.device), row_offset.to(self.device)
+        # Padding: token 0 at offsets 0.. over the scratch layer (CUDA), which it writes itself.
+        self._pad = torch.zeros(size, dtype=torch.int64)
+        self._pad[self.num_rows : self.num_rows + len(row_offset)] = row_offset
+        self.graph = None
+        self.output: torch.Tensor | None = None  # the graph's [logit rows, vocab]
+        if with_tables:
+            self._scratch = DenseLayerKV(
+                c.num_kv_heads, c.head_dim, runner.dtype, self.device, aligned(shape.num_tokens)
+            )
+            keys, values, positions, _ = self._scratch.reserve(self._scratch.capacity)
+            for buffer in (keys, values, positions):
+                buffer.zero_()  # finite: the padding rows attend over it
+            # Over no prefix (its fields point at the scratch too, never read: P = 0).
+            scratch = TableEntry(
+                keys.data_ptr(), values.data_ptr(), positions.data_ptr(), keys.stride(0), 0,
+                keys.data_ptr(), values.data_ptr(), keys.stride(0), 0,
+            )  # fmt: skip
+            self._pad[2 * self.num_rows :].view(c.num_layers, -1, TABLE_WIDTH)[:] = torch.tensor(
+                scratch, dtype=torch.int64
+            )
+            self.like = keys.transpose(0, 1)  # [capacity, H, D]: the caches' dtype and heads
+        if with_tables and self.device.type == "cuda":
+            self._host = [self._pad.clone().pin_memory() for _ in range(HOST_RING)]
+            self._copied = [None] * HOST_RING
+            self._turn = 0
+
+    def _row_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R] int32 each: every row's sequence (over all groups) and its offset within it."""
+        seqs, offsets = [], []
+        for g, first_seq in zip(self.shape.groups, self._first_seqs):
+            seqs.append(torch.arange(first_seq, first_seq + g.batch).repeat_interleave(g.tokens))
+            offsets.append(torch.arange(g.tokens).repeat(g.batch))
+        return torch.cat(seqs).to(torch.int32), torch.cat(offsets).to(torch.int32)
+
+    def place(self, batch) -> list[tuple[int, int]]:
+        """Each sequence's (group, index within it), in batch order."""
+        taken = [0] * len(self.shape.groups)
+        placed = []
+        for seq in batch:
+            tokens = bucket(seq.token_ids.numel())
+            exact = self.shape.invariant and not seq.fast_attention
+            group = self._index[tokens, exact, type(seq.cache.layers[0]) is PrefixedLayerKV]
+            placed.append((group, taken[group]))
+            taken[group] += 1
+        return placed
+
+    def first_row(self, group: int, index: int) -> int:
+        return self._first_rows[group] + index * self.shape.groups[group].tokens
+
+    def rows(self, group: int, index: int, seq) -> tuple[int, int]:
+        """The rows of a sequence's own tokens (its padding tokens follow)."""
+        start = self.first_row(group, index)
+        return start, start + seq.token_ids.numel()
+
+    def stage(self, batch, placed) -> None:
+        """The batch's token ids and positions into the buffers (CPU: the host's own)."""
+        host = self.inputs.numpy()
+        host[:] = self._pad.numpy()
+        self._write_rows(host, batch, placed)
+
+    def _write_rows(self, host: np.ndarray, batch, placed) -> list:
+        """Writes token ids held on the host and positions; returns the (rows, ids) whose ids lie
+        on the device (a deferred draft's last choice)."""
+        on_device = []
+        for seq, (group, index) in zip(batch, placed):
+            start, end = self.rows(group, index, seq)
+            first, tokens = seq.cache.num_tokens, self.shape.groups[group].tokens
+            # Padding tokens go on at the positions after its own: inside the model's context.
+            host[self.num_rows + start : self.num_rows + start + tokens] = np.arange(
+                first, first + tokens
+            )
+            if seq.token_ids.device.type == "cpu":
+                host[start:end] = seq.token_ids.numpy()
+            else:
+                on_device.append((start, end, seq.token_ids))
+        return on_device
+
+    def stage_with_tables(self, batch, placed) -> None:
+        """As `stage`, and every layer's table entries; on CUDA into the next pinned host buffer,
+        then to the device in one copy. Reserves the new slots in each cache (the kernels write
+        them)."""
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            turn = self._turn
+            self._turn = (turn + 1) % HOST_RING
+            if self._copied[turn] is not None:
+                self._copied[turn].synchronize()  # its last copy has left it
+            host_tensor = self._host[turn]
+        else:
+            host_tensor = self.inputs
+        host_tensor.copy_(self._pad)
+        host = host_tensor.numpy()
+        on_device = self._write_rows(host, batch, placed)
+        tables = host[2 * self.num_rows :].reshape(len(self.tables), -1, TABLE_WIDTH)
+        for seq, (group, index) in zip(batch, placed):
+            entry = self._first_seqs[group] + index
+            n = seq.token_ids.numel()
+            for layer_index, layer in enumerate(seq.cache.layers):
+                tables[layer_index, entry] = _entry(layer, n)
+        if not on_cuda:
+            return
+        self.inputs.copy_(host_tensor, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._copied[turn] = copied
+        for start, end, ids in on_device:
+            self.token_ids[start:end].copy_(ids)
+
+    def group_rows(self, group: int) -> tuple[int, int]:
+        g = self.shape.groups[group]
+        first = self._first_rows[group]
+        return first, first + g.batch * g.tokens
+
+    def group_sequences(self, group: int) -> tuple[int, int]:
+        first = self._first_seqs[group]
+        return first, first + self.shape.groups[group].batch
+
+
+def _entry(layer, num_new: int) -> TableEntry:
+    """A layer's table entry, its num_new slots reserved: the kernels write them, and its padding
+    tokens' KV past them (`split` saw to the room), where no row of its own looks and the next
+    step overwrites."""
+    keys, values, positions, first = layer.reserve(num_new)  # own buffers [H, capacity, D]
+    entry = TableEntry(
+        keys.data_ptr(), values.data_ptr(), positions.data_ptr(), keys.stride(0), first
+    )
+    if type(layer) is not PrefixedLayerKV:
+        return entry
+    prefix_keys, prefix_values = layer.shared.keys_values()  # [P, H, D] views, head-major
+    return entry._replace(
+        prefix_keys=prefix_keys.data_ptr(),
+        prefix_values=prefix_values.data_ptr(),
+        prefix_head_stride=prefix_keys.stride(1),
+        num_prefix=layer.shared.num_slots,
+    )
+
+
+class TableAttention:
+    """`LayerKVAccess` of a static step on CUDA: the store and attention kernels find each
+    sequence's cache through the step's tables, so the captured graph serves any caches."""
+
+    def __init__(self, step: StepBuffers):
+        self.step = step
+
+    def store(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        step = self.step
+        triton_kv_table.store_kv(
+            keys, values, step.positions, step.tables[index], step.row_seq, step.row_offset
+        )
+
+    def attend(self, index: int, q: torch.Tensor) -> torch.Tensor:
+        step, parts = self.step, []
+        for group, shape in enumerate(step.shape.groups):
+            rows, seqs = step.group_rows(group), step.group_sequences(group)
+            table = step.tables[index, seqs[0] : seqs[1]]
+            parts.append(
+                triton_kv_table.attention(
+                    q[rows[0] : rows[1]], table, shape.tokens, step.like, shape.prefixed
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
