@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from vericache.bench.common import compressor_from_label, environment
-from vericache.engine.engine import Engine
+from vericache.engine.engine import Engine, EngineConfig
 from vericache.engine.forward_loop import ForwardLoop, Job
 from vericache.engine.request import DecodeMode, Request, SamplingParams
 
@@ -180,6 +180,14 @@ def run_tiny(args) -> dict:
             for batch in BATCHES
         }
         one_layer = time_steps(engines[1], "full", 1)["operators"]
+        # Static forwards (model/static_forward.py), run eagerly here as on any CPU: what their
+        # staging costs the host where no CUDA graph takes the steps off it.
+        static = Engine.from_pretrained(str(models[2]), config=EngineConfig(static_shapes=True))
+        static_steps = {
+            f"{kind}_batch{batch}": time_steps(static, kind, batch)
+            for kind in ("full", "draft", "verify")
+            for batch in BATCHES
+        }
         # Alternated, ROUNDS times: a shared machine's drift falls on both alike.
         engine_runs = {f"batch{b}": [] for b in BATCHES}
         hf_runs = {f"batch{b}": [] for b in BATCHES}
@@ -200,6 +208,9 @@ def run_tiny(args) -> dict:
             "syncs_per_verification": steps["verify_batch1"]["syncs"],
             "operators_per_layer": per_layer,
             "operators_outside_layers": one_layer - per_layer,
+            "tiny_static_over_dynamic_full_step": static_steps["full_batch1"]["host_us"]
+            / steps["full_batch1"]["host_us"],
+            "syncs_per_static_draft_step": static_steps["draft_batch1"]["syncs"],
         },
         "definitions": {
             "tiny_host_us_per_full_step": "the engine's full-mode decode, microseconds per token "
@@ -211,10 +222,13 @@ def run_tiny(args) -> dict:
             "last (target 0)",
             "syncs_per_draft": "host waits over a whole draft of DRAFT_LEN steps, batch 1: its "
             "tokens read once, after its last step",
+            "tiny_static_over_dynamic_full_step": "a static forward's full step (eager, on CPU) "
+            "over the dynamic forward's, host microseconds, batch 1",
         },
         "config": {"model": TINY, "context_tokens": CONTEXT, "steps": STEPS},
         "environment": environment(),
         "steps": steps,
+        "static_steps": static_steps,
         "engine_us_per_token": engine_runs,
         "transformers_us_per_token": hf_runs,
     }

@@ -76,7 +76,7 @@ def test_the_tiny_step_counts_one_host_wait_and_its_operators(tmp_path):
     verification once; a layer costs the same operators whatever the depth, so two layers' count
     less one layer's is one layer's."""
     from vericache.bench.decode_speed_tiny import counted_syncs, time_steps, tiny_model
-    from vericache.engine.engine import Engine
+    from vericache.engine.engine import Engine, EngineConfig
 
     with counted_syncs() as counts:
         torch.ones(3).tolist()
@@ -95,3 +95,9 @@ def test_the_tiny_step_counts_one_host_wait_and_its_operators(tmp_path):
     full_steps = [time_steps(engine, "full", 1)["operators"] for engine in engines[:2]]
     assert full_steps[1] - full_steps[0] <= 112
     assert steps[1]["host_us_quartiles"][0] <= steps[1]["host_us"] > 0
+    # Static forwards stage their inputs without reading a tensor's values on the host.
+    config = EngineConfig(static_shapes=True)
+    static = Engine.from_pretrained(str(tmp_path / "l2"), config=config)
+    assert time_steps(static, "draft", 1)["syncs"] == 0
+    assert time_steps(static, "verify", 1)["syncs"] == 1
+    assert static.runner.static.num_forwards > 0

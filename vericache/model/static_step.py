@@ -99,10 +99,14 @@ class StepBuffers:
                 scratch, dtype=torch.int64
             )
             self.like = keys.transpose(0, 1)  # [capacity, H, D]: the caches' dtype and heads
+        host_buffers = [self.inputs] if self.device.type == "cpu" else []
         if with_tables and self.device.type == "cuda":
             self._host = [self._pad.clone().pin_memory() for _ in range(HOST_RING)]
             self._copied = [None] * HOST_RING
             self._turn = 0
+            host_buffers = self._host
+        # numpy views made once: a step's small writes through them cost little host time.
+        self._views = {id(buffer): buffer.numpy() for buffer in host_buffers}
 
     def _row_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[R] int32 each: every row's sequence (over all groups) and its offset within it."""
@@ -134,14 +138,15 @@ class StepBuffers:
 
     def stage(self, batch, placed) -> None:
         """The batch's token ids and positions into the buffers (CPU: the host's own)."""
-        host = self.inputs.numpy()
-        host[:] = self._pad.numpy()
-        self._write_rows(host, batch, placed)
+        self.inputs.copy_(self._pad)
+        self._write_rows(self.inputs, batch, placed)
 
-    def _write_rows(self, host: np.ndarray, batch, placed) -> list:
-        """Writes token ids held on the host and positions; returns the (rows, ids) whose ids lie
-        on the device (a deferred draft's last choice)."""
-        on_device = []
+    def _write_rows(self, host_tensor: torch.Tensor, batch, placed) -> list:
+        """Writes token ids held on the host and positions into a host buffer shaped as
+        `inputs`; returns the (rows, ids) whose ids lie on the device (a deferred draft's last
+        choice). Ids by tensor copies: reading a tensor's values on the host (numpy) would be a
+        wait on a device."""
+        host, on_device = self._views[id(host_tensor)], []
         for seq, (group, index) in zip(batch, placed):
             start, end = self.rows(group, index, seq)
             first, tokens = seq.cache.num_tokens, self.shape.groups[group].tokens
@@ -150,7 +155,7 @@ class StepBuffers:
                 first, first + tokens
             )
             if seq.token_ids.device.type == "cpu":
-                host[start:end] = seq.token_ids.numpy()
+                host_tensor[start:end].copy_(seq.token_ids)
             else:
                 on_device.append((start, end, seq.token_ids))
         return on_device
@@ -169,8 +174,8 @@ class StepBuffers:
         else:
             host_tensor = self.inputs
         host_tensor.copy_(self._pad)
-        host = host_tensor.numpy()
-        on_device = self._write_rows(host, batch, placed)
+        on_device = self._write_rows(host_tensor, batch, placed)
+        host = self._views[id(host_tensor)]
         tables = host[2 * self.num_rows :].reshape(len(self.tables), -1, TABLE_WIDTH)
         for seq, (group, index) in zip(batch, placed):
             entry = self._first_seqs[group] + index
