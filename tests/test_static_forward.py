@@ -25,7 +25,7 @@ PROMPT = 70
 def runners(tiny_checkpoint):
     """A dynamic and a static runner over the same weights."""
     loaded = load_model(str(tiny_checkpoint("llama")))
-    dynamic = ModelRunner(loaded.config, loaded.weights)
+    dynamic = ModelRunner(loaded.config, loaded.weights, static_shapes=False)
     static = ModelRunner(loaded.config, loaded.weights, static_shapes=True)
     assert dynamic.static is None and isinstance(static.static, StaticForward)
     return dynamic, static

@@ -160,7 +160,7 @@ def test_a_static_step_through_tables_has_the_dynamic_forwards_bits(tiny_checkpo
     """The CUDA static path's logic (tables, padding, groups) on CPU, without capture."""
     monkeypatch.setattr(kernels, "_triton_runs", lambda q, invariant, keys_dtype: invariant)
     loaded = load_model(str(tiny_checkpoint("llama")))
-    dynamic = ModelRunner(loaded.config, loaded.weights)
+    dynamic = ModelRunner(loaded.config, loaded.weights, static_shapes=False)
     static = ModelRunner(loaded.config, loaded.weights, static_shapes=True)
     static.static.tables = True
     dynamic._cpu_kernel = static._cpu_kernel = False

@@ -134,6 +134,11 @@ class DenseLayerKV:
     def dtype(self) -> torch.dtype:
         return self._keys.dtype
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head-major key and value buffers [H, capacity, D] and the position buffer
+        [capacity, H] int32, as they are (a static step's table points at them)."""
+        return self._keys, self._values, self._positions
+
     def _ensure_capacity(self, num_slots: int, to_fit: bool = False) -> None:
         """Room for num_slots; appends grow geometrically, `to_fit` grows to just what is asked."""
         if num_slots <= self.capacity:

@@ -13,6 +13,7 @@ CPU the same static forward runs eagerly. Either way its bits are this forward's
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ class ModelRunner:
         # token carries a spare zero row.
         self._pads_lone_invariant_row = weights.layers[0].qkv.pads_lone_row(weights.embed[:1], True)
         if static_shapes is None:
-            static_shapes = self.device.type == "cuda"
+            static_shapes = _static_by_default(self.device)
         self.static = StaticForward(self) if static_shapes else None
 
     def new_cache(self, capacity: int = 0, pool: BufferPool | None = None) -> KVCache:
@@ -99,11 +100,11 @@ class ModelRunner:
             return self._dynamic(batch, counts, invariant)
         shape, chosen = split
         if len(chosen) == len(batch):
-            return self.static.forward(batch, shape, invariant)
+            return self.static.forward(batch, shape)
         # Those it serves in a static forward, the others in a dynamic one beside it.
         logits: list[torch.Tensor | None] = [None] * len(batch)
         static_batch = [batch[i] for i in chosen]
-        for i, rows in zip(chosen, self.static.forward(static_batch, shape, invariant)):
+        for i, rows in zip(chosen, self.static.forward(static_batch, shape)):
             logits[i] = rows
         rest = [i for i in range(len(batch)) if logits[i] is None]
         dynamic_batch, dynamic_counts = [batch[i] for i in rest], [counts[i] for i in rest]
@@ -254,3 +255,10 @@ class ModelRunner:
             wanted = max(0, min(chunk.numel(), start + chunk.numel() - (total - num_logits)))
             logits += self.forward([SequenceInput(chunk, cache, wanted)], invariant=invariant)
         return torch.cat(logits)
+
+
+def _static_by_default(device: torch.device) -> bool:
+    """Static forwards where nothing asks otherwise: on CUDA. VERICACHE_STATIC_SHAPES=1 (or 0)
+    says so for every runner of a process: the whole test suite over static forwards on CPU."""
+    setting = os.environ.get("VERICACHE_STATIC_SHAPES")
+    return device.type == "cuda" if setting is None else setting == "1"

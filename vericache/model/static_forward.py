@@ -32,6 +32,7 @@ forward (tests/test_static_forward.py checks it on CPU, tests/test_cuda_graphs.p
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -79,6 +80,7 @@ class StaticForward:
         self._windowless = all(w is None for w in runner.config.layer_windows)
         self._steps: OrderedDict[StepShape, StepBuffers] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.captures else None
+        self._lock = threading.Lock()
         self.num_forwards = 0  # forwards run static, captured or eager
         self.num_captured = 0  # graphs captured
 
@@ -116,8 +118,12 @@ class StaticForward:
         return tokens, invariant and not seq.fast_attention, kinds.pop() == "prefixed"
 
     @torch.no_grad()
-    def forward(self, batch, shape: StepShape, invariant: bool) -> list[torch.Tensor]:
+    def forward(self, batch, shape: StepShape) -> list[torch.Tensor]:
         """The dynamic forward's logits for `batch`, which fits `shape`, over its buffers."""
+        with self._lock:  # a shape's buffers serve one forward at a time
+            return self._forward(batch, shape)
+
+    def _forward(self, batch, shape: StepShape) -> list[torch.Tensor]:
         step = self._buffers(shape)
         placed = step.place(batch)  # each sequence's (group, index in it)
         if self.captures:

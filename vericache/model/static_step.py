@@ -72,7 +72,15 @@ class StepBuffers:
         self._index = {(g.tokens, g.exact, g.prefixed): i for i, g in enumerate(shape.groups)}
         tables = c.num_layers * shape.num_sequences * TABLE_WIDTH if with_tables else 0
         size = 2 * self.num_rows + tables
-        self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
+        # numpy views of host buffers, made once: a step's small writes through them cost little
+        # host time. On CPU the buffer is a numpy array's (no tensor is read on the host).
+        self._views: dict[int, np.ndarray] = {}
+        if self.device.type == "cpu":
+            host = np.zeros(size, dtype=np.int64)
+            self.inputs = torch.from_numpy(host)
+            self._views[id(self.inputs)] = host
+        else:
+            self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.token_ids = self.inputs[: self.num_rows]  # [R]
         self.positions = self.inputs[self.num_rows : 2 * self.num_rows]  # [R]
         self.tables = self.inputs[2 * self.num_rows :].view(c.num_layers, -1, TABLE_WIDTH)
@@ -84,29 +92,30 @@ class StepBuffers:
         self.graph = None
         self.output: torch.Tensor | None = None  # the graph's [logit rows, vocab]
         if with_tables:
-            self._scratch = DenseLayerKV(
-                c.num_kv_heads, c.head_dim, runner.dtype, self.device, aligned(shape.num_tokens)
-            )
-            keys, values, positions, _ = self._scratch.reserve(self._scratch.capacity)
-            for buffer in (keys, values, positions):
-                buffer.zero_()  # finite: the padding rows attend over it
-            # Over no prefix (its fields point at the scratch too, never read: P = 0).
-            scratch = TableEntry(
-                keys.data_ptr(), values.data_ptr(), positions.data_ptr(), keys.stride(0), 0,
-                keys.data_ptr(), values.data_ptr(), keys.stride(0), 0,
-            )  # fmt: skip
-            self._pad[2 * self.num_rows :].view(c.num_layers, -1, TABLE_WIDTH)[:] = torch.tensor(
-                scratch, dtype=torch.int64
-            )
-            self.like = keys.transpose(0, 1)  # [capacity, H, D]: the caches' dtype and heads
-        host_buffers = [self.inputs] if self.device.type == "cpu" else []
+            pad_tables = self._pad[2 * self.num_rows :].view(c.num_layers, -1, TABLE_WIDTH)
+            pad_tables[:] = torch.tensor(self._scratch_entry(runner), dtype=torch.int64)
         if with_tables and self.device.type == "cuda":
             self._host = [self._pad.clone().pin_memory() for _ in range(HOST_RING)]
             self._copied = [None] * HOST_RING
             self._turn = 0
-            host_buffers = self._host
-        # numpy views made once: a step's small writes through them cost little host time.
-        self._views = {id(buffer): buffer.numpy() for buffer in host_buffers}
+            self._views.update((id(buffer), buffer.numpy()) for buffer in self._host)
+
+    def _scratch_entry(self, runner) -> TableEntry:
+        """The table entry of every padding sequence: a scratch layer with room for a group's
+        tokens, zeroed (finite: the padding rows attend over it), over no prefix (its fields
+        point at the scratch too, never read: P = 0)."""
+        c = runner.config
+        self._scratch = DenseLayerKV(
+            c.num_kv_heads, c.head_dim, runner.dtype, self.device, aligned(self.shape.num_tokens)
+        )
+        keys, values, positions, _ = self._scratch.reserve(self._scratch.capacity)
+        for buffer in (keys, values, positions):
+            buffer.zero_()
+        self.like = keys.transpose(0, 1)  # [capacity, H, D]: the caches' dtype and heads
+        return TableEntry(
+            keys.data_ptr(), values.data_ptr(), positions.data_ptr(), keys.stride(0), 0,
+            keys.data_ptr(), values.data_ptr(), keys.stride(0), 0,
+        )  # fmt: skip
 
     def _row_owners(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[R] int32 each: every row's sequence (over all groups) and its offset within it."""
@@ -211,11 +220,11 @@ def _entry(layer, num_new: int) -> TableEntry:
     )
     if type(layer) is not PrefixedLayerKV:
         return entry
-    prefix_keys, prefix_values = layer.shared.keys_values()  # [P, H, D] views, head-major
+    prefix_keys, prefix_values, _ = layer.shared.buffers()  # [H, P', D]
     return entry._replace(
         prefix_keys=prefix_keys.data_ptr(),
         prefix_values=prefix_values.data_ptr(),
-        prefix_head_stride=prefix_keys.stride(1),
+        prefix_head_stride=prefix_keys.stride(0),
         num_prefix=layer.shared.num_slots,
     )
 
