@@ -164,3 +164,46 @@ def test_sampled_vericache_over_static_forwards_samples_what_full_kv_samples(
     reference = tiny_engine().generate(_requests(DecodeMode.FULL, params=params))
     ours = static_engine.generate(_requests(DecodeMode.VERICACHE, StreamingLLM(ratio=4), 6, params))
     assert [out.token_ids for out in ours] == [out.token_ids for out in reference]
+
+
+def test_a_failed_capture_leaves_the_caches_as_before_and_runs_the_step_dynamic(
+    runners, monkeypatch
+):
+    """On CUDA a shape's first step is captured; where capture fails, the step's reservations
+    are rolled back, it runs dynamic, and so does every later forward (the capture path, staged
+    through its tables, run on CPU with a capture that fails)."""
+    from vericache.kernels import triton_ops
+    from vericache.model.static_forward import StaticForward
+
+    dynamic, _ = runners
+    loaded_runner = ModelRunner(dynamic.config, dynamic.weights, static_shapes=False)
+    loaded_runner.static = static = StaticForward(loaded_runner, tables=True)
+    static.captures = True
+    monkeypatch.setattr(triton_ops, "available", lambda: True)
+
+    def refuse(step):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(static, "_capture", refuse)
+    results = []
+    for runner in (dynamic, loaded_runner):
+        caches = [_prefilled(dynamic, seed) for seed in range(2)]
+        logits = runner.forward(
+            [SequenceInput(_ids(3, i), cache, 3) for i, cache in enumerate(caches)], True
+        )
+        results.append((logits, caches))
+    assert static.failed and static.num_forwards == 0
+    assert static.split([SequenceInput(_ids(1, 0), _prefilled(dynamic, 0), 1)], True) is None
+    for mine, reference in zip(*(logits for logits, _ in results)):
+        assert torch.equal(mine, reference)
+    for mine, reference in zip(*(caches for _, caches in results)):
+        assert mine.to_state().equals(reference.to_state())
+
+
+def test_the_largest_steps_go_dynamic(runners):
+    _, static = runners
+    verifications = [
+        SequenceInput(_ids(32, i), _prefilled(static, 0), 32) for i in range(17)
+    ]  # 17 padded to 32 sequences of 32 tokens: past MAX_ROWS
+    assert static.static.split(verifications, True) is None
+    assert static.static.split(verifications[:16], True) is not None

@@ -37,7 +37,8 @@ class TableEntry(NamedTuple):
     num_prefix: int = 0  # P: its slots, which every new token sees before the cache's
 
 
-TABLE_WIDTH = len(TableEntry._fields)  # the kernels' entry stride (9)
+TABLE_WIDTH = len(TableEntry._fields)
+assert TABLE_WIDTH == 9, "the kernels step through tables by 9 fields"
 
 
 @jit

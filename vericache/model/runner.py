@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vericache.kernels import cpu_attention
+from vericache.kernels import cpu_attention, triton_ops
 from vericache.kv.cache import KVCache
 from vericache.kv.pool import BufferPool
 from vericache.model.config import ModelConfig
@@ -27,7 +27,7 @@ from vericache.model.kernels import rms_norm, silu
 from vericache.model.linear import zero_row
 from vericache.model.rope import RotaryEmbedding
 from vericache.model.sequence_attention import LayerKVAccess, SequenceAttention
-from vericache.model.static_forward import StaticForward
+from vericache.model.static_forward import CaptureFailed, StaticForward
 from vericache.model.weights import ModelWeights
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -99,12 +99,15 @@ class ModelRunner:
         if split is None:
             return self._dynamic(batch, counts, invariant)
         shape, chosen = split
-        if len(chosen) == len(batch):
-            return self.static.forward(batch, shape)
         # Those it serves in a static forward, the others in a dynamic one beside it.
         logits: list[torch.Tensor | None] = [None] * len(batch)
-        static_batch = [batch[i] for i in chosen]
-        for i, rows in zip(chosen, self.static.forward(static_batch, shape)):
+        try:
+            static_logits = self.static.forward([batch[i] for i in chosen], shape)
+        except CaptureFailed:  # the caches are as before: all of it dynamic
+            return self._dynamic(batch, counts, invariant)
+        if len(chosen) == len(batch):
+            return static_logits
+        for i, rows in zip(chosen, static_logits):
             logits[i] = rows
         rest = [i for i in range(len(batch)) if logits[i] is None]
         dynamic_batch, dynamic_counts = [batch[i] for i in rest], [counts[i] for i in rest]
@@ -258,7 +261,10 @@ class ModelRunner:
 
 
 def _static_by_default(device: torch.device) -> bool:
-    """Static forwards where nothing asks otherwise: on CUDA. VERICACHE_STATIC_SHAPES=1 (or 0)
-    says so for every runner of a process: the whole test suite over static forwards on CPU."""
+    """Static forwards where nothing asks otherwise: on CUDA, with Triton. VERICACHE_STATIC_SHAPES=1
+    (or 0) says so for every runner of a process: the whole test suite over static forwards on
+    CPU."""
     setting = os.environ.get("VERICACHE_STATIC_SHAPES")
-    return device.type == "cuda" if setting is None else setting == "1"
+    if setting is not None:
+        return setting == "1"
+    return device.type == "cuda" and triton_ops.available()  # its KV kernels are Triton's

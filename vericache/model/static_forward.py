@@ -26,17 +26,23 @@ A forward that fits no shape (prefill, online compressors that observe, quantize
 layers, sliding windows, a cache with no room left) runs the runner's dynamic forward.
 
 Exactness: every kernel of the batch-invariant set computes a row apart from the rows beside it,
-so a sequence's rows in a static forward, padding and all, have the bits they have in the dynamic
-forward (tests/test_static_forward.py checks it on CPU, tests/test_cuda_graphs.py under capture).
+so an exact row (a verification's, a full decode step's) has in a static forward, padding and
+all, the bits it has in the dynamic forward: VeriCache's output is full decoding's either way
+(tests/test_static_forward.py checks it on CPU, tests/test_cuda_graphs.py under capture). Fast
+rows (drafts) need only be deterministic, and differ on CUDA: the static forward attends them by
+the exact kernel (the dynamic one by library attention), and padding gives their products other
+shapes. On CPU they match up to linear.SMALL_BATCH_ROWS rows.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 
 import torch
 
+from vericache.kernels import triton_ops
 from vericache.kv.cache import DenseLayerKV
 from vericache.kv.prefixed import PrefixedLayerKV
 from vericache.model.sequence_attention import SequenceAttention
@@ -49,7 +55,12 @@ from vericache.model.static_step import (
     bucket,
 )
 
+logger = logging.getLogger(__name__)
+
 MAX_SHAPES = 32  # shapes whose buffers (and graphs) are kept, least recently used dropped
+# Rows of a static forward, at most: larger steps (16 verifications of 32 tokens and up) are
+# bound by their kernels, not the host, and each shape's graph keeps its logits [rows, vocab].
+MAX_ROWS = 512
 GroupKey = tuple[int, bool, bool]  # GroupShape's (tokens, exact, prefixed)
 
 
@@ -68,6 +79,10 @@ def _layer_kind(layer, dtype: torch.dtype, tokens: int) -> str | None:
     return "dense" if own is layer else "prefixed"
 
 
+class CaptureFailed(RuntimeError):
+    """A step's CUDA graph could not be captured; the step's caches are as before it."""
+
+
 class StaticForward:
     """The runner's forwards of static shape (see the module docstring)."""
 
@@ -80,25 +95,32 @@ class StaticForward:
         self._windowless = all(w is None for w in runner.config.layer_windows)
         self._steps: OrderedDict[StepShape, StepBuffers] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.captures else None
+        if self.tables and runner.device.type == "cuda" and not triton_ops.available():
+            raise ValueError("static forwards on CUDA need Triton (their KV kernels)")
+        self.failed = False  # a capture failed: no forward is static any more
         self._lock = threading.Lock()
         self.num_forwards = 0  # forwards run static, captured or eager
         self.num_captured = 0  # graphs captured
 
     def split(self, batch, invariant: bool) -> tuple[StepShape, list[int]] | None:
         """The shape that the sequences it can serve take, and their indices in `batch` (the
-        others run in a dynamic forward beside it: every row's bits are its own either way), or
-        None where it serves none of them."""
-        if not self._windowless:
-            return None
+        others run in a dynamic forward beside it: an exact row's bits are its own either way),
+        or None where it serves none of them."""
+        if self.failed or not self._windowless or (self.captures and not triton_ops.available()):
+            return None  # (Triton switched off: a benchmark's torch baseline)
         members: dict[GroupKey, list[int]] = {}
         for i, seq in enumerate(batch):
             key = self._group_key(seq, invariant)
             if key is not None:
                 members.setdefault(key, []).append(i)
-        groups, chosen = [], []
+        groups, chosen, rows = [], [], 0
         for (tokens, exact, prefixed), indices in sorted(members.items()):
             indices = indices[: BUCKETS[-1]]  # the rest go dynamic
-            groups.append(GroupShape(tokens, exact, prefixed, bucket(len(indices))))
+            size = bucket(len(indices))
+            if rows + size * tokens > MAX_ROWS:
+                continue
+            rows += size * tokens
+            groups.append(GroupShape(tokens, exact, prefixed, size))
             chosen += indices
         if not groups:
             return None
@@ -129,7 +151,7 @@ class StaticForward:
         if self.captures:
             step.stage_with_tables(batch, placed)
             if step.graph is None:
-                self._capture(step)
+                self._capture_or_give_up(step, batch)
             step.graph.replay()
             logits = step.output.clone()  # the next replay overwrites the graph's
         elif self.tables:
@@ -170,6 +192,21 @@ class StaticForward:
         hidden = runner.embed(step.token_ids, step.num_rows)
         hidden = runner.layers(hidden, step.positions, kv, invariant)
         return runner.head(hidden[: step.shape.num_tokens], invariant)
+
+    def _capture_or_give_up(self, step: StepBuffers, batch) -> None:
+        """Captures the step's graph; where that fails (device memory, a kernel's compile, an
+        operator capture refuses), the batch's caches are rolled back to before the step, no
+        later forward is static, and `CaptureFailed` tells the runner to run this one dynamic."""
+        try:
+            self._capture(step)
+        except Exception as error:
+            for seq in batch:
+                for layer in seq.cache.layers:
+                    layer.drop_last(seq.token_ids.numel())  # the slots staging reserved
+            self._steps.clear()
+            self.failed = True
+            logger.warning("CUDA graph capture failed (%s): dynamic forwards from now on", error)
+            raise CaptureFailed from error
 
     def _capture(self, step: StepBuffers) -> None:
         """Captures the shape's forward over its staged inputs. Warm-up runs first (Triton's

@@ -19,6 +19,7 @@ from vericache.kernels.triton_kv_table import TABLE_WIDTH, TableEntry
 from vericache.kv.cache import DenseLayerKV
 from vericache.kv.prefixed import PrefixedLayerKV
 from vericache.kv.slots import aligned
+from vericache.model.linear import zero_row
 
 HOST_RING = 2
 
@@ -237,10 +238,11 @@ class TableAttention:
         self.step = step
 
     def store(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        step = self.step
+        step, rows = self.step, self.step.shape.num_tokens  # not a lone row's spare (CPU)
         triton_kv_table.store_kv(
-            keys, values, step.positions, step.tables[index], step.row_seq, step.row_offset
-        )
+            keys[:rows], values[:rows], step.positions, step.tables[index], step.row_seq,
+            step.row_offset,
+        )  # fmt: skip
 
     def attend(self, index: int, q: torch.Tensor) -> torch.Tensor:
         step, parts = self.step, []
@@ -252,4 +254,6 @@ class TableAttention:
                     q[rows[0] : rows[1]], table, shape.tokens, step.like, shape.prefixed
                 )
             )
+        if step.num_rows > step.shape.num_tokens:  # a lone row's spare (CPU)
+            parts.append(zero_row(parts[0]))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
