@@ -190,8 +190,9 @@ class StepBuffers:
         for seq, (group, index) in zip(batch, placed):
             entry = self._first_seqs[group] + index
             n = seq.token_ids.numel()
-            for layer_index, layer in enumerate(seq.cache.layers):
-                tables[layer_index, entry] = _entry(layer, n)
+            # One numpy write a sequence, not one a layer: a row's write costs more than the
+            # Python that makes it.
+            tables[:, entry] = [_entry(layer, n) for layer in seq.cache.layers]
         if not on_cuda:
             return
         self.inputs.copy_(host_tensor, non_blocking=True)
@@ -211,23 +212,17 @@ class StepBuffers:
         return first, first + self.shape.groups[group].batch
 
 
-def _entry(layer, num_new: int) -> TableEntry:
-    """A layer's table entry, its num_new slots reserved: the kernels write them, and its padding
-    tokens' KV past them (`split` saw to the room), where no row of its own looks and the next
-    step overwrites."""
+def _entry(layer, num_new: int) -> tuple[int, ...]:
+    """A layer's table entry (`TableEntry`'s fields), its num_new slots reserved: the kernels
+    write them, and its padding tokens' KV past them (`split` saw to the room), where no row of
+    its own looks and the next step overwrites."""
     keys, values, positions, first = layer.reserve(num_new)  # own buffers [H, capacity, D]
-    entry = TableEntry(
-        keys.data_ptr(), values.data_ptr(), positions.data_ptr(), keys.stride(0), first
-    )
+    own = (keys.data_ptr(), values.data_ptr(), positions.data_ptr(), keys.stride(0), first)
     if type(layer) is not PrefixedLayerKV:
-        return entry
+        return (*own, 0, 0, 0, 0)
     prefix_keys, prefix_values, _ = layer.shared.buffers()  # [H, P', D]
-    return entry._replace(
-        prefix_keys=prefix_keys.data_ptr(),
-        prefix_values=prefix_values.data_ptr(),
-        prefix_head_stride=prefix_keys.stride(0),
-        num_prefix=layer.shared.num_slots,
-    )
+    prefix = (prefix_keys.data_ptr(), prefix_values.data_ptr(), prefix_keys.stride(0))
+    return (*own, *prefix, layer.shared.num_slots)
 
 
 class TableAttention:
