@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_engine_exactness import make_prompts
-from vericache.compress import KIVI, PyramidKV, SnapKV, StreamingLLM
+from vericache.compress import KIVI, KVQuant, PyramidKV, SnapKV, StreamingLLM
 from vericache.compress.context import ModelContext
 from vericache.engine.engine import Engine, EngineConfig
 from vericache.engine.request import DecodeMode, Request, SamplingParams
@@ -19,6 +19,7 @@ from vericache.model.runner import ModelRunner, SequenceInput
 from vericache.model.static_forward import StaticForward, bucket
 
 PROMPT = 70
+KIVI_4 = KIVI(bits=4, group_size=8, residual_length=8)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +68,8 @@ BATCHES = {
 
 @pytest.mark.parametrize(
     "compressor",
-    [None, StreamingLLM(ratio=4), PyramidKV(ratio=4), "prefixed"],
-    ids=["full", "streamingllm", "pyramidkv", "prefixed"],
+    [None, StreamingLLM(ratio=4), PyramidKV(ratio=4), "prefixed", KIVI_4],
+    ids=["full", "streamingllm", "pyramidkv", "prefixed", "kivi"],
 )
 @pytest.mark.parametrize("name", list(BATCHES))
 def test_a_static_forward_has_the_dynamic_forwards_bits(runners, name, compressor):
@@ -86,7 +87,9 @@ def test_a_static_forward_has_the_dynamic_forwards_bits(runners, name, compresso
             ]
             logits = runner.forward(batch, invariant=invariant)
         results.append((logits, caches))
-        assert (static.static.num_forwards - before) == (3 if runner is static else 0)
+        # Drafts over KIVI's packed codes are static; exact rows over them are not.
+        served = compressor is not KIVI_4 or any(fast for *_, fast in rows)
+        assert static.static.num_forwards - before == (3 if runner is static and served else 0)
     (ours, our_caches), (theirs, their_caches) = results[1], results[0]
     for mine, reference in zip(ours, theirs):
         assert torch.equal(mine, reference)
@@ -104,8 +107,11 @@ def test_the_forwards_it_cannot_serve_go_dynamic(runners, tiny_checkpoint):
     assert shape(_prefilled(dynamic, 0)) is not None
     prefixed = _prefilled(dynamic, 0, "prefixed")
     assert isinstance(prefixed.layers[0], PrefixedLayerKV) and shape(prefixed) is not None
-    quantized = KIVI(bits=4, group_size=8, residual_length=8).compress(_prefilled(dynamic, 0))
-    assert shape(quantized) is None  # packed layers
+    quantized = KIVI_4.compress(_prefilled(dynamic, 0))
+    assert shape(quantized) is None  # an exact row over packed codes
+    assert shape(quantized, fast_attention=True) is not None  # a draft over them
+    outliers = _prefilled(dynamic, 0, KVQuant(bits=4, group_size=8, residual_length=8))
+    assert shape(outliers, fast_attention=True) is None
     assert shape(_prefilled(dynamic, 0), n=600) is None  # a prefill chunk
     prefill = SequenceInput(_ids(40, 0), _prefilled(dynamic, 0), 1)  # wants one token's logits
     assert static.static.split([prefill], True) is None

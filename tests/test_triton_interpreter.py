@@ -190,3 +190,80 @@ def test_a_static_step_through_tables_has_the_dynamic_forwards_bits(tiny_checkpo
         assert torch.equal(mine, reference)
     for mine, reference in zip(*(caches for _, caches in results)):
         assert mine.to_state().equals(reference.to_state())
+
+
+@pytest.mark.parametrize("num_sms", [4, 64], ids=["one-split", "splits-some-empty"])
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_packed_table_attention_is_each_kivi_layers_attention(
+    tiny_checkpoint, monkeypatch, num_new, num_sms
+):
+    """Drafts over KIVI's packed codes in a static step: the store into each residual, and the
+    packed kernel through the table (its splits fixed: with many, some past every slot), against
+    each layer's own attention."""
+    from vericache.compress import KIVI
+    from vericache.model.static_step import _entry
+
+    monkeypatch.setattr(triton_kv_table, "_num_sms", lambda device: num_sms)
+    loaded = load_model(str(tiny_checkpoint("llama")))
+    runner = ModelRunner(loaded.config, loaded.weights, static_shapes=False)
+    generator = torch.Generator().manual_seed(num_new)
+    layers, twins = [], []
+    for length in (30, 57, 90):  # a residual of 6, 1 and 2 slots after 24, 56, 88 packed
+        cache = runner.new_cache()
+        runner.prefill(torch.randint(3, 512, (length,), generator=generator), cache)
+        layer = KIVI(bits=4, group_size=8, residual_length=8).compress(cache).layers[0]
+        layers.append(layer)
+        twins.append(layer.clone())
+    num_kv_heads, head_dim = loaded.config.num_kv_heads, loaded.config.head_dim
+    num_rows = len(layers) * num_new
+    keys, values = torch.randn(2, num_rows, num_kv_heads, head_dim, generator=generator)
+    positions = torch.arange(num_rows) + 200
+    table = torch.tensor([_entry(layer, num_new) for layer in layers], dtype=torch.int64)
+    row_seq = torch.arange(len(layers)).repeat_interleave(num_new).to(torch.int32)
+    row_offset = torch.arange(num_new).repeat(len(layers)).to(torch.int32)
+    triton_kv_table.store_kv(keys, values, positions, table, row_seq, row_offset)
+    q = torch.randn(num_rows, loaded.config.num_heads, head_dim, generator=generator)
+    like = layers[0].residual.keys_values()[0]
+    out = triton_kv_table.packed_attention(q, table, num_new, like, bits=4, group_size=8)
+    for index, (layer, twin) in enumerate(zip(layers, twins)):
+        rows = slice(index * num_new, (index + 1) * num_new)
+        twin.append(keys[rows], values[rows], positions[rows])
+        assert layer.to_state().tensors.keys() == twin.to_state().tensors.keys()
+        for name, tensor in layer.to_state().tensors.items():
+            assert torch.equal(tensor, twin.to_state().tensors[name]), name
+        torch.testing.assert_close(out[rows], twin.attend(q[rows]), atol=1e-5, rtol=1e-5)
+
+
+def test_draft_steps_over_kivi_through_tables_follow_the_dynamic_forward(tiny_checkpoint):
+    """Whole static draft steps over KIVI caches (fast rows: close, not bit for bit), two of
+    them and a padding sequence in a bucket of four."""
+    from vericache.compress import KIVI
+
+    loaded = load_model(str(tiny_checkpoint("llama")))
+    dynamic = ModelRunner(loaded.config, loaded.weights, static_shapes=False)
+    static = ModelRunner(loaded.config, loaded.weights, static_shapes=True)
+    static.static.tables = True
+    kivi = KIVI(bits=4, group_size=8, residual_length=8)
+    sources = []
+    for length in (45, 70, 33):
+        cache = dynamic.new_cache()
+        dynamic.prefill(torch.arange(3, 3 + length), cache)
+        sources.append(kivi.compress(cache))
+    results = []
+    for runner in (dynamic, static):
+        caches, logits = [source.clone() for source in sources], []
+        for step in range(3):
+            batch = [
+                SequenceInput(torch.tensor([7 + step + i]), cache, 1, fast_attention=True)
+                for i, cache in enumerate(caches)
+            ]
+            logits += runner.forward(batch, invariant=False)
+        results.append((logits, caches))
+    assert static.static.num_forwards == 3
+    for mine, reference in zip(*(logits for logits, _ in results)):
+        torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
+    for mine, reference in zip(*(caches for _, caches in results)):
+        assert [layer.num_slots for layer in mine.layers] == [
+            layer.num_slots for layer in reference.layers
+        ]
+        assert torch.equal(mine.layers[1].positions(), reference.layers[1].positions())

@@ -71,11 +71,14 @@ class PackedKV:
         names = [f.name for f in fields(cls) if f.name not in ("bits", "group_size")]
         return cls(**{name: tensors[name] for name in names}, bits=bits, group_size=group_size)
 
-    def kernel_arguments(self) -> tuple[torch.Tensor, ...]:
-        """The six tensors, contiguous, in the order the C++ and Triton kernels take them."""
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The six tensors as they are, in the order the C++ and Triton kernels take them."""
         tensors = (self.key_codes, self.key_scale, self.key_zero)
-        tensors += (self.value_codes, self.value_scale, self.value_zero)
-        return tuple(t.contiguous() for t in tensors)
+        return (*tensors, self.value_codes, self.value_scale, self.value_zero)
+
+    def kernel_arguments(self) -> tuple[torch.Tensor, ...]:
+        """`kernel_tensors`, contiguous (the kernels' layout)."""
+        return tuple(t.contiguous() for t in self.kernel_tensors())
 
     @property
     def num_slots(self) -> int:

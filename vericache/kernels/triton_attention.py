@@ -143,6 +143,7 @@ def _packed_attention_kernel(
     max_out_ptr,  # [splits, H, rows_padded] float32
     sum_out_ptr,
     acc_out_ptr,  # [splits, H, rows_padded, BLOCK_D] float32
+    table_ptr,  # [S, TABLE_WIDTH] int64: each sequence's layer (with TABLE; triton_kv_table.py)
     num_new,
     num_quantized,
     num_slots,
@@ -150,19 +151,43 @@ def _packed_attention_kernel(
     residual_stride_slot,
     residual_stride_head,
     sm_scale,
+    num_row_tiles,  # per sequence (with TABLE: program_id(2) is sequence * tiles + row tile)
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    TABLE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    kv_head, split, row_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head, split, program = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row_tile = program
     cache_dtype = residual_keys_ptr.dtype.element_ty
+    if TABLE:
+        # A static step's sequence (model/static_step.py): its packed tensors, residual and slot
+        # counts from its table entry (triton_kv_table.TableEntry's 16 fields); its splits are as
+        # many as the launch has, each a whole number of blocks.
+        seq = program // num_row_tiles
+        row_tile = program % num_row_tiles
+        entry = table_ptr + seq.to(tl.int64) * 16
+        residual_keys_ptr = tl.load(entry).to(tl.pointer_type(cache_dtype))
+        residual_values_ptr = tl.load(entry + 1).to(tl.pointer_type(cache_dtype))
+        residual_stride_head = tl.load(entry + 3)
+        residual_stride_slot = HEAD_DIM
+        key_codes_ptr = tl.load(entry + 9).to(tl.pointer_type(tl.uint8))
+        key_scale_ptr = tl.load(entry + 10).to(tl.pointer_type(key_scale_ptr.dtype.element_ty))
+        key_zero_ptr = tl.load(entry + 11).to(tl.pointer_type(key_zero_ptr.dtype.element_ty))
+        value_codes_ptr = tl.load(entry + 12).to(tl.pointer_type(tl.uint8))
+        value_scale_ptr = tl.load(entry + 13).to(tl.pointer_type(value_scale_ptr.dtype.element_ty))
+        value_zero_ptr = tl.load(entry + 14).to(tl.pointer_type(value_zero_ptr.dtype.element_ty))
+        num_quantized = tl.load(entry + 15).to(tl.int32)
+        num_slots = num_quantized + (tl.load(entry + 4) + num_new).to(tl.int32)
+        slots_per_split = tl.cdiv(tl.cdiv(num_slots, tl.num_programs(1)), BLOCK_N) * BLOCK_N
+        q_ptr += seq.to(tl.int64) * num_new * (NUM_KV_HEADS * GROUP * HEAD_DIM)
     rows = row_tile * BLOCK_R + tl.arange(0, BLOCK_R)
     tokens, q_heads = rows % num_new, kv_head * GROUP + rows // num_new
     dims = tl.arange(0, BLOCK_D)
@@ -235,7 +260,8 @@ def _packed_attention_kernel(
             q, keys_t, values, visible, m_i, l_i, acc, sm_scale, PRECISION
         )
 
-    out_rows = (split * NUM_KV_HEADS + kv_head).to(tl.int64) * tl.num_programs(2) * BLOCK_R + rows
+    out_rows = (split * NUM_KV_HEADS + kv_head).to(tl.int64) * tl.num_programs(2) * BLOCK_R
+    out_rows += program * BLOCK_R + tl.arange(0, BLOCK_R)  # a sequence's rows follow its own
     tl.store(max_out_ptr + out_rows, m_i)
     tl.store(sum_out_ptr + out_rows, l_i)
     tl.store(acc_out_ptr + out_rows[:, None] * BLOCK_D + dims[None, :], acc)
@@ -271,6 +297,7 @@ def packed_attention(q, packed, residual_keys, residual_values, window_mask=None
         max_out,
         sum_out,
         acc_out,
+        max_out,  # no table
         num_new,
         num_quantized,
         num_slots,
@@ -278,12 +305,14 @@ def packed_attention(q, packed, residual_keys, residual_values, window_mask=None
         residual_keys.stride(0),
         residual_keys.stride(1),
         head_dim**-0.5,
+        num_row_tiles,
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
         BITS=packed.bits,
         GROUP_SIZE=packed.group_size,
         HAS_WINDOW=has_window,
+        TABLE=False,
         # Full fp32 products for fp32 caches (TF32 would lose the reference's precision).
         PRECISION="ieee" if residual_keys.dtype == torch.float32 else "tf32",
         BLOCK_R=block_r,

@@ -96,7 +96,7 @@ def _invariant_attention_kernel(
         # head-major buffers [H, capacity, D] with its slot count, found in its table entry. The
         # loop below is the one a launch over that cache alone runs: the same bits.
         seq = tl.program_id(2)
-        entry = table_ptr + seq * 9  # triton_kv_table.TableEntry's fields
+        entry = table_ptr + seq * 16  # triton_kv_table.TableEntry's fields
         keys_ptr = tl.load(entry).to(tl.pointer_type(keys_ptr.dtype.element_ty))
         values_ptr = tl.load(entry + 1).to(tl.pointer_type(values_ptr.dtype.element_ty))
         key_stride_head = tl.load(entry + 3)

@@ -5,10 +5,13 @@ whichever caches a step holds (as vLLM's block tables do for its paged KV).
 A table holds, per layer, one entry per sequence of the step (`TableEntry`): the addresses of its
 cache's head-major key and value buffers [H, capacity, D] and position buffer [capacity, H] int32,
 their head stride, the slot of its first new token, and where the sequence reads a shared prefix
-first (kv/prefixed.py), that prefix's head-major buffers, head stride and length. The attention
-is the batch-invariant kernel of triton_invariant_attention.py with its sequence read from the
-table (TABLE): every row runs the loop a launch over its cache alone runs, so its bits are the
-dynamic forward's.
+first (kv/prefixed.py), that prefix's head-major buffers, head stride and length; for a KIVI
+layer, the cache is its full-precision residual and the entry holds its packed part too. The
+attention over full-precision slots is the batch-invariant kernel of triton_invariant_attention.py
+with its sequence read from the table (TABLE): every row runs the loop a launch over its cache
+alone runs, so its bits are the dynamic forward's. Over a KIVI layer it is triton_attention.py's
+packed kernel (drafts: deterministic, not bit for bit the dynamic launch, whose splits follow the
+slot count), its splits fixed per shape.
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ from typing import NamedTuple
 
 import torch
 
+from vericache.kernels.triton_attention import (
+    _combine_splits,
+    _num_sms,
+    _packed_attention_kernel,
+    _tile_sizes,
+)
 from vericache.kernels.triton_invariant_attention import (
     BLOCK_R,
     _invariant_attention_kernel,
@@ -35,10 +44,20 @@ class TableEntry(NamedTuple):
     prefix_values: int = 0
     prefix_head_stride: int = 0
     num_prefix: int = 0  # P: its slots, which every new token sees before the cache's
+    # A KIVI layer's packed part (kv/quantized.py; its residual is the cache above), or 0: the
+    # addresses of its contiguous codes [Tq, H, D*bits/8] uint8, per-group key stats
+    # [Tq / group_size, H, D] and per-slot value stats [Tq, H, 1], and Tq.
+    key_codes: int = 0
+    key_scale: int = 0
+    key_zero: int = 0
+    value_codes: int = 0
+    value_scale: int = 0
+    value_zero: int = 0
+    num_quantized: int = 0
 
 
 TABLE_WIDTH = len(TableEntry._fields)
-assert TABLE_WIDTH == 9, "the kernels step through tables by 9 fields"
+assert TABLE_WIDTH == 16, "the kernels step through tables by 16 fields"
 
 
 @jit
@@ -58,7 +77,7 @@ def _store_kernel(
     BLOCK_D: tl.constexpr,
 ):
     row, head = tl.program_id(0), tl.program_id(1)
-    entry = table_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * 9  # TABLE_WIDTH
+    entry = table_ptr + tl.load(row_seq_ptr + row).to(tl.int64) * 16  # TABLE_WIDTH
     cache_keys = tl.load(entry).to(tl.pointer_type(keys_ptr.dtype.element_ty))
     cache_values = tl.load(entry + 1).to(tl.pointer_type(values_ptr.dtype.element_ty))
     cache_positions = tl.load(entry + 2).to(tl.pointer_type(tl.int32))
@@ -123,3 +142,45 @@ def attention(
         BLOCK_D=pow2_at_least(head_dim, 16), num_warps=4,
     )  # fmt: skip
     return out.view(num_rows, num_heads * head_dim)
+
+
+def packed_attention(
+    q: torch.Tensor,
+    table: torch.Tensor,
+    num_new: int,
+    like: torch.Tensor,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """Causal attention of S sequences of num_new new tokens each (q [S * n, Hq, D], sequence
+    s's rows s * n..) over the KIVI layers of `table` [S, TABLE_WIDTH], the new tokens the last
+    slots of their residuals already. like: a tensor of the residuals' dtype and head count
+    [.., H, D]. Splits: about two programs per SM, fixed for the shape (a graph replays them
+    whatever the slot counts). Returns [S * n, Hq * D] in q's dtype."""
+    num_rows, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = table.shape[0], like.shape[-2]
+    group = num_heads // num_kv_heads
+    block_r, block_n, block_d, num_warps = _tile_sizes(group * num_new, head_dim, q.dtype)
+    num_row_tiles = triton.cdiv(group * num_new, block_r)
+    programs = num_kv_heads * num_row_tiles * num_seqs
+    num_splits = max(1, min(32, 2 * _num_sms(q.device) // programs))
+    rows_padded = num_row_tiles * block_r
+    max_out = q.new_empty(num_splits, num_kv_heads, num_seqs * rows_padded, dtype=torch.float32)
+    sum_out = torch.empty_like(max_out)
+    acc_out = q.new_empty(*max_out.shape, block_d, dtype=torch.float32)
+    codes = q.new_empty(1, dtype=torch.uint8)  # the pointers' types; the table gives them
+    stats = q.new_empty(1, dtype=torch.float16)
+    _packed_attention_kernel[(num_kv_heads, num_splits, num_seqs * num_row_tiles)](
+        q.contiguous(), codes, stats, stats, codes, stats, stats, like, like,
+        max_out, max_out, sum_out, acc_out, table,
+        num_new, 0, 0, 0, 0, 0, head_dim**-0.5, num_row_tiles,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BITS=bits,
+        GROUP_SIZE=group_size, HAS_WINDOW=False, TABLE=True,
+        PRECISION="ieee" if like.dtype == torch.float32 else "tf32",
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
+    out = _combine_splits(max_out, sum_out, acc_out)  # [H, S * rows_padded, BLOCK_D]
+    out = out.view(num_kv_heads, num_seqs, rows_padded, block_d)[:, :, : group * num_new]
+    out = out[..., :head_dim].reshape(num_kv_heads, num_seqs, group, num_new, head_dim)
+    out = out.permute(1, 3, 0, 2, 4)  # [S, n, H, g, D]
+    return out.reshape(num_rows, num_heads * head_dim).to(q.dtype)

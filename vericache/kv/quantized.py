@@ -136,10 +136,25 @@ class QuantizedLayerKV:
         values[total:] = 0
         return keys, values
 
+    def packed(self) -> PackedKV:
+        """Its quantized part, as the attention kernels read it (views, no copies)."""
+        return PackedKV.from_tensors(self._q, self.bits, self.group_size)
+
+    def packed_tensors(self) -> tuple[torch.Tensor, ...]:
+        """`packed().kernel_tensors()` without building (and checking) a PackedKV: what a static
+        step's table points at, every step."""
+        q = self._q
+        return (
+            q["key_codes"],
+            q["key_scale"],
+            q["key_zero"],
+            *(q[name] for name in ("value_codes", "value_scale", "value_zero")),
+        )
+
     def attend(self, q: torch.Tensor, window_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the newest n slots' queries q [n, Hq, D] over this layer, without
         materialising its dequantized keys and values; [n, Hq * D]."""
-        packed = PackedKV.from_tensors(self._q, self.bits, self.group_size)
+        packed = self.packed()
         residual_keys, residual_values = self.residual.keys_values()
         num_residual = self.residual.num_slots
         return packed_attention(

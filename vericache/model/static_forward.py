@@ -22,8 +22,10 @@ their decode steps in CUDA graphs; this does the same for every forward whose se
   graphs on and off);
 - on CPU the same forward runs eagerly over the same buffers, its attention and store by
   sequence_attention.py (the CPU kernels, which take each cache's slots as they are).
-A forward that fits no shape (prefill, online compressors that observe, quantized or prefixed
-layers, sliding windows, a cache with no room left) runs the runner's dynamic forward.
+Caches of full-precision slots (full KV, a dropper's kept slots, over a shared prefix or not) and
+KIVI's packed ones take static steps. A forward that fits no shape (prefill, online compressors
+that observe, KVQuant's outliers, sliding windows, a cache with no room left) runs the runner's
+dynamic forward.
 
 Exactness: every kernel of the batch-invariant set computes a row apart from the rows beside it,
 so an exact row (a verification's, a full decode step's) has in a static forward, padding and
@@ -43,16 +45,18 @@ from collections import OrderedDict
 import torch
 
 from vericache.kernels import triton_ops
-from vericache.kv.cache import DenseLayerKV
-from vericache.kv.prefixed import PrefixedLayerKV
 from vericache.model.sequence_attention import SequenceAttention
 from vericache.model.static_step import (
     BUCKETS,
+    GroupKey,
     GroupShape,
+    LayerKind,
     StepBuffers,
     StepShape,
     TableAttention,
     bucket,
+    layer_form,
+    new_slots,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,22 +65,6 @@ MAX_SHAPES = 32  # shapes whose buffers (and graphs) are kept, least recently us
 # Rows of a static forward, at most: larger steps (16 verifications of 32 tokens and up) are
 # bound by their kernels, not the host, and each shape's graph keeps its logits [rows, vocab].
 MAX_ROWS = 512
-GroupKey = tuple[int, bool, bool]  # GroupShape's (tokens, exact, prefixed)
-
-
-def _layer_kind(layer, dtype: torch.dtype, tokens: int) -> str | None:
-    """ "dense" or "prefixed" for a layer that a static step serves (full-precision slots in the
-    model's dtype, with room for `tokens` more: a static step never grows a buffer), else None."""
-    own = layer
-    if type(layer) is PrefixedLayerKV:
-        if type(layer.shared) is not DenseLayerKV or layer.shared.dtype != dtype:
-            return None
-        own = layer.own
-    if type(own) is not DenseLayerKV or own.dtype != dtype:
-        return None
-    if own.num_slots + tokens > own.capacity:
-        return None
-    return "dense" if own is layer else "prefixed"
 
 
 class CaptureFailed(RuntimeError):
@@ -114,13 +102,13 @@ class StaticForward:
             if key is not None:
                 members.setdefault(key, []).append(i)
         groups, chosen, rows = [], [], 0
-        for (tokens, exact, prefixed), indices in sorted(members.items()):
+        for key, indices in sorted(members.items()):
             indices = indices[: BUCKETS[-1]]  # the rest go dynamic
-            size = bucket(len(indices))
+            tokens, size = key[0], bucket(len(indices))
             if rows + size * tokens > MAX_ROWS:
                 continue
             rows += size * tokens
-            groups.append(GroupShape(tokens, exact, prefixed, size))
+            groups.append(GroupShape(*key, size))
             chosen += indices
         if not groups:
             return None
@@ -134,10 +122,19 @@ class StaticForward:
             return None
         if seq.cache.num_tokens + tokens > self.runner.config.max_position_embeddings:
             return None  # its padding tokens' positions
-        kinds = {_layer_kind(layer, self.runner.dtype, tokens) for layer in seq.cache.layers}
-        if len(kinds) != 1 or None in kinds:
+        layers = seq.cache.layers
+        forms = {layer_form(layer, self.runner.dtype) for layer in layers}
+        if len(forms) != 1 or None in forms:
             return None
-        return tokens, invariant and not seq.fast_attention, kinds.pop() == "prefixed"
+        for layer in layers:  # a static step never grows a buffer
+            slots = new_slots(layer)
+            if slots.num_slots + tokens > slots.capacity:
+                return None
+        kind, packing = forms.pop()
+        exact = invariant and not seq.fast_attention
+        if exact and kind is LayerKind.PACKED:
+            return None  # (no exact row reads lossy KV: the dynamic forward's dequantized path)
+        return tokens, exact, kind, packing
 
     @torch.no_grad()
     def forward(self, batch, shape: StepShape) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ copy, from a pinned host buffer (a ring of two, each reused only once its last c
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ from vericache.kernels import triton_kv_table
 from vericache.kernels.triton_kv_table import TABLE_WIDTH, TableEntry
 from vericache.kv.cache import DenseLayerKV
 from vericache.kv.prefixed import PrefixedLayerKV
+from vericache.kv.quantized import QuantizedLayerKV
 from vericache.kv.slots import aligned
 from vericache.model.linear import zero_row
 
@@ -27,17 +29,64 @@ HOST_RING = 2
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+class LayerKind(enum.IntEnum):
+    """What a static step's layers hold, which picks its attention kernel."""
+
+    DENSE = 0  # full-precision slots: a full cache, or a dropper's kept slots
+    PREFIXED = 1  # a shared prefix's slots, then the session's own (kv/prefixed.py)
+    PACKED = 2  # KIVI's packed codes, then a full-precision residual (kv/quantized.py)
+
+
+NO_PACKING = (0, 0)
+
+
 @dataclass(frozen=True, order=True)
 class GroupShape:
     """Sequences of a static forward that feed alike: `batch` of them (a bucket, padding
     included), up to `tokens` new tokens each (a bucket: padding tokens after a sequence's own),
-    over full KV by the batch-invariant kernels (`exact`) or by the fast ones, over a shared
-    prefix first (`prefixed`, kv/prefixed.py) or not."""
+    over full KV by the batch-invariant kernels (`exact`) or by the fast ones, over layers of one
+    kind (and for KIVI one packing: bits, group size)."""
 
     tokens: int
     exact: bool
-    prefixed: bool
+    kind: LayerKind
+    packing: tuple[int, int]
     batch: int
+
+    @property
+    def key(self) -> GroupKey:
+        return self.tokens, self.exact, self.kind, self.packing
+
+
+GroupKey = tuple[int, bool, LayerKind, tuple[int, int]]  # a GroupShape's, but its batch
+
+
+def layer_form(layer, dtype: torch.dtype) -> tuple[LayerKind, tuple[int, int]] | None:
+    """How a static step serves a layer (its kind and packing), or None where it does not: its
+    full-precision slots must be in the model's dtype, a KIVI layer's packed tensors contiguous
+    (the kernels read them through their addresses)."""
+    if type(layer) is DenseLayerKV:
+        return (LayerKind.DENSE, NO_PACKING) if layer.dtype == dtype else None
+    if type(layer) is PrefixedLayerKV:
+        parts = (layer.shared, layer.own)
+        if all(type(part) is DenseLayerKV and part.dtype == dtype for part in parts):
+            return LayerKind.PREFIXED, NO_PACKING
+        return None
+    if type(layer) is QuantizedLayerKV:  # not its subclasses (outliers: no packed attention)
+        residual = layer.residual
+        tensors = layer.packed_tensors()
+        if residual.dtype == dtype and all(t.is_contiguous() for t in tensors):
+            return LayerKind.PACKED, (layer.bits, layer.group_size)
+    return None
+
+
+def new_slots(layer) -> DenseLayerKV:
+    """The dense layer a step's new tokens go to: the layer, a session's own, a KIVI residual."""
+    if type(layer) is PrefixedLayerKV:
+        return layer.own
+    if type(layer) is QuantizedLayerKV:
+        return layer.residual
+    return layer
 
 
 @dataclass(frozen=True)
@@ -70,7 +119,8 @@ class StepBuffers:
             self._first_rows.append(row)
             self._first_seqs.append(seq)
             row, seq = row + g.batch * g.tokens, seq + g.batch
-        self._index = {(g.tokens, g.exact, g.prefixed): i for i, g in enumerate(shape.groups)}
+        self._index = {g.key: i for i, g in enumerate(shape.groups)}
+        self._dtype = runner.dtype
         tables = c.num_layers * shape.num_sequences * TABLE_WIDTH if with_tables else 0
         size = 2 * self.num_rows + tables
         # numpy views of host buffers, made once: a step's small writes through them cost little
@@ -133,7 +183,8 @@ class StepBuffers:
         for seq in batch:
             tokens = bucket(seq.token_ids.numel())
             exact = self.shape.invariant and not seq.fast_attention
-            group = self._index[tokens, exact, type(seq.cache.layers[0]) is PrefixedLayerKV]
+            kind, packing = layer_form(seq.cache.layers[0], self._dtype)
+            group = self._index[tokens, exact, kind, packing]
             placed.append((group, taken[group]))
             taken[group] += 1
         return placed
@@ -216,13 +267,17 @@ def _entry(layer, num_new: int) -> tuple[int, ...]:
     """A layer's table entry (`TableEntry`'s fields), its num_new slots reserved: the kernels
     write them, and its padding tokens' KV past them (`split` saw to the room), where no row of
     its own looks and the next step overwrites."""
-    keys, values, positions, first = layer.reserve(num_new)  # own buffers [H, capacity, D]
+    keys, values, positions, first = new_slots(layer).reserve(num_new)  # [H, capacity, D]
     own = (keys.data_ptr(), values.data_ptr(), positions.data_ptr(), keys.stride(0), first)
-    if type(layer) is not PrefixedLayerKV:
-        return (*own, 0, 0, 0, 0)
-    prefix_keys, prefix_values, _ = layer.shared.buffers()  # [H, P', D]
-    prefix = (prefix_keys.data_ptr(), prefix_values.data_ptr(), prefix_keys.stride(0))
-    return (*own, *prefix, layer.shared.num_slots)
+    no_prefix, no_packed = (0, 0, 0, 0), (0,) * 7
+    if type(layer) is PrefixedLayerKV:
+        prefix_keys, prefix_values, _ = layer.shared.buffers()  # [H, P', D]
+        prefix = (prefix_keys.data_ptr(), prefix_values.data_ptr(), prefix_keys.stride(0))
+        return (*own, *prefix, layer.shared.num_slots, *no_packed)
+    if type(layer) is QuantizedLayerKV:
+        addresses = tuple(t.data_ptr() for t in layer.packed_tensors())  # contiguous
+        return (*own, *no_prefix, *addresses, layer.num_quantized)
+    return (*own, *no_prefix, *no_packed)
 
 
 class TableAttention:
@@ -243,11 +298,17 @@ class TableAttention:
         step, parts = self.step, []
         for group, shape in enumerate(step.shape.groups):
             rows, seqs = step.group_rows(group), step.group_sequences(group)
-            table = step.tables[index, seqs[0] : seqs[1]]
-            parts.append(
-                triton_kv_table.attention(
-                    q[rows[0] : rows[1]], table, shape.tokens, step.like, shape.prefixed
+            table, group_q = step.tables[index, seqs[0] : seqs[1]], q[rows[0] : rows[1]]
+            if shape.kind is LayerKind.PACKED:
+                parts.append(
+                    triton_kv_table.packed_attention(
+                        group_q, table, shape.tokens, step.like, *shape.packing
+                    )
                 )
+                continue
+            prefixed = shape.kind is LayerKind.PREFIXED
+            parts.append(
+                triton_kv_table.attention(group_q, table, shape.tokens, step.like, prefixed)
             )
         if step.num_rows > step.shape.num_tokens:  # a lone row's spare (CPU)
             parts.append(zero_row(parts[0]))
