@@ -16,7 +16,8 @@ from vericache.kv.cache import KVCache
 from vericache.kv.prefixed import PrefixedLayerKV, shared_clone
 from vericache.model.loader import load_model
 from vericache.model.runner import ModelRunner, SequenceInput
-from vericache.model.static_forward import StaticForward, bucket
+from vericache.model.static_forward import StaticForward
+from vericache.model.static_shape import bucket
 
 PROMPT = 70
 KIVI_4 = KIVI(bits=4, group_size=8, residual_length=8)

@@ -34,6 +34,8 @@ all, the bits it has in the dynamic forward: VeriCache's output is full decoding
 rows (drafts) need only be deterministic, and differ on CUDA: the static forward attends them by
 the exact kernel (the dynamic one by library attention), and padding gives their products other
 shapes. On CPU they match up to linear.SMALL_BATCH_ROWS rows.
+
+Shapes: static_shape.py; a shape's buffers, staging and kernel calls: static_step.py.
 """
 
 from __future__ import annotations
@@ -46,18 +48,17 @@ import torch
 
 from vericache.kernels import triton_ops
 from vericache.model.sequence_attention import SequenceAttention
-from vericache.model.static_step import (
+from vericache.model.static_shape import (
     BUCKETS,
     GroupKey,
     GroupShape,
     LayerKind,
-    StepBuffers,
     StepShape,
-    TableAttention,
     bucket,
     layer_form,
     new_slots,
 )
+from vericache.model.static_step import StepBuffers, TableAttention
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The buffers of one static shape (static_forward.py), and its KV access on CUDA.
+"""The buffers of one static shape (static_shape.py), and its KV access on CUDA.
 
 Rows are laid out group by group, each group's sequences one after another with the padding
 sequences last: row = group's first row + index * tokens + offset, a sequence's own tokens
@@ -8,9 +8,6 @@ copy, from a pinned host buffer (a ring of two, each reused only once its last c
 """
 
 from __future__ import annotations
-
-import enum
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,93 +19,15 @@ from vericache.kv.prefixed import PrefixedLayerKV
 from vericache.kv.quantized import QuantizedLayerKV
 from vericache.kv.slots import aligned
 from vericache.model.linear import zero_row
+from vericache.model.static_shape import LayerKind, StepShape, bucket, layer_form, new_slots
 
 HOST_RING = 2
 
-# Sequences per group, and new tokens per sequence (a verification of up to 63 drafts).
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-
-
-class LayerKind(enum.IntEnum):
-    """What a static step's layers hold, which picks its attention kernel."""
-
-    DENSE = 0  # full-precision slots: a full cache, or a dropper's kept slots
-    PREFIXED = 1  # a shared prefix's slots, then the session's own (kv/prefixed.py)
-    PACKED = 2  # KIVI's packed codes, then a full-precision residual (kv/quantized.py)
-
-
-NO_PACKING = (0, 0)
-
-
-@dataclass(frozen=True, order=True)
-class GroupShape:
-    """Sequences of a static forward that feed alike: `batch` of them (a bucket, padding
-    included), up to `tokens` new tokens each (a bucket: padding tokens after a sequence's own),
-    over full KV by the batch-invariant kernels (`exact`) or by the fast ones, over layers of one
-    kind (and for KIVI one packing: bits, group size)."""
-
-    tokens: int
-    exact: bool
-    kind: LayerKind
-    packing: tuple[int, int]
-    batch: int
-
-    @property
-    def key(self) -> GroupKey:
-        return self.tokens, self.exact, self.kind, self.packing
-
-
-GroupKey = tuple[int, bool, LayerKind, tuple[int, int]]  # a GroupShape's, but its batch
-
-
-def layer_form(layer, dtype: torch.dtype) -> tuple[LayerKind, tuple[int, int]] | None:
-    """How a static step serves a layer (its kind and packing), or None where it does not: its
-    full-precision slots must be in the model's dtype, a KIVI layer's packed tensors contiguous
-    (the kernels read them through their addresses)."""
-    if type(layer) is DenseLayerKV:
-        return (LayerKind.DENSE, NO_PACKING) if layer.dtype == dtype else None
-    if type(layer) is PrefixedLayerKV:
-        parts = (layer.shared, layer.own)
-        if all(type(part) is DenseLayerKV and part.dtype == dtype for part in parts):
-            return LayerKind.PREFIXED, NO_PACKING
-        return None
-    if type(layer) is QuantizedLayerKV:  # not its subclasses (outliers: no packed attention)
-        residual = layer.residual
-        tensors = layer.packed_tensors()
-        if residual.dtype == dtype and all(t.is_contiguous() for t in tensors):
-            return LayerKind.PACKED, (layer.bits, layer.group_size)
-    return None
-
-
-def new_slots(layer) -> DenseLayerKV:
-    """The dense layer a step's new tokens go to: the layer, a session's own, a KIVI residual."""
-    if type(layer) is PrefixedLayerKV:
-        return layer.own
-    if type(layer) is QuantizedLayerKV:
-        return layer.residual
-    return layer
-
-
-@dataclass(frozen=True)
-class StepShape:
-    groups: tuple[GroupShape, ...]
-    invariant: bool  # the forward's linear layers: the batch-invariant set
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(g.batch * g.tokens for g in self.groups)
-
-    @property
-    def num_sequences(self) -> int:
-        return sum(g.batch for g in self.groups)
-
-
-def bucket(count: int) -> int | None:
-    return next((size for size in BUCKETS if size >= count), None)
-
 
 class StepBuffers:
-    def __init__(self, runner, shape, with_tables: bool):
+    """One shape's inputs (token ids, positions, tables), padding, staging and, on CUDA, graph."""
+
+    def __init__(self, runner, shape: StepShape, with_tables: bool):
         self.shape = shape
         self.device = runner.device
         c = runner.config
