@@ -121,3 +121,30 @@ def test_vericache_equals_full_with_graphs_on_and_off(tiny_checkpoint, compresso
             assert engine.runner.static.num_captured > 0
     assert outputs[True][0] == outputs[False][0]  # full decoding, graphs or not
     assert outputs[True][1] == outputs[True][0] == outputs[False][1]
+
+
+def test_captured_drafts_over_kivi_follow_the_dynamic_forward(runner):
+    """Drafts over packed codes (fast rows: close, not bit for bit)."""
+    kivi = KIVI(bits=4, group_size=8, residual_length=8)
+    sources = []
+    with runner.dynamic_only():
+        for length in (45, 70, 33):
+            cache = runner.new_cache(capacity=256)
+            runner.prefill(_ids(length, length), cache)
+            sources.append(kivi.compress(cache))
+    results = []
+    for dynamic in (False, True):
+        caches, logits = [source.clone() for source in sources], []
+        for step in range(3):
+            batch = [
+                SequenceInput(_ids(1, 10 * step + i), cache, 1, fast_attention=True)
+                for i, cache in enumerate(caches)
+            ]
+            if dynamic:
+                with runner.dynamic_only():
+                    logits += runner.forward(batch)
+            else:
+                logits += runner.forward(batch)
+        results.append(torch.cat(logits).float())
+    tolerance = 1e-3 if runner.dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(results[0], results[1], atol=tolerance, rtol=tolerance)
