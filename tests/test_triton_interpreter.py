@@ -138,22 +138,34 @@ def test_table_kernels_give_each_cache_its_own_launchs_bits(dtype, num_new):
         ],
         dtype=torch.int64,
     )
-    row_seq = torch.arange(len(caches)).repeat_interleave(num_new).to(torch.int32)
-    row_offset = torch.arange(num_new).repeat(len(caches)).to(torch.int32)
-    triton_kv_table.store_kv(keys, values, positions, table, row_seq, row_offset)
     q = torch.randn(num_rows, num_kv_heads * group, head_dim, generator=generator).to(dtype)
     like = caches[0].keys_values()[0]
+    stored = _stored_by_table(caches, twins, table, keys, values, positions, num_new)
     out = triton_kv_table.attention(q, table, num_new, like, prefixed=False)
-    for index, (layer, twin) in enumerate(zip(caches, twins)):
-        rows = slice(index * num_new, (index + 1) * num_new)
-        twin.append(keys[rows], values[rows], positions[rows])
-        assert layer.to_state().tensors.keys() == twin.to_state().tensors.keys()
-        for name, tensor in layer.to_state().tensors.items():
-            assert torch.equal(tensor, twin.to_state().tensors[name]), name
+    for rows, twin in stored:
         expected = triton_invariant_attention.invariant_attention(
             q[rows], *twin.keys_values(), twin.num_slots
         )
         assert torch.equal(out[rows], expected)
+
+
+def _stored_by_table(layers, twins, table, keys, values, positions, num_new):
+    """Stores each layer's num_new new rows of keys, values [S * n, H, D] through `table` (its
+    entries reserved already), appends them to each twin, checks the two hold the same bits, and
+    returns each layer's rows and twin."""
+    row_seq = torch.arange(len(layers)).repeat_interleave(num_new).to(torch.int32)
+    row_offset = torch.arange(num_new).repeat(len(layers)).to(torch.int32)
+    triton_kv_table.store_kv(keys, values, positions, table, row_seq, row_offset)
+    stored = []
+    for index, (layer, twin) in enumerate(zip(layers, twins)):
+        rows = slice(index * num_new, (index + 1) * num_new)
+        twin.append(keys[rows], values[rows], positions[rows])
+        state, twin_state = layer.to_state().tensors, twin.to_state().tensors
+        assert state.keys() == twin_state.keys()
+        for name, tensor in state.items():
+            assert torch.equal(tensor, twin_state[name]), name
+        stored.append((rows, twin))
+    return stored
 
 
 def test_a_static_step_through_tables_has_the_dynamic_forwards_bits(tiny_checkpoint, monkeypatch):
@@ -219,18 +231,11 @@ def test_packed_table_attention_is_each_kivi_layers_attention(
     keys, values = torch.randn(2, num_rows, num_kv_heads, head_dim, generator=generator)
     positions = torch.arange(num_rows) + 200
     table = torch.tensor([_entry(layer, num_new) for layer in layers], dtype=torch.int64)
-    row_seq = torch.arange(len(layers)).repeat_interleave(num_new).to(torch.int32)
-    row_offset = torch.arange(num_new).repeat(len(layers)).to(torch.int32)
-    triton_kv_table.store_kv(keys, values, positions, table, row_seq, row_offset)
     q = torch.randn(num_rows, loaded.config.num_heads, head_dim, generator=generator)
     like = layers[0].residual.keys_values()[0]
+    stored = _stored_by_table(layers, twins, table, keys, values, positions, num_new)
     out = triton_kv_table.packed_attention(q, table, num_new, like, bits=4, group_size=8)
-    for index, (layer, twin) in enumerate(zip(layers, twins)):
-        rows = slice(index * num_new, (index + 1) * num_new)
-        twin.append(keys[rows], values[rows], positions[rows])
-        assert layer.to_state().tensors.keys() == twin.to_state().tensors.keys()
-        for name, tensor in layer.to_state().tensors.items():
-            assert torch.equal(tensor, twin.to_state().tensors[name]), name
+    for rows, twin in stored:
         torch.testing.assert_close(out[rows], twin.attend(q[rows]), atol=1e-5, rtol=1e-5)
 
 
