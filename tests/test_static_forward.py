@@ -173,12 +173,31 @@ def test_sampled_vericache_over_static_forwards_samples_what_full_kv_samples(
     assert [out.token_ids for out in ours] == [out.token_ids for out in reference]
 
 
-def test_a_failed_capture_leaves_the_caches_as_before_and_runs_the_step_dynamic(
-    runners, monkeypatch
+class _WrongGraph:
+    """A captured graph whose replay leaves its logits at zero: what a capture that broke the
+    kernels' arithmetic could give."""
+
+    def __init__(self, step):
+        step.output = torch.zeros(step.shape.num_tokens, 512)
+
+    def replay(self) -> None:
+        pass
+
+
+def _failing_capture(step):
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize(
+    "capture", [_failing_capture, _WrongGraph], ids=["capture-fails", "replay-differs"]
+)
+def test_a_failed_or_wrong_capture_leaves_the_caches_as_before_and_goes_dynamic(
+    runners, monkeypatch, capture
 ):
-    """On CUDA a shape's first step is captured; where capture fails, the step's reservations
+    """On CUDA a shape's first step is captured, and its first replay's exact rows checked
+    against the dynamic forward. Where capture fails or the rows differ, the step's reservations
     are rolled back, it runs dynamic, and so does every later forward (the capture path, staged
-    through its tables, run on CPU with a capture that fails)."""
+    through its tables, run on CPU with a capture that fails or a graph that computes wrong)."""
     from vericache.kernels import triton_ops
     from vericache.model.static_forward import StaticForward
 
@@ -188,10 +207,10 @@ def test_a_failed_capture_leaves_the_caches_as_before_and_runs_the_step_dynamic(
     static.captures = True
     monkeypatch.setattr(triton_ops, "available", lambda: True)
 
-    def refuse(step):
-        raise RuntimeError("operation not permitted when stream is capturing")
+    def captured(step):
+        step.graph = capture(step)
 
-    monkeypatch.setattr(static, "_capture", refuse)
+    monkeypatch.setattr(static, "_capture", captured)
     results = []
     for runner in (dynamic, loaded_runner):
         caches = [_prefilled(dynamic, seed) for seed in range(2)]

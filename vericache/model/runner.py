@@ -97,26 +97,26 @@ class ModelRunner:
             )
         split = self.static.split(batch, invariant) if self.static is not None else None
         if split is None:
-            return self._dynamic(batch, counts, invariant)
+            return self.forward_dynamic(batch, invariant)
         shape, chosen = split
         # Those it serves in a static forward, the others in a dynamic one beside it.
         logits: list[torch.Tensor | None] = [None] * len(batch)
         try:
             static_logits = self.static.forward([batch[i] for i in chosen], shape)
         except CaptureFailed:  # the caches are as before: all of it dynamic
-            return self._dynamic(batch, counts, invariant)
+            return self.forward_dynamic(batch, invariant)
         if len(chosen) == len(batch):
             return static_logits
         for i, rows in zip(chosen, static_logits):
             logits[i] = rows
         rest = [i for i in range(len(batch)) if logits[i] is None]
-        dynamic_batch, dynamic_counts = [batch[i] for i in rest], [counts[i] for i in rest]
-        for i, rows in zip(rest, self._dynamic(dynamic_batch, dynamic_counts, invariant)):
+        for i, rows in zip(rest, self.forward_dynamic([batch[i] for i in rest], invariant)):
             logits[i] = rows
         return logits
 
-    def _dynamic(self, batch, counts: list[int], invariant: bool) -> list[torch.Tensor]:
-        """The forward of any batch: shapes as they come."""
+    def forward_dynamic(self, batch: list[SequenceInput], invariant: bool) -> list[torch.Tensor]:
+        """`forward` for any batch, shapes as they come (never static)."""
+        counts = [int(seq.token_ids.numel()) for seq in batch]
         token_ids = self._joined([seq.token_ids for seq in batch])  # [N]
         positions = self._joined(
             [

@@ -15,11 +15,13 @@ their decode steps in CUDA graphs; this does the same for every forward whose se
   table per layer of each sequence's cache buffers (addresses, capacity, first new slot), so that
   one graph serves whichever caches a step holds, as vLLM's block tables do;
 - on CUDA the shape's forward is captured once in a CUDA graph and replayed: a step costs one
-  copy of its inputs to the device and one launch. The attention and the KV store read the
-  tables (kernels/triton_kv_table.py). Captured rather than `torch.compile(mode=
-  "reduce-overhead")`: the forward's kernels are already the batch-invariant set, which a
-  compiler's fusions would change, and a graph keeps their bits (the identity tests run with
-  graphs on and off);
+  copy of its inputs to the device and one launch. A new graph's first replay is checked on one
+  sequence of each exact group against the dynamic forward, bit for bit; a capture that fails or
+  differs undoes its step and turns static forwards off (lossless first, fast second). The
+  attention and the KV store read the tables (kernels/triton_kv_table.py). Captured rather than
+  `torch.compile(mode="reduce-overhead")`: the forward's kernels are already the
+  batch-invariant set, which a compiler's fusions would change, and a graph keeps their bits
+  (the identity tests run with graphs on and off);
 - on CPU the same forward runs eagerly over the same buffers, its attention and store by
   sequence_attention.py (the CPU kernels, which take each cache's slots as they are).
 Caches of full-precision slots (full KV, a dropper's kept slots, over a shared prefix or not) and
@@ -40,6 +42,7 @@ Shapes: static_shape.py; a shape's buffers, staging and kernel calls: static_ste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import OrderedDict
@@ -147,11 +150,14 @@ class StaticForward:
         step = self._buffers(shape)
         placed = step.place(batch)  # each sequence's (group, index in it)
         if self.captures:
+            probes = _probes(step, batch, placed) if step.graph is None else []
             step.stage_with_tables(batch, placed)
             if step.graph is None:
                 self._capture_or_give_up(step, batch)
             step.graph.replay()
             logits = step.output.clone()  # the next replay overwrites the graph's
+            if probes:
+                self._check_or_give_up(step, batch, placed, probes, logits)
         elif self.tables:
             step.stage_with_tables(batch, placed)
             logits = self._body(step, TableAttention(step))
@@ -198,13 +204,33 @@ class StaticForward:
         try:
             self._capture(step)
         except Exception as error:
-            for seq in batch:
-                for layer in seq.cache.layers:
-                    layer.drop_last(seq.token_ids.numel())  # the slots staging reserved
-            self._steps.clear()
-            self.failed = True
-            logger.warning("CUDA graph capture failed (%s): dynamic forwards from now on", error)
+            self._give_up(batch, f"CUDA graph capture failed ({error})")
             raise CaptureFailed from error
+
+    def _check_or_give_up(self, step: StepBuffers, batch, placed, probes, logits) -> None:
+        """A new graph's first replay, checked where bits are promised: each probed sequence's
+        rows against the dynamic forward over the copy of its cache from before the step. They
+        differ only where capture broke something this machine's GPU does not show on CPU: then
+        the step is undone and `CaptureFailed` raised, as for a failed capture."""
+        for index, before in probes:
+            seq = batch[index]
+            (expected,) = self.runner.forward_dynamic(
+                [dataclasses.replace(seq, cache=before)], step.shape.invariant
+            )
+            start, end = step.rows(*placed[index], seq)
+            if not torch.equal(logits[start:end], expected):
+                self._give_up(batch, "a captured step's exact rows differ from the dynamic forward")
+                raise CaptureFailed
+
+    def _give_up(self, batch, reason: str) -> None:
+        """The step's caches as before it (the slots staging reserved dropped), and no static
+        forward from now on."""
+        for seq in batch:
+            for layer in seq.cache.layers:
+                layer.drop_last(seq.token_ids.numel())
+        self._steps.clear()
+        self.failed = True
+        logger.warning("%s: dynamic forwards from now on", reason)
 
     def _capture(self, step: StepBuffers) -> None:
         """Captures the shape's forward over its staged inputs. Warm-up runs first (Triton's
@@ -223,3 +249,16 @@ class StaticForward:
             step.output = self._body(step, kv)
         step.graph = graph
         self.num_captured += 1
+
+
+def _probes(step: StepBuffers, batch, placed) -> list[tuple[int, object]]:
+    """(index in `batch`, copy of its cache as it is before the step) for the first sequence of
+    each exact group: what a new graph's first replay is checked against."""
+    probes, seen = [], set()
+    for index, (group, _) in enumerate(placed):
+        shape = step.shape.groups[group]
+        if shape.exact and group not in seen:
+            seen.add(group)
+            cache = batch[index].cache
+            probes.append((index, cache.clone(cache.num_tokens + shape.tokens)))
+    return probes
