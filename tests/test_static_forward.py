@@ -188,17 +188,24 @@ def _failing_capture(step):
     raise RuntimeError("operation not permitted when stream is capturing")
 
 
+def _no_copies(step, batch, placed):
+    raise torch.OutOfMemoryError("no room for a copy of a cache")
+
+
 @pytest.mark.parametrize(
-    "capture", [_failing_capture, _WrongGraph], ids=["capture-fails", "replay-differs"]
+    "capture, probes",
+    [(_failing_capture, None), (_WrongGraph, None), (_WrongGraph, _no_copies)],
+    ids=["capture-fails", "replay-differs", "no-copy-to-check-against"],
 )
 def test_a_failed_or_wrong_capture_leaves_the_caches_as_before_and_goes_dynamic(
-    runners, monkeypatch, capture
+    runners, monkeypatch, capture, probes
 ):
     """On CUDA a shape's first step is captured, and its first replay's exact rows checked
     against the dynamic forward. Where capture fails or the rows differ, the step's reservations
     are rolled back, it runs dynamic, and so does every later forward (the capture path, staged
     through its tables, run on CPU with a capture that fails or a graph that computes wrong)."""
     from vericache.kernels import triton_ops
+    from vericache.model import static_forward
     from vericache.model.static_forward import StaticForward
 
     dynamic, _ = runners
@@ -211,6 +218,8 @@ def test_a_failed_or_wrong_capture_leaves_the_caches_as_before_and_goes_dynamic(
         step.graph = capture(step)
 
     monkeypatch.setattr(static, "_capture", captured)
+    if probes is not None:
+        monkeypatch.setattr(static_forward, "_probes", probes)
     results = []
     for runner in (dynamic, loaded_runner):
         caches = [_prefilled(dynamic, seed) for seed in range(2)]

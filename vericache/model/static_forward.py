@@ -150,7 +150,7 @@ class StaticForward:
         step = self._buffers(shape)
         placed = step.place(batch)  # each sequence's (group, index in it)
         if self.captures:
-            probes = _probes(step, batch, placed) if step.graph is None else []
+            probes = self._probes_or_give_up(step, batch, placed) if step.graph is None else []
             step.stage_with_tables(batch, placed)
             if step.graph is None:
                 self._capture_or_give_up(step, batch)
@@ -221,6 +221,15 @@ class StaticForward:
             if not torch.equal(logits[start:end], expected):
                 self._give_up(batch, "a captured step's exact rows differ from the dynamic forward")
                 raise CaptureFailed
+
+    def _probes_or_give_up(self, step: StepBuffers, batch, placed) -> list:
+        """`_probes`; where copying a cache fails (device memory), a new graph cannot be checked,
+        so none is captured: `CaptureFailed` before anything is staged."""
+        try:
+            return _probes(step, batch, placed)
+        except Exception as error:
+            self._give_up([], f"no copy of a cache to check a new CUDA graph against ({error})")
+            raise CaptureFailed from error
 
     def _give_up(self, batch, reason: str) -> None:
         """The step's caches as before it (the slots staging reserved dropped), and no static
