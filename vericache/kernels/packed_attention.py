@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +26,8 @@ from vericache.kernels import cpu_attention, triton_attention, triton_ops
 from vericache.kernels.quant import codes_per_byte, dequantize_packed
 
 DEFAULT_BLOCK_SIZE = 1024  # slots dequantized at a time by the reference (fastest on CPU)
+# A packed layer's tensors, in the order the C++ and Triton kernels take them.
+KERNEL_TENSORS = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
 
 
 @dataclass(frozen=True)
@@ -68,13 +70,13 @@ class PackedKV:
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], bits: int, group_size: int):
         """From a mapping that holds (at least) the six tensors by name, e.g. a LayerState's."""
-        names = [f.name for f in fields(cls) if f.name not in ("bits", "group_size")]
-        return cls(**{name: tensors[name] for name in names}, bits=bits, group_size=group_size)
+        return cls(
+            **{name: tensors[name] for name in KERNEL_TENSORS}, bits=bits, group_size=group_size
+        )
 
     def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The six tensors as they are, in the order the C++ and Triton kernels take them."""
-        tensors = (self.key_codes, self.key_scale, self.key_zero)
-        return (*tensors, self.value_codes, self.value_scale, self.value_zero)
+        """The six tensors as they are, in KERNEL_TENSORS' order."""
+        return tuple(getattr(self, name) for name in KERNEL_TENSORS)
 
     def kernel_arguments(self) -> tuple[torch.Tensor, ...]:
         """`kernel_tensors`, contiguous (the kernels' layout)."""

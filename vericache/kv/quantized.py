@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vericache.errors import CacheStateError
-from vericache.kernels.packed_attention import PackedKV, packed_attention
+from vericache.kernels.packed_attention import KERNEL_TENSORS, PackedKV, packed_attention
 from vericache.kernels.quant import codes_per_byte, dequantize_packed, pack, quantize
 from vericache.kv.cache import DenseLayerKV
 from vericache.kv.slots import aligned
@@ -143,13 +143,7 @@ class QuantizedLayerKV:
     def packed_tensors(self) -> tuple[torch.Tensor, ...]:
         """`packed().kernel_tensors()` without building (and checking) a PackedKV: what a static
         step's table points at, every step."""
-        q = self._q
-        return (
-            q["key_codes"],
-            q["key_scale"],
-            q["key_zero"],
-            *(q[name] for name in ("value_codes", "value_scale", "value_zero")),
-        )
+        return tuple(self._q[name] for name in KERNEL_TENSORS)
 
     def attend(self, q: torch.Tensor, window_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the newest n slots' queries q [n, Hq, D] over this layer, without

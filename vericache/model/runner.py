@@ -7,7 +7,8 @@ KV to them.
 
 With static shapes (static_forward.py; on by default on CUDA), a forward whose sequences fit a
 bucket runs over preallocated buffers, captured once per bucket in a CUDA graph and replayed; on
-CPU the same static forward runs eagerly. Either way its bits are this forward's.
+CPU the same static forward runs eagerly. Either way its exact rows (verifications, full decode
+steps) have this forward's bits.
 """
 
 from __future__ import annotations
