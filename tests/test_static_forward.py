@@ -124,8 +124,9 @@ def test_the_forwards_it_cannot_serve_go_dynamic(runners, tiny_checkpoint):
     assert shape(full, n=4) is not None and shape(full, n=5) is None
     # Past the largest bucket, and beside one it cannot serve: those it can, the others dynamic.
     too_many = [SequenceInput(_ids(1, i), full, 1) for i in range(65)]
-    shape, chosen = static.static.split([*too_many, SequenceInput(_ids(1, 0), quantized, 1)], True)
-    assert chosen == list(range(64)) and bucket(65) is None
+    split = static.static.split([*too_many, SequenceInput(_ids(1, 0), quantized, 1)], True)
+    assert split.chosen == list(range(64)) and bucket(65) is None
+    assert split.placed == [(0, i) for i in range(64)]
     windowed = load_model(str(tiny_checkpoint("mistral")))
     windowed_runner = ModelRunner(windowed.config, windowed.weights, static_shapes=True)
     cache = windowed_runner.new_cache()

@@ -99,16 +99,15 @@ class ModelRunner:
         split = self.static.split(batch, invariant) if self.static is not None else None
         if split is None:
             return self.forward_dynamic(batch, invariant)
-        shape, chosen = split
         # Those it serves in a static forward, the others in a dynamic one beside it.
         logits: list[torch.Tensor | None] = [None] * len(batch)
         try:
-            static_logits = self.static.forward([batch[i] for i in chosen], shape)
+            static_logits = self.static.forward([batch[i] for i in split.chosen], split)
         except CaptureFailed:  # the caches are as before: all of it dynamic
             return self.forward_dynamic(batch, invariant)
-        if len(chosen) == len(batch):
+        if len(split.chosen) == len(batch):
             return static_logits
-        for i, rows in zip(chosen, static_logits):
+        for i, rows in zip(split.chosen, static_logits):
             logits[i] = rows
         rest = [i for i in range(len(batch)) if logits[i] is None]
         for i, rows in zip(rest, self.forward_dynamic([batch[i] for i in rest], invariant)):

@@ -56,6 +56,7 @@ from vericache.model.static_shape import (
     GroupKey,
     GroupShape,
     LayerKind,
+    StaticSplit,
     StepShape,
     bucket,
     layer_form,
@@ -94,10 +95,10 @@ class StaticForward:
         self.num_forwards = 0  # forwards run static, captured or eager
         self.num_captured = 0  # graphs captured
 
-    def split(self, batch, invariant: bool) -> tuple[StepShape, list[int]] | None:
-        """The shape that the sequences it can serve take, and their indices in `batch` (the
-        others run in a dynamic forward beside it: an exact row's bits are its own either way),
-        or None where it serves none of them."""
+    def split(self, batch, invariant: bool) -> StaticSplit | None:
+        """The sequences of `batch` it serves, their shape and places in it (the others run in a
+        dynamic forward beside it: an exact row's bits are its own either way), or None where it
+        serves none of them."""
         if self.failed or not self._windowless or (self.captures and not triton_ops.available()):
             return None  # (Triton switched off: a benchmark's torch baseline)
         members: dict[GroupKey, list[int]] = {}
@@ -105,18 +106,20 @@ class StaticForward:
             key = self._group_key(seq, invariant)
             if key is not None:
                 members.setdefault(key, []).append(i)
-        groups, chosen, rows = [], [], 0
+        groups, placement, rows = [], {}, 0  # placement: batch index -> (group, index in it)
         for key, indices in sorted(members.items()):
             indices = indices[: BUCKETS[-1]]  # the rest go dynamic
             tokens, size = key[0], bucket(len(indices))
             if rows + size * tokens > MAX_ROWS:
                 continue
             rows += size * tokens
+            placement.update((i, (len(groups), place)) for place, i in enumerate(indices))
             groups.append(GroupShape(*key, size))
-            chosen += indices
         if not groups:
             return None
-        return StepShape(tuple(groups), invariant), sorted(chosen)
+        chosen = sorted(placement)
+        shape = StepShape(tuple(groups), invariant)
+        return StaticSplit(shape, chosen, [placement[i] for i in chosen])
 
     def _group_key(self, seq, invariant: bool) -> GroupKey | None:
         """The group of a sequence that a static forward serves, else None."""
@@ -141,14 +144,14 @@ class StaticForward:
         return tokens, exact, kind, packing
 
     @torch.no_grad()
-    def forward(self, batch, shape: StepShape) -> list[torch.Tensor]:
-        """The dynamic forward's logits for `batch`, which fits `shape`, over its buffers."""
+    def forward(self, batch, split: StaticSplit) -> list[torch.Tensor]:
+        """The dynamic forward's logits for `batch`, the sequences `split` chose (in its order),
+        over the buffers of its shape."""
         with self._lock:  # a shape's buffers serve one forward at a time
-            return self._forward(batch, shape)
+            return self._forward(batch, split.shape, split.placed)
 
-    def _forward(self, batch, shape: StepShape) -> list[torch.Tensor]:
+    def _forward(self, batch, shape: StepShape, placed) -> list[torch.Tensor]:
         step = self._buffers(shape)
-        placed = step.place(batch)  # each sequence's (group, index in it)
         if self.captures:
             probes = self._probes_or_give_up(step, batch, placed) if step.graph is None else []
             step.stage_with_tables(batch, placed)

@@ -47,10 +47,6 @@ class GroupShape:
     packing: tuple[int, int]
     batch: int
 
-    @property
-    def key(self) -> GroupKey:
-        return self.tokens, self.exact, self.kind, self.packing
-
 
 GroupKey = tuple[int, bool, LayerKind, tuple[int, int]]  # a GroupShape's, but its batch
 
@@ -95,6 +91,16 @@ class StepShape:
     @property
     def num_sequences(self) -> int:
         return sum(g.batch for g in self.groups)
+
+
+@dataclass(frozen=True)
+class StaticSplit:
+    """What a static forward serves of a batch: its shape, the indices of the sequences it takes
+    (ascending; the others go dynamic), and each one's (group, index within the group)."""
+
+    shape: StepShape
+    chosen: list[int]
+    placed: list[tuple[int, int]]  # [len(chosen)]
 
 
 def bucket(count: int) -> int | None:

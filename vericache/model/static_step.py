@@ -19,7 +19,7 @@ from vericache.kv.prefixed import PrefixedLayerKV
 from vericache.kv.quantized import QuantizedLayerKV
 from vericache.kv.slots import aligned
 from vericache.model.linear import zero_row
-from vericache.model.static_shape import LayerKind, StepShape, bucket, layer_form, new_slots
+from vericache.model.static_shape import LayerKind, StepShape, new_slots
 
 HOST_RING = 2
 
@@ -38,8 +38,6 @@ class StepBuffers:
             self._first_rows.append(row)
             self._first_seqs.append(seq)
             row, seq = row + g.batch * g.tokens, seq + g.batch
-        self._index = {g.key: i for i, g in enumerate(shape.groups)}
-        self._dtype = runner.dtype
         tables = c.num_layers * shape.num_sequences * TABLE_WIDTH if with_tables else 0
         size = 2 * self.num_rows + tables
         # numpy views of host buffers, made once: a step's small writes through them cost little
@@ -94,19 +92,6 @@ class StepBuffers:
             seqs.append(torch.arange(first_seq, first_seq + g.batch).repeat_interleave(g.tokens))
             offsets.append(torch.arange(g.tokens).repeat(g.batch))
         return torch.cat(seqs).to(torch.int32), torch.cat(offsets).to(torch.int32)
-
-    def place(self, batch) -> list[tuple[int, int]]:
-        """Each sequence's (group, index within it), in batch order."""
-        taken = [0] * len(self.shape.groups)
-        placed = []
-        for seq in batch:
-            tokens = bucket(seq.token_ids.numel())
-            exact = self.shape.invariant and not seq.fast_attention
-            kind, packing = layer_form(seq.cache.layers[0], self._dtype)
-            group = self._index[tokens, exact, kind, packing]
-            placed.append((group, taken[group]))
-            taken[group] += 1
-        return placed
 
     def first_row(self, group: int, index: int) -> int:
         return self._first_rows[group] + index * self.shape.groups[group].tokens
