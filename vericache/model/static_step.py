@@ -40,13 +40,13 @@ class StepBuffers:
             row, seq = row + g.batch * g.tokens, seq + g.batch
         tables = c.num_layers * shape.num_sequences * TABLE_WIDTH if with_tables else 0
         size = 2 * self.num_rows + tables
-        # numpy views of host buffers, made once: a step's small writes through them cost little
-        # host time. On CPU the buffer is a numpy array's (no tensor is read on the host).
-        self._views: dict[int, np.ndarray] = {}
+        # Host buffers go with numpy views of them, made once: a step's small writes through
+        # them cost little host time. On CPU the inputs are a numpy array's (no tensor is read on
+        # the host).
         if self.device.type == "cpu":
-            host = np.zeros(size, dtype=np.int64)
-            self.inputs = torch.from_numpy(host)
-            self._views[id(self.inputs)] = host
+            view = np.zeros(size, dtype=np.int64)
+            self.inputs = torch.from_numpy(view)
+            self._inputs_host = (self.inputs, view)
         else:
             self.inputs = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.token_ids = self.inputs[: self.num_rows]  # [R]
@@ -63,10 +63,10 @@ class StepBuffers:
             pad_tables = self._pad[2 * self.num_rows :].view(c.num_layers, -1, TABLE_WIDTH)
             pad_tables[:] = torch.tensor(self._scratch_entry(runner), dtype=torch.int64)
         if with_tables and self.device.type == "cuda":
-            self._host = [self._pad.clone().pin_memory() for _ in range(HOST_RING)]
+            pinned = [self._pad.clone().pin_memory() for _ in range(HOST_RING)]
+            self._host = [(buffer, buffer.numpy()) for buffer in pinned]
             self._copied = [None] * HOST_RING
             self._turn = 0
-            self._views.update((id(buffer), buffer.numpy()) for buffer in self._host)
 
     def _scratch_entry(self, runner) -> TableEntry:
         """The table entry of every padding sequence: a scratch layer with room for a group's
@@ -104,14 +104,14 @@ class StepBuffers:
     def stage(self, batch, placed) -> None:
         """The batch's token ids and positions into the buffers (CPU: the host's own)."""
         self.inputs.copy_(self._pad)
-        self._write_rows(self.inputs, batch, placed)
+        self._write_rows(*self._inputs_host, batch, placed)
 
-    def _write_rows(self, host_tensor: torch.Tensor, batch, placed) -> list:
-        """Writes token ids held on the host and positions into a host buffer shaped as
-        `inputs`; returns the (rows, ids) whose ids lie on the device (a deferred draft's last
-        choice). Ids by tensor copies: reading a tensor's values on the host (numpy) would be a
-        wait on a device."""
-        host, on_device = self._views[id(host_tensor)], []
+    def _write_rows(self, host_tensor: torch.Tensor, host: np.ndarray, batch, placed) -> list:
+        """Writes token ids held on the host and positions into a host buffer shaped as `inputs`
+        (the tensor, and a numpy view of it); returns the (rows, ids) whose ids lie on the device
+        (a deferred draft's last choice). Ids by tensor copies: reading a tensor's values on the
+        host (numpy) would be a wait on a device."""
+        on_device = []
         for seq, (group, index) in zip(batch, placed):
             start, end = self.rows(group, index, seq)
             first, tokens = seq.cache.num_tokens, self.shape.groups[group].tokens
@@ -135,12 +135,11 @@ class StepBuffers:
             self._turn = (turn + 1) % HOST_RING
             if self._copied[turn] is not None:
                 self._copied[turn].synchronize()  # its last copy has left it
-            host_tensor = self._host[turn]
+            host_tensor, host = self._host[turn]
         else:
-            host_tensor = self.inputs
+            host_tensor, host = self._inputs_host
         host_tensor.copy_(self._pad)
-        on_device = self._write_rows(host_tensor, batch, placed)
-        host = self._views[id(host_tensor)]
+        on_device = self._write_rows(host_tensor, host, batch, placed)
         tables = host[2 * self.num_rows :].reshape(len(self.tables), -1, TABLE_WIDTH)
         for seq, (group, index) in zip(batch, placed):
             entry = self._first_seqs[group] + index
