@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_static_forward import kivi_draft_sources, kivi_draft_steps
 from vericache.compress import KIVI, SnapKV, StreamingLLM
 from vericache.engine.engine import Engine, EngineConfig
 from vericache.engine.request import DecodeMode, Request, SamplingParams
@@ -125,26 +126,10 @@ def test_vericache_equals_full_with_graphs_on_and_off(tiny_checkpoint, compresso
 
 def test_captured_drafts_over_kivi_follow_the_dynamic_forward(runner):
     """Drafts over packed codes (fast rows: close, not bit for bit)."""
-    kivi = KIVI(bits=4, group_size=8, residual_length=8)
-    sources = []
+    sources = kivi_draft_sources(runner)
+    captured, _ = kivi_draft_steps(runner, sources)
     with runner.dynamic_only():
-        for length in (45, 70, 33):
-            cache = runner.new_cache(capacity=256)
-            runner.prefill(_ids(length, length), cache)
-            sources.append(kivi.compress(cache))
-    results = []
-    for dynamic in (False, True):
-        caches, logits = [source.clone() for source in sources], []
-        for step in range(3):
-            batch = [
-                SequenceInput(_ids(1, 10 * step + i), cache, 1, fast_attention=True)
-                for i, cache in enumerate(caches)
-            ]
-            if dynamic:
-                with runner.dynamic_only():
-                    logits += runner.forward(batch)
-            else:
-                logits += runner.forward(batch)
-        results.append(torch.cat(logits).float())
+        dynamic, _ = kivi_draft_steps(runner, sources)
+    results = [torch.cat(logits).float() for logits in (captured, dynamic)]
     tolerance = 1e-3 if runner.dtype == torch.float32 else 5e-2
     torch.testing.assert_close(results[0], results[1], atol=tolerance, rtol=tolerance)

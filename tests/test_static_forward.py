@@ -243,3 +243,27 @@ def test_the_largest_steps_go_dynamic(runners):
     ]  # 17 padded to 32 sequences of 32 tokens: past MAX_ROWS
     assert static.static.split(verifications, True) is None
     assert static.static.split(verifications[:16], True) is not None
+
+
+def kivi_draft_sources(runner: ModelRunner) -> list[KVCache]:
+    """Three KIVI-4 caches (prompts of 45, 70 and 33 tokens), prefilled by the dynamic forward:
+    drafts over them fill a bucket of four with a padding sequence."""
+    sources = []
+    with runner.dynamic_only():
+        for length in (45, 70, 33):
+            cache = runner.new_cache()
+            runner.prefill(torch.arange(3, 3 + length), cache)
+            sources.append(KIVI_4.compress(cache))
+    return sources
+
+
+def kivi_draft_steps(runner: ModelRunner, sources: list[KVCache]):
+    """Three draft steps of the three over copies of `sources`: their logits and the copies."""
+    caches, logits = [source.clone() for source in sources], []
+    for step in range(3):
+        batch = [
+            SequenceInput(torch.tensor([7 + step + i]), cache, 1, fast_attention=True)
+            for i, cache in enumerate(caches)
+        ]
+        logits += runner.forward(batch, invariant=False)
+    return logits, caches

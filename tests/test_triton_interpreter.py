@@ -240,30 +240,16 @@ def test_packed_table_attention_is_each_kivi_layers_attention(
 
 
 def test_draft_steps_over_kivi_through_tables_follow_the_dynamic_forward(tiny_checkpoint):
-    """Whole static draft steps over KIVI caches (fast rows: close, not bit for bit), two of
+    """Whole static draft steps over KIVI caches (fast rows: close, not bit for bit), three of
     them and a padding sequence in a bucket of four."""
-    from vericache.compress import KIVI
+    from tests.test_static_forward import kivi_draft_sources, kivi_draft_steps
 
     loaded = load_model(str(tiny_checkpoint("llama")))
     dynamic = ModelRunner(loaded.config, loaded.weights, static_shapes=False)
     static = ModelRunner(loaded.config, loaded.weights, static_shapes=True)
     static.static.tables = True
-    kivi = KIVI(bits=4, group_size=8, residual_length=8)
-    sources = []
-    for length in (45, 70, 33):
-        cache = dynamic.new_cache()
-        dynamic.prefill(torch.arange(3, 3 + length), cache)
-        sources.append(kivi.compress(cache))
-    results = []
-    for runner in (dynamic, static):
-        caches, logits = [source.clone() for source in sources], []
-        for step in range(3):
-            batch = [
-                SequenceInput(torch.tensor([7 + step + i]), cache, 1, fast_attention=True)
-                for i, cache in enumerate(caches)
-            ]
-            logits += runner.forward(batch, invariant=False)
-        results.append((logits, caches))
+    sources = kivi_draft_sources(dynamic)
+    results = [kivi_draft_steps(runner, sources) for runner in (dynamic, static)]
     assert static.static.num_forwards == 3
     for mine, reference in zip(*(logits for logits, _ in results)):
         torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
