@@ -24,6 +24,8 @@ tier), and VERICACHE's drafter nodes turn warm and verify their own rounds
 the same workers and budgets. The link's bandwidth makes moving one prefix's full KV take `--ratio`
 times FULL_LOCAL's seconds per reply (its stream's wall time / requests). Each cell is served
 `--repeats` times, on fresh workers each time: its median tokens/s, with the smallest and largest.
+AUTO is served in turn, sample by sample, with FULL_BOTH (and, in the second stream, VERICACHE), so
+that they share the machine's minutes.
 Each time the stream's first `concurrency` requests are served once, untimed, before the stream:
 tokens/s are the workers' steady state (buffers of closed sessions reused, the drafters' LRU holding
 what it can).
@@ -76,9 +78,9 @@ from vericache.bench.remote_prefix_cells import (
     MANY,
     Cell,
     StreamSpec,
-    auto_cells,
+    auto_groups,
     cell_record,
-    many_prefix_cells,
+    many_prefix_full_cells,
     request_stream,
     vericache_cells,
 )
@@ -386,7 +388,8 @@ def _budgets(stream: Stream | None) -> dict | None:
 
 def _serve_all(bench: Bench) -> list[dict]:
     """FULL_LOCAL first (it calibrates the link), then every other cell at that bandwidth, each
-    VERICACHE cell followed by its in-process reference; then the many-prefix stream's cells."""
+    VERICACHE cell followed by its in-process reference and AUTO in turn with what it is held to
+    (`auto_groups`); then the many-prefix stream's cells, likewise."""
     spec, few = bench.spec, bench.streams[FEW]
     (full_local,) = _served(bench, (Cell("full_local", 1),))
     seconds_per_reply = statistics.median(s["wall_s"] for s in full_local["samples"]) / len(
@@ -396,17 +399,15 @@ def _serve_all(bench: Bench) -> list[dict]:
     bench.bandwidth = bandwidth_for(spec.ratio, full_wire, seconds_per_reply)
     print(f"[remote-prefix] link: {bench.bandwidth / 1e6:.2f} MB/s")
     cells = [full_local]
-    plan = [Cell("full_remote", n) for n in spec.drafter_counts]
-    plan += [Cell("full_both", n) for n in spec.drafter_counts]
-    for cell in plan:
+    for cell in [Cell("full_remote", n) for n in spec.drafter_counts]:
         cells += _served(bench, (cell,))
     bench.reference = EngineReference(bench.model, few.prefixes, few.jobs, spec)
     bench.reference.measure(max(spec.draft_lens))  # untimed: prefills the prefixes' full KV
-    for group in vericache_cells(spec) + auto_cells(spec):
+    for group in vericache_cells(spec) + auto_groups(spec):
         cells += _served(bench, group)
     if MANY in bench.streams:
-        full, others = many_prefix_cells(spec)
-        for group in [(cell,) for cell in full] + others:
+        full = [(cell,) for cell in many_prefix_full_cells(spec)]
+        for group in full + auto_groups(spec, MANY):
             cells += _served(bench, group)
     return cells
 

@@ -109,27 +109,28 @@ def vericache_cells(spec: StreamSpec) -> list[tuple[Cell, ...]]:
     return groups
 
 
-def auto_cells(spec: StreamSpec, workload: str = FEW) -> list[tuple[Cell, ...]]:
-    """`mode: auto` at each draft length and drafter count (per-request rounds: the server's
-    default scheduling), each alone."""
-    return _per_request_cells("auto", spec, workload)
+def auto_groups(spec: StreamSpec, workload: str = FEW) -> list[tuple[Cell, ...]]:
+    """Per drafter count, `mode: auto` at each draft length served in turn, sample by sample,
+    with what it is held to that is served once the pools' rates are known: FULL_BOTH (routed by
+    them) and, in the many-prefix stream, VERICACHE on warm nodes at the same draft lengths (the
+    few-prefix stream's VERICACHE cells are served with their in-process references). In turn:
+    a shared machine's speed moves by 5-25% from one minute to the next (bench/README.md,
+    remote-prefix), and cells served minutes apart would compare those minutes."""
+    groups = []
+    for drafters in spec.drafter_counts:
+        group = [Cell("full_both", drafters, workload=workload)]
+        if workload == MANY:
+            group += [Cell("vericache", drafters, x, workload=MANY) for x in spec.draft_lens]
+        group += [Cell("auto", drafters, x, workload=workload) for x in spec.draft_lens]
+        groups.append(tuple(group))
+    return groups
 
 
-def _per_request_cells(mode: str, spec: StreamSpec, workload: str) -> list[tuple[Cell, ...]]:
-    """`mode`'s cells at each draft length and drafter count, per-request rounds, each alone."""
-    return [
-        (Cell(mode, drafters, draft_len, workload=workload),)
-        for drafters in spec.drafter_counts
-        for draft_len in spec.draft_lens
-    ]
-
-
-def many_prefix_cells(spec: StreamSpec) -> tuple[list[Cell], list[tuple[Cell, ...]]]:
-    """The many-prefix stream's full-KV cells (served first: FULL_BOTH routes by their rates)
-    and then its VERICACHE (warm nodes: per-request rounds) and AUTO cells."""
+def many_prefix_full_cells(spec: StreamSpec) -> list[Cell]:
+    """The many-prefix stream's FULL_LOCAL and FULL_REMOTE cells, each alone and first: FULL_BOTH
+    routes by their rates (its VERICACHE and AUTO cells: `auto_groups`)."""
     full = [Cell("full_local", 1, workload=MANY)]
-    full += [Cell(mode, n, workload=MANY) for mode in FULL_MODES[1:] for n in spec.drafter_counts]
-    return full, _per_request_cells("vericache", spec, MANY) + auto_cells(spec, MANY)
+    return full + [Cell("full_remote", n, workload=MANY) for n in spec.drafter_counts]
 
 
 def _is_rtt_pair(cell: Cell, spec: StreamSpec) -> bool:

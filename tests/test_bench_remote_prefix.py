@@ -13,7 +13,9 @@ from vericache.bench.remote_prefix_cells import (
     FEW,
     MANY,
     Cell,
+    auto_groups,
     cell_record,
+    many_prefix_full_cells,
     request_stream,
     vericache_cells,
 )
@@ -57,6 +59,24 @@ def test_the_sweep_covers_every_cell_and_the_latency_pair():
         assert far.latency_s and far == dataclasses.replace(near, latency_s=far.latency_s)
         assert far.draft_len == 30 and far.num_drafters == 1
     assert len({cell.name for cell in cells}) == len(cells)
+
+
+def test_auto_is_served_in_turn_with_the_cells_it_is_held_to():
+    spec = remote_prefix.stream_spec(_args("--draft-lens", "8,30", "--drafters", "1,2"))
+    for workload in (FEW, MANY):
+        groups = auto_groups(spec, workload)
+        assert len(groups) == 2  # one per drafter count
+        for drafters, group in zip((1, 2), groups):
+            assert {cell.num_drafters for cell in group} == {drafters}
+            assert {cell.workload for cell in group} == {workload}
+            assert group[0].mode == "full_both"  # FULL_BOTH once, before the cells set against it
+            autos = [cell.draft_len for cell in group if cell.mode == "auto"]
+            warm = [cell.draft_len for cell in group if cell.mode == "vericache"]
+            assert autos == [8, 30] and warm == ([8, 30] if workload == MANY else [])
+    # The many-prefix stream's pools FULL_BOTH routes by come first, each alone.
+    assert [c.name for c in many_prefix_full_cells(spec)] == [
+        f"{MANY}: full_local d=1", f"{MANY}: full_remote d=1", f"{MANY}: full_remote d=2",
+    ]  # fmt: skip
 
 
 def test_a_steered_twin_of_the_headline_is_served_and_set_against_it():
