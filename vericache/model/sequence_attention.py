@@ -101,7 +101,7 @@ class SequenceAttention:
         parts, row = [], 0
         for (start, end), out in zip(self.spans, outputs):
             if start > row:
-                parts.append(outputs[0].new_zeros(start - row, outputs[0].shape[1]))
+                parts.append(_zero_rows(outputs[0], start - row))
             parts.append(out)
             row = end
         if self.num_rows > row:

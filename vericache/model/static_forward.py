@@ -129,15 +129,14 @@ class StaticForward:
             return None
         if seq.cache.num_tokens + tokens > self.runner.config.max_position_embeddings:
             return None  # its padding tokens' positions
-        layers = seq.cache.layers
-        forms = {layer_form(layer, self.runner.dtype) for layer in layers}
-        if len(forms) != 1 or None in forms:
-            return None
-        for layer in layers:  # a static step never grows a buffer
+        form = layer_form(seq.cache.layers[0], self.runner.dtype)
+        for layer in seq.cache.layers:  # one form throughout, and room: a step grows no buffer
+            if form is None or layer_form(layer, self.runner.dtype) != form:
+                return None
             slots = new_slots(layer)
             if slots.num_slots + tokens > slots.capacity:
                 return None
-        kind, packing = forms.pop()
+        kind, packing = form
         exact = invariant and not seq.fast_attention
         if exact and kind is LayerKind.PACKED:
             return None  # (no exact row reads lossy KV: the dynamic forward's dequantized path)
