@@ -301,15 +301,21 @@ class Bench:
 
 
 def _server_counts(server) -> dict[str, float]:
-    """Counts that a stream adds to: round calls, rounds, the verifier's forward-loop CPU, the
-    rounds verified on warm drafter nodes."""
-    batching = server.run(server.coordinator.backend.verifiers[0].batching())
-    return {
+    """Counts that a stream adds to: round calls, rounds, the rounds verified on warm drafter
+    nodes; per role, its workers' forwards, the jobs those held (over the forwards: the mean
+    batch) and their CPU seconds, which sim-validate sets beside the simulated ones."""
+    counts = {
         "round_calls": metric(server, "round_worker_calls_total"),
         "verified_rounds": metric(server, "spec_decode_num_drafts_total"),
         "local_rounds": metric(server, "local_rounds_total"),
-        "verifier_forward_cpu_s": batching.cpu_s,
     }
+    backend = server.coordinator.backend
+    for role, workers in (("verifiers", backend.verifiers), ("drafters", backend.drafters)):
+        stats = [server.run(worker.batching()) for worker in workers]
+        counts[f"{role}_forwards"] = sum(s.steps for s in stats)
+        counts[f"{role}_forward_rows"] = sum(s.rows for s in stats)
+        counts[f"{role}_forward_cpu_s"] = sum(s.cpu_s for s in stats)
+    return counts
 
 
 # --- The benchmark -------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ def _serving_overhead(cell: dict) -> float:
     reference), per sample, median: what serving adds, measured in the same process and stream."""
     prefill_cpu_s = cell["reference"]["suffix_prefill_cpu_s"]
     ratios = [
-        s["cpu_s"]["verifiers"] / (s["verifier_forward_cpu_s"] + prefill_cpu_s)
+        s["cpu_s"]["verifiers"] / (s["verifiers_forward_cpu_s"] + prefill_cpu_s)
         for s in cell["samples"]
     ]
     return statistics.median(ratios)

@@ -28,7 +28,10 @@ bundled CPU profile's (`calibration.co_runner` says so).
 With `--remote-prefix RESULT`, a full `bench remote-prefix` run's cells (its 3-prefix and
 8-prefix streams, several serves a cell) are simulated in place of the earlier run's quick ones,
 priced by the earlier run's profile: the two runs must come from one kind of machine, whose speed
-may have moved between them (`measured_environment` keeps both).
+may have moved between them (`measured_environment` keeps both). `--remote-prefix RESULT` alone
+calibrates this machine now and simulates that run's cells only; the run must have been served on
+this model of CPU. Where the run counted its workers' forwards (each role's forwards and the jobs
+each held), the prediction sets the simulated ones beside them.
 
 Headline `cpu_prediction_error`: the largest |predicted / measured - 1| over the configurations
 (target <= 0.20). The committed H200 runs (long-context and stagger) are predicted too, from the
@@ -76,8 +79,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--remote-prefix",
         type=Path,
-        help="with --from-json: a full `bench remote-prefix` result, simulated in place of the "
-        "earlier run's quick one (its profile, from the same kind of machine, prices it)",
+        help="a full `bench remote-prefix` result, simulated in place of the earlier run's "
+        "quick one with --from-json (its profile, from the same kind of machine, prices it); "
+        "alone, priced by a calibration of this machine (the model of CPU that served it)",
     )
 
 
@@ -96,7 +100,8 @@ def run(args) -> dict:
             measured = measured | {"remote-prefix": served}
             measured_on = measured_on | {"remote_prefix": served["environment"]}
     elif args.remote_prefix is not None:
-        raise ValueError("--remote-prefix simulates an earlier run's profile: give --from-json")
+        calibration, measured = _calibrated_for(json.loads(args.remote_prefix.read_text()))
+        measured_on = {"remote_prefix": measured["remote-prefix"]["environment"]}
     else:
         calibration, measured = _measure(args)
         measured_on = environment()
@@ -106,6 +111,12 @@ def run(args) -> dict:
         print(
             f"[sim-validate] {p.benchmark} {p.configuration}: measured "
             f"{p.measured_tokens_per_s:.2f}, predicted {p.predicted_tokens_per_s:.2f} tokens/s"
+            + "".join(
+                f"; {role} forwards {served.forwards:.0f} x {served.mean_batch:.2f} jobs, "
+                f"predicted {p.predicted_forwards[role].forwards:.0f} x "
+                f"{p.predicted_forwards[role].mean_batch:.2f}"
+                for role, served in p.measured_forwards.items()
+            )
         )
     record = result(predictions, gpu, calibration, dataclasses.asdict(gpu_device), measured)
     return record | {"measured_environment": measured_on}
@@ -130,6 +141,22 @@ def _keep_measurements(args, calibration: dict, measured: dict) -> None:
         kept = {"calibration": calibration, "profile": calibration["profile"]}
         kept |= {"measured": measured, "environment": environment()}
         Path(args.json).with_suffix(".measured.json").write_text(json.dumps(kept, indent=1))
+
+
+def _calibrated_for(served: dict) -> tuple[dict, dict]:
+    """This CPU's profile, calibrated now, for a full `bench remote-prefix` run served on this
+    model of CPU (a profile prices one model's forwards, not another's); the run as measured."""
+    import torch
+
+    from vericache.calibration.calibrate import CalibrationPlan, calibrate
+
+    here, there = environment()["cpu"], served["environment"]["cpu"]
+    if here != there:
+        raise ValueError(f"the run was served on {there}; this machine is {here}")
+    torch.set_num_threads(1)
+    model, device = model_profile(ARCH), torch.device("cpu")
+    calibration = calibrate(model, device, CalibrationPlan.for_device(device, model))
+    return calibration, {"remote-prefix": served}
 
 
 def _measure(args) -> tuple[dict, dict]:
@@ -163,8 +190,9 @@ def _predict(calibration: dict, measured: dict, model_name: str):
     model, profile = model_profile(ARCH), DeviceProfile(**calibration["profile"])
     tokenizer = load_tokenizer(resolve_tokenizer_dir(model_name))  # no weights needed
     predictions = remote_prefix_predictions(measured["remote-prefix"], model, profile, tokenizer)
-    predictions += long_context_predictions(measured["long-context"], model, profile)
-    predictions += stagger_predictions(measured["stagger"], model, profile)
+    if "long-context" in measured:  # a full remote-prefix run validated alone has none
+        predictions += long_context_predictions(measured["long-context"], model, profile)
+        predictions += stagger_predictions(measured["stagger"], model, profile)
     if "serve-stagger" in measured:  # runs before it did not serve it
         predictions += serve_stagger_predictions(
             measured["serve-stagger"], model, profile, tokenizer

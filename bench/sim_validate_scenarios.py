@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from vericache.bench.common import compressor_from_label
@@ -15,7 +15,8 @@ from vericache.bench.workloads import CONTEXT_PROMPTS
 from vericache.engine.prompt import build_chat_prompt
 from vericache.scheduler import LockstepScheduler, SchedulerConfig, StaggeredScheduler
 from vericache.sim import long_context as sim_long_context
-from vericache.sim.long_context import LongContextScenario
+from vericache.sim.batch_loop import ForwardCount
+from vericache.sim.long_context import LongContextScenario, SimReport
 from vericache.sim.profiles import DeviceProfile, ModelProfile
 from vericache.sim.remote_prefix import FullPool, simulate_full
 from vericache.sim.remote_prefix_auto import simulate_auto
@@ -37,11 +38,24 @@ NUM_SEEDS = 5
 
 
 @dataclass(frozen=True)
+class RoleForwards:
+    """A role's forwards over a timed stream (the mean over serves, or over seeds) and the mean
+    jobs each held: where a served and a simulated stream part, whether in how many forwards the
+    workers ran or in what each cost."""
+
+    forwards: float
+    mean_batch: float
+
+
+@dataclass(frozen=True)
 class Prediction:
     benchmark: str
     configuration: str
     measured_tokens_per_s: float
     predicted_tokens_per_s: float
+    # Per role (verifiers, drafters), where the run counted them (remote-prefix).
+    measured_forwards: dict[str, RoleForwards] = field(default_factory=dict)
+    predicted_forwards: dict[str, RoleForwards] = field(default_factory=dict)
 
     @property
     def relative_error(self) -> float:
@@ -105,13 +119,48 @@ def remote_prefix_predictions(
             accepted_by_session=_rounds_by_session(cell, by_name, config["concurrency"]),
         )
         simulate = _simulation(cell, rates)
-        predicted = mean_over_seeds(scenario, partial(_timed_tokens_per_s, simulate=simulate))
+        reports = [
+            _timed_report(replace(scenario, seed=seed), simulate) for seed in range(NUM_SEEDS)
+        ]
+        predicted = statistics.mean(report.timed_tokens_per_s for report in reports)
         if cell["mode"] in ("full_local", "full_remote"):
             rates[(workload, cell["mode"], cell["num_drafters"])] = predicted
         predictions.append(
-            Prediction("remote-prefix", cell["name"], expected_tokens_per_s(cell), predicted)
+            Prediction(
+                "remote-prefix",
+                cell["name"],
+                expected_tokens_per_s(cell),
+                predicted,
+                served_forwards(cell["samples"]),
+                simulated_forwards(reports),
+            )
         )
     return predictions
+
+
+def served_forwards(samples: list[dict]) -> dict[str, RoleForwards]:
+    """Per role, the mean over serves of the forwards its workers' batch loops ran in the timed
+    stream, and the jobs each held (runs before the benchmark counted them: none)."""
+    counted = {}
+    for role in ("verifiers", "drafters"):
+        if f"{role}_forwards" in samples[0]:
+            forwards = sum(s[f"{role}_forwards"] for s in samples)
+            rows = sum(s[f"{role}_forward_rows"] for s in samples)
+            mean_batch = rows / forwards if forwards else 0.0
+            counted[role] = RoleForwards(forwards / len(samples), mean_batch)
+    return counted
+
+
+def simulated_forwards(reports: list[SimReport]) -> dict[str, RoleForwards]:
+    """Per role, the mean over the simulations' seeds of their timed forwards and jobs held."""
+    totals = {
+        role: sum((report.timed_forwards[role] for report in reports), ForwardCount())
+        for role in reports[0].timed_forwards
+    }
+    return {
+        role: RoleForwards(total.forwards / len(reports), total.mean_batch)
+        for role, total in totals.items()
+    }
 
 
 def expected_tokens_per_s(cell: dict) -> float:
@@ -307,14 +356,15 @@ def mean_over_seeds(scenario, tokens_per_s: Callable[[object], float]) -> float:
     return statistics.mean(tokens_per_s(replace(scenario, seed=seed)) for seed in range(NUM_SEEDS))
 
 
-def _timed_tokens_per_s(scenario: RemotePrefixScenario, simulate) -> float:
-    """Tokens/s of the stream as the benchmark times it: after a first wave of `concurrency`
-    requests served to its end untimed (the workers' caches warm, their pipeline empty), the
-    whole stream from its start to its last token."""
+def _timed_report(scenario: RemotePrefixScenario, simulate) -> SimReport:
+    """The stream as the benchmark times it (the report's `timed_tokens_per_s`, its
+    `timed_forwards`): after a first wave of `concurrency` requests served to its end untimed (the
+    workers' caches warm, their pipeline empty), the whole stream from its start to its last
+    token."""
     wave = scenario.concurrency or 1
     stream = len(scenario.arrivals)
     arrivals = (0.0,) * (wave + stream)
-    return simulate(replace(scenario, arrivals=arrivals, warmup_sessions=wave)).timed_tokens_per_s
+    return simulate(replace(scenario, arrivals=arrivals, warmup_sessions=wave))
 
 
 # --- Long context ----------------------------------------------------------------------------

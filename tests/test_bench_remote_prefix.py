@@ -163,7 +163,7 @@ def _cell(
     the benchmark measures it beside the samples. `cpus`: each sample's verifier CPU s."""
     samples = [
         {"tokens_per_s": r, "round_calls": calls, "verified_rounds": rounds, "num_tokens": 10,
-         "cpu_s": {"verifiers": c}, "verifier_forward_cpu_s": 0.75 * c}
+         "cpu_s": {"verifiers": c}, "verifiers_forward_cpu_s": 0.75 * c}
         for r, c in zip(rates, cpus or [cpu] * len(rates))
     ]  # fmt: skip
     record = cell_record(cell, samples) | {"outputs_match": match}
@@ -347,6 +347,10 @@ def test_a_tiny_run_end_to_end(tiny_chat_checkpoint, ray_cluster):
     assert not [cell for cell in result["cells"] if cell["latency_s"]]  # the latency pair: off
     full_remote = next(c for c in result["cells"] if c["name"] == "full_remote d=1")
     assert full_remote["samples"][0]["link_bytes"] > 0
+    # Each role's forwards, counted by its workers: full_remote's are the drafter's alone.
+    counted = full_remote["samples"][0]
+    assert counted["verifiers_forwards"] == 0 < counted["drafters_forwards"]
+    assert counted["drafters_forwards"] <= counted["drafters_forward_rows"]
     assert summary["verifier_overhead"] > 0
     # The many-prefix stream: behind a host tier, its full KV crosses the link once per prefix.
     assert {"many-prefixes: auto x=4 d=1", "many-prefixes: full_both d=1"} <= names

@@ -17,6 +17,7 @@ from vericache.bench.remote_prefix_cells import FEW, MANY, Cell
 from vericache.bench.serve_stagger import POLICIES
 from vericache.bench.sim_validate_scenarios import (
     NUM_SEEDS,
+    RoleForwards,
     gpu_predictions,
     long_context_predictions,
     measured_acceptance,
@@ -187,6 +188,31 @@ def test_the_many_prefix_stream_and_auto_are_predicted_with_warm_nodes(tokenizer
     assert [p.predicted_tokens_per_s for p in predictions[: len(alone)]] == pytest.approx(
         [p.predicted_tokens_per_s for p in alone]
     )
+
+
+def test_each_roles_forwards_are_set_beside_the_served_ones_where_a_run_counted_them(tokenizer):
+    counted = copy.deepcopy(REMOTE_PREFIX)
+    for cell in counted["cells"]:
+        cell["samples"][0] |= {
+            "verifiers_forwards": 80, "verifiers_forward_rows": 120,
+            "drafters_forwards": 40, "drafters_forward_rows": 40,
+        }  # fmt: skip
+    predictions = {
+        p.configuration: p for p in remote_prefix_predictions(counted, MODEL, CPU, tokenizer)
+    }
+    local = predictions["full_local"]
+    assert local.measured_forwards["verifiers"] == RoleForwards(80, 1.5)
+    assert local.predicted_forwards["drafters"] == RoleForwards(0, 0.0)
+    # 4 timed requests of 32 tokens, 2 at a time: about 2 x 32 forwards of up to 2 jobs; the
+    # untimed first wave's 32 or so are not counted.
+    verifiers = local.predicted_forwards["verifiers"]
+    assert 60 <= verifiers.forwards <= 80 and 1.5 < verifiers.mean_batch <= 2
+    remote = predictions["full_remote"].predicted_forwards
+    assert remote["verifiers"].forwards == 0 and remote["drafters"].forwards >= 60
+    drafted = predictions["vericache x=8 rtt=0.0"].predicted_forwards
+    assert drafted["drafters"].forwards > drafted["verifiers"].forwards > 0
+    uncounted = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)
+    assert all(p.measured_forwards == {} for p in uncounted)
 
 
 def test_predictions_follow_the_measured_acceptance_and_the_link(tokenizer):
@@ -380,8 +406,34 @@ def test_a_full_remote_prefix_run_is_simulated_in_place_of_the_earlier_quick_one
     module, args = parse_benchmark_args(
         "sim-validate", ["--remote-prefix", str(tmp_path / "full.json")]
     )
-    with pytest.raises(ValueError, match="--from-json"):
+    with pytest.raises(ValueError, match="served on the full run's"):  # another model of CPU
         module.run(args)
+
+
+def test_a_full_remote_prefix_run_alone_is_priced_by_a_calibration_of_its_machine(
+    tmp_path, monkeypatch
+):
+    from vericache.bench.common import environment
+    from vericache.calibration import calibrate
+    from vericache.cli.bench import parse_benchmark_args
+
+    calibrated = []
+
+    def calibrated_now(*args) -> dict:
+        calibrated.append(args)
+        return {"profile": dataclasses.asdict(CPU)}
+
+    monkeypatch.setattr(calibrate, "calibrate", calibrated_now)
+    served = REMOTE_PREFIX | {"environment": {"cpu": environment()["cpu"]}}
+    (tmp_path / "full.json").write_text(json.dumps(served))
+    module, args = parse_benchmark_args(
+        "sim-validate", ["--remote-prefix", str(tmp_path / "full.json")]
+    )
+    result = module.run(args)
+    assert len(calibrated) == 1
+    cpu_cells = [p["configuration"] for p in result["predictions"] if "H200" not in p["benchmark"]]
+    assert cpu_cells == [c["name"] for c in REMOTE_PREFIX["cells"]]  # nothing else served
+    assert result["profile"] == dataclasses.asdict(CPU)
 
 
 def test_every_serve_stagger_policy_is_predicted(tokenizer):

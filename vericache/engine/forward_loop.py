@@ -218,6 +218,7 @@ class ForwardLoop:
         self.invariant_full_kv = invariant_full_kv
         self.num_steps = 0
         self.max_batch = 0  # the most jobs one step has run
+        self.num_rows = 0  # jobs summed over its steps (num_rows / num_steps: the mean batch)
         # CPU seconds of this loop's forwards (the stepping thread's), and the share of them that
         # full-KV rows took, split by the tokens each kind fed: what verification costs.
         self.cpu_s = 0.0
@@ -235,6 +236,7 @@ class ForwardLoop:
         take_deferred(jobs)
         self.num_steps += 1
         self.max_batch = max(self.max_batch, len(jobs))
+        self.num_rows += len(jobs)
         num_fed = [seq.token_ids.numel() for seq in inputs]
         exact_fed = sum(n for job, n in zip(jobs, num_fed) if job.is_full_kv)
         self.cpu_s += cpu_s

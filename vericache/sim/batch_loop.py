@@ -25,6 +25,25 @@ class SimJob:
     is_prefill: bool = False  # passes in a few forwards: not part of the worker's steady batch
 
 
+@dataclass(frozen=True)
+class ForwardCount:
+    """A batch loop's forwards and the jobs they held, as a served worker's BatchingStats counts
+    them (steps, rows): their ratio is the mean batch."""
+
+    forwards: int = 0
+    rows: int = 0
+
+    def __add__(self, other: ForwardCount) -> ForwardCount:
+        return ForwardCount(self.forwards + other.forwards, self.rows + other.rows)
+
+    def __sub__(self, other: ForwardCount) -> ForwardCount:
+        return ForwardCount(self.forwards - other.forwards, self.rows - other.rows)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.rows / self.forwards if self.forwards else 0.0
+
+
 def chunked_job(rows: list[Row], done: Callable[[], None]) -> SimJob:
     """A prefill in chunks (`rows`, in order): one chunk a forward, each batched with the device's
     other rows, as chunked prefill runs it."""
@@ -42,7 +61,7 @@ class SimBatchLoop:
         self._arrived: list[SimJob] = []
         self._running = False
         self.num_forwards = 0
-        self.rows_per_forward: list[int] = []
+        self.num_rows = 0  # jobs summed over its forwards
 
     def submit(self, job: SimJob) -> None:
         if job.num_steps < 1:
@@ -52,6 +71,10 @@ class SimBatchLoop:
         if not self._running:  # after whatever else is due now: jobs arriving together batch
             self._running = True
             self.device.sim.after(0.0, self._step)
+
+    @property
+    def count(self) -> ForwardCount:
+        return ForwardCount(self.num_forwards, self.num_rows)
 
     @property
     def num_jobs(self) -> int:
@@ -76,7 +99,7 @@ class SimBatchLoop:
         jobs = list(self._active)
         seconds = self.forward_s([job.row() for job in jobs])
         self.num_forwards += 1
-        self.rows_per_forward.append(len(jobs))
+        self.num_rows += len(jobs)
         self.device.submit(seconds, lambda: self._stepped(jobs))
 
     def _stepped(self, jobs: list[SimJob]) -> None:

@@ -35,7 +35,7 @@ from vericache.errors import InvalidRequestError
 from vericache.kv.slots import reserved_full_kv_bytes
 from vericache.scheduler import BaseScheduler, CostModel
 from vericache.scheduler.records import IterationPlan, SchedulerRequest
-from vericache.sim.batch_loop import SimBatchLoop, SimJob
+from vericache.sim.batch_loop import ForwardCount, SimBatchLoop, SimJob
 from vericache.sim.cost import Row, forward_seconds
 from vericache.sim.decoding import SimSequence
 from vericache.sim.events import Device, Link, Simulation
@@ -167,6 +167,8 @@ class SimReport:
     # Per role, each resource's busiest worker's share of the run, and the one that binds.
     utilization: dict[str, dict[str, float]] = field(default_factory=dict)
     binds: str = ""
+    # Per role, the forwards its workers ran after the untimed first wave, and the jobs they held.
+    timed_forwards: dict[str, ForwardCount] = field(default_factory=dict)
 
     def sample(self, now: float, link_bytes: int, kv_bytes: int) -> None:
         self.timeline.append((now, self.num_output_tokens, link_bytes, kv_bytes))

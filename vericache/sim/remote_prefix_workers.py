@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from vericache.errors import InvalidRequestError
 from vericache.scheduler.placement import Candidate, place
-from vericache.sim.batch_loop import SimBatchLoop
+from vericache.sim.batch_loop import ForwardCount, SimBatchLoop
 from vericache.sim.closed_loop import ClosedLoop
 from vericache.sim.cost import Row
 from vericache.sim.decoding import SimSequence
@@ -215,6 +215,7 @@ class Run:
         ]  # fmt: skip
         self.report = SimReport(sources=(scenario.device.source, scenario.acceptance.source))
         self._loop: ClosedLoop[tuple[int, SessionTurns]] | None = None  # with a concurrency
+        self._untimed_forwards: dict[str, ForwardCount] = {}  # per role, the first wave's
         self._start: Start | None = None
 
     @property
@@ -258,9 +259,21 @@ class Run:
         report.link_bytes = sum(w.link.bytes_delivered for w in workers)
         report.peak_kv_bytes = max(w.peak_kv_bytes for w in workers)
         report.utilization = self.utilization()
+        report.timed_forwards = {
+            role: count - self._untimed_forwards.get(role, ForwardCount())
+            for role, count in self.forward_counts().items()
+        }
         report.binds = binding(report.utilization)
         report.prefix_sources = {
             source.value: sum(w.fetches.counts[source] for w in workers) for source in Source
+        }
+
+    def forward_counts(self) -> dict[str, ForwardCount]:
+        """Per role, its workers' forwards so far and the jobs they held."""
+        roles = {"verifiers": self.verifiers, "drafters": self.drafters}
+        return {
+            role: sum((w.loop.count for w in workers), ForwardCount())
+            for role, workers in roles.items()
         }
 
     def utilization(self) -> dict[str, dict[str, float]]:
@@ -381,6 +394,7 @@ class Run:
         if self._loop is not None and self._loop.ended():  # the untimed wave's last
             self.report.timed_from_s = self.sim.now
             self.report.untimed_tokens = self.report.num_output_tokens
+            self._untimed_forwards = self.forward_counts()
 
     def _start_now(self, session: tuple[int, SessionTurns]) -> None:
         prefix, turns = session

@@ -335,7 +335,9 @@ class Drafter:
 
     def batching(self) -> BatchingStats:
         loop = self._loop.forward_loop
-        return BatchingStats(loop.num_steps, loop.max_batch, loop.cpu_s, loop.exact_cpu_s)
+        return BatchingStats(
+            loop.num_steps, loop.max_batch, loop.num_rows, loop.cpu_s, loop.exact_cpu_s
+        )
 
     def shutdown(self) -> None:
         self._loop.stop()

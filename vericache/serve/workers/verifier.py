@@ -271,7 +271,9 @@ class Verifier:
 
     def batching(self) -> BatchingStats:
         loop = self._loop.forward_loop
-        return BatchingStats(loop.num_steps, loop.max_batch, loop.cpu_s, loop.exact_cpu_s)
+        return BatchingStats(
+            loop.num_steps, loop.max_batch, loop.num_rows, loop.cpu_s, loop.exact_cpu_s
+        )
 
     def residency(self) -> Residency:
         return self._sessions.residency()

@@ -348,6 +348,7 @@ class Decoded:
 class BatchingStats:
     steps: int  # forwards the worker's batch loop ran
     max_batch: int  # the most jobs one of them held
+    rows: int  # jobs summed over them (rows / steps: the mean batch)
     cpu_s: float  # CPU seconds of those forwards
     exact_cpu_s: float  # ...the full-KV rows' share of them, by tokens fed
 
