@@ -146,31 +146,27 @@ def _keep_measurements(args, calibration: dict, measured: dict) -> None:
 def _calibrated_for(served: dict) -> tuple[dict, dict]:
     """This CPU's profile, calibrated now, for a full `bench remote-prefix` run served on this
     model of CPU (a profile prices one model's forwards, not another's); the run as measured."""
+    here, there = environment()["cpu"], served["environment"]["cpu"]
+    if here != there:
+        raise ValueError(f"the run was served on {there}; this machine is {here}")
+    return _calibrate_cpu(), {"remote-prefix": served}
+
+
+def _calibrate_cpu() -> dict:
+    """One calibration of this CPU on one torch thread, as a worker runs."""
     import torch
 
     from vericache.calibration.calibrate import CalibrationPlan, calibrate
 
-    here, there = environment()["cpu"], served["environment"]["cpu"]
-    if here != there:
-        raise ValueError(f"the run was served on {there}; this machine is {here}")
     torch.set_num_threads(1)
     model, device = model_profile(ARCH), torch.device("cpu")
-    calibration = calibrate(model, device, CalibrationPlan.for_device(device, model))
-    return calibration, {"remote-prefix": served}
+    return calibrate(model, device, CalibrationPlan.for_device(device, model))
 
 
 def _measure(args) -> tuple[dict, dict]:
     """This CPU's profile (one torch thread, as a worker runs), calibrated before and after the
     quick benchmarks run, so that a drift of the machine's speed over the run averages out."""
-    import torch
-
-    from vericache.calibration.calibrate import CalibrationPlan, calibrate
-
-    torch.set_num_threads(1)
-    model = model_profile(ARCH)
-    device = torch.device("cpu")
-    plan = CalibrationPlan.for_device(device, model)
-    before = calibrate(model, device, plan)
+    before = _calibrate_cpu()
     measured = {
         "remote-prefix": remote_prefix.run(
             _quick_args(remote_prefix, args.model, repeats=args.repeats)
@@ -179,7 +175,7 @@ def _measure(args) -> tuple[dict, dict]:
         "stagger": stagger.run(_quick_args(stagger, args.model, device="cpu")),
         "serve-stagger": serve_stagger.run(_quick_args(serve_stagger, args.model)),
     }
-    calibration = averaged(before, calibrate(model, device, plan), model)
+    calibration = averaged(before, _calibrate_cpu(), model_profile(ARCH))
     print(f"[sim-validate] calibrated: {calibration['profile']['hbm_bytes_per_s'] / 1e9:.1f} GB/s")
     return calibration, measured
 

@@ -144,23 +144,26 @@ def served_forwards(samples: list[dict]) -> dict[str, RoleForwards]:
     counted = {}
     for role in ("verifiers", "drafters"):
         if f"{role}_forwards" in samples[0]:
-            forwards = sum(s[f"{role}_forwards"] for s in samples)
-            rows = sum(s[f"{role}_forward_rows"] for s in samples)
-            mean_batch = rows / forwards if forwards else 0.0
-            counted[role] = RoleForwards(forwards / len(samples), mean_batch)
+            total = sum(
+                (ForwardCount(s[f"{role}_forwards"], s[f"{role}_forward_rows"]) for s in samples),
+                ForwardCount(),
+            )
+            counted[role] = _per_run(total, len(samples))
     return counted
 
 
 def simulated_forwards(reports: list[SimReport]) -> dict[str, RoleForwards]:
     """Per role, the mean over the simulations' seeds of their timed forwards and jobs held."""
-    totals = {
-        role: sum((report.timed_forwards[role] for report in reports), ForwardCount())
+    return {
+        role: _per_run(
+            sum((report.timed_forwards[role] for report in reports), ForwardCount()), len(reports)
+        )
         for role in reports[0].timed_forwards
     }
-    return {
-        role: RoleForwards(total.forwards / len(reports), total.mean_batch)
-        for role, total in totals.items()
-    }
+
+
+def _per_run(total: ForwardCount, num_runs: int) -> RoleForwards:
+    return RoleForwards(total.forwards / num_runs, total.mean_batch)
 
 
 def expected_tokens_per_s(cell: dict) -> float:
