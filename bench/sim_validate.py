@@ -12,12 +12,15 @@ In one run, on one torch thread per worker (the Ray workers' setting, and the ca
    `bench stagger --quick`: lock-step against staggered scheduling over a slow link.
 4. `bench serve-stagger --quick`: the distributed system's rounds per request, lock-step and
    staggered, on Ray workers whose verifier holds two full KVs.
-5. Each configuration simulated (bench/sim_validate_scenarios.py, and bench/sim_validate_serve.py
-   for serve-stagger, its scheduled rounds planned by the scheduler the coordinator ran): the
+5. Each configuration simulated (bench/sim_validate_scenarios.py, sim_validate_remote_prefix.py,
+   and sim_validate_serve.py for serve-stagger, its scheduled rounds planned by the scheduler the
+   coordinator ran): the
    stream (timed as served, after its untimed first wave), the link (with the sender's encoding),
    the memory and each request's accepted drafts per round from the benchmark's own result, the
    device from the profile, its workers sharing this CPU's memory system (the profile's
-   co-runner slowdown). Nothing is fitted to the throughput.
+   co-runner slowdown) and its cores (where the run counted its forwards' CPU: the serving work
+   outside forwards, per forward, from the run's own CPU accounting, which takes its time from
+   the forwards while every core computes). Nothing is fitted to the throughput.
 
 `--from-json` simulates an earlier run's measurements again with the simulator as it is now, its
 profile fitted again to its stored calibration timings (a change to the simulator or the fit
@@ -48,11 +51,11 @@ from pathlib import Path
 
 from vericache.bench import long_context, remote_prefix, serve_stagger, stagger
 from vericache.bench.common import environment, pyplot, save_figure
+from vericache.bench.sim_validate_remote_prefix import remote_prefix_predictions
 from vericache.bench.sim_validate_scenarios import (
     Prediction,
     gpu_predictions,
     long_context_predictions,
-    remote_prefix_predictions,
     stagger_predictions,
 )
 from vericache.bench.sim_validate_serve import serve_stagger_predictions
@@ -112,9 +115,11 @@ def run(args) -> dict:
             f"[sim-validate] {p.benchmark} {p.configuration}: measured "
             f"{p.measured_tokens_per_s:.2f}, predicted {p.predicted_tokens_per_s:.2f} tokens/s"
             + "".join(
-                f"; {role} forwards {served.forwards:.0f} x {served.mean_batch:.2f} jobs, "
-                f"predicted {p.predicted_forwards[role].forwards:.0f} x "
-                f"{p.predicted_forwards[role].mean_batch:.2f}"
+                f"; {role} forwards {served.forwards:.0f} x {served.mean_batch:.2f} jobs "
+                f"x {1000 * served.mean_seconds:.0f} ms, predicted "
+                f"{p.predicted_forwards[role].forwards:.0f} x "
+                f"{p.predicted_forwards[role].mean_batch:.2f} x "
+                f"{1000 * p.predicted_forwards[role].mean_seconds:.0f} ms"
                 for role, served in p.measured_forwards.items()
             )
         )

@@ -10,18 +10,12 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from vericache.bench.common import compressor_from_label
-from vericache.bench.remote_prefix_cells import FEW, MANY, Cell
 from vericache.bench.workloads import CONTEXT_PROMPTS
 from vericache.engine.prompt import build_chat_prompt
 from vericache.scheduler import LockstepScheduler, SchedulerConfig, StaggeredScheduler
 from vericache.sim import long_context as sim_long_context
-from vericache.sim.batch_loop import ForwardCount
-from vericache.sim.long_context import LongContextScenario, SimReport
+from vericache.sim.long_context import LongContextScenario
 from vericache.sim.profiles import DeviceProfile, ModelProfile
-from vericache.sim.remote_prefix import FullPool, simulate_full
-from vericache.sim.remote_prefix_auto import simulate_auto
-from vericache.sim.remote_prefix_scenario import RemotePrefixScenario
-from vericache.sim.scenario import vericache_simulation
 from vericache.sim.workload import (
     AcceptanceTrace,
     OutputLengths,
@@ -30,8 +24,6 @@ from vericache.sim.workload import (
 )
 
 ELEMENT_SIZE = 4  # the CPU benchmarks run the model in float32
-# A CPU's "host tier" is its one memory, which the served worker reads in place: no load.
-IN_PLACE_BYTES_PER_S = 1e15
 # A quick run has few rounds, so one simulation's acceptance draws scatter its tokens/s by tens of
 # percent: a prediction is the mean over this many seeds.
 NUM_SEEDS = 5
@@ -39,12 +31,14 @@ NUM_SEEDS = 5
 
 @dataclass(frozen=True)
 class RoleForwards:
-    """A role's forwards over a timed stream (the mean over serves, or over seeds) and the mean
-    jobs each held: where a served and a simulated stream part, whether in how many forwards the
-    workers ran or in what each cost."""
+    """A role's forwards over a timed stream (the mean over serves, or over seeds), the mean jobs
+    each held and the mean seconds each took (served: the stepping thread's CPU seconds): where a
+    served and a simulated stream part, whether in how many forwards the workers ran, in what
+    each cost, or in the time between them."""
 
     forwards: float
     mean_batch: float
+    mean_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -94,191 +88,11 @@ def served_rounds(
     return rounds
 
 
-# --- Remote prefix ---------------------------------------------------------------------------
-
-
-def remote_prefix_predictions(
-    result: dict, model: ModelProfile, device: DeviceProfile, tokenizer
-) -> list[Prediction]:
-    """Each cell of a `bench remote-prefix` result, simulated, in both of its streams."""
-    bases = {FEW: _remote_prefix_base(result, model, device, tokenizer, FEW)}
-    if result.get("many_prefixes"):
-        bases[MANY] = _remote_prefix_base(result, model, device, tokenizer, MANY)
-    by_name = {cell["name"]: cell for cell in result["cells"]}
-    config = result["config"]
-    rates = {}
-    predictions = []
-    for cell in result["cells"]:  # FULL_LOCAL and FULL_REMOTE come before FULL_BOTH
-        workload = cell.get("workload", FEW)
-        scenario = replace(
-            bases[workload],
-            num_drafters=cell["num_drafters"],
-            draft_len=cell["draft_len"] or 30,
-            network_latency_s=cell["latency_s"],
-            acceptance=_cell_acceptance(cell, by_name, config["max_tokens"]),
-            accepted_by_session=_rounds_by_session(cell, by_name, config["concurrency"]),
-        )
-        simulate = _simulation(cell, rates)
-        reports = [
-            _timed_report(replace(scenario, seed=seed), simulate) for seed in range(NUM_SEEDS)
-        ]
-        predicted = statistics.mean(report.timed_tokens_per_s for report in reports)
-        if cell["mode"] in ("full_local", "full_remote"):
-            rates[(workload, cell["mode"], cell["num_drafters"])] = predicted
-        predictions.append(
-            Prediction(
-                "remote-prefix",
-                cell["name"],
-                expected_tokens_per_s(cell),
-                predicted,
-                served_forwards(cell["samples"]),
-                simulated_forwards(reports),
-            )
-        )
-    return predictions
-
-
-def served_forwards(samples: list[dict]) -> dict[str, RoleForwards]:
-    """Per role, the mean over serves of the forwards its workers' batch loops ran in the timed
-    stream, and the jobs each held (runs before the benchmark counted them: none)."""
-    counted = {}
-    for role in ("verifiers", "drafters"):
-        if f"{role}_forwards" in samples[0]:
-            total = sum(
-                (ForwardCount(s[f"{role}_forwards"], s[f"{role}_forward_rows"]) for s in samples),
-                ForwardCount(),
-            )
-            counted[role] = _per_run(total, len(samples))
-    return counted
-
-
-def simulated_forwards(reports: list[SimReport]) -> dict[str, RoleForwards]:
-    """Per role, the mean over the simulations' seeds of their timed forwards and jobs held."""
-    return {
-        role: _per_run(
-            sum((report.timed_forwards[role] for report in reports), ForwardCount()), len(reports)
-        )
-        for role in reports[0].timed_forwards
-    }
-
-
-def _per_run(total: ForwardCount, num_runs: int) -> RoleForwards:
-    return RoleForwards(total.forwards / num_runs, total.mean_batch)
-
-
-def expected_tokens_per_s(cell: dict) -> float:
-    """The tokens/s to expect of a cell: the mean of its serves. Serves can differ by a race, not
-    by noise alone: in FULL_BOTH, whether the prefix a request brings to the remote drafter is the
-    one its prefix cache holds (26 tokens/s) or one it fetches over the slow link (19), as the two
-    pools finish in one order or the other. The cell's median reports one side of the race."""
-    return statistics.mean(s["tokens_per_s"] for s in cell["samples"])
-
-
-def _remote_prefix_base(
-    result: dict, model, device, tokenizer, workload: str
-) -> RemotePrefixScenario:
-    """The stream `workload` as served. The many-prefix one had a host tier on every drafter,
-    whose nodes turned warm; on a CPU the tier is the device's own memory, read in place, so its
-    loads to the device cost nothing."""
-    config = result["config"]
-    full_local = next(c for c in _stream(result, workload)[0] if c["mode"] == "full_local")
-    samples = full_local["samples"]
-    params = compressor_from_label(config["compressor"]).spec()["params"]
-    # The drafter's prefix cache as served (DrafterConfig.kv_cache_bytes); the verifier's was the
-    # served default, what the device has left: its KV room.
-    if workload == FEW:
-        prefixes, num_requests = result["prefixes"], config["num_requests"]
-        tier = {"drafter_prefix_cache_bytes": result["drafter_kv_cache_bytes"]}
-    else:
-        prefixes, num_requests = result["many_prefixes"], config["many_requests"]
-        budgets = result["many_prefix_budgets"]
-        tier = {
-            "drafter_prefix_cache_bytes": budgets["drafter_kv_bytes"],
-            "host_tier_bytes": budgets["host_tier_bytes"],
-            "warm_nodes": True,
-        }
-        device = replace(device, host_to_device_bytes_per_s=IN_PLACE_BYTES_PER_S)
-    num_tokens = statistics.mean(s["num_tokens"] for s in samples) / num_requests
-    ratio = statistics.mean(p["compressed_wire_bytes"] / p["full_wire_bytes"] for p in prefixes)
-    return RemotePrefixScenario(
-        model=model,
-        device=device,
-        num_verifiers=1,
-        num_drafters=1,
-        prefix_tokens=round(statistics.mean(p["num_tokens"] for p in prefixes)),
-        num_prefixes=len(prefixes),
-        suffix_tokens=prompt_suffix_tokens(tokenizer),
-        compressed_ratio=ratio,
-        store_bytes_per_s=store_bytes_per_s(samples, device.host_to_device_bytes_per_s),
-        network_bytes_per_s=network_bytes_per_s(result, workload),
-        network_latency_s=0.0,
-        draft_len=30,
-        arrivals=(0.0,) * num_requests,
-        output_lengths=OutputLengths((max(1, round(num_tokens)),)),
-        acceptance=AcceptanceTrace("unset", (0,)),
-        concurrency=config["concurrency"],
-        element_size=ELEMENT_SIZE,
-        compressed_token_share=1 / params["ratio"] if params.get("ratio") else 1.0,
-        prefixes_in_turn=True,
-        network_receive_bytes_per_s=receive_bytes_per_s(result),
-        workers_share_memory=True,  # every worker on this CPU
-        **tier,
-    )
-
-
 def store_bytes_per_s(records: list[dict], default: float) -> float:
     """The verifier's loads from its store, as served streams measured them (`default` where
     they waited for none)."""
     store_s = sum(r["store_wait_s"] for r in records)
     return sum(r["store_bytes"] for r in records) / store_s if store_s > 0 else default
-
-
-def network_bytes_per_s(result: dict, workload: str) -> float:
-    """The slow link as a fetch of full KV crosses it, in the simulator's bytes (the KV's): the
-    wire carries the codec's bytes, and the sender encodes each piece before the link paces it
-    (ThrottledLink books a piece once it is encoded), so a wire byte takes 1 / bandwidth + 1 / the
-    sender's encoding rate: its CPU in FULL_REMOTE, where serving KV is all it does, per byte."""
-    serves, kv_per_wire = _full_remote(result, workload)
-    wire_s = 1 / result["bandwidth_bytes_per_s"]
-    sent = sum(s["link_bytes"] for s in serves)
-    if sent > 0:
-        wire_s += sum(s["cpu_s"]["verifiers"] for s in serves) / sent
-    return kv_per_wire / wire_s
-
-
-def receive_bytes_per_s(result: dict) -> float | None:
-    """How fast a drafter takes in a prefix whose last piece has arrived (the codec's last pieces
-    decoded and checked, its cache built), in KV bytes/s: its FULL_REMOTE requests' waits for
-    their fetches beyond the link's time for the bytes (`network_bytes_per_s`), per KV byte. A
-    wait behind another fetch on the link only lengthens them, so each stream bounds the rate
-    from below: the highest bound. None where no stream shows such a wait."""
-    bounds = []
-    for workload in (FEW, MANY):
-        serves, kv_per_wire = _full_remote(result, workload)
-        fetched = kv_per_wire * sum(s["link_bytes"] for s in serves)
-        if fetched == 0:
-            continue
-        on_link_s = fetched / network_bytes_per_s(result, workload)
-        tail_s = sum(s.get("link_wait_s", 0.0) for s in serves) - on_link_s
-        if tail_s > 0:
-            bounds.append(fetched / tail_s)
-    return max(bounds, default=None)
-
-
-def _stream(result: dict, workload: str) -> tuple[list[dict], list[dict]]:
-    """A stream's cells and prefixes."""
-    cells = [c for c in result["cells"] if c.get("workload", FEW) == workload]
-    return cells, result["prefixes"] if workload == FEW else result.get("many_prefixes", [])
-
-
-def _full_remote(result: dict, workload: str) -> tuple[list[dict], float]:
-    """A stream's FULL_REMOTE serves, and its prefixes' full KV bytes per byte on the wire (1
-    where the run did not record their KV's bytes)."""
-    cells, prefixes = _stream(result, workload)
-    serves = [s for c in cells if c["mode"] == "full_remote" for s in c["samples"]]
-    if not prefixes or any("full_kv_bytes" not in p for p in prefixes):
-        return serves, 1.0
-    return serves, statistics.mean(p["full_kv_bytes"] / p["full_wire_bytes"] for p in prefixes)
 
 
 def prompt_suffix_tokens(tokenizer) -> int:
@@ -288,36 +102,6 @@ def prompt_suffix_tokens(tokenizer) -> int:
         ids = build_chat_prompt(tokenizer, "context", prompt)
         lengths.append(len(ids.token_ids) - ids.num_prefix_tokens)
     return round(statistics.mean(lengths))
-
-
-def _cell_acceptance(cell: dict, by_name: dict[str, dict], max_tokens: int) -> AcceptanceTrace:
-    """A VERICACHE cell's own rounds; an AUTO cell's VERICACHE twin's."""
-    cell = _vericache_twin(cell, by_name)
-    if cell["mode"] != "vericache":
-        return AcceptanceTrace("full-KV decoding drafts nothing", (0,))
-    return served_acceptance(cell["samples"], cell["draft_len"], max_tokens, cell["name"])
-
-
-def _rounds_by_session(cell: dict, by_name: dict[str, dict], wave: int) -> tuple:
-    """The accepted drafts of each round of each request as a VERICACHE cell (an AUTO cell's
-    twin) served them, most of its serves alike (greedy requests accept the same in each), the
-    untimed first wave's (the stream's first `wave` requests, once more) before the stream's;
-    none where it recorded none."""
-    cell = _vericache_twin(cell, by_name)
-    served = [s.get("accepted_per_round_by_request") for s in cell["samples"]]
-    if cell["mode"] != "vericache" or not all(served):
-        return ()
-    by_request = max(served, key=served.count)
-    return tuple(tuple(rounds) for rounds in by_request[:wave] + by_request)
-
-
-def _vericache_twin(cell: dict, by_name: dict[str, dict]) -> dict:
-    """An AUTO cell's VERICACHE twin (same stream, draft length and drafters), whose acceptance
-    the requests it sends that way have; any other cell itself."""
-    if cell["mode"] != "auto":
-        return cell
-    twin = Cell("vericache", cell["num_drafters"], cell["draft_len"], workload=cell["workload"])
-    return by_name[twin.name]
 
 
 def served_acceptance(
@@ -335,39 +119,9 @@ def served_acceptance(
     return measured_acceptance(record, draft_len, what)
 
 
-def _simulation(cell: dict, rates: dict):
-    """How the cell's configuration is simulated: its scheduling, AUTO's choice per request, or
-    its full-KV pool (FULL_BOTH routed by the rates the pools' own simulations gave, as the
-    benchmark routes by measured ones)."""
-    if cell["mode"] == "vericache":
-        return vericache_simulation({"scheduling": cell["scheduling"]}, cell["draft_len"])
-    if cell["mode"] == "auto":
-        return simulate_auto
-    if cell["mode"] == "full_both":
-        workload = cell.get("workload", FEW)
-        pools = {
-            FullPool.LOCAL: rates[(workload, "full_local", 1)],
-            FullPool.REMOTE: rates[(workload, "full_remote", cell["num_drafters"])],
-        }
-        return lambda scenario: simulate_full(scenario, FullPool.BOTH, pools)
-    pool = FullPool.LOCAL if cell["mode"] == "full_local" else FullPool.REMOTE
-    return lambda scenario: simulate_full(scenario, pool)
-
-
 def mean_over_seeds(scenario, tokens_per_s: Callable[[object], float]) -> float:
     """The mean of `tokens_per_s(scenario)` over NUM_SEEDS seeds of the scenario's draws."""
     return statistics.mean(tokens_per_s(replace(scenario, seed=seed)) for seed in range(NUM_SEEDS))
-
-
-def _timed_report(scenario: RemotePrefixScenario, simulate) -> SimReport:
-    """The stream as the benchmark times it (the report's `timed_tokens_per_s`, its
-    `timed_forwards`): after a first wave of `concurrency` requests served to its end untimed (the
-    workers' caches warm, their pipeline empty), the whole stream from its start to its last
-    token."""
-    wave = scenario.concurrency or 1
-    stream = len(scenario.arrivals)
-    arrivals = (0.0,) * (wave + stream)
-    return simulate(replace(scenario, arrivals=arrivals, warmup_sessions=wave))
 
 
 # --- Long context ----------------------------------------------------------------------------

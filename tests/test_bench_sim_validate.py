@@ -15,15 +15,18 @@ import pytest
 from vericache.bench import sim_validate, sim_validate_serve
 from vericache.bench.remote_prefix_cells import FEW, MANY, Cell
 from vericache.bench.serve_stagger import POLICIES
+from vericache.bench.sim_validate_remote_prefix import (
+    host_cpu_s_per_forward,
+    network_bytes_per_s,
+    receive_bytes_per_s,
+    remote_prefix_predictions,
+)
 from vericache.bench.sim_validate_scenarios import (
     NUM_SEEDS,
     RoleForwards,
     gpu_predictions,
     long_context_predictions,
     measured_acceptance,
-    network_bytes_per_s,
-    receive_bytes_per_s,
-    remote_prefix_predictions,
     served_rounds,
     stagger_predictions,
 )
@@ -195,24 +198,39 @@ def test_each_roles_forwards_are_set_beside_the_served_ones_where_a_run_counted_
     for cell in counted["cells"]:
         cell["samples"][0] |= {
             "verifiers_forwards": 80, "verifiers_forward_rows": 120,
-            "drafters_forwards": 40, "drafters_forward_rows": 40,
+            "verifiers_forward_cpu_s": 2.0, "drafters_forwards": 40, "drafters_forward_rows": 40,
+            "drafters_forward_cpu_s": 0.0,
         }  # fmt: skip
     predictions = {
         p.configuration: p for p in remote_prefix_predictions(counted, MODEL, CPU, tokenizer)
     }
     local = predictions["full_local"]
-    assert local.measured_forwards["verifiers"] == RoleForwards(80, 1.5)
+    assert local.measured_forwards["verifiers"] == RoleForwards(80, 1.5, 0.025)
     assert local.predicted_forwards["drafters"] == RoleForwards(0, 0.0)
     # 4 timed requests of 32 tokens, 2 at a time: about 2 x 32 forwards of up to 2 jobs; the
     # untimed first wave's 32 or so are not counted.
     verifiers = local.predicted_forwards["verifiers"]
     assert 60 <= verifiers.forwards <= 80 and 1.5 < verifiers.mean_batch <= 2
+    assert 0.01 < verifiers.mean_seconds < 1
     remote = predictions["full_remote"].predicted_forwards
     assert remote["verifiers"].forwards == 0 and remote["drafters"].forwards >= 60
     drafted = predictions["vericache x=8 rtt=0.0"].predicted_forwards
     assert drafted["drafters"].forwards > drafted["verifiers"].forwards > 0
     uncounted = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)
     assert all(p.measured_forwards == {} for p in uncounted)
+
+
+def test_serving_work_per_forward_is_what_a_streams_serves_spent_outside_their_forwards():
+    cells = [
+        {"samples": [{
+            "cpu_s": {"verifiers": 9.0, "drafters": 4.0, "this_process": 1.0, "other": 1.0},
+            "verifiers_forwards": 60, "verifiers_forward_cpu_s": 8.0,
+            "drafters_forwards": 40, "drafters_forward_cpu_s": 3.0,
+        }]},
+        {"samples": [{"cpu_s": {"verifiers": 5.0}}]},  # uncounted: left out
+    ]  # fmt: skip
+    assert host_cpu_s_per_forward(cells) == pytest.approx(4.0 / 100)
+    assert host_cpu_s_per_forward(cells[1:]) == 0.0
 
 
 def test_predictions_follow_the_measured_acceptance_and_the_link(tokenizer):

@@ -85,6 +85,27 @@ def test_workers_on_one_memory_system_slow_each_other_down():
     assert local_shared.elapsed_s == pytest.approx(local_apart.elapsed_s)
 
 
+def test_serving_work_takes_its_time_from_forwards_where_every_core_computes():
+    """On a 2-core machine, the serving work outside forwards runs on the core a lone pool leaves
+    free; with both pools decoding it stretches each forward by its share."""
+    cpu = _scenario(
+        model=model_profile("smollm2-135m"), device=device_profile("cpu"), prefix_tokens=1000,
+        element_size=4, network_bytes_per_s=20e9, network_latency_s=0.0,
+        workers_share_memory=True,
+    )  # fmt: skip
+    served = dataclasses.replace(cpu, machine_cores=2, host_cpu_s_per_forward=0.05)
+    rates = {FullPool.LOCAL: 1.0, FullPool.REMOTE: 1.0}
+    both, both_served = (simulate_full(s, FullPool.BOTH, rates) for s in (cpu, served))
+    assert both_served.elapsed_s > 1.15 * both.elapsed_s
+    forwards = both_served.timed_forwards
+    assert forwards["verifiers"].forwards > 0 and forwards["drafters"].forwards > 0
+    assert both_served.timed_forwards["verifiers"].mean_seconds > 0.05
+    local, local_served = (simulate_full(s, FullPool.LOCAL) for s in (cpu, served))
+    assert local_served.elapsed_s == pytest.approx(local.elapsed_s)
+    roomy = dataclasses.replace(served, machine_cores=3)
+    assert simulate_full(roomy, FullPool.BOTH, rates).elapsed_s == pytest.approx(both.elapsed_s)
+
+
 def test_each_session_accepts_its_recorded_rounds_then_draws():
     recorded = ((3, 40, 0), (7,))
     scenario = _scenario(arrivals=(0.0,) * 2, concurrency=1, accepted_by_session=recorded)

@@ -27,21 +27,31 @@ class SimJob:
 
 @dataclass(frozen=True)
 class ForwardCount:
-    """A batch loop's forwards and the jobs they held, as a served worker's BatchingStats counts
-    them (steps, rows): their ratio is the mean batch."""
+    """A batch loop's forwards, the jobs they held and the seconds they took, as a served
+    worker's BatchingStats counts them (steps, rows, forward CPU seconds): rows over forwards is
+    the mean batch, seconds over forwards what one cost."""
 
     forwards: int = 0
     rows: int = 0
+    seconds: float = 0.0
 
     def __add__(self, other: ForwardCount) -> ForwardCount:
-        return ForwardCount(self.forwards + other.forwards, self.rows + other.rows)
+        return ForwardCount(
+            self.forwards + other.forwards, self.rows + other.rows, self.seconds + other.seconds
+        )
 
     def __sub__(self, other: ForwardCount) -> ForwardCount:
-        return ForwardCount(self.forwards - other.forwards, self.rows - other.rows)
+        return ForwardCount(
+            self.forwards - other.forwards, self.rows - other.rows, self.seconds - other.seconds
+        )
 
     @property
     def mean_batch(self) -> float:
         return self.rows / self.forwards if self.forwards else 0.0
+
+    @property
+    def mean_seconds(self) -> float:
+        return self.seconds / self.forwards if self.forwards else 0.0
 
 
 def chunked_job(rows: list[Row], done: Callable[[], None]) -> SimJob:
@@ -62,6 +72,7 @@ class SimBatchLoop:
         self._running = False
         self.num_forwards = 0
         self.num_rows = 0  # jobs summed over its forwards
+        self.forwards_s = 0.0  # its forwards' seconds
 
     def submit(self, job: SimJob) -> None:
         if job.num_steps < 1:
@@ -74,7 +85,7 @@ class SimBatchLoop:
 
     @property
     def count(self) -> ForwardCount:
-        return ForwardCount(self.num_forwards, self.num_rows)
+        return ForwardCount(self.num_forwards, self.num_rows, self.forwards_s)
 
     @property
     def num_jobs(self) -> int:
@@ -100,6 +111,7 @@ class SimBatchLoop:
         seconds = self.forward_s([job.row() for job in jobs])
         self.num_forwards += 1
         self.num_rows += len(jobs)
+        self.forwards_s += seconds
         self.device.submit(seconds, lambda: self._stepped(jobs))
 
     def _stepped(self, jobs: list[SimJob]) -> None:

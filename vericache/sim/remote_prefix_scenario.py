@@ -101,6 +101,13 @@ class RemotePrefixScenario:
     # worker computing as it starts, as `mode: auto` prices it (serve/backends/path_costs.py).
     # False: each worker has its device's memory to itself (a GPU's).
     workers_share_memory: bool = False
+    # Where the workers share one machine's cores (a CPU's): how many, and the serving work outside
+    # forwards per forward, CPU seconds (the workers' RPCs and job handling, the coordinator, the
+    # client). It runs on a core no forward needs, and while every core runs a worker's forwards
+    # it takes its time from them: each forward then lasts that much longer. None: a device of
+    # its own per worker, and a host that keeps up.
+    machine_cores: int | None = None
+    host_cpu_s_per_forward: float = 0.0
     # VERICACHE: every this many rounds a central verifier refreshes the drafter's kept set over
     # the link (sim/steering_link.py); a warm node refreshes in place. 0: never.
     steer_every: int = 0

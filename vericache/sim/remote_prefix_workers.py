@@ -117,7 +117,7 @@ class Worker:
 
     def _forward_s(self, rows: list[Row]) -> float:
         cost = self.run.scenario.forward_cost(rows)
-        seconds = cost.seconds * self.run.co_runner_slowdown(self)
+        seconds = cost.seconds * self.run.co_runner_slowdown(self) + self.run.host_work_s(self)
         if cost.is_compute_bound:
             self.compute_bound_s += seconds
         else:
@@ -316,6 +316,16 @@ class Run:
             return 1.0
         busy = sum(1 for other in self.workers if other is not worker and other.is_computing)
         return self.scenario.device.slowdown_beside(busy)
+
+    def host_work_s(self, worker: Worker) -> float:
+        """The serving work a forward on `worker` waits for: where every core of the machine its
+        workers share runs a worker's forwards, its share of the work outside them
+        (`RemotePrefixScenario.host_cpu_s_per_forward`); else none, a free core runs it."""
+        cores = self.scenario.machine_cores
+        if cores is None:
+            return 0.0
+        busy = 1 + sum(1 for other in self.workers if other is not worker and other.is_computing)
+        return self.scenario.host_cpu_s_per_forward if busy >= cores else 0.0
 
     @functools.cached_property
     def prefix_prefill_s(self) -> float:
