@@ -12,18 +12,14 @@ import statistics
 
 import pytest
 
+from tests.sim_validate_data import CPU, MODEL, REMOTE_PREFIX
 from vericache.bench import sim_validate, sim_validate_serve
-from vericache.bench.remote_prefix_cells import FEW, MANY, Cell
 from vericache.bench.serve_stagger import POLICIES
 from vericache.bench.sim_validate_remote_prefix import (
-    host_cpu_s_per_forward,
-    network_bytes_per_s,
-    receive_bytes_per_s,
     remote_prefix_predictions,
 )
 from vericache.bench.sim_validate_scenarios import (
     NUM_SEEDS,
-    RoleForwards,
     gpu_predictions,
     long_context_predictions,
     measured_acceptance,
@@ -33,59 +29,10 @@ from vericache.bench.sim_validate_scenarios import (
 from vericache.bench.sim_validate_serve import serve_stagger_predictions
 from vericache.model.loader import DEFAULT_MODEL, load_tokenizer
 from vericache.scheduler import LockstepScheduler, StaggeredScheduler
-from vericache.sim.profiles import DeviceProfile, device_profile, model_profile
+from vericache.sim.profiles import device_profile
 
-MODEL = model_profile("smollm2-135m")
 H200 = device_profile("h200")
-CPU = DeviceProfile(
-    name="cpu", source="a 2-core CPU, as calibrated", memory_bytes=24 << 30,
-    hbm_bytes_per_s=20e9, peak_flops=1.6e11, host_to_device_bytes_per_s=18e9,
-    interconnect_bytes_per_s=18e9, bandwidth_efficiency=1.0, compute_efficiency=1.0,
-    forward_overhead_s=6e-4, layer_overhead_s=6e-4, allreduce_latency_s=0.0,
-    attention_bytes_per_s=9e9, attention_flops=7e10,
-)  # fmt: skip
 
-
-def _sample(mode: str, tokens_per_s: float, accepted: float | None = None) -> dict:
-    # FULL_REMOTE fetches 120 MB over the 30 MB/s link, which the verifier encodes at 240 MB/s:
-    # 4.5 s on the wire, and its requests waited 0.5 s more for the drafter to take it in.
-    cpu = {"full_local": (0.0, 3.0), "full_remote": (5.0, 0.5)}.get(mode, (3.0, 2.0))
-    return {
-        "tokens_per_s": tokens_per_s, "num_tokens": 4 * 32, "mean_accepted_per_round": accepted,
-        "store_bytes": 40_000_000 if mode == "full_local" else 0,
-        "store_wait_s": 0.04 if mode == "full_local" else 0.0,
-        "link_bytes": 120_000_000 if mode == "full_remote" else 0,
-        "link_wait_s": 5.0 if mode == "full_remote" else 0.0,
-        "cpu_s": {"drafters": cpu[0], "verifiers": cpu[1]},
-    }  # fmt: skip
-
-
-def _cell(mode: str, tokens_per_s: float, draft_len=None, accepted=None, latency_s=0.0) -> dict:
-    name = mode if draft_len is None else f"{mode} x={draft_len} rtt={latency_s}"
-    return {
-        "mode": mode, "num_drafters": 1, "draft_len": draft_len, "scheduling": "per-request",
-        "latency_s": latency_s, "name": name, "tokens_per_s": tokens_per_s,
-        "samples": [_sample(mode, tokens_per_s, accepted)],
-    }  # fmt: skip
-
-
-REMOTE_PREFIX = {
-    "config": {"compressor": "snapkv-4x-bf16", "num_prefixes": 2, "num_requests": 4,
-               "max_tokens": 32, "concurrency": 2},
-    "prefixes": [
-        {"num_tokens": 1200, "compressed_wire_bytes": 7_000_000, "full_wire_bytes": 55_000_000,
-         "full_kv_bytes": 55_296_000},
-        {"num_tokens": 1400, "compressed_wire_bytes": 8_000_000, "full_wire_bytes": 64_000_000,
-         "full_kv_bytes": 64_512_000},
-    ],
-    "bandwidth_bytes_per_s": 30e6,
-    "drafter_kv_cache_bytes": 90_000_000,
-    "cells": [
-        _cell("full_local", 40.0), _cell("full_remote", 30.0), _cell("full_both", 45.0),
-        _cell("vericache", 50.0, 8, 5.0), _cell("vericache", 40.0, 30, 12.0),
-        _cell("vericache", 38.0, 30, 12.0, latency_s=0.02),
-    ],
-}  # fmt: skip
 
 LONG_CONTEXT = {
     "config": {
@@ -165,74 +112,6 @@ def test_every_served_configuration_is_predicted(tokenizer):
     assert far.predicted_tokens_per_s < near.predicted_tokens_per_s
 
 
-def _many_prefix_cell(mode: str, tokens_per_s: float, draft_len=None, accepted=None) -> dict:
-    name = Cell(mode, 1, draft_len, workload=MANY).name
-    return _cell(mode, tokens_per_s, draft_len, accepted) | {"name": name, "workload": MANY}
-
-
-def test_the_many_prefix_stream_and_auto_are_predicted_with_warm_nodes(tokenizer):
-    result = copy.deepcopy(REMOTE_PREFIX)
-    result["config"]["many_requests"] = 6
-    result["many_prefixes"] = [
-        {"num_tokens": 3000 + i, "compressed_wire_bytes": 17e6, "full_wire_bytes": 138e6}
-        for i in range(3)
-    ]
-    result["many_prefix_budgets"] = {"drafter_kv_bytes": 276e6, "host_tier_bytes": 520e6}
-    result["cells"] += [
-        _many_prefix_cell("full_local", 30.0), _many_prefix_cell("full_remote", 25.0),
-        _many_prefix_cell("full_both", 35.0), _many_prefix_cell("vericache", 40.0, 8, 5.0),
-        _many_prefix_cell("auto", 42.0, 8),
-    ]  # fmt: skip
-    predictions = remote_prefix_predictions(result, MODEL, CPU, tokenizer)
-    assert [p.configuration for p in predictions] == [c["name"] for c in result["cells"]]
-    assert all(p.predicted_tokens_per_s > 0 for p in predictions)
-    # The few-prefix stream's cells are predicted as before the many-prefix stream was added.
-    alone = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)
-    assert [p.predicted_tokens_per_s for p in predictions[: len(alone)]] == pytest.approx(
-        [p.predicted_tokens_per_s for p in alone]
-    )
-
-
-def test_each_roles_forwards_are_set_beside_the_served_ones_where_a_run_counted_them(tokenizer):
-    counted = copy.deepcopy(REMOTE_PREFIX)
-    for cell in counted["cells"]:
-        cell["samples"][0] |= {
-            "verifiers_forwards": 80, "verifiers_forward_rows": 120,
-            "verifiers_forward_cpu_s": 2.0, "drafters_forwards": 40, "drafters_forward_rows": 40,
-            "drafters_forward_cpu_s": 0.0,
-        }  # fmt: skip
-    predictions = {
-        p.configuration: p for p in remote_prefix_predictions(counted, MODEL, CPU, tokenizer)
-    }
-    local = predictions["full_local"]
-    assert local.measured_forwards["verifiers"] == RoleForwards(80, 1.5, 0.025)
-    assert local.predicted_forwards["drafters"] == RoleForwards(0, 0.0)
-    # 4 timed requests of 32 tokens, 2 at a time: about 2 x 32 forwards of up to 2 jobs; the
-    # untimed first wave's 32 or so are not counted.
-    verifiers = local.predicted_forwards["verifiers"]
-    assert 60 <= verifiers.forwards <= 80 and 1.5 < verifiers.mean_batch <= 2
-    assert 0.01 < verifiers.mean_seconds < 1
-    remote = predictions["full_remote"].predicted_forwards
-    assert remote["verifiers"].forwards == 0 and remote["drafters"].forwards >= 60
-    drafted = predictions["vericache x=8 rtt=0.0"].predicted_forwards
-    assert drafted["drafters"].forwards > drafted["verifiers"].forwards > 0
-    uncounted = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)
-    assert all(p.measured_forwards == {} for p in uncounted)
-
-
-def test_serving_work_per_forward_is_what_a_streams_serves_spent_outside_their_forwards():
-    cells = [
-        {"samples": [{
-            "cpu_s": {"verifiers": 9.0, "drafters": 4.0, "this_process": 1.0, "other": 1.0},
-            "verifiers_forwards": 60, "verifiers_forward_cpu_s": 8.0,
-            "drafters_forwards": 40, "drafters_forward_cpu_s": 3.0,
-        }]},
-        {"samples": [{"cpu_s": {"verifiers": 5.0}}]},  # uncounted: left out
-    ]  # fmt: skip
-    assert host_cpu_s_per_forward(cells) == pytest.approx(4.0 / 100)
-    assert host_cpu_s_per_forward(cells[1:]) == 0.0
-
-
 def test_predictions_follow_the_measured_acceptance_and_the_link(tokenizer):
     base = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)
     changed = copy.deepcopy(REMOTE_PREFIX)
@@ -288,42 +167,6 @@ def test_both_schedulings_are_simulated_by_their_own_scheduler():
     assert (lockstep.configuration, staggered.configuration) == ("lockstep", "staggered")
     # Over a link where a load takes longer than the drafts hide, staggering wins.
     assert staggered.predicted_tokens_per_s > lockstep.predicted_tokens_per_s
-
-
-def test_a_fetch_crosses_the_wire_in_codec_bytes_behind_the_senders_encoding():
-    """The simulator's link moves KV bytes: the run's bandwidth in wire bytes, each also waiting
-    for the verifier to encode it (its CPU in FULL_REMOTE per byte sent)."""
-    kv_per_wire = statistics.mean((55_296_000 / 55_000_000, 64_512_000 / 64_000_000))
-    wire_s = 1 / 30e6 + 0.5 / 120e6
-    assert network_bytes_per_s(REMOTE_PREFIX, FEW) == pytest.approx(kv_per_wire / wire_s)
-
-
-def test_taking_fetched_kv_in_costs_the_drafter_what_its_requests_waited(tokenizer):
-    """What FULL_REMOTE's requests waited for their fetches beyond the link's time for the bytes
-    is the drafter's take-in (0.5 s for 120 MB here), and slows the simulated FULL_REMOTE; none
-    waited, none charged."""
-    fetched = 120e6 * statistics.mean((55_296_000 / 55_000_000, 64_512_000 / 64_000_000))
-    assert receive_bytes_per_s(REMOTE_PREFIX) == pytest.approx(fetched / 0.5)
-    charged = remote_prefix_predictions(REMOTE_PREFIX, MODEL, CPU, tokenizer)[1]
-    free = copy.deepcopy(REMOTE_PREFIX)
-    free["cells"][1]["samples"][0]["link_wait_s"] = 4.5  # the link's time alone
-    assert receive_bytes_per_s(free) is None
-    uncharged = remote_prefix_predictions(free, MODEL, CPU, tokenizer)[1]
-    assert charged.predicted_tokens_per_s < uncharged.predicted_tokens_per_s
-
-
-def test_vericache_requests_accept_what_each_accepted_when_served(tokenizer):
-    """The same rounds in another order of the requests: a draw from the pooled rounds sees no
-    difference, the run's own order does. A request whose rounds keep 2 drafts takes 11 rounds
-    for its 32 tokens, one that keeps 8 four: served last, it decodes alone at the stream's end."""
-    long, short = [8, 8, 8, 3], [2] * 10 + [0]
-    early = copy.deepcopy(REMOTE_PREFIX)
-    early["cells"][3]["samples"][0]["accepted_per_round_by_request"] = [long, short, long, long]
-    last = copy.deepcopy(early)
-    last["cells"][3]["samples"][0]["accepted_per_round_by_request"] = [long, long, long, short]
-    by_early = remote_prefix_predictions(early, MODEL, CPU, tokenizer)[3]
-    by_last = remote_prefix_predictions(last, MODEL, CPU, tokenizer)[3]
-    assert by_last.predicted_tokens_per_s < 0.95 * by_early.predicted_tokens_per_s
 
 
 def test_an_earlier_cpu_calibration_without_a_co_runner_takes_the_bundled_cpus():
@@ -535,15 +378,3 @@ def test_an_earlier_runs_calibration_timings_are_fitted_again(tmp_path):
     assert result["profile"]["hbm_bytes_per_s"] == pytest.approx(CPU.hbm_bytes_per_s)
     for forward in result["calibration"]["forwards"]:
         assert forward["predicted_s"] == pytest.approx(forward["seconds"], rel=0.05)
-
-
-def test_a_remote_prefix_cell_is_compared_with_the_mean_of_its_serves(tokenizer):
-    """Serves can differ by a race (FULL_BOTH: whether the remote drafter holds the prefix it is
-    sent), so the measured side is the mean of them, not one side's median."""
-    raced = copy.deepcopy(REMOTE_PREFIX)
-    cell = raced["cells"][0]
-    first = cell["samples"][0]
-    cell["samples"] = [first | {"tokens_per_s": rate} for rate in (19.1, 19.1, 26.4)]
-    cell["tokens_per_s"] = 19.1  # the median
-    measured = remote_prefix_predictions(raced, MODEL, CPU, tokenizer)[0].measured_tokens_per_s
-    assert measured == pytest.approx((19.1 + 19.1 + 26.4) / 3)
