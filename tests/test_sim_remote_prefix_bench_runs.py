@@ -12,6 +12,7 @@ from tests.sim_scenarios import remote_prefix_scenario
 from vericache.errors import InvalidRequestError
 from vericache.sim.profiles import device_profile, model_profile
 from vericache.sim.remote_prefix import FullPool, VeriCacheRequest, simulate_full
+from vericache.sim.remote_prefix_auto import simulate_auto
 from vericache.sim.remote_prefix_workers import Run, sessions
 
 NUM_TOKENS = 32
@@ -104,6 +105,22 @@ def test_serving_work_takes_its_time_from_forwards_where_every_core_computes():
     assert local_served.elapsed_s == pytest.approx(local.elapsed_s)
     roomy = dataclasses.replace(served, machine_cores=3)
     assert simulate_full(roomy, FullPool.BOTH, rates).elapsed_s == pytest.approx(both.elapsed_s)
+
+
+def test_auto_prices_the_serving_work_a_second_worker_costs_on_a_full_machine():
+    """Where setting the idle drafter computing fills the machine's cores, every forward beside it
+    waits for the serving work too: auto, which prices that, keeps more of a wave on the verifier
+    the more the work costs, and counts requests placed on a worker as busy before they compute."""
+    cpu = _scenario(
+        model=model_profile("smollm2-135m"), device=device_profile("cpu"), prefix_tokens=1000,
+        element_size=4, network_bytes_per_s=20e9, network_latency_s=0.0,
+        workers_share_memory=True, machine_cores=2, concurrency=4, arrivals=(0.0,) * 8,
+    )  # fmt: skip
+    drafted = []
+    for host_s in (0.0, 0.2):
+        report = simulate_auto(dataclasses.replace(cpu, host_cpu_s_per_forward=host_s))
+        drafted.append(report.timed_forwards["drafters"].rows)
+    assert drafted[1] < drafted[0]
 
 
 def test_each_session_accepts_its_recorded_rounds_then_draws():

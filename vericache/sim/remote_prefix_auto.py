@@ -33,7 +33,11 @@ nodes first):
   waiting there, as sessions leave (each taken to last as long as this request);
 - and the requests running now that it slows (path_choice.py `Slowed`): its worker's batch-mates
   by its rows (a central verifier's by its verifications), and, where the workers share one
-  memory system, those of the workers already computing beside a worker it sets computing.
+  memory system, those of the workers already busy (computing, or with requests placed there)
+  beside a worker it sets computing, by the co-runner slowdown and, where that fills the
+  machine's cores, the serving work each of their forwards then waits for
+  (`RemotePrefixScenario.host_cpu_s_per_forward`), which its own steps wait for too. The served
+  `auto` prices both with the CPU prior's co-runner slowdown (1.23, path_costs.py).
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ def _full(
     row = scenario.row(1, num_after, False, key)
     per_token = _step_s(run, worker, [row], room)
     wait = _memory_wait_s(worker, session, room, setup + turns.num_tokens * per_token)
-    slowed = (_batch_slowed(run, worker, [row], room), *_co_runners_slowed(run, [worker]))
+    slowed = (_batch_slowed(run, worker, [row], room), *_co_runners_slowed(run, [worker], row))
     return PathEstimate(path, worker.name, setup, per_token, wait, slowed)
 
 
@@ -151,7 +155,7 @@ def _vericache(
         setup = compressed_ready + load_s + _reused_prefill_s(drafter, at_node, full, num_after)
         wait = _memory_wait_s(drafter, drafted, room, setup + num_tokens * local_s)
         verify = (_verify_slowed(run, drafter, full, num_after, local_s, [draft_row]),)
-        slowed = drafts_slowed + verify + _co_runners_slowed(run, [drafter])
+        slowed = drafts_slowed + verify + _co_runners_slowed(run, [drafter], draft_row)
         return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, local_s, wait, slowed)
     central_s = _central_seconds_per_token(run, drafter, verifier, draft_s, full, num_after)
     reused = reusable(verifier, turns, served_keeps(verifier))
@@ -176,7 +180,8 @@ def _vericache(
         _memory_wait_s(verifier, verified, central_room, service_s),
     )
     verify = _verify_slowed(run, verifier, full, num_after, central_s)
-    slowed = (*drafts_slowed, verify, *_co_runners_slowed(run, [drafter, verifier]))
+    co_runners = _co_runners_slowed(run, [drafter, verifier], draft_row)
+    slowed = (*drafts_slowed, verify, *co_runners)
     return PathEstimate(ServingPath.VERICACHE, drafter.name, setup, per_token, wait, slowed)
 
 
@@ -264,8 +269,11 @@ def _ready_s(worker: Worker, key: PrefixKey, nbytes: int) -> float:
 
 
 def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
-    """The worker's next forward with `rows` added to its batch (`_batch`)."""
-    return run.scenario.forward_s(_batch(worker, rows[0], room) + rows)
+    """The worker's next forward with `rows` added to its batch (`_batch`), and the serving work
+    it waits for where every core of the machine would compute (Run.host_work_s)."""
+    busy = 1 + sum(1 for other in run.workers if other is not worker and _is_busy(other))
+    host_s = _host_work_added_s(run, 0, busy)
+    return run.scenario.forward_s(_batch(worker, rows[0], room) + rows) + host_s
 
 
 def _batch(worker: Worker, like: Row, room: int) -> list[Row]:
@@ -304,16 +312,37 @@ def _verify_slowed(
     return Slowed(len(batch) - len(beside), 1 + added_s / round_s)
 
 
-def _co_runners_slowed(run: Run, starting: list[Worker]) -> tuple[Slowed, ...]:
+def _co_runners_slowed(run: Run, starting: list[Worker], like: Row) -> tuple[Slowed, ...]:
     """Where the workers share one memory system: the requests of each worker computing now,
     slowed by those of `starting` that are idle now and start computing beside it."""
     if not run.scenario.workers_share_memory:
         return ()
-    computing = [w for w in run.workers if w.is_computing]
-    num_idle = sum(1 for worker in starting if not worker.is_computing)
+    computing = [w for w in run.workers if _is_busy(w)]
+    num_idle = sum(1 for worker in starting if not _is_busy(worker))
     # Each computing worker has the others computing beside it.
     factor = run.scenario.device.slowdown_added(len(computing) - 1, num_idle)
-    return tuple(Slowed(len(worker.loop.steady_rows()), factor) for worker in computing)
+    slowed = []
+    for worker in computing:
+        batch = _batch(worker, like, worker.num_requests)
+        step_s = run.scenario.forward_s(batch) if batch else 0.0
+        host_s = _host_work_added_s(run, len(computing), num_idle)
+        extra = (step_s * factor + host_s) / step_s if step_s else factor
+        slowed.append(Slowed(len(batch), extra))
+    return tuple(slowed)
+
+
+def _is_busy(worker: Worker) -> bool:
+    """Computing now, or with requests placed on it that will."""
+    return worker.is_computing or worker.num_requests > 0
+
+
+def _host_work_added_s(run: Run, num_computing: int, num_starting: int) -> float:
+    """What a forward of a computing worker waits more for the serving work outside forwards
+    once `num_starting` more workers compute (Run.host_work_s): where that fills every core."""
+    cores, host_s = run.scenario.machine_cores, run.scenario.host_cpu_s_per_forward
+    if cores is None or not num_starting:
+        return 0.0
+    return host_s if num_computing < cores <= num_computing + num_starting else 0.0
 
 
 def _reused_prefill_s(worker: Worker, reused: ReusedTurn, key: PrefixKey, num_after: int) -> float:
