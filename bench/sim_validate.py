@@ -14,13 +14,12 @@ In one run, on one torch thread per worker (the Ray workers' setting, and the ca
    staggered, on Ray workers whose verifier holds two full KVs.
 5. Each configuration simulated (bench/sim_validate_scenarios.py, sim_validate_remote_prefix.py,
    and sim_validate_serve.py for serve-stagger, its scheduled rounds planned by the scheduler the
-   coordinator ran): the
-   stream (timed as served, after its untimed first wave), the link (with the sender's encoding),
-   the memory and each request's accepted drafts per round from the benchmark's own result, the
-   device from the profile, its workers sharing this CPU's memory system (the profile's
-   co-runner slowdown) and its cores (where the run counted its forwards' CPU: the serving work
-   outside forwards, per forward, from the run's own CPU accounting, which takes its time from
-   the forwards while every core computes). Nothing is fitted to the throughput.
+   coordinator ran): the stream (timed as served, after its untimed first wave), the link (with
+   the sender's encoding), the memory and each request's accepted drafts per round from the
+   benchmark's own result, the device from the profile, its workers sharing this CPU's memory
+   system (the profile's co-runner slowdown) and its cores (where the run counted its forwards'
+   CPU: the serving work outside forwards, per forward, from the run's own CPU accounting, which
+   takes its time from the forwards while every core computes). Nothing is fitted to the throughput.
 
 `--from-json` simulates an earlier run's measurements again with the simulator as it is now, its
 profile fitted again to its stored calibration timings (a change to the simulator or the fit

@@ -270,10 +270,11 @@ def _ready_s(worker: Worker, key: PrefixKey, nbytes: int) -> float:
 
 def _step_s(run: Run, worker: Worker, rows: list[Row], room: int) -> float:
     """The worker's next forward with `rows` added to its batch (`_batch`), and the serving work
-    it waits for where every core of the machine would compute (Run.host_work_s)."""
+    it waits for where every core of the machine would compute (`RemotePrefixScenario
+    .host_work_s`)."""
     busy = 1 + sum(1 for other in run.workers if other is not worker and _is_busy(other))
-    host_s = _host_work_added_s(run, 0, busy)
-    return run.scenario.forward_s(_batch(worker, rows[0], room) + rows) + host_s
+    scenario = run.scenario
+    return scenario.forward_s(_batch(worker, rows[0], room) + rows) + scenario.host_work_s(busy)
 
 
 def _batch(worker: Worker, like: Row, room: int) -> list[Row]:
@@ -320,12 +321,14 @@ def _co_runners_slowed(run: Run, starting: list[Worker], like: Row) -> tuple[Slo
     computing = [w for w in run.workers if _is_busy(w)]
     num_idle = sum(1 for worker in starting if not _is_busy(worker))
     # Each computing worker has the others computing beside it.
-    factor = run.scenario.device.slowdown_added(len(computing) - 1, num_idle)
+    scenario = run.scenario
+    factor = scenario.device.slowdown_added(len(computing) - 1, num_idle)
+    # The serving work each of their forwards waits for once the starting workers compute too.
+    host_s = scenario.host_work_s(len(computing) + num_idle) - scenario.host_work_s(len(computing))
     slowed = []
     for worker in computing:
         batch = _batch(worker, like, worker.num_requests)
-        step_s = run.scenario.forward_s(batch) if batch else 0.0
-        host_s = _host_work_added_s(run, len(computing), num_idle)
+        step_s = scenario.forward_s(batch) if batch else 0.0
         extra = (step_s * factor + host_s) / step_s if step_s else factor
         slowed.append(Slowed(len(batch), extra))
     return tuple(slowed)
@@ -334,15 +337,6 @@ def _co_runners_slowed(run: Run, starting: list[Worker], like: Row) -> tuple[Slo
 def _is_busy(worker: Worker) -> bool:
     """Computing now, or with requests placed on it that will."""
     return worker.is_computing or worker.num_requests > 0
-
-
-def _host_work_added_s(run: Run, num_computing: int, num_starting: int) -> float:
-    """What a forward of a computing worker waits more for the serving work outside forwards
-    once `num_starting` more workers compute (Run.host_work_s): where that fills every core."""
-    cores, host_s = run.scenario.machine_cores, run.scenario.host_cpu_s_per_forward
-    if cores is None or not num_starting:
-        return 0.0
-    return host_s if num_computing < cores <= num_computing + num_starting else 0.0
 
 
 def _reused_prefill_s(worker: Worker, reused: ReusedTurn, key: PrefixKey, num_after: int) -> float:

@@ -286,3 +286,11 @@ class RemotePrefixScenario:
 
     def forward_s(self, rows: list[Row]) -> float:
         return self.forward_cost(rows).seconds
+
+    def host_work_s(self, num_computing: int) -> float:
+        """What each forward waits for the serving work outside forwards while `num_computing`
+        workers compute on the machine: `host_cpu_s_per_forward` once they fill its cores, else
+        none (a free core runs it)."""
+        if self.machine_cores is None or num_computing < self.machine_cores:
+            return 0.0
+        return self.host_cpu_s_per_forward

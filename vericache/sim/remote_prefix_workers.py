@@ -318,14 +318,10 @@ class Run:
         return self.scenario.device.slowdown_beside(busy)
 
     def host_work_s(self, worker: Worker) -> float:
-        """The serving work a forward on `worker` waits for: where every core of the machine its
-        workers share runs a worker's forwards, its share of the work outside them
-        (`RemotePrefixScenario.host_cpu_s_per_forward`); else none, a free core runs it."""
-        cores = self.scenario.machine_cores
-        if cores is None:
-            return 0.0
+        """The serving work a forward on `worker` waits for, with it and the workers computing
+        beside it (`RemotePrefixScenario.host_work_s`)."""
         busy = 1 + sum(1 for other in self.workers if other is not worker and other.is_computing)
-        return self.scenario.host_cpu_s_per_forward if busy >= cores else 0.0
+        return self.scenario.host_work_s(busy)
 
     @functools.cached_property
     def prefix_prefill_s(self) -> float:
