@@ -39,9 +39,12 @@ class KVzip(TokenDropping):
     def compress(self, full: KVCache, context=None) -> CompressedKV:
         context = self.require_context(context)
         budget = token_budget(full.num_tokens, self.ratio)
+        scores = context.remembered_scores(
+            (self.name, self.chunk_size), lambda: self._reconstruction_scores(full, context)
+        )
         layers = [
-            self.keep_slots(layer, select_slots(scores, budget))
-            for layer, scores in zip(full.layers, self._reconstruction_scores(full, context))
+            self.keep_slots(layer, select_slots(layer_scores, budget))
+            for layer, layer_scores in zip(full.layers, scores)
         ]
         return CompressedKV(layers, full.num_tokens, self)
 

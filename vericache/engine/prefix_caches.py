@@ -10,6 +10,12 @@ the same chunks through the same kernels, so the two give the same bits.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+
 from vericache.compress.base import Compressor
 from vericache.engine.prefill import Prefiller
 from vericache.engine.prefix_store import PrefixStore
@@ -39,12 +45,23 @@ class SharedPrefixes:
         self, prefix_ids: tuple[int, ...], compressor: Compressor
     ) -> CompressedKV:
         """A prefix's KV compressed once per compressor, then reused. Shared: clone it to edit."""
+        context = replace(
+            self.prefiller.model_context(prefix_ids),
+            score_memo=partial(self._remembered_scores, prefix_ids),
+        )
         return self.store.lookup(
             (prefix_ids, compressor),
-            lambda: compressor.compress(
-                self.prefix_kv(prefix_ids), self.prefiller.model_context(prefix_ids)
-            ),
+            lambda: compressor.compress(self.prefix_kv(prefix_ids), context),
         )
+
+    def _remembered_scores(
+        self,
+        prefix_ids: tuple[int, ...],
+        key: Hashable,
+        compute: Callable[[], list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """A prefix's slot scores beside its KV in the store, evicted with the same LRU."""
+        return self.store.lookup((prefix_ids, key), lambda: SlotScores(compute())).layers
 
     def prefix_kv(self, prefix_ids: tuple[int, ...]) -> KVCache:
         """The full KV of a prefix, prefilled once and then reused. Shared: clone it to edit."""
@@ -52,6 +69,17 @@ class SharedPrefixes:
         return self.store.lookup(
             prefix_ids, lambda: self.prefiller.prefill_prefix(prefix_ids, len(prefix_ids))
         )
+
+
+@dataclass(frozen=True)
+class SlotScores:
+    """A prefix's per-layer slot scores ([T, Hkv] each) as the prefix store holds them."""
+
+    layers: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(scores.nbytes for scores in self.layers)
 
 
 class OwnPrefixes:
