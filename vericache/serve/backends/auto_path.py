@@ -6,10 +6,12 @@ Every path gives the same tokens (full-KV decoding's), so the choice is about ti
 first request on, each path is estimated by the cost model: its setup and its seconds per token at
 the load of the worker placement gives it (its drafter for VERICACHE and FULL_REMOTE, on a node
 warm for the prefix where one is: FULL_WARM; its verifier for FULL_LOCAL), and `choose_path`
-takes the one that finishes first. What the requests then took corrects it, per path: the
-moving mean of measured over predicted (the first measurement replaces the prior), for the setup
-(time to the first token) and for the seconds per token, each prediction made again at the load
-its worker had on average over the request's life (worker_load.py). VERICACHE's acceptance is
+takes the one that finishes first. What the requests then took corrects it, per path, each
+prediction made again at the load its worker had on average over the request's life
+(worker_load.py): the setup (time to the first token) by the moving mean of measured over
+predicted (the first measurement replaces the prior); the seconds per token by a fit to the
+path's last requests, together with the slowdown that busy co-runners cause on this server
+(co_runner_fit.py), which replaces the profile's in every price. VERICACHE's acceptance is
 the one the server measured (the share of its drafts accepted), from a prior of what the
 compressors accept on code and tool calls. A path none of whose workers is alive is never
 offered.
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 
 from vericache.scheduler.path_choice import PathEstimate, ServingPath, choose_path
 from vericache.serve.api_types import GenerateSummary, ServeMode
+from vericache.serve.backends.co_runner_fit import CoRunnerFit
 from vericache.serve.backends.path_costs import PathCosts, PathOption, RequestShape
 
 # Weight of each new request in the moving averages, past the first five: the last ten or so
@@ -111,6 +114,12 @@ class _AcceptedShare:
         self._drafted = DRAFTS_KEPT * self._drafted + drafted
 
 
+def _bounded(log_ratio: float) -> float:
+    """A log correction within MAX_CORRECTION either way."""
+    bound = math.log(MAX_CORRECTION)
+    return min(bound, max(-bound, log_ratio))
+
+
 class _Correction:
     """A ratio the prior is multiplied by: the moving mean of log(measured / predicted)."""
 
@@ -133,18 +142,23 @@ class _Correction:
     def observe(self, measured: float, predicted: float) -> None:
         if measured <= 0 or predicted <= 0:
             return
-        bound = math.log(MAX_CORRECTION)
-        self._log_ratio.observe(min(bound, max(-bound, math.log(measured / predicted))))
+        self._log_ratio.observe(_bounded(math.log(measured / predicted)))
 
 
 class AutoPaths:
     def __init__(self, costs: PathCosts):
-        self.costs = costs
+        self._prior_costs = costs
+        self.costs = costs  # at the co-runner slowdown fitted so far
         self._setup = {path: _Correction() for path in ServingPath}
-        self._per_token = {path: _Correction() for path in ServingPath}
+        self._co_runners = CoRunnerFit(costs.device.co_runner_slowdown)
         self._accepted_share = _AcceptedShare(PRIOR_ACCEPTED_SHARE)
         self._probes = dict.fromkeys(ServingPath, 0)  # in flight, per path not yet measured
         self._lock = threading.Lock()
+
+    @property
+    def co_runner_slowdown(self) -> float:
+        """A forward's time beside one busy co-runner over alone, as fitted here."""
+        return self._co_runners.slowdown
 
     @property
     def accepted_share(self) -> float:
@@ -175,15 +189,16 @@ class AutoPaths:
                 self._probes[choice.path] -= 1
 
     def _is_measured(self, path: ServingPath) -> bool:
-        return self._per_token[path].count >= PROBES
+        return self._co_runners.count(path) >= PROBES
 
     def _per_token_ratio(self, path: ServingPath) -> float:
         """The path's correction of its seconds per token; before any of its requests was
         measured, the device's: the mean of the measured paths' (in logs), or none."""
-        own = self._per_token[path]
-        if own.count:
-            return own.ratio
-        measured = [c.log_ratio for c in self._per_token.values() if c.count]
+        own = self._co_runners.log_correction(path)
+        if own is not None:
+            return math.exp(_bounded(own))
+        measured = [self._co_runners.log_correction(p) for p in ServingPath]
+        measured = [_bounded(log) for log in measured if log is not None]
         return math.exp(sum(measured) / len(measured)) if measured else 1.0
 
     def estimate(self, option: PathOption, shape: RequestShape) -> PathEstimate:
@@ -212,12 +227,15 @@ class AutoPaths:
                 accepted_share = min(1.0, accepted / drafted)
                 self._accepted_share.observe(accepted, drafted)
             others = max(0.0, load - 1)
-            predicted = costs.seconds_per_token(option, shape, accepted_share, others, co_runners)
-            self._per_token[option.path].observe(1.0 / summary.tokens_per_s, predicted)
+            predicted = costs.seconds_per_token(option, shape, accepted_share, others)
+            log_ratio = _bounded(math.log(1.0 / (summary.tokens_per_s * predicted)))
+            self._co_runners.observe(option.path, co_runners, log_ratio)
+            self.costs = self._prior_costs.beside(self._co_runners.slowdown)
         logger.debug(
-            "auto: %s measured: ttft %.3f s (prior %.3f), %.1f ms/token (prior %.1f), load %.2f, "
-            "co-runners %.2f", option.path.value, summary.ttft_s, predicted_setup_s,
-            1e3 / summary.tokens_per_s, predicted * 1e3, load, co_runners,
+            "auto: %s measured: ttft %.3f s (prior %.3f), %.1f ms/token (prior alone %.1f), load "
+            "%.2f, co-runners %.2f; co-runner slowdown now %.2f", option.path.value,
+            summary.ttft_s, predicted_setup_s, 1e3 / summary.tokens_per_s, predicted * 1e3, load,
+            co_runners, self._co_runners.slowdown,
         )  # fmt: skip
 
 

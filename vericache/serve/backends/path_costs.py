@@ -19,7 +19,8 @@ load now:
   tokens' exact KV across the link and, for a steered request, its share of a refresh of the
   drafter's kept set (sim/steering_link.py), over the accepted drafts and the verifier's token.
 Every forward of a path's worker is slowed by the workers busy beside it on its memory system (a
-CPU machine's workers share its DRAM: the profile's measured co-runner slowdown, co_runners.py).
+CPU machine's workers share its DRAM: the profile's measured co-runner slowdown, co_runners.py,
+which the server's own measurements replace, co_runner_fit.py).
 A path slows the requests running now (scheduler/path_choice.py `Slowed`): its worker's
 batch-mates by its row (a verifier's by its verification, once a round), and, where it sets an
 idle worker computing, those of the busy workers beside it.
@@ -105,6 +106,12 @@ class PathCosts:
         self.device = device
         self.kv_bytes_per_token = kv_bytes_per_token
         self.weight_element_size = weight_element_size
+
+    def beside(self, co_runner_slowdown: float) -> PathCosts:
+        """The same prices with each busy co-runner slowing a forward `co_runner_slowdown`
+        times, as the server measured it (co_runner_fit.py), in place of the profile's."""
+        device = replace(self.device, co_runner_slowdown=co_runner_slowdown)
+        return PathCosts(self.model, device, self.kv_bytes_per_token, self.weight_element_size)
 
     def estimate(
         self, option: PathOption, shape: RequestShape, accepted_share: float
