@@ -127,15 +127,6 @@ class _Correction:
         self._log_ratio = _MovingMean(0.0)
 
     @property
-    def count(self) -> int:
-        """The measurements taken."""
-        return self._log_ratio.count
-
-    @property
-    def log_ratio(self) -> float:
-        return self._log_ratio.value
-
-    @property
     def ratio(self) -> float:
         return math.exp(self._log_ratio.value)
 
@@ -148,12 +139,16 @@ class _Correction:
 class AutoPaths:
     def __init__(self, costs: PathCosts):
         self._prior_costs = costs
-        self.costs = costs  # at the co-runner slowdown fitted so far
         self._setup = {path: _Correction() for path in ServingPath}
         self._co_runners = CoRunnerFit(costs.device.co_runner_slowdown)
         self._accepted_share = _AcceptedShare(PRIOR_ACCEPTED_SHARE)
         self._probes = dict.fromkeys(ServingPath, 0)  # in flight, per path not yet measured
         self._lock = threading.Lock()
+
+    @property
+    def costs(self) -> PathCosts:
+        """The cost model at the co-runner slowdown fitted so far."""
+        return self._prior_costs.beside(self._co_runners.slowdown)
 
     @property
     def co_runner_slowdown(self) -> float:
@@ -230,7 +225,6 @@ class AutoPaths:
             predicted = costs.seconds_per_token(option, shape, accepted_share, others)
             log_ratio = _bounded(math.log(1.0 / (summary.tokens_per_s * predicted)))
             self._co_runners.observe(option.path, co_runners, log_ratio)
-            self.costs = self._prior_costs.beside(self._co_runners.slowdown)
         logger.debug(
             "auto: %s measured: ttft %.3f s (prior %.3f), %.1f ms/token (prior alone %.1f), load "
             "%.2f, co-runners %.2f; co-runner slowdown now %.2f", option.path.value,
